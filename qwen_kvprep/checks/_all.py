@@ -1,0 +1,3 @@
+"""Imports every check module (registration happens at import)."""
+
+# Each area's module is added here as it is written.

@@ -1,0 +1,99 @@
+"""One finding type, shared by doctor, fix's refusals and --json."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, Union
+
+
+class Severity(str, enum.Enum):
+    OK = "ok"
+    INFO = "info"
+    WARN = "warn"
+    FAIL = "fail"
+    SKIP = "skip"
+
+    @property
+    def rank(self) -> int:
+        return _RANK[self]
+
+
+_RANK = {
+    Severity.SKIP: 0,
+    Severity.OK: 1,
+    Severity.INFO: 2,
+    Severity.WARN: 3,
+    Severity.FAIL: 4,
+}
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One observation. `id` is stable and dotted, starting with its area (`checkpoint.`, ...)."""
+
+    id: str
+    severity: Severity
+    message: str
+    fix: Optional[str] = None
+    paths: Sequence[str] = ()
+    details: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def area(self) -> str:
+        return self.id.split(".", 1)[0]
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "id": self.id,
+            "severity": self.severity.value,
+            "message": self.message,
+            "fix": self.fix,
+            "paths": [str(p) for p in self.paths],
+        }
+        if self.details:
+            out["details"] = dict(self.details)
+        return out
+
+
+def _mk(severity: Severity) -> Callable[..., Finding]:
+    def make(
+        id: str,
+        message: str,
+        fix: Optional[str] = None,
+        paths: Iterable[Any] = (),
+        **details: Any,
+    ) -> Finding:
+        return Finding(id, severity, message, fix, tuple(str(p) for p in paths), details)
+
+    return make
+
+
+ok = _mk(Severity.OK)
+info = _mk(Severity.INFO)
+warn = _mk(Severity.WARN)
+fail = _mk(Severity.FAIL)
+skip = _mk(Severity.SKIP)
+
+FindingsLike = Union[Finding, Iterable[Finding], None]
+
+
+def as_list(result: FindingsLike) -> list[Finding]:
+    if result is None:
+        return []
+    if isinstance(result, Finding):
+        return [result]
+    return list(result)
+
+
+def worst(findings: Iterable[Finding]) -> Severity:
+    sev = Severity.SKIP
+    for f in findings:
+        if f.severity.rank > sev.rank:
+            sev = f.severity
+    return sev
+
+
+def failed(findings: Iterable[Finding], strict: bool = False) -> bool:
+    limit = Severity.WARN if strict else Severity.FAIL
+    return any(f.severity.rank >= limit.rank for f in findings)

@@ -1,0 +1,1 @@
+"""Probes gather facts and never change anything."""
