@@ -1,1 +1,20 @@
 """Probes gather facts and never change anything."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+from qwen_kvprep.probe.facts import Facts
+
+
+def gather(directory: Optional[Path]) -> Facts:
+    """Probe the environment, the caches and (when given) the checkpoint."""
+    from qwen_kvprep.probe.caches import probe_caches
+    from qwen_kvprep.probe.checkpoint import probe_checkpoint
+    from qwen_kvprep.probe.env import probe_env
+
+    env = probe_env()
+    checkpoint = probe_checkpoint(directory) if directory is not None else None
+    caches = probe_caches(directory, env)
+    return Facts(env=env, checkpoint=checkpoint, caches=caches)

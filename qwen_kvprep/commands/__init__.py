@@ -1,0 +1,15 @@
+"""CLI commands, one module each. Each module has `register(group)` adding its command(s)."""
+
+from __future__ import annotations
+
+import importlib
+
+import click
+
+# A command module is added here when it is written.
+_MODULES = ["doctor", "fix", "revert"]
+
+
+def register(group: click.Group) -> None:
+    for name in _MODULES:
+        importlib.import_module(f"qwen_kvprep.commands.{name}").register(group)

@@ -1,0 +1,68 @@
+from __future__ import annotations
+
+import difflib
+import sys
+import click
+
+from qwen_kvprep.journal import PlannedWrite
+from qwen_kvprep.report import emit
+
+
+def render_planned(planned: list[PlannedWrite]) -> str:
+    """Unified diffs for text files; a one-line note for binary or large ones."""
+    out: list[str] = []
+    for p in planned:
+        try:
+            old = (p.old or b"").decode("utf-8")
+            new = p.new.decode("utf-8")
+        except UnicodeDecodeError:
+            out.append(f"would write {p.path} ({len(p.new)} bytes, binary)")
+            continue
+        if p.old is None and len(p.new) > 4096:
+            out.append(f"would create {p.path} ({len(p.new)} bytes)")
+            continue
+        diff = difflib.unified_diff(
+            old.splitlines(keepends=True),
+            new.splitlines(keepends=True),
+            fromfile=f"{p.path} (current)" if p.old is not None else "/dev/null",
+            tofile=f"{p.path} (fixed)",
+        )
+        out.append("".join(diff).rstrip("\n"))
+    return "\n".join(out)
+
+
+@click.command()
+@click.argument("directory")
+@click.option("--dry-run", is_flag=True, help="Show what would change (diffs) and write nothing.")
+@click.option("--no-build", is_flag=True, help="Skip compiling the extension.")
+@click.option("--no-smoke", is_flag=True, help="Skip the smoke generation.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON document.")
+def fix(
+    directory: str,
+    dry_run: bool,
+    no_build: bool,
+    no_smoke: bool,
+    as_json: bool,
+) -> None:
+    """Make DIRECTORY's Int8 KV cache work: validate, provide the kernel sources, patch
+    config.json, build the extension, install the loader and prove it."""
+    from qwen_kvprep.cli import existing_dir, output_findings
+    from qwen_kvprep.steps.fix import FixOptions, run_fix
+
+    path = existing_dir(directory)
+    assert path is not None
+    options = FixOptions(dry_run=dry_run, build=not no_build, smoke=not no_smoke)
+    result = run_fix(path, options)
+    planned = [{"path": str(p.path), "bytes": len(p.new)} for p in result.planned]
+    if dry_run and not as_json:
+        emit(render_planned(result.planned) or "nothing would change")
+    extra: dict[str, object] = {"directory": str(path), "dry_run": dry_run, **result.extra}
+    if dry_run:
+        extra["would_write"] = planned
+    sys.exit(output_findings(result.findings, as_json, **extra))
+
+
+def register(group: click.Group) -> None:
+    group.add_command(fix)
+
+

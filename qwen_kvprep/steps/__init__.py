@@ -1,0 +1,1 @@
+"""The actions of `fix`, one module each."""

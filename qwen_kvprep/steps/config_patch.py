@@ -1,0 +1,85 @@
+"""Patch config.json: quantized KV cache and its kernel on, flash-attn off.
+
+Every other key keeps its value and its place; the file is written atomically through the
+journal (which keeps the original, and replaces a symlink instead of writing into a
+huggingface_hub blob).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any
+
+from qwen_kvprep.errors import ConfigError
+from qwen_kvprep.findings import Finding, info, ok
+
+CONFIG = "config.json"
+
+# flash-attn must be off explicitly: the remote code does not switch it off when the
+# cache is quantized, and the flash path then crashes on the quantized tuples.
+KV_FLAGS: "OrderedDict[str, Any]" = OrderedDict(
+    [("use_cache_quantization", True), ("use_cache_kernel", True), ("use_flash_attn", False)]
+)
+
+
+def parse_config(text: str, path: Path) -> "OrderedDict[str, Any]":
+    try:
+        data = json.loads(text, object_pairs_hook=OrderedDict)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(
+            f"{path} is not valid JSON: {exc.msg} at line {exc.lineno}, column {exc.colno}",
+            fix=f"repair line {exc.lineno} of {path}, or re-download it with "
+            f"`hf download <repo> {CONFIG} --local-dir {path.parent}`",
+        ) from exc
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path} does not hold a JSON object", fix=f"re-download {CONFIG}")
+    return data
+
+
+def _indent_of(text: str) -> int:
+    m = re.match(r"\{\s*\n([ \t]+)\"", text)
+    return len(m.group(1).expandtabs(4)) if m else 2
+
+
+def patch_text(text: str, path: Path) -> tuple[str, list[str]]:
+    """Return the patched text and the keys whose value changed (empty: nothing to do)."""
+    data = parse_config(text, path)
+    changed = [k for k, v in KV_FLAGS.items() if k not in data or data[k] is not v]
+    if not changed:
+        return text, []
+    for key in changed:
+        data[key] = KV_FLAGS[key]
+    new = json.dumps(data, indent=_indent_of(text), ensure_ascii=False)
+    if text.endswith("\n"):
+        new += "\n"
+    return new, changed
+
+
+def run(ctx: Any) -> None:
+    """Fix step: patch <dir>/config.json (through the context's journal)."""
+    path: Path = ctx.directory / CONFIG
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError as exc:
+        raise ConfigError(f"{path} does not exist", fix="re-download the checkpoint") from exc
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"cannot read {path}: {exc}") from exc
+    new, changed = patch_text(text, path)
+    finding: Finding
+    if not changed:
+        finding = ok(
+            "config.patch", "config.json already has the quantized KV cache on and flash-attn off",
+            paths=[path],
+        )
+    else:
+        ctx.journal.write(CONFIG, new.encode("utf-8"))
+        verb = "would set" if ctx.options.dry_run else "set"
+        finding = info(
+            "config.patch",
+            f"{verb} " + ", ".join(f"{k}={json.dumps(KV_FLAGS[k])}" for k in changed),
+            paths=[path],
+        )
+    ctx.add(finding)

@@ -1,0 +1,62 @@
+"""`fix`: validate → choose sources → patch config → build → loader → modules cache →
+state → smoke. Each step reads and extends one FixContext."""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from qwen_kvprep.findings import Finding
+from qwen_kvprep.journal import Journal, PlannedWrite
+
+
+@dataclass(frozen=True)
+class FixOptions:
+    dry_run: bool = False
+    build: bool = True
+    smoke: bool = True
+    source: str = "auto"
+    repo_id: Optional[str] = None
+    revision: Optional[str] = None
+    cache_dir: Optional[Path] = None
+    arch: Optional[str] = None
+    smoke_timeout: Optional[float] = None
+
+
+@dataclass
+class FixContext:
+    directory: Path
+    options: FixOptions
+    journal: Journal
+    findings: list[Finding] = field(default_factory=list)
+    facts: Any = None  # probe.facts.Facts with the checkpoint part
+    sources: Any = None  # chosen kernel sources (steps.sources)
+    build: Any = None  # the build used (steps.build)
+    extra: dict[str, Any] = field(default_factory=dict)  # JSON output additions
+
+    def add(self, *findings: Finding) -> None:
+        self.findings.extend(findings)
+
+
+@dataclass(frozen=True)
+class FixResult:
+    findings: list[Finding]
+    planned: list[PlannedWrite]
+    extra: dict[str, Any]
+
+
+# (module, condition): steps run in this order; a step raises a KvprepError to stop.
+_STEPS: list[tuple[str, Callable[[FixOptions], bool]]] = [
+    ("validate", lambda o: True),
+    ("config_patch", lambda o: True),
+]
+
+
+def run_fix(directory: Path, options: FixOptions) -> FixResult:
+    ctx = FixContext(directory, options, Journal(directory, dry_run=options.dry_run))
+    for name, wanted in _STEPS:
+        if wanted(options):
+            importlib.import_module(f"qwen_kvprep.steps.{name}").run(ctx)
+    return FixResult(ctx.findings, ctx.journal.planned, ctx.extra)
