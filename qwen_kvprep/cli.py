@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 import click
 
@@ -81,6 +82,12 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     except KeyboardInterrupt:
         click.echo("Interrupted.", err=True)
         code = 130
+    except Exception as exc:  # a bug, not an expected failure: short message unless --debug
+        if debug:
+            raise
+        click.echo(f"qwen-kvprep: internal error: {type(exc).__name__}: {exc}", err=True)
+        click.echo("  this is a bug: rerun with --debug and report the traceback", err=True)
+        code = EXIT_FAILED
     sys.exit(code if isinstance(code, int) else EXIT_OK)
 
 

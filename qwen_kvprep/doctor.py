@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Optional
 
 from qwen_kvprep.checks import load_all, run_checks
 from qwen_kvprep.errors import UsageError

@@ -6,8 +6,9 @@ import contextlib
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator, Union
+from typing import Union
 
 PathLike = Union[str, "os.PathLike[str]"]
 

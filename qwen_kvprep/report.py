@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 import os
 import sys
-from typing import IO, Any, Iterable, Mapping, Optional, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from typing import IO, Any, Optional
 
 from qwen_kvprep import __version__
 from qwen_kvprep.checks import AREAS

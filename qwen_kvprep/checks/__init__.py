@@ -8,8 +8,9 @@ takes `Facts` and returns a Finding, several Findings (all with the check's id),
 from __future__ import annotations
 
 import traceback
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Callable, Iterable, Optional
+from typing import Callable, Optional
 
 from qwen_kvprep.findings import Finding, FindingsLike, as_list, fail
 from qwen_kvprep.probe.facts import Facts

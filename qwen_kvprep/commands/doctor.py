@@ -11,10 +11,14 @@ from qwen_kvprep.report import emit
 @click.command()
 @click.argument("directory", required=False)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document.")
-@click.option("--check", "check_ids", multiple=True, metavar="ID", help="Run only this check (repeatable).")
+@click.option(
+    "--check", "check_ids", multiple=True, metavar="ID", help="Run only this check (repeatable)."
+)
 @click.option("--list-checks", is_flag=True, help="List the check ids and exit.")
 @click.option("--strict", is_flag=True, help="Warnings fail too (exit 1).")
-@click.option("--report", "as_report", is_flag=True, help="Print a Markdown block for a bug report.")
+@click.option(
+    "--report", "as_report", is_flag=True, help="Print a Markdown block for a bug report."
+)
 def doctor(
     directory: Optional[str],
     as_json: bool,

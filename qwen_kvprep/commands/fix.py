@@ -2,6 +2,8 @@ from __future__ import annotations
 
 import difflib
 import sys
+from typing import Any
+
 import click
 
 from qwen_kvprep.journal import PlannedWrite
@@ -56,7 +58,7 @@ def fix(
     planned = [{"path": str(p.path), "bytes": len(p.new)} for p in result.planned]
     if dry_run and not as_json:
         emit(render_planned(result.planned) or "nothing would change")
-    extra: dict[str, object] = {"directory": str(path), "dry_run": dry_run, **result.extra}
+    extra: dict[str, Any] = {"directory": str(path), "dry_run": dry_run, **result.extra}
     if dry_run:
         extra["would_write"] = planned
     sys.exit(output_findings(result.findings, as_json, **extra))

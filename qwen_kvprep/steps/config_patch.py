@@ -20,12 +20,12 @@ CONFIG = "config.json"
 
 # flash-attn must be off explicitly: the remote code does not switch it off when the
 # cache is quantized, and the flash path then crashes on the quantized tuples.
-KV_FLAGS: "OrderedDict[str, Any]" = OrderedDict(
+KV_FLAGS: OrderedDict[str, Any] = OrderedDict(
     [("use_cache_quantization", True), ("use_cache_kernel", True), ("use_flash_attn", False)]
 )
 
 
-def parse_config(text: str, path: Path) -> "OrderedDict[str, Any]":
+def parse_config(text: str, path: Path) -> OrderedDict[str, Any]:
     try:
         data = json.loads(text, object_pairs_hook=OrderedDict)
     except json.JSONDecodeError as exc:
@@ -34,7 +34,7 @@ def parse_config(text: str, path: Path) -> "OrderedDict[str, Any]":
             fix=f"repair line {exc.lineno} of {path}, or re-download it with "
             f"`hf download <repo> {CONFIG} --local-dir {path.parent}`",
         ) from exc
-    if not isinstance(data, dict):
+    if not isinstance(data, OrderedDict):
         raise ConfigError(f"{path} does not hold a JSON object", fix=f"re-download {CONFIG}")
     return data
 

@@ -1,0 +1,61 @@
+"""Shared test set-up.
+
+- Nothing may reach the network: HF_ENDPOINT points at a closed loopback port unless a test
+  starts its own server, HF_HUB_OFFLINE stays unset so offline behaviour is tested on
+  purpose, and socket connects to anything but loopback fail in this process.
+- One build cache for the whole session (`shared_build_cache`), so the CPU extension is
+  compiled once, not once per test.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+# Set before any test module imports huggingface_hub (it reads these at import).
+os.environ["HF_ENDPOINT"] = "http://127.0.0.1:9"
+os.environ.pop("HF_TOKEN", None)
+os.environ.pop("HUGGING_FACE_HUB_TOKEN", None)
+os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+os.environ.setdefault("MAX_JOBS", "2")
+
+_real_connect = socket.socket.connect
+
+
+def _loopback_only(self: socket.socket, address: Any) -> Any:
+    if self.family in (socket.AF_INET, socket.AF_INET6):
+        host = address[0]
+        try:
+            ok = ipaddress.ip_address(host).is_loopback
+        except ValueError:
+            ok = host == "localhost"
+        if not ok:
+            raise OSError(f"test tried to reach {host}: only 127.0.0.1 is allowed")
+    return _real_connect(self, address)
+
+
+socket.socket.connect = _loopback_only  # type: ignore[method-assign]
+
+
+@pytest.fixture(scope="session")
+def shared_build_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A build cache shared by every test in the session (the CPU build is compiled once)."""
+    return tmp_path_factory.mktemp("kvprep-build-cache")
+
+
+@pytest.fixture()
+def isolated_hf(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, shared_build_cache: Path
+) -> Iterator[Path]:
+    """Private HF_HOME / HF_MODULES_CACHE per test; the shared build cache."""
+    home = tmp_path / "hf-home"
+    monkeypatch.setenv("HF_HOME", str(home))
+    monkeypatch.setenv("HF_MODULES_CACHE", str(home / "modules"))
+    monkeypatch.setenv("QWEN_KVPREP_CACHE", str(shared_build_cache))
+    yield home
