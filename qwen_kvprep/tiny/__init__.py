@@ -1,0 +1,403 @@
+"""Tiny Qwen (v1) compatible checkpoints, for tests and `qwen-kvprep demo`.
+
+`generate_checkpoint(dest)` writes a directory that looks and behaves like a Qwen v1 chat
+checkpoint for everything qwen-kvprep touches, at a few MB and CPU speed:
+
+    dest/
+      config.json                  model_type "qwen", auto_map, bf16 flag, use_flash_attn
+                                   "auto", no use_cache_* keys (like the original configs)
+      configuration_qwen.py        \
+      modeling_qwen.py              | our own remote code (REMOTE_CODE_DIR): same tensor
+      tokenization_qwen.py          | names, precision resolution, Int8 KV cache, kernel
+      qwen_generation_utils.py      | discovery and failure modes as qwen-v1-facts.md
+      cpp_kernels.py               /  describes
+      qwen.tiktoken                256 byte tokens + BPE merges learnt from a built-in text
+      tokenizer_config.json        auto_map.AutoTokenizer
+      generation_config.json       chatml defaults, eos/pad = <|endoftext|>
+      model-0000N-of-0000M.safetensors + model.safetensors.index.json
+                                   (shards=1: model.safetensors alone; legacy_bin=True:
+                                   pytorch_model.bin alone)
+      quantize_config.json         only with gptq=True (weights stay plain)
+      cache_autogptq_cuda_256.cpp, cache_autogptq_cuda_kernel_256.cu
+                                   only when kernel_sources is given
+
+Knobs: layers, heads, head_dim (hidden = heads * head_dim; keep 128 with bf16 so one
+token of one head costs 132 quantized bytes against 256), intermediate (Qwen convention:
+twice the MLP width), vocab_merges, shards, dtype ("bf16", "fp16", "fp32", or "auto" for
+none of the three flags set), seed (weights, and nothing else, depend on it),
+config_overrides (merged last; the value REMOVE deletes a key).
+
+Run `python -m qwen_kvprep.tiny DEST` to write one by hand.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import math
+import shutil
+from collections import Counter
+from pathlib import Path
+from typing import Any, Optional
+
+from qwen_kvprep.errors import UsageError
+from qwen_kvprep.resources import KERNEL_FILES
+
+REMOTE_CODE_DIR = Path(__file__).resolve().parent / "remote"
+
+REMOTE_FILES = (
+    "configuration_qwen.py",
+    "modeling_qwen.py",
+    "tokenization_qwen.py",
+    "qwen_generation_utils.py",
+    "cpp_kernels.py",
+)
+
+DTYPES = ("bf16", "fp16", "fp32", "auto")
+
+# Must match tokenization_qwen.py: the split before BPE, and the specials after the ranks.
+PAT_STR = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+N_SPECIAL_TOKENS = 3 + 205  # endoftext, im_start, im_end, extra_0..extra_204
+
+
+class _Remove:
+    def __repr__(self) -> str:
+        return "REMOVE"
+
+
+REMOVE: Any = _Remove()
+"""Value for `config_overrides` that deletes the key from config.json."""
+
+# The text the BPE merges are learnt from. Its content only shapes which merges exist;
+# it is part of the checkpoint format, so changing it changes every tiny vocabulary.
+_CORPUS = """\
+You are a helpful assistant. The user asks a question and the assistant answers it.
+Hello! How are you today? I am fine, thank you. What can I do for you?
+Please tell me a story about a small model that learns to speak. Once upon a time there
+was a tiny model with two layers and two heads. It lived in a temporary directory and
+answered every question with a few random words, but it always answered quickly.
+The key value cache stores the keys and the values of every token that the model has
+seen, so that the next token does not have to recompute them. With the cache quantized
+to eight bits, every key and every value costs one byte instead of two, plus a scale and
+a zero point for each token and head. The kernel multiplies the query with the quantized
+keys, and the attention probabilities with the quantized values, without dequantizing
+them first. If the kernel is missing, the model falls back to the slower torch path.
+What is the capital of France? The capital of France is Paris. What is two plus two?
+Two plus two is four. Numbers: 0 1 2 3 4 5 6 7 8 9 10 11 12 100 1024 2048 4096 8192.
+Translate this sentence into another language, then summarize the result in one line.
+def main(): print("hello world") return 0 # a small program in the python language
+import torch; x = torch.zeros(2, 3); y = x + 1; print(y.shape, y.dtype, y.device)
+The weather is nice today, the sun is shining and the birds are singing in the trees.
+Thank you for your help. You are welcome, have a nice day and see you again soon.
+"""
+
+
+def _train_merges(n_merges: int) -> dict[bytes, int]:
+    """Byte-level BPE ranks: the 256 bytes, then up to `n_merges` merges in learnt order."""
+    import regex  # type: ignore[import-untyped]  # tiktoken depends on it
+
+    ranks: dict[bytes, int] = {bytes([i]): i for i in range(256)}
+    words = Counter(regex.findall(PAT_STR, _CORPUS))
+    seqs = {w: [bytes([b]) for b in w.encode("utf-8")] for w in words}
+    merges = 0
+    while merges < n_merges:
+        pairs: Counter[tuple[bytes, bytes]] = Counter()
+        for w, count in words.items():
+            parts = seqs[w]
+            for a, b in zip(parts, parts[1:]):
+                pairs[(a, b)] += count
+        if not pairs:
+            break
+        # most frequent pair; ties broken by the pair itself so the result is stable
+        best = min(pairs, key=lambda p: (-pairs[p], p))
+        joined = best[0] + best[1]
+        if joined not in ranks:
+            ranks[joined] = len(ranks)
+            merges += 1
+        for w, parts in seqs.items():
+            merged: list[bytes] = []
+            i = 0
+            while i < len(parts):
+                if i + 1 < len(parts) and (parts[i], parts[i + 1]) == best:
+                    merged.append(joined)
+                    i += 2
+                else:
+                    merged.append(parts[i])
+                    i += 1
+            seqs[w] = merged
+    return ranks
+
+
+def _tiktoken_file(ranks: dict[bytes, int]) -> bytes:
+    lines = [
+        base64.b64encode(tok) + b" " + str(rank).encode()
+        for tok, rank in sorted(ranks.items(), key=lambda kv: kv[1])
+    ]
+    return b"\n".join(lines) + b"\n"
+
+
+def _config(
+    *,
+    layers: int,
+    heads: int,
+    head_dim: int,
+    intermediate: int,
+    vocab_size: int,
+    dtype: str,
+) -> dict[str, Any]:
+    hidden = heads * head_dim
+    return {
+        "architectures": ["QWenLMHeadModel"],
+        "auto_map": {
+            "AutoConfig": "configuration_qwen.QWenConfig",
+            "AutoModelForCausalLM": "modeling_qwen.QWenLMHeadModel",
+        },
+        "attn_dropout_prob": 0.0,
+        "bf16": dtype == "bf16",
+        "emb_dropout_prob": 0.0,
+        "fp16": dtype == "fp16",
+        "fp32": dtype == "fp32",
+        "hidden_size": hidden,
+        "initializer_range": 0.02,
+        "intermediate_size": intermediate,
+        "kv_channels": head_dim,
+        "layer_norm_epsilon": 1e-06,
+        "max_position_embeddings": 8192,
+        "model_type": "qwen",
+        "no_bias": True,
+        "num_attention_heads": heads,
+        "num_hidden_layers": layers,
+        "onnx_safe": None,
+        "rotary_emb_base": 10000,
+        "rotary_pct": 1.0,
+        "scale_attn_weights": True,
+        "seq_length": 8192,
+        "tie_word_embeddings": False,
+        "tokenizer_class": "QWenTokenizer",
+        "transformers_version": "4.32.0",
+        "use_cache": True,
+        "use_dynamic_ntk": True,
+        "use_flash_attn": "auto",
+        "use_logn_attn": True,
+        "vocab_size": vocab_size,
+    }
+
+
+_GPTQ = {
+    "bits": 4,
+    "group_size": 128,
+    "damp_percent": 0.01,
+    "desc_act": False,
+    "static_groups": False,
+    "sym": True,
+    "true_sequential": True,
+    "model_name_or_path": None,
+    "model_file_base_name": "model",
+}
+
+
+def _weights(
+    *,
+    layers: int,
+    hidden: int,
+    ff: int,
+    vocab_size: int,
+    n_tokens: int,
+    dtype: str,
+    seed: int,
+) -> dict[str, Any]:
+    """Random weights in Qwen's tensor names and order, deterministic from `seed`."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+
+    def normal(shape: tuple[int, ...], std: float) -> Any:
+        return torch.randn(shape, generator=gen, dtype=torch.float32) * std
+
+    # Scales chosen so attention is neither uniform nor one-hot (q.k/sqrt(d) ~ N(0, 1))
+    # and the logits have clear winners: greedy decoding then depends on the KV cache
+    # yet survives its 8-bit quantization.
+    attn_std = 1.0 / math.sqrt(hidden)
+    tensors: dict[str, Any] = {"transformer.wte.weight": normal((vocab_size, hidden), 1.0)}
+    for i in range(layers):
+        p = f"transformer.h.{i}."
+        tensors[p + "ln_1.weight"] = torch.ones(hidden)
+        tensors[p + "attn.c_attn.weight"] = normal((3 * hidden, hidden), attn_std)
+        tensors[p + "attn.c_attn.bias"] = normal((3 * hidden,), 0.1)
+        tensors[p + "attn.c_proj.weight"] = normal((hidden, hidden), attn_std)
+        tensors[p + "ln_2.weight"] = torch.ones(hidden)
+        tensors[p + "mlp.w1.weight"] = normal((ff, hidden), attn_std)
+        tensors[p + "mlp.w2.weight"] = normal((ff, hidden), attn_std)
+        tensors[p + "mlp.c_proj.weight"] = normal((hidden, ff), 1.0 / math.sqrt(ff))
+    tensors["transformer.ln_f.weight"] = torch.ones(hidden)
+    lm_head = normal((vocab_size, hidden), 3.0 / math.sqrt(hidden))
+    # rows past the tokenizer's vocabulary (padding to a multiple of 128) get logit 0,
+    # far below the winners, so greedy decoding never emits an id the tokenizer lacks
+    lm_head[n_tokens:] = 0.0
+    tensors["lm_head.weight"] = lm_head
+
+    torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+    # "auto" checkpoints are stored in bf16, like the original Qwen releases
+    target = torch_dtype.get(dtype, torch.bfloat16)
+    return {k: v.to(target).contiguous() for k, v in tensors.items()}
+
+
+def _shard(names: list[str], sizes: dict[str, int], shards: int) -> list[list[str]]:
+    """`shards` consecutive, non-empty groups of roughly equal byte size."""
+    total = sum(sizes.values())
+    groups: list[list[str]] = [[]]
+    done = 0
+    for idx, name in enumerate(names):
+        still_to_open = shards - len(groups)
+        if groups[-1] and still_to_open > 0 and (
+            done >= total * len(groups) / shards or len(names) - idx <= still_to_open
+        ):
+            groups.append([])
+        groups[-1].append(name)
+        done += sizes[name]
+    return groups
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+def generate_checkpoint(
+    dest: Path,
+    *,
+    layers: int = 2,
+    heads: int = 2,
+    head_dim: int = 128,
+    intermediate: int = 512,
+    vocab_merges: int = 256,
+    shards: int = 2,
+    dtype: str = "bf16",
+    seed: int = 0,
+    legacy_bin: bool = False,
+    gptq: bool = False,
+    kernel_sources: Optional[Path] = None,
+    config_overrides: Optional[dict[str, Any]] = None,
+) -> Path:
+    """Write a tiny Qwen v1 checkpoint into `dest` (created; must be absent or empty).
+
+    Returns `dest`. Raises UsageError for bad knobs, a non-empty `dest`, or a
+    `kernel_sources` folder that lacks one of the two kernel files.
+    """
+    dest = Path(dest)
+    if dtype not in DTYPES:
+        raise UsageError(f"dtype must be one of {', '.join(DTYPES)}, not {dtype!r}")
+    if layers < 1 or heads < 1 or head_dim < 2 or head_dim % 2 or intermediate < 2:
+        raise UsageError("layers, heads >= 1; head_dim even >= 2; intermediate >= 2")
+    if vocab_merges < 0:
+        raise UsageError("vocab_merges must be >= 0")
+    if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
+        raise UsageError(f"{dest} exists and is not an empty directory")
+    if "." in dest.name:
+        # transformers turns the folder name into a module name; a dot breaks the import
+        raise UsageError(f"{dest.name!r}: a checkpoint folder name must not contain a dot")
+    sources: list[Path] = []
+    if kernel_sources is not None:
+        sources = [Path(kernel_sources) / name for name in KERNEL_FILES]
+        missing = [str(p) for p in sources if not p.is_file()]
+        if missing:
+            raise UsageError(f"kernel_sources lacks {', '.join(missing)}")
+
+    ranks = _train_merges(vocab_merges)
+    n_tokens = len(ranks) + N_SPECIAL_TOKENS
+    eod_id = len(ranks)
+    vocab_size = 128 * math.ceil(n_tokens / 128)
+    hidden = heads * head_dim
+
+    config = _config(
+        layers=layers,
+        heads=heads,
+        head_dim=head_dim,
+        intermediate=intermediate,
+        vocab_size=vocab_size,
+        dtype=dtype,
+    )
+    if gptq:
+        config["quantization_config"] = dict(_GPTQ, quant_method="gptq")
+    for key, value in (config_overrides or {}).items():
+        if value is REMOVE:
+            config.pop(key, None)
+        else:
+            config[key] = value
+
+    tensors = _weights(
+        layers=layers,
+        hidden=hidden,
+        ff=intermediate // 2,
+        vocab_size=vocab_size,
+        n_tokens=n_tokens,
+        dtype=dtype,
+        seed=seed,
+    )
+
+    dest.mkdir(parents=True, exist_ok=True)
+    _write_json(dest / "config.json", config)
+    for name in REMOTE_FILES:
+        shutil.copyfile(REMOTE_CODE_DIR / name, dest / name)
+    (dest / "qwen.tiktoken").write_bytes(_tiktoken_file(ranks))
+    _write_json(
+        dest / "tokenizer_config.json",
+        {
+            "model_max_length": 8192,
+            "tokenizer_class": "QWenTokenizer",
+            "auto_map": {"AutoTokenizer": ["tokenization_qwen.QWenTokenizer", None]},
+        },
+    )
+    _write_json(
+        dest / "generation_config.json",
+        {
+            "chat_format": "chatml",
+            "eos_token_id": eod_id,
+            "pad_token_id": eod_id,
+            "max_window_size": 6144,
+            "max_new_tokens": 512,
+            "do_sample": True,
+            "top_k": 0,
+            "top_p": 0.8,
+            "repetition_penalty": 1.1,
+            "transformers_version": "4.32.0",
+        },
+    )
+    _write_weights(dest, tensors, shards=shards, legacy_bin=legacy_bin)
+    if gptq:
+        _write_json(dest / "quantize_config.json", dict(_GPTQ))
+    for src in sources:
+        shutil.copyfile(src, dest / src.name)
+    return dest
+
+
+def _write_weights(dest: Path, tensors: dict[str, Any], *, shards: int, legacy_bin: bool) -> None:
+    import torch
+
+    if legacy_bin:
+        torch.save(tensors, dest / "pytorch_model.bin")
+        return
+    from safetensors.torch import save_file
+
+    names = list(tensors)
+    if shards <= 1:
+        # what save_pretrained writes for a small model: one file, no index
+        save_file(tensors, str(dest / "model.safetensors"), metadata={"format": "pt"})
+        (dest / "model.safetensors").chmod(0o644)
+        return
+    shards = min(shards, len(names))
+    sizes = {n: tensors[n].numel() * tensors[n].element_size() for n in names}
+    weight_map: dict[str, str] = {}
+    for i, group in enumerate(_shard(names, sizes, shards), start=1):
+        fname = f"model-{i:05d}-of-{shards:05d}.safetensors"
+        save_file({n: tensors[n] for n in group}, str(dest / fname), metadata={"format": "pt"})
+        # safetensors creates 0600 files; downloaded checkpoints are world-readable
+        (dest / fname).chmod(0o644)
+        weight_map.update({n: fname for n in group})
+    index = {
+        "metadata": {"total_size": sum(sizes.values())},
+        "weight_map": dict(sorted(weight_map.items())),
+    }
+    _write_json(dest / "model.safetensors.index.json", index)

@@ -1,0 +1,52 @@
+"""`python -m qwen_kvprep.tiny DEST`: write a tiny Qwen v1 checkpoint by hand."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Optional
+
+from qwen_kvprep.errors import KvprepError
+from qwen_kvprep.tiny import DTYPES, generate_checkpoint
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m qwen_kvprep.tiny", description=__doc__)
+    parser.add_argument("dest", type=Path, help="folder to create (absent or empty)")
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--heads", type=int, default=2)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--intermediate", type=int, default=512)
+    parser.add_argument("--vocab-merges", type=int, default=256)
+    parser.add_argument("--shards", type=int, default=2)
+    parser.add_argument("--dtype", choices=DTYPES, default="bf16")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--legacy-bin", action="store_true", help="one pytorch_model.bin")
+    parser.add_argument("--gptq", action="store_true", help="mark it as a GPTQ Int4 variant")
+    parser.add_argument("--kernel-sources", type=Path, help="folder with the two kernel files")
+    args = parser.parse_args(argv)
+    try:
+        dest = generate_checkpoint(
+            args.dest,
+            layers=args.layers,
+            heads=args.heads,
+            head_dim=args.head_dim,
+            intermediate=args.intermediate,
+            vocab_merges=args.vocab_merges,
+            shards=args.shards,
+            dtype=args.dtype,
+            seed=args.seed,
+            legacy_bin=args.legacy_bin,
+            gptq=args.gptq,
+            kernel_sources=args.kernel_sources,
+        )
+    except KvprepError as exc:
+        print(f"error: {exc.message}", file=sys.stderr)
+        return exc.exit_code
+    print(dest)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
