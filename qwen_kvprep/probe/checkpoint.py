@@ -1,0 +1,709 @@
+"""Probe a checkpoint directory: what it holds, and whether each file is what it claims.
+
+Rules this module keeps:
+- it never changes anything and never raises for a broken checkpoint: every problem
+  becomes a fact, so `doctor` can report all of them at once;
+- it never reads weights: safetensors shards are judged by their header alone (the first
+  8 + N bytes), so an 82-shard 72B checkpoint is probed in milliseconds;
+- a file name taken from the weight index that is absolute or climbs out with `..` is
+  recorded as refused and never opened, not even stat'ed.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import importlib.util
+import json
+import os
+import re
+import struct
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath, PureWindowsPath
+from typing import Any, Optional
+
+from qwen_kvprep.errors import ConfigError
+from qwen_kvprep.resources import KERNEL_FILES
+from qwen_kvprep.steps.config_patch import CONFIG, parse_config
+
+REMOTE_CODE_FILES = (
+    "configuration_qwen.py",
+    "modeling_qwen.py",
+    "qwen_generation_utils.py",
+    "tokenization_qwen.py",
+    "cpp_kernels.py",
+)
+MODELING = "modeling_qwen.py"
+LOADER = "cpp_kernels.py"
+TIKTOKEN = "qwen.tiktoken"
+TOKENIZER_CONFIG = "tokenizer_config.json"
+TOKENIZER_FILES = (TIKTOKEN, TOKENIZER_CONFIG)
+GENERATION_CONFIG = "generation_config.json"
+QUANTIZE_CONFIG = "quantize_config.json"
+ST_SINGLE = "model.safetensors"
+ST_INDEX = "model.safetensors.index.json"
+BIN_SINGLE = "pytorch_model.bin"
+BIN_INDEX = "pytorch_model.bin.index.json"
+
+# Written by the build helper's loader template in its first lines.
+LOADER_MARKER = "# qwen-kvprep loader"
+
+# The safetensors library refuses headers above 100 MB (HeaderTooLarge); so do we.
+MAX_HEADER = 100_000_000
+
+# Bytes per element of each safetensors dtype (Qwen v1 uses BF16/F16/F32 and, in the GPTQ
+# variants, I32; the others are listed so that a valid foreign shard is not misjudged).
+DTYPE_SIZES: Mapping[str, int] = {
+    "BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "F8_E8M0": 1,
+    "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
+    "I32": 4, "U32": 4, "F32": 4,
+    "I64": 8, "U64": 8, "F64": 8,
+}  # fmt: skip
+
+# Files whose content is checked for LFS pointers / HTML pages / emptiness.
+_CONTENT_SUFFIXES = (".json", ".py", ".tiktoken", ".safetensors", ".bin", ".cpp", ".cu")
+_SNIFF_BYTES = 1024
+_LFS_MAGIC = b"version https://git-lfs.github.com/spec/v1"
+_HUB_DIR = re.compile(r"^models--(.+)$")
+
+
+@dataclass(frozen=True)
+class ContentProblem:
+    """A file that is not what its name promises."""
+
+    name: str  # relative to the checkpoint
+    kind: str  # "lfs-pointer" | "html" | "empty" | "invalid-json" | "unreadable"
+    detail: str  # completes "<name> ..." as a sentence fragment
+
+
+@dataclass(frozen=True)
+class ShardFacts:
+    """A safetensors file judged from its header alone."""
+
+    name: str
+    size: Optional[int] = None
+    header_len: Optional[int] = None
+    tensor_names: frozenset[str] = frozenset()
+    tensor_bytes: int = 0  # sum over tensors of numel * dtype size
+    error: Optional[str] = None  # completes "<name> ..."
+    truncated: bool = False  # the file ends before its header says it does
+
+
+@dataclass(frozen=True)
+class IndexFacts:
+    """model.safetensors.index.json (or pytorch_model.bin.index.json)."""
+
+    name: str
+    error: Optional[str] = None  # why it could not be used at all
+    weight_map: Mapping[str, str] = field(default_factory=dict)  # tensor -> file, safe names only
+    files: tuple[str, ...] = ()  # distinct safe file names, in first-seen order
+    refused: tuple[tuple[str, str], ...] = ()  # (name, reason): never opened
+    missing: tuple[str, ...] = ()  # safe names that do not exist
+    total_size: Optional[int] = None  # metadata.total_size when it is an int
+
+
+@dataclass(frozen=True)
+class CheckpointFacts:
+    path: Path
+    name: str
+    listing_error: Optional[str] = None
+    files: tuple[str, ...] = ()  # top-level regular files (symlinks followed), sorted
+    dangling: tuple[str, ...] = ()  # top-level symlinks whose target is gone
+    config: Optional[dict[str, Any]] = None
+    config_error: Optional[str] = None
+    config_is_symlink: bool = False
+    config_link_target: Optional[str] = None
+    modeling_text_supports_kv: Optional[bool] = None  # None: modeling_qwen.py unreadable
+    modeling_mentions_kernel: Optional[bool] = None
+    remote_code: dict[str, Optional[str]] = field(default_factory=dict)  # name -> sha256
+    gptq: bool = False
+    gptq_source: Optional[str] = None
+    weights_layout: str = "none"
+    weight_files: tuple[str, ...] = ()
+    index: Optional[IndexFacts] = None
+    shards: tuple[ShardFacts, ...] = ()
+    content_problems: tuple[ContentProblem, ...] = ()
+    tiktoken_ranks: Optional[int] = None
+    tiktoken_error: Optional[str] = None
+    tiktoken_bad_line: Optional[int] = None
+    kernel_sources: dict[str, Optional[str]] = field(default_factory=dict)
+    loader_sha256: Optional[str] = None
+    loader_is_ours: bool = False
+    repo_id: Optional[str] = None
+    revision: Optional[str] = None
+    hub_cache_dir: Optional[Path] = None  # the huggingface_hub cache root holding the snapshot
+    is_git_checkout: bool = False
+    requirements: tuple[str, ...] = ()  # top-level modules the remote code imports
+    missing_requirements: tuple[str, ...] = ()
+
+    @property
+    def dotted_name(self) -> bool:
+        return "." in self.name
+
+    def problem(self, name: str) -> Optional[ContentProblem]:
+        for p in self.content_problems:
+            if p.name == name:
+                return p
+        return None
+
+
+# -- small readers that never raise --------------------------------------------------------
+
+
+def _read_head(path: Path, size: int) -> bytes:
+    with open(path, "rb") as fh:
+        return fh.read(size)
+
+
+def _sha256(path: Path) -> Optional[str]:
+    try:
+        with open(path, "rb") as fh:
+            return hashlib.sha256(fh.read()).hexdigest()
+    except OSError:
+        return None
+
+
+def _read_text(path: Path) -> Optional[str]:
+    try:
+        with open(path, "rb") as fh:
+            return fh.read().decode("utf-8", errors="replace")
+    except OSError:
+        return None
+
+
+# -- content sniffing ----------------------------------------------------------------------
+
+
+def _lfs_size(head: bytes) -> Optional[int]:
+    m = re.search(rb"^size (\d+)\s*$", head, re.MULTILINE)
+    return int(m.group(1)) if m else None
+
+
+def sniff(name: str, head: bytes, size: int) -> Optional[ContentProblem]:
+    """Recognise the usual stand-ins for a real file: an LFS pointer, an HTML page, nothing."""
+    if size == 0:
+        return ContentProblem(name, "empty", "is empty (0 bytes)")
+    if head.startswith(_LFS_MAGIC):
+        real = _lfs_size(head)
+        what = f"the real file has {real:,} bytes" if real is not None else "not the real file"
+        return ContentProblem(
+            name, "lfs-pointer", f"is a Git LFS pointer of {size} bytes ({what})"
+        )
+    lead = head.lstrip(b"\xef\xbb\xbf \t\r\n").lower()
+    if lead.startswith((b"<!doctype html", b"<html")):
+        return ContentProblem(
+            name, "html",
+            f"is an HTML page of {size:,} bytes (a login or error page saved in its place)",
+        )
+    return None
+
+
+def _content_expected(name: str) -> bool:
+    # An empty __init__.py is legitimate; every other file of these kinds must have content.
+    return name.endswith(_CONTENT_SUFFIXES) and PurePosixPath(name).name != "__init__.py"
+
+
+# -- safetensors headers -------------------------------------------------------------------
+
+
+def _shard_error(
+    name: str,
+    size: Optional[int],
+    msg: str,
+    header_len: Optional[int] = None,
+    truncated: bool = False,
+) -> ShardFacts:
+    return ShardFacts(name, size=size, header_len=header_len, error=msg, truncated=truncated)
+
+
+def probe_shard(path: Path, name: str) -> ShardFacts:
+    """Validate one safetensors file from its header only (never reads tensor data)."""
+    try:
+        size = os.stat(path).st_size
+        with open(path, "rb") as fh:
+            prefix = fh.read(8)
+            if len(prefix) < 8:
+                return _shard_error(
+                    name, size, f"is only {size} bytes, too short to hold a safetensors header",
+                    truncated=True,
+                )
+            (n,) = struct.unpack("<Q", prefix)
+            if n == 0 or n > MAX_HEADER:
+                return _shard_error(
+                    name, size,
+                    f"starts with a header length of {n:,} bytes, so it is not a valid safetensors "
+                    "file (loading fails with `SafetensorError: Error while deserializing header: "
+                    "HeaderTooLarge`)",
+                )
+            if 8 + n > size:
+                return _shard_error(
+                    name, size,
+                    f"is {size:,} bytes but its header alone needs {8 + n:,}: the download was cut "
+                    "short",
+                    header_len=n, truncated=True,
+                )
+            raw = fh.read(n)
+    except OSError as exc:
+        return _shard_error(name, None, f"cannot be read: {exc.strerror or exc}")
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as exc:
+        return _shard_error(
+            name, size,
+            f"has a header that is not valid JSON ({exc}); loading fails with `SafetensorError: "
+            "Error while deserializing header: InvalidHeaderDeserialization`",
+            header_len=n,
+        )
+    if not isinstance(header, dict):
+        return _shard_error(name, size, "has a header that is not a JSON object", header_len=n)
+    spans: list[tuple[int, int, str]] = []
+    total = 0
+    for key, meta in header.items():
+        if key == "__metadata__":
+            continue
+        problem = _tensor_problem(key, meta)
+        if problem is not None:
+            return _shard_error(name, size, problem, header_len=n)
+        begin, end = meta["data_offsets"]
+        spans.append((begin, end, key))
+        total += end - begin
+    # safetensors requires the tensors to tile the data area exactly: no gap, no overlap.
+    pos = 0
+    for begin, end, key in sorted(spans):
+        if begin != pos:
+            return _shard_error(
+                name, size,
+                f"has overlapping or non-contiguous data_offsets at tensor {key!r} (starts at "
+                f"{begin:,}, expected {pos:,})",
+                header_len=n,
+            )
+        pos = end
+    expected = 8 + n + pos
+    if size < expected:
+        return _shard_error(
+            name, size,
+            f"is {size:,} bytes but its header describes {expected:,}: the download was cut short "
+            "(loading fails with `SafetensorError: Error while deserializing header: "
+            "MetadataIncompleteBuffer`)",
+            header_len=n, truncated=True,
+        )
+    if size > expected:
+        return _shard_error(
+            name, size,
+            f"is {size:,} bytes but its header describes {expected:,}: it has {size - expected:,} "
+            "extra bytes (loading fails with `MetadataIncompleteBuffer`)",
+            header_len=n,
+        )
+    return ShardFacts(
+        name, size=size, header_len=n, tensor_names=frozenset(k for _, _, k in spans),
+        tensor_bytes=total,
+    )
+
+
+def _tensor_problem(key: str, meta: Any) -> Optional[str]:
+    """Why a header entry is not a valid tensor description (None when it is)."""
+    if not isinstance(meta, dict):
+        return f"describes tensor {key!r} with something that is not an object"
+    dtype, shape, offsets = meta.get("dtype"), meta.get("shape"), meta.get("data_offsets")
+    if not isinstance(dtype, str) or dtype not in DTYPE_SIZES:
+        return f"gives tensor {key!r} an unknown dtype {dtype!r}"
+    if not isinstance(shape, list) or not all(
+        isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
+    ):
+        return f"gives tensor {key!r} an invalid shape {shape!r}"
+    if (
+        not isinstance(offsets, list)
+        or len(offsets) != 2
+        or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
+        or not 0 <= offsets[0] <= offsets[1]
+    ):
+        return f"gives tensor {key!r} invalid data_offsets {offsets!r}"
+    numel = 1
+    for d in shape:
+        numel *= d
+    need = numel * DTYPE_SIZES[dtype]
+    if offsets[1] - offsets[0] != need:
+        return (
+            f"gives tensor {key!r} ({dtype} {shape}) {offsets[1] - offsets[0]:,} bytes of data "
+            f"where it needs {need:,}"
+        )
+    return None
+
+
+# -- the weight index ----------------------------------------------------------------------
+
+
+def unsafe_member(name: Any) -> Optional[str]:
+    """Why `name` may not be opened as a file inside the checkpoint (None when it may).
+
+    Judged on the text alone, without touching the file system: resolving symlinks would
+    wrongly refuse a huggingface_hub snapshot, whose files all link out to ../../blobs.
+    """
+    if not isinstance(name, str) or not name:
+        return "is not a file name"
+    if "\x00" in name:
+        return "contains a NUL byte"
+    if (
+        PurePosixPath(name).is_absolute()
+        or PureWindowsPath(name).is_absolute()
+        or PureWindowsPath(name).drive
+        or name.startswith(("/", "\\"))
+    ):
+        return "is an absolute path"
+    if ".." in re.split(r"[/\\]", name):
+        return "climbs out of the checkpoint with `..`"
+    return None
+
+
+def probe_index(root: Path, name: str) -> IndexFacts:
+    text = _read_text(root / name)
+    if text is None:
+        return IndexFacts(name, error="cannot be read")
+    try:
+        data = json.loads(text)
+    except ValueError as exc:
+        err = exc if not isinstance(exc, json.JSONDecodeError) else (
+            f"{exc.msg} at line {exc.lineno}, column {exc.colno}"
+        )
+        return IndexFacts(name, error=f"is not valid JSON ({err})")
+    wm = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(wm, dict) or not wm:
+        return IndexFacts(name, error="has no weight_map")
+    safe: dict[str, str] = {}
+    files: dict[str, None] = {}
+    refused: dict[str, str] = {}
+    for tensor, fname in wm.items():
+        why = unsafe_member(fname)
+        if why is not None:
+            refused.setdefault(str(fname), why)
+            continue
+        safe[tensor] = fname
+        files.setdefault(fname, None)
+    missing = tuple(f for f in files if not os.path.isfile(root / f))
+    meta = data.get("metadata")
+    total = meta.get("total_size") if isinstance(meta, dict) else None
+    if not isinstance(total, int) or isinstance(total, bool):
+        total = None
+    return IndexFacts(
+        name, weight_map=safe, files=tuple(sorted(files)), refused=tuple(refused.items()),
+        missing=missing, total_size=total,
+    )
+
+
+# -- tokenizer ------------------------------------------------------------------------------
+
+
+def probe_tiktoken(path: Path) -> tuple[Optional[int], Optional[str], Optional[int]]:
+    """(ranks, error, first bad line number) for a `base64-token rank` per line file."""
+    try:
+        with open(path, "rb") as fh:
+            data = fh.read()
+    except OSError as exc:
+        return None, f"cannot be read: {exc.strerror or exc}", None
+    ranks = 0
+    for lineno, line in enumerate(data.splitlines(), 1):
+        if not line:  # the tokenizer skips empty lines, so they are harmless
+            continue
+        parts = line.split()
+        if len(parts) != 2:
+            return None, f"has {len(parts)} fields where `base64-token rank` has 2", lineno
+        try:
+            base64.b64decode(parts[0], validate=True)
+        except (binascii.Error, ValueError):
+            return None, f"has a token that is not base64 ({parts[0][:40]!r})", lineno
+        try:
+            int(parts[1])
+        except ValueError:
+            return None, f"has a rank that is not an integer ({parts[1][:40]!r})", lineno
+        ranks += 1
+    if ranks == 0:
+        return 0, "holds no ranks", None
+    return ranks, None, None
+
+
+# -- remote-code requirements ----------------------------------------------------------------
+
+# The same text rules as transformers' check_imports (4.3x, the versions Qwen pins): drop
+# `try: ... except ...:` spans, then collect `import x` / `from x import` anywhere, indented
+# or not (imports inside functions count). Relative imports are followed, not required.
+_TRY_SPAN = re.compile(r"\s*try\s*:\s*.*?\s*except\s*.*?:", re.MULTILINE | re.DOTALL)
+_IMPORT = re.compile(r"^\s*import\s+(\S+)\s*$", re.MULTILINE)
+_FROM = re.compile(r"^\s*from\s+(\S+)\s+import", re.MULTILINE)
+_REL_IMPORT = re.compile(r"^\s*import\s+\.(\S+)\s*$", re.MULTILINE)
+_REL_FROM = re.compile(r"^\s*from\s+\.(\S+)\s+import", re.MULTILINE)
+
+
+def imports_of(text: str) -> tuple[set[str], set[str]]:
+    """(top-level absolute imports, relative module names) as transformers sees them."""
+    rel = set(_REL_IMPORT.findall(text)) | set(_REL_FROM.findall(text))
+    body = _TRY_SPAN.sub("", text)
+    names = _IMPORT.findall(body) + _FROM.findall(body)
+    return {n.split(".")[0] for n in names if not n.startswith(".")}, rel
+
+
+def _auto_map_modules(data: Optional[Mapping[str, Any]]) -> set[str]:
+    out: set[str] = set()
+    auto_map = data.get("auto_map") if isinstance(data, Mapping) else None
+    if not isinstance(auto_map, Mapping):
+        return out
+    for ref in auto_map.values():
+        for item in ref if isinstance(ref, list) else [ref]:
+            # "repo--module.Class" names a module in another repo: not ours to check.
+            if isinstance(item, str) and "." in item and "--" not in item:
+                out.add(item.rsplit(".", 1)[0])
+    return out
+
+
+def _importable(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ValueError:  # in sys.modules without a spec (__main__): it is there
+        return True
+    except ImportError:
+        return False
+
+
+def scan_requirements(
+    root: Path, entry_modules: Iterable[str], skip: Iterable[str] = ()
+) -> tuple[str, ...]:
+    """Top-level modules imported by the remote code reachable from `entry_modules`."""
+    skipped = set(skip)
+    seen: set[str] = set()
+    todo = [m for m in entry_modules if unsafe_member(f"{m}.py") is None]
+    required: set[str] = set()
+    while todo:
+        module = todo.pop()
+        fname = f"{module}.py"
+        if module in seen or fname in skipped:
+            continue
+        seen.add(module)
+        text = _read_text(root / fname) if os.path.isfile(root / fname) else None
+        if text is None:
+            continue
+        absolute, relative = imports_of(text)
+        required |= absolute
+        todo.extend(r for r in relative if unsafe_member(f"{r}.py") is None)
+    return tuple(sorted(required))
+
+
+# -- where the checkpoint came from -----------------------------------------------------------
+
+
+def hub_snapshot(path: Path) -> tuple[Optional[str], Optional[str], Optional[Path]]:
+    """(repo_id, revision, cache root) when `path` is `.../models--ORG--NAME/snapshots/REV`."""
+    for candidate in (path.absolute(), _resolved(path)):
+        if candidate is None:
+            continue
+        parts = candidate.parts
+        if len(parts) >= 4 and parts[-2] == "snapshots":
+            m = _HUB_DIR.match(parts[-3])
+            if m:
+                return "/".join(m.group(1).split("--")), parts[-1], Path(*parts[:-3])
+    return None, None, None
+
+
+def _resolved(path: Path) -> Optional[Path]:
+    try:
+        return path.resolve()
+    except (OSError, RuntimeError):
+        return None
+
+
+# -- the probe ------------------------------------------------------------------------------
+
+
+def _mentions(text: Optional[str], word: str) -> Optional[bool]:
+    return None if text is None else word in text
+
+
+def _list_dir(path: Path) -> tuple[list[str], list[str], Optional[str]]:
+    files: list[str] = []
+    dangling: list[str] = []
+    try:
+        with os.scandir(path) as it:
+            for entry in it:
+                if entry.name.startswith("."):
+                    continue
+                try:
+                    if entry.is_file(follow_symlinks=True):
+                        files.append(entry.name)
+                    elif entry.is_symlink() and not os.path.exists(entry.path):
+                        dangling.append(entry.name)
+                except OSError:
+                    dangling.append(entry.name)
+    except OSError as exc:
+        return [], [], exc.strerror or str(exc)
+    return sorted(files), sorted(dangling), None
+
+
+def _sniff_file(root: Path, name: str) -> Optional[ContentProblem]:
+    try:
+        size = os.stat(root / name).st_size
+        head = _read_head(root / name, _SNIFF_BYTES)
+    except OSError as exc:
+        return ContentProblem(name, "unreadable", f"cannot be read ({exc.strerror or exc})")
+    return sniff(name, head, size)
+
+
+def _json_problem(root: Path, name: str) -> Optional[ContentProblem]:
+    text = _read_text(root / name)
+    if text is None:
+        return ContentProblem(name, "unreadable", "cannot be read")
+    try:
+        json.loads(text)
+    except json.JSONDecodeError as exc:
+        return ContentProblem(
+            name, "invalid-json",
+            f"is not valid JSON ({exc.msg} at line {exc.lineno}, column {exc.colno})",
+        )
+    return None
+
+
+def _weights(
+    root: Path, files: set[str]
+) -> tuple[str, tuple[str, ...], Optional[IndexFacts], list[str]]:
+    """(layout, weight files, index, safetensors files to validate), in transformers' order
+    of preference: model.safetensors, its index, pytorch_model.bin, its index."""
+    if ST_SINGLE in files:
+        return "safetensors-single", (ST_SINGLE,), None, [ST_SINGLE]
+    loose = sorted(f for f in files if f.endswith(".safetensors"))
+    if ST_INDEX in files:
+        index = probe_index(root, ST_INDEX)
+        if index.error is None:
+            present = [f for f in index.files if f not in index.missing]
+            return "safetensors-sharded", index.files, index, present
+        return "safetensors-sharded", tuple(loose), index, loose
+    if BIN_SINGLE in files:
+        return "pytorch-bin", (BIN_SINGLE,), None, []
+    if BIN_INDEX in files:
+        index = probe_index(root, BIN_INDEX)
+        bins = index.files if index.error is None else tuple(
+            sorted(f for f in files if f.endswith(".bin"))
+        )
+        return "pytorch-bin", bins, index, []
+    if loose:  # shards without their index: transformers will not find them
+        return "safetensors-sharded", tuple(loose), None, loose
+    return "none", (), None, []
+
+
+def probe_checkpoint(path: Path) -> CheckpointFacts:
+    """Everything the checkpoint and config checks need; never raises for a broken checkpoint."""
+    path = Path(path)
+    name = path.absolute().name
+    repo_id, revision, hub_root = hub_snapshot(path)
+    base: dict[str, Any] = {
+        "path": path, "name": name, "repo_id": repo_id, "revision": revision,
+        "hub_cache_dir": hub_root, "is_git_checkout": os.path.exists(path / ".git"),
+    }
+    listing, dangling, listing_error = _list_dir(path)
+    if listing_error is not None:
+        return CheckpointFacts(listing_error=listing_error, **base)
+    files = set(listing)
+
+    problems: dict[str, ContentProblem] = {}
+    for fname in listing:
+        if _content_expected(fname):
+            p = _sniff_file(path, fname)
+            if p is not None:
+                problems[fname] = p
+    # JSON files without a check of their own: a parse error is a content problem.
+    for fname in (TOKENIZER_CONFIG, GENERATION_CONFIG, QUANTIZE_CONFIG):
+        if fname in files and fname not in problems:
+            p = _json_problem(path, fname)
+            if p is not None:
+                problems[fname] = p
+
+    config: Optional[dict[str, Any]] = None
+    config_error: Optional[str] = None
+    config_path = path / CONFIG
+    if CONFIG in files:
+        text = _read_text(config_path)
+        if text is None:
+            config_error = f"{config_path} cannot be read"
+        else:
+            try:
+                config = dict(parse_config(text, config_path))
+            except ConfigError as exc:
+                config_error = exc.message
+    is_link = config_path.is_symlink()
+    link_target: Optional[str] = None
+    if is_link:
+        try:
+            link_target = os.readlink(config_path)
+        except OSError:
+            link_target = None
+
+    layout, weight_files, index, to_validate = _weights(path, files)
+    shards = []
+    for fname in to_validate:
+        if fname not in files and fname not in problems:  # in a sub-folder: not sniffed yet
+            p = _sniff_file(path, fname)
+            if p is not None:
+                problems[fname] = p
+        # An LFS pointer or HTML page is reported as such; its "header" would only add noise.
+        if fname not in problems:
+            shards.append(probe_shard(path / fname, fname))
+
+    modeling = _read_text(path / MODELING) if MODELING in files else None
+    if MODELING in problems:
+        modeling = None
+
+    gptq_source: Optional[str] = None
+    if QUANTIZE_CONFIG in files:
+        gptq_source = QUANTIZE_CONFIG
+    elif config is not None:
+        qc = config.get("quantization_config")
+        if isinstance(qc, Mapping) and str(qc.get("quant_method", "")).lower() == "gptq":
+            gptq_source = "config.json quantization_config"
+
+    tiktoken_ranks: Optional[int] = None
+    tiktoken_error: Optional[str] = None
+    tiktoken_bad: Optional[int] = None
+    if TIKTOKEN in files and TIKTOKEN not in problems:
+        tiktoken_ranks, tiktoken_error, tiktoken_bad = probe_tiktoken(path / TIKTOKEN)
+
+    tokenizer_config: Optional[Mapping[str, Any]] = None
+    if TOKENIZER_CONFIG in files and TOKENIZER_CONFIG not in problems:
+        try:
+            loaded = json.loads(_read_text(path / TOKENIZER_CONFIG) or "null")
+            tokenizer_config = loaded if isinstance(loaded, dict) else None
+        except ValueError:
+            tokenizer_config = None
+    entries = {f[:-3] for f in REMOTE_CODE_FILES if f in files}
+    entries |= _auto_map_modules(config) | _auto_map_modules(tokenizer_config)
+    requirements = scan_requirements(
+        path, sorted(entries), skip=[f for f in problems if f.endswith(".py")]
+    )
+    missing_requirements = tuple(m for m in requirements if not _importable(m))
+
+    loader_text = _read_text(path / LOADER) if LOADER in files else None
+    return CheckpointFacts(
+        **base,
+        files=tuple(listing),
+        dangling=tuple(dangling),
+        config=config,
+        config_error=config_error,
+        config_is_symlink=is_link,
+        config_link_target=link_target,
+        modeling_text_supports_kv=_mentions(modeling, "use_cache_quantization"),
+        modeling_mentions_kernel=_mentions(modeling, "cache_autogptq_cuda_256"),
+        remote_code={f: _sha256(path / f) if f in files else None for f in REMOTE_CODE_FILES},
+        gptq=gptq_source is not None,
+        gptq_source=gptq_source,
+        weights_layout=layout,
+        weight_files=weight_files,
+        index=index,
+        shards=tuple(shards),
+        content_problems=tuple(problems[k] for k in sorted(problems)),
+        tiktoken_ranks=tiktoken_ranks,
+        tiktoken_error=tiktoken_error,
+        tiktoken_bad_line=tiktoken_bad,
+        kernel_sources={k: _sha256(path / k) if k in files else None for k in KERNEL_FILES},
+        loader_sha256=_sha256(path / LOADER) if LOADER in files else None,
+        loader_is_ours=loader_text is not None
+        and LOADER_MARKER in "\n".join(loader_text.splitlines()[:10]),
+        requirements=requirements,
+        missing_requirements=missing_requirements,
+    )
