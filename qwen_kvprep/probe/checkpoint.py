@@ -98,7 +98,7 @@ class IndexFacts:
     name: str
     error: Optional[str] = None  # why it could not be used at all
     weight_map: Mapping[str, str] = field(default_factory=dict)  # tensor -> file, safe names only
-    files: tuple[str, ...] = ()  # distinct safe file names, in first-seen order
+    files: tuple[str, ...] = ()  # distinct safe file names, sorted
     refused: tuple[tuple[str, str], ...] = ()  # (name, reason): never opened
     missing: tuple[str, ...] = ()  # safe names that do not exist
     total_size: Optional[int] = None  # metadata.total_size when it is an int
@@ -113,6 +113,7 @@ class CheckpointFacts:
     dangling: tuple[str, ...] = ()  # top-level symlinks whose target is gone
     config: Optional[dict[str, Any]] = None
     config_error: Optional[str] = None
+    config_error_line: Optional[int] = None  # where the JSON parser stopped
     config_is_symlink: bool = False
     config_link_target: Optional[str] = None
     modeling_text_supports_kv: Optional[bool] = None  # None: modeling_qwen.py unreadable
@@ -617,6 +618,7 @@ def probe_checkpoint(path: Path) -> CheckpointFacts:
 
     config: Optional[dict[str, Any]] = None
     config_error: Optional[str] = None
+    config_error_line: Optional[int] = None
     config_path = path / CONFIG
     if CONFIG in files:
         text = _read_text(config_path)
@@ -627,6 +629,9 @@ def probe_checkpoint(path: Path) -> CheckpointFacts:
                 config = dict(parse_config(text, config_path))
             except ConfigError as exc:
                 config_error = exc.message
+                cause = exc.__cause__
+                if isinstance(cause, json.JSONDecodeError):
+                    config_error_line = cause.lineno
     is_link = config_path.is_symlink()
     link_target: Optional[str] = None
     if is_link:
@@ -685,6 +690,7 @@ def probe_checkpoint(path: Path) -> CheckpointFacts:
         dangling=tuple(dangling),
         config=config,
         config_error=config_error,
+        config_error_line=config_error_line,
         config_is_symlink=is_link,
         config_link_target=link_target,
         modeling_text_supports_kv=_mentions(modeling, "use_cache_quantization"),

@@ -1,0 +1,489 @@
+"""Checks of the checkpoint directory itself: files, their content, weights, tokenizer.
+
+Every failing finding names the bad file(s) and the command that re-fetches exactly
+those files. `fix` runs every `checkpoint.*` check first and refuses on any `fail`.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from collections.abc import Sequence
+from typing import Optional, Union
+
+from qwen_kvprep.checks import check
+from qwen_kvprep.findings import Finding, fail, info, ok, skip, warn
+from qwen_kvprep.probe.checkpoint import (
+    BIN_INDEX,
+    BIN_SINGLE,
+    GENERATION_CONFIG,
+    LOADER,
+    MODELING,
+    REMOTE_CODE_FILES,
+    ST_INDEX,
+    ST_SINGLE,
+    TIKTOKEN,
+    TOKENIZER_FILES,
+    CheckpointFacts,
+    ContentProblem,
+)
+from qwen_kvprep.probe.facts import Facts
+from qwen_kvprep.steps.config_patch import CONFIG
+
+# Used in fix commands when the checkpoint's repo is unknown; the fix says to replace it.
+PLACEHOLDER_REPO = "Qwen/Qwen-7B-Chat"
+_QWEN_V1_REPO_NAME = re.compile(r"^Qwen-(1_8B|7B|14B|72B)(-Chat)?(-Int4|-Int8)?$")
+
+# What the user sees when a required file is missing (transformers 4.3x, local directory).
+_MISSING_SYMPTOM = {
+    CONFIG: "`OSError: ... does not appear to have a file named config.json`",
+    "configuration_qwen.py": "`OSError: ... does not appear to have a file named "
+    "configuration_qwen.py`",
+    "modeling_qwen.py": "`OSError: ... does not appear to have a file named modeling_qwen.py`",
+    "tokenization_qwen.py": "`OSError: ... does not appear to have a file named "
+    "tokenization_qwen.py`",
+    "qwen_generation_utils.py": "`FileNotFoundError: ... qwen_generation_utils.py` while "
+    "transformers copies the remote code",
+    TIKTOKEN: "the tokenizer failing to load its BPE ranks",
+    "tokenizer_config.json": "`ValueError: Tokenizer class QWenTokenizer does not exist or is "
+    "not currently imported.`",
+}
+
+
+# -- fix commands -----------------------------------------------------------------------------
+
+
+def origin(cp: CheckpointFacts) -> tuple[str, Optional[str]]:
+    """(repo id for fix commands, note to print with it when it is a guess or a placeholder)."""
+    if cp.repo_id:
+        return cp.repo_id, None
+    if _QWEN_V1_REPO_NAME.match(cp.name):
+        return f"Qwen/{cp.name}", "repo assumed from the directory name"
+    return PLACEHOLDER_REPO, f"replace {PLACEHOLDER_REPO} with the repo this checkpoint came from"
+
+
+def redownload(cp: CheckpointFacts, files: Optional[Sequence[str]] = None) -> str:
+    """The `hf download` command that re-fetches exactly `files` (None: the whole repo).
+
+    --force-download because huggingface_hub otherwise trusts a file that is already there
+    (a truncated shard in a hub snapshot, or one whose local-dir metadata looks current).
+    """
+    repo, note = origin(cp)
+    names = "".join(f" {shlex.quote(f)}" for f in files or ())
+    force = " --force-download" if files else ""
+    if cp.repo_id and cp.revision and cp.hub_cache_dir is not None:
+        cmd = (
+            f"hf download {repo}{names} --revision {shlex.quote(cp.revision)} "
+            f"--cache-dir {shlex.quote(str(cp.hub_cache_dir))}{force}"
+        )
+    else:
+        cmd = f"hf download {repo}{names} --local-dir {shlex.quote(str(cp.path))}{force}"
+    return f"{cmd}  ({note})" if note else cmd
+
+
+def python_redownload(cp: CheckpointFacts, files: Sequence[str]) -> str:
+    """The same re-fetch as huggingface_hub calls, for environments without the `hf` CLI."""
+    repo, _ = origin(cp)
+    if cp.repo_id and cp.revision and cp.hub_cache_dir is not None:
+        where = f"revision={cp.revision!r}, cache_dir={str(cp.hub_cache_dir)!r}"
+    else:
+        where = f"local_dir={str(cp.path)!r}"
+    return "; ".join(
+        f"huggingface_hub.hf_hub_download({repo!r}, {f!r}, {where}, force_download=True)"
+        for f in files
+    )
+
+
+def refetch(cp: CheckpointFacts, files: Sequence[str], lfs: bool = False) -> str:
+    """Fix text for bad files: `git lfs pull` in a git clone with LFS pointers, else hf."""
+    if lfs and cp.is_git_checkout:
+        include = shlex.quote(",".join(files))
+        return f"git -C {shlex.quote(str(cp.path))} lfs pull --include={include}"
+    return redownload(cp, files)
+
+
+def _plural(names: Sequence[str], one: str, many: str) -> str:
+    return f"{', '.join(names)} {one if len(names) == 1 else many}"
+
+
+CheckResult = Union[Finding, list[Finding]]
+
+
+def _checkpoint(facts: Facts, id: str) -> Union[CheckpointFacts, Finding]:
+    """The checkpoint facts, or the `skip` finding to return when there are none to judge."""
+    cp = facts.checkpoint
+    if cp is None:
+        return skip(id, "no checkpoint directory given")
+    if cp.listing_error is not None and id != "checkpoint.files":
+        return skip(id, "the checkpoint directory cannot be listed (see checkpoint.files)")
+    assert isinstance(cp, CheckpointFacts)
+    return cp
+
+
+# -- checks -------------------------------------------------------------------------------------
+
+
+@check("checkpoint.files", "Required files are present")
+def files(facts: Facts) -> CheckResult:
+    cp = _checkpoint(facts, "checkpoint.files")
+    if isinstance(cp, Finding):
+        return cp
+    id = "checkpoint.files"
+    if cp.listing_error is not None:
+        return fail(
+            id, f"{cp.path} cannot be listed: {cp.listing_error}",
+            "check the path and that this user may read it", paths=[cp.path],
+        )
+    out: list[Finding] = []
+    present = set(cp.files)
+    required = [CONFIG, *(f for f in REMOTE_CODE_FILES if f != LOADER), *TOKENIZER_FILES]
+    missing = [f for f in required if f not in present and f not in cp.dangling]
+    if missing:
+        out.append(fail(
+            id,
+            f"{_plural(missing, 'is', 'are')} missing, so loading fails with "
+            f"{_MISSING_SYMPTOM[missing[0]]}",
+            redownload(cp, missing), paths=[cp.path / f for f in missing],
+            python=python_redownload(cp, missing),
+        ))
+    if cp.dangling:
+        out.append(fail(
+            id,
+            f"{_plural(list(cp.dangling), 'is a symlink', 'are symlinks')} to a blob that is "
+            "gone (an interrupted or pruned hub download), so loading fails with "
+            "`FileNotFoundError`",
+            redownload(cp, list(cp.dangling)), paths=[cp.path / f for f in cp.dangling],
+        ))
+    if LOADER not in present and LOADER not in cp.dangling:
+        # The relative import in modeling_qwen.py makes transformers copy it even when the
+        # KV flags are off; `fix` installs qwen-kvprep's loader under this name anyway.
+        out.append(warn(
+            id,
+            f"{LOADER} is missing, so loading fails with `FileNotFoundError: ... {LOADER}` "
+            "until `qwen-kvprep fix` installs its loader there",
+            f"qwen-kvprep fix {shlex.quote(str(cp.path))}", paths=[cp.path / LOADER],
+        ))
+    out.extend(_weights_findings(cp))
+    if GENERATION_CONFIG not in present and GENERATION_CONFIG not in cp.dangling:
+        out.append(warn(
+            id,
+            f"{GENERATION_CONFIG} is missing, so model.chat() has no chat_format or stop "
+            "tokens and fails or rambles",
+            redownload(cp, [GENERATION_CONFIG]), paths=[cp.path / GENERATION_CONFIG],
+        ))
+    if not any(f.severity.value in ("fail", "warn") for f in out):
+        out.insert(0, ok(id, f"all required files are present (weights: {_layout_words(cp)})"))
+    return out
+
+
+def _layout_words(cp: CheckpointFacts) -> str:
+    n = len(cp.weight_files)
+    return {
+        "safetensors-sharded": f"{n} safetensors shard{'s' if n != 1 else ''}",
+        "safetensors-single": "one model.safetensors",
+        "pytorch-bin": f"{n} pytorch_model .bin file{'s' if n != 1 else ''}",
+    }.get(cp.weights_layout, "none")
+
+
+def _weights_findings(cp: CheckpointFacts) -> list[Finding]:
+    id = "checkpoint.files"
+    layout = cp.weights_layout
+    present = set(cp.files)
+    if layout == "none":
+        return [fail(
+            id,
+            f"no weights ({ST_SINGLE}, {ST_INDEX} with its shards, or {BIN_SINGLE}), so "
+            "loading fails with `OSError: Error no file named pytorch_model.bin, "
+            "model.safetensors, tf_model.h5, ...`",
+            redownload(cp), paths=[cp.path],
+        )]
+    if layout == "safetensors-sharded" and cp.index is None:
+        return [fail(
+            id,
+            f"{len(cp.weight_files)} safetensors shard(s) but no {ST_INDEX}, so transformers "
+            "cannot find them (`OSError: Error no file named pytorch_model.bin, ...`)",
+            redownload(cp, [ST_INDEX]), paths=[cp.path / ST_INDEX],
+        )]
+    if layout == "pytorch-bin" and BIN_SINGLE in present and cp.index is None:
+        return [info(
+            id,
+            f"weights are a single {BIN_SINGLE}: the August-2023 layout of the first "
+            "Qwen-7B-Chat release, whose remote code has no Int8 KV cache",
+            f"for the KV cache, download the current revision: {redownload(cp)}",
+            paths=[cp.path / BIN_SINGLE],
+        )]
+    if layout == "pytorch-bin" and BIN_INDEX in present:
+        return [info(
+            id, f"weights are pickled .bin shards listed in {BIN_INDEX} (re-saved with "
+            "safe_serialization=False); they load, but are not validated here",
+            paths=[cp.path / BIN_INDEX],
+        )]
+    return []
+
+
+@check("checkpoint.remote_code", "The remote code supports the Int8 KV cache")
+def remote_code(facts: Facts) -> CheckResult:
+    id = "checkpoint.remote_code"
+    cp = _checkpoint(facts, id)
+    if isinstance(cp, Finding):
+        return cp
+    if cp.modeling_text_supports_kv is None:
+        return skip(id, f"{MODELING} is missing or damaged (see checkpoint.files / .content)")
+    py = [f for f in REMOTE_CODE_FILES if f != LOADER]
+    whole = cp.weights_layout == "pytorch-bin" and BIN_SINGLE in cp.files
+    # The August-2023 weights and config come with their own schema: update everything.
+    update = redownload(cp) if whole else redownload(cp, py)
+    if not cp.modeling_text_supports_kv:
+        return fail(
+            id,
+            f"{MODELING} predates the Int8 KV cache (it never mentions use_cache_quantization), "
+            "so the flags in config.json are silently ignored and the cache stays full size",
+            f"update the remote code: {update}", paths=[cp.path / MODELING],
+        )
+    if not cp.modeling_mentions_kernel:
+        return warn(
+            id,
+            f"{MODELING} quantizes the KV cache but never loads the cache_autogptq_cuda_256 "
+            "kernel, so attention always runs the slow pure-torch dequantize path",
+            f"update the remote code: {update}", paths=[cp.path / MODELING],
+        )
+    return ok(id, f"{MODELING} supports the Int8 KV cache and its kernel")
+
+
+_CONTENT_WORDS = {
+    "lfs-pointer": (
+        "Git LFS pointers",
+        "the repo was probably cloned without git-lfs, and loading fails with errors such as "
+        "`SafetensorError: Error while deserializing header: HeaderTooLarge` or `SyntaxError`",
+    ),
+    "html": (
+        "HTML pages",
+        "loading fails with `SyntaxError` or `JSONDecodeError: Expecting value: line 1 "
+        "column 1`",
+    ),
+    "empty": (
+        "empty",
+        "an interrupted copy or download; loading fails on the first read of it",
+    ),
+    "invalid-json": (
+        "not valid JSON",
+        "loading fails with `JSONDecodeError`",
+    ),
+    "unreadable": (
+        "unreadable",
+        "loading fails with `PermissionError` or `OSError`",
+    ),
+}
+
+
+@check("checkpoint.content", "No file is an LFS pointer, an HTML page or empty")
+def content(facts: Facts) -> CheckResult:
+    id = "checkpoint.content"
+    cp = _checkpoint(facts, id)
+    if isinstance(cp, Finding):
+        return cp
+    if not cp.content_problems:
+        return ok(id, "no file is a Git LFS pointer, an HTML page or empty")
+    by_kind: dict[str, list[ContentProblem]] = {}
+    for p in cp.content_problems:
+        by_kind.setdefault(p.kind, []).append(p)
+    out: list[Finding] = []
+    for kind, problems in by_kind.items():
+        names = [p.name for p in problems]
+        many, why = _CONTENT_WORDS.get(kind, (kind, "loading fails"))
+        # One file: its own detail ("is a Git LFS pointer of 134 bytes (the real file ...)").
+        what = problems[0].detail if len(problems) == 1 else f"are {many}"
+        msg = f"{', '.join(names)} {what}: {why}"
+        out.append(fail(
+            id, msg, refetch(cp, names, lfs=kind == "lfs-pointer"),
+            paths=[cp.path / n for n in names], kind=kind,
+            files={p.name: p.detail for p in problems},
+        ))
+    return out
+
+
+@check("checkpoint.shards", "Every safetensors shard is complete (headers only)")
+def shards(facts: Facts) -> CheckResult:
+    id = "checkpoint.shards"
+    cp = _checkpoint(facts, id)
+    if isinstance(cp, Finding):
+        return cp
+    if not cp.shards:
+        return skip(id, "no safetensors shard to validate")
+    bad = [s for s in cp.shards if s.error is not None]
+    if not bad:
+        tensors = sum(len(s.tensor_names) for s in cp.shards)
+        size = sum(s.size or 0 for s in cp.shards)
+        return ok(
+            id,
+            f"{len(cp.shards)} safetensors file(s) are complete: {tensors} tensors, "
+            f"{size:,} bytes (judged from their headers)",
+        )
+    return [
+        fail(
+            id, f"{s.name} {s.error}", redownload(cp, [s.name]), paths=[cp.path / s.name],
+            size=s.size, header_len=s.header_len, truncated=s.truncated,
+            python=python_redownload(cp, [s.name]),
+        )
+        for s in bad
+    ]
+
+
+@check("checkpoint.index", "The weight index is safe and matches the shards")
+def index(facts: Facts) -> CheckResult:
+    id = "checkpoint.index"
+    cp = _checkpoint(facts, id)
+    if isinstance(cp, Finding):
+        return cp
+    idx = cp.index
+    if idx is None:
+        return skip(id, "no weight index (single-file or no weights)")
+    if cp.problem(idx.name) is not None:
+        return skip(id, f"{idx.name} is damaged (see checkpoint.content)")
+    path = cp.path / idx.name
+    if idx.error is not None:
+        return fail(
+            id, f"{idx.name} {idx.error}, so transformers cannot map tensors to shards",
+            redownload(cp, [idx.name]), paths=[path],
+        )
+    out: list[Finding] = []
+    if idx.refused:
+        names = [n for n, _ in idx.refused]
+        out.append(fail(
+            id,
+            f"{idx.name} names {len(names)} file(s) outside the checkpoint "
+            f"({'; '.join(f'{n!r} {why}' for n, why in idx.refused[:3])}), which qwen-kvprep "
+            "refuses and never opens",
+            f"the index is corrupt or hostile: re-download it ({redownload(cp, [idx.name])}) "
+            "and do not load this checkpoint until then",
+            paths=[path], refused=dict(idx.refused),
+        ))
+    if idx.missing:
+        out.append(fail(
+            id,
+            f"{_plural(list(idx.missing), 'is', 'are')} listed in {idx.name} but missing, so "
+            f"loading fails with `OSError: ... does not appear to have a file named "
+            f"{idx.missing[0]}`",
+            redownload(cp, list(idx.missing)), paths=[cp.path / f for f in idx.missing],
+            python=python_redownload(cp, list(idx.missing)),
+        ))
+    if idx.name == ST_INDEX:
+        out.extend(_index_vs_shards(cp))
+    if not out:
+        out.append(ok(
+            id, f"{idx.name} maps {len(idx.weight_map)} tensors to {len(idx.files)} shard(s), "
+            "all present and consistent",
+        ))
+    return out
+
+
+def _index_vs_shards(cp: CheckpointFacts) -> list[Finding]:
+    """Compare the index with the shard headers (only when every shard header is sound)."""
+    id = "checkpoint.index"
+    idx = cp.index
+    assert idx is not None
+    shards = {s.name: s for s in cp.shards}
+    if idx.missing or any(
+        f not in shards or shards[f].error is not None for f in idx.files
+    ):
+        return []  # reported by the missing/shard findings; totals would mislead
+    out: list[Finding] = []
+    misplaced = sorted(t for t, f in idx.weight_map.items() if t not in shards[f].tensor_names)
+    if misplaced:
+        out.append(fail(
+            id,
+            f"{idx.name} places {len(misplaced)} tensor(s) (e.g. {misplaced[0]}) in shards that do "
+            "not hold them, so loading fails with missing weights: index and shards come from "
+            "different revisions",
+            redownload(cp, [idx.name, *idx.files]), paths=[cp.path / idx.name],
+            misplaced=misplaced[:20],
+        ))
+    total = sum(shards[f].tensor_bytes for f in idx.files)
+    if idx.total_size is not None and idx.total_size != total:
+        out.append(warn(
+            id,
+            f"{idx.name} says total_size {idx.total_size:,} but the shard headers add up to "
+            f"{total:,} bytes of tensors, so index and shards may come from different revisions",
+            redownload(cp, [idx.name]), paths=[cp.path / idx.name],
+            total_size=idx.total_size, shard_bytes=total,
+        ))
+    return out
+
+
+@check("checkpoint.tokenizer", "qwen.tiktoken parses")
+def tokenizer(facts: Facts) -> CheckResult:
+    id = "checkpoint.tokenizer"
+    cp = _checkpoint(facts, id)
+    if isinstance(cp, Finding):
+        return cp
+    if TIKTOKEN not in cp.files or cp.problem(TIKTOKEN) is not None:
+        return skip(id, f"{TIKTOKEN} is missing or damaged (see checkpoint.files / .content)")
+    if cp.tiktoken_error is not None:
+        where = f" line {cp.tiktoken_bad_line}" if cp.tiktoken_bad_line else ""
+        return fail(
+            id,
+            f"{TIKTOKEN}{where} {cp.tiktoken_error}, so the tokenizer fails to load (`ValueError`"
+            " while reading its BPE ranks)",
+            redownload(cp, [TIKTOKEN]), paths=[cp.path / TIKTOKEN], line=cp.tiktoken_bad_line,
+        )
+    return ok(id, f"{TIKTOKEN} parses: {cp.tiktoken_ranks:,} BPE ranks")
+
+
+@check("checkpoint.dirname", "The directory name can be a Python module name")
+def dirname(facts: Facts) -> CheckResult:
+    id = "checkpoint.dirname"
+    cp = _checkpoint(facts, id)
+    if isinstance(cp, Finding):
+        return cp
+    if not cp.dotted_name:
+        return ok(id, f"the directory name {cp.name!r} has no dot")
+    head = cp.name.split(".", 1)[0]
+    alias = cp.path.absolute().parent / cp.name.replace(".", "_")
+    return fail(
+        id,
+        f"the directory name {cp.name!r} contains a dot, so transformers cannot import its "
+        f"remote code (`ModuleNotFoundError: No module named 'transformers_modules.{head}'`)",
+        f"rename it or symlink it to a name without dots and load from that path: "
+        f"`ln -s {shlex.quote(str(cp.path.absolute()))} {shlex.quote(str(alias))}` (use the "
+        "dot-free path with every qwen-kvprep command too)",
+        paths=[cp.path],
+    )
+
+
+@check("checkpoint.gptq", "GPTQ Int4 checkpoints are recognised")
+def gptq(facts: Facts) -> CheckResult:
+    id = "checkpoint.gptq"
+    cp = _checkpoint(facts, id)
+    if isinstance(cp, Finding):
+        return cp
+    if not cp.gptq:
+        return ok(id, "not a GPTQ checkpoint")
+    return info(
+        id,
+        f"GPTQ Int4 checkpoint (from {cp.gptq_source}): loading it needs optimum and auto-gptq "
+        "besides torch and transformers; the Int8 KV cache works with it",
+        "pip install optimum auto-gptq", source=cp.gptq_source,
+    )
+
+
+# Import name -> pip distribution, where they differ.
+_PIP_NAME = {"transformers_stream_generator": "transformers-stream-generator", "yaml": "pyyaml"}
+
+
+@check("checkpoint.requirements", "The remote code's imports are installed")
+def requirements(facts: Facts) -> CheckResult:
+    id = "checkpoint.requirements"
+    cp = _checkpoint(facts, id)
+    if isinstance(cp, Finding):
+        return cp
+    missing = list(cp.missing_requirements)
+    if not missing:
+        return ok(id, f"all {len(cp.requirements)} modules the remote code imports are installed")
+    return fail(
+        id,
+        "transformers refuses to load the remote code (`ImportError: This modeling file "
+        "requires the following packages that were not found in your environment: "
+        f"{', '.join(missing)}`)",
+        "pip install " + " ".join(shlex.quote(_PIP_NAME.get(m, m)) for m in missing),
+        missing=missing,
+    )

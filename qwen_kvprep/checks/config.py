@@ -1,0 +1,189 @@
+"""Checks of config.json: parse, model type, the KV-cache flags and the flash-attn conflict.
+
+Judged on the config alone. Where the outcome also depends on the environment (whether
+flash_attn is installed, the GPU), the message says so; the env checks judge that part.
+Absent keys take QWenConfig's defaults (facts §2): use_cache_quantization=False,
+use_cache_kernel=False, use_flash_attn="auto".
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+from typing import Any, Union
+
+from qwen_kvprep.checks import check
+from qwen_kvprep.checks.checkpoint import redownload
+from qwen_kvprep.findings import Finding, fail, info, ok, skip, warn
+from qwen_kvprep.probe.checkpoint import CheckpointFacts
+from qwen_kvprep.probe.facts import Facts
+from qwen_kvprep.steps.config_patch import CONFIG
+
+DEFAULTS: dict[str, Any] = {
+    "use_cache_quantization": False,
+    "use_cache_kernel": False,
+    "use_flash_attn": "auto",
+}
+
+
+def _config(facts: Facts, id: str) -> Union[tuple[CheckpointFacts, dict[str, Any]], Finding]:
+    cp = facts.checkpoint
+    if cp is None:
+        return skip(id, "no checkpoint directory given")
+    assert isinstance(cp, CheckpointFacts)
+    if cp.config is None:
+        return skip(id, f"{CONFIG} is missing or unreadable (see config.parse)")
+    return cp, cp.config
+
+
+def _shown(cfg: dict[str, Any], key: str) -> str:
+    if key not in cfg:
+        return f"absent (default {json.dumps(DEFAULTS[key])})"
+    return json.dumps(cfg[key])
+
+
+def _fix_cmd(cp: CheckpointFacts) -> str:
+    return f"qwen-kvprep fix {shlex.quote(str(cp.path))}"
+
+
+@check("config.parse", "config.json parses and describes a Qwen (v1) model")
+def parse(facts: Facts) -> Union[Finding, list[Finding]]:
+    id = "config.parse"
+    cp = facts.checkpoint
+    if cp is None:
+        return skip(id, "no checkpoint directory given")
+    assert isinstance(cp, CheckpointFacts)
+    path = cp.path / CONFIG
+    if CONFIG not in cp.files:
+        return skip(id, f"{CONFIG} is missing (see checkpoint.files)")
+    if cp.problem(CONFIG) is not None:
+        return skip(id, f"{CONFIG} is not a config file at all (see checkpoint.content)")
+    if cp.config is None:
+        where = f"repair line {cp.config_error_line} of {path}, or re-download it: " if (
+            cp.config_error_line
+        ) else "re-download it: "
+        return fail(
+            id,
+            f"{cp.config_error or f'{path} cannot be read'}, so loading fails with `OSError: It "
+            f"looks like the config file at '{path}' is not a valid JSON file.`",
+            where + redownload(cp, [CONFIG]), paths=[path], line=cp.config_error_line,
+        )
+    cfg = cp.config
+    model_type = cfg.get("model_type")
+    if model_type != "qwen":
+        hint = (
+            " (Qwen1.5 and Qwen2 are `qwen2`: they use transformers' own code, which has no "
+            "Int8 KV cache)" if model_type == "qwen2" else ""
+        )
+        return fail(
+            id,
+            f"{CONFIG} has model_type {json.dumps(model_type)}, not \"qwen\", so this is not a "
+            f"Qwen (v1) checkpoint{hint}",
+            "point qwen-kvprep at a Qwen (v1) checkpoint such as Qwen/Qwen-7B-Chat",
+            paths=[path], model_type=model_type,
+        )
+    auto_map = cfg.get("auto_map")
+    if not isinstance(auto_map, dict) or "AutoModelForCausalLM" not in auto_map:
+        return warn(
+            id,
+            f"{CONFIG} has no auto_map.AutoModelForCausalLM, so AutoModelForCausalLM cannot find "
+            "the remote code (`ValueError: Unrecognized configuration class`)",
+            redownload(cp, [CONFIG]), paths=[path],
+        )
+    return ok(id, f"{CONFIG} parses: a Qwen (v1) config with remote code in auto_map")
+
+
+@check("config.kv_cache", "The Int8 KV cache and its kernel are switched on")
+def kv_cache(facts: Facts) -> Finding:
+    id = "config.kv_cache"
+    got = _config(facts, id)
+    if isinstance(got, Finding):
+        return got
+    cp, cfg = got
+    path = cp.path / CONFIG
+    quant = bool(cfg.get("use_cache_quantization", DEFAULTS["use_cache_quantization"]))
+    kernel = bool(cfg.get("use_cache_kernel", DEFAULTS["use_cache_kernel"]))
+    flags = {k: cfg.get(k, DEFAULTS[k]) for k in ("use_cache_quantization", "use_cache_kernel")}
+    if not quant and kernel:
+        return warn(
+            id,
+            "use_cache_kernel is on but use_cache_quantization is "
+            f"{_shown(cfg, 'use_cache_quantization')}, so the kernel does nothing and the KV "
+            "cache stays full size",
+            _fix_cmd(cp), paths=[path], **flags,
+        )
+    if not quant:
+        return warn(
+            id,
+            f"Int8 KV cache is off (use_cache_quantization is "
+            f"{_shown(cfg, 'use_cache_quantization')}), so the KV cache takes about twice the "
+            "memory it needs",
+            _fix_cmd(cp), paths=[path], **flags,
+        )
+    if not kernel:
+        return warn(
+            id,
+            f"Int8 KV cache is on but use_cache_kernel is {_shown(cfg, 'use_cache_kernel')}, so "
+            "every step dequantizes the whole cache in pure torch (the slow fallback)",
+            _fix_cmd(cp), paths=[path], **flags,
+        )
+    return ok(id, "Int8 KV cache and its kernel are on (use_cache_quantization, use_cache_kernel)")
+
+
+def flash_attn_off(cfg: dict[str, Any]) -> bool:
+    """Whether the config switches flash-attn off for certain.
+
+    The remote code turns "auto" on whenever flash_attn imports and half precision is in
+    effect; only a falsy value other than "auto" keeps it off everywhere.
+    """
+    value = cfg.get("use_flash_attn", DEFAULTS["use_flash_attn"])
+    return value != "auto" and not value
+
+
+@check("config.flash_attn", "flash-attn is off where the Int8 KV cache is on")
+def flash_attn(facts: Facts) -> Finding:
+    id = "config.flash_attn"
+    got = _config(facts, id)
+    if isinstance(got, Finding):
+        return got
+    cp, cfg = got
+    path = cp.path / CONFIG
+    shown = _shown(cfg, "use_flash_attn")
+    if flash_attn_off(cfg):
+        return ok(id, f"use_flash_attn is {shown}")
+    if cfg.get("use_cache_quantization", DEFAULTS["use_cache_quantization"]):
+        return fail(
+            id,
+            f"use_flash_attn is {shown} while the Int8 KV cache is on, and the remote code does "
+            "not switch flash-attn off: wherever flash_attn is installed and the model runs in "
+            "bf16/fp16 on a GPU, generation fails with `AttributeError: 'tuple' object has no "
+            "attribute 'dtype'`",
+            f"{_fix_cmd(cp)}  (sets use_flash_attn to false)", paths=[path],
+            use_flash_attn=cfg.get("use_flash_attn", DEFAULTS["use_flash_attn"]),
+        )
+    return info(
+        id,
+        f"use_flash_attn is {shown}: harmless while the Int8 KV cache is off, but it must be "
+        "false once the cache is on (fix sets both)",
+        _fix_cmd(cp), paths=[path],
+    )
+
+
+@check("config.symlink", "config.json can be patched without touching a shared blob")
+def symlink(facts: Facts) -> Finding:
+    id = "config.symlink"
+    cp = facts.checkpoint
+    if cp is None:
+        return skip(id, "no checkpoint directory given")
+    assert isinstance(cp, CheckpointFacts)
+    path = cp.path / CONFIG
+    if not cp.config_is_symlink:
+        if CONFIG not in cp.files:
+            return skip(id, f"{CONFIG} is missing (see checkpoint.files)")
+        return ok(id, f"{CONFIG} is a regular file")
+    return info(
+        id,
+        f"{CONFIG} is a symlink (to {cp.config_link_target}), as in a huggingface_hub cache: fix "
+        "will replace the link with a patched file and never write the blob it points to",
+        paths=[path], target=cp.config_link_target,
+    )
