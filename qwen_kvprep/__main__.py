@@ -1,4 +1,4 @@
-from qwen_kvprep.cli import main
+from qwen_kvprep.entry import main
 
 if __name__ == "__main__":
     main()

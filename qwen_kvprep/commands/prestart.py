@@ -1,0 +1,109 @@
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import click
+
+from qwen_kvprep.prestart import (
+    ENV_ALLOW_FALLBACK,
+    ENV_ARCH,
+    ENV_CACHE,
+    ENV_DIR,
+    ENV_OUTPUT,
+    ENV_QUIET,
+    ENV_SMOKE,
+)
+
+_COMMAND_KEY = "qwen_kvprep.prestart.command"
+
+
+class _CommandAfterDashes(click.Command):
+    """Everything after the first `--` is CMD, taken whole before click parses the rest:
+    click would otherwise give CMD's first word to DIR when DIR comes from
+    $QWEN_KVPREP_DIR, and read CMD's own options as ours."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        command: list[str] = []
+        if "--" in args:
+            cut = args.index("--")
+            args, command = args[:cut], args[cut + 1 :]
+        ctx.meta[_COMMAND_KEY] = command
+        return super().parse_args(ctx, args)
+
+
+@click.command(cls=_CommandAfterDashes)
+@click.argument("directory", required=False, envvar=ENV_DIR)
+@click.option(
+    "--output", "-o", metavar="OUT", envvar=ENV_OUTPUT,
+    help="Prepare a view of DIRECTORY in OUT (links + patched copies) and leave "
+    f"DIRECTORY untouched; point the server at OUT. [env: {ENV_OUTPUT}]",
+)
+@click.option(
+    "--smoke", is_flag=True, envvar=ENV_SMOKE,
+    help=f"Also require (and run when missing) a passing smoke test. [env: {ENV_SMOKE}=1]",
+)
+@click.option(
+    "--allow-fallback", is_flag=True, envvar=ENV_ALLOW_FALLBACK,
+    help="When preparing fails, print the problem and start CMD anyway (it will run "
+    f"without the kernel). [env: {ENV_ALLOW_FALLBACK}=1]",
+)
+@click.option(
+    "--cache-dir", metavar="DIR", envvar=ENV_CACHE,
+    help=f"Build cache folder (shared between replicas is fine). [env: {ENV_CACHE}]",
+)
+@click.option(
+    "--arch", metavar="LIST", envvar=ENV_ARCH,
+    help=f'CUDA architectures to build for when a build is needed, e.g. "8.0;9.0". '
+    f"[env: {ENV_ARCH}]",
+)
+@click.option(
+    "--quiet", "-q", is_flag=True, envvar=ENV_QUIET,
+    help=f"Print nothing unless something fails. [env: {ENV_QUIET}=1]",
+)
+@click.pass_context
+def prestart(
+    ctx: click.Context,
+    directory: Optional[str],
+    output: Optional[str],
+    smoke: bool,
+    allow_fallback: bool,
+    cache_dir: Optional[str],
+    arch: Optional[str],
+    quiet: bool,
+) -> None:
+    """Make sure DIRECTORY is prepared, then exec CMD:  prestart DIR [OPTIONS] -- CMD ARGS...
+
+    When the state `fix` recorded still matches (file hashes, torch/transformers versions,
+    the build, the modules-cache copies) this takes milliseconds and imports neither torch
+    nor transformers. Otherwise it does the missing part of fix (smoke only with --smoke).
+    CMD replaces this process, so its signals and exit code are its own; without CMD,
+    prestart exits 0 when the directory is ready. Its own messages go to stderr.
+    DIRECTORY may come from $QWEN_KVPREP_DIR.
+    """
+    from qwen_kvprep.cli import existing_dir
+    from qwen_kvprep.errors import UsageError
+    from qwen_kvprep.prestart import Request, run
+
+    if directory is None:
+        raise UsageError(
+            "prestart needs the model directory",
+            fix=f"qwen-kvprep prestart DIR -- CMD ..., or set {ENV_DIR}",
+        )
+    path = existing_dir(directory)
+    command: list[Any] = ctx.meta.get(_COMMAND_KEY, [])
+    run(
+        Request(
+            str(path),
+            output=output,
+            smoke=smoke,
+            allow_fallback=allow_fallback,
+            cache_dir=cache_dir,
+            arch=arch,
+            quiet=quiet,
+            command=command,
+        )
+    )
+
+
+def register(group: click.Group) -> None:
+    group.add_command(prestart)

@@ -1,0 +1,27 @@
+"""The `qwen-kvprep` console entry point.
+
+`prestart` runs on every container start, and importing click and the command tree costs
+several times what the whole fast path does. So `prestart` is answered here, before click
+is imported, when its recorded state still matches; every other case (other commands,
+--help, a slow path, a usage error) goes to the click CLI in qwen_kvprep.cli.
+"""
+
+from __future__ import annotations
+
+import sys
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+    from typing import Optional
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args and args[0] == "prestart":
+        from qwen_kvprep.prestart import fast
+
+        fast(args[1:])  # execs CMD or exits when the state matches; returns otherwise
+    from qwen_kvprep.cli import main as cli_main
+
+    cli_main(args)
