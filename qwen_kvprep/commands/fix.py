@@ -2,7 +2,8 @@ from __future__ import annotations
 
 import difflib
 import sys
-from typing import Any
+from pathlib import Path
+from typing import Any, Optional
 
 import click
 
@@ -39,12 +40,41 @@ def render_planned(planned: list[PlannedWrite]) -> str:
 @click.option("--no-build", is_flag=True, help="Skip compiling the extension.")
 @click.option("--no-smoke", is_flag=True, help="Skip the smoke generation.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document.")
+@click.option(
+    "--source",
+    type=click.Choice(["auto", "vendored", "hub"]),
+    default="auto",
+    show_default=True,
+    help="Kernel sources: auto keeps a correct pair already in DIRECTORY, else uses "
+    "qwen-kvprep's own; vendored always uses qwen-kvprep's; hub downloads Qwen's official "
+    "files (sha256-verified) through huggingface_hub.",
+)
+@click.option(
+    "--repo-id",
+    metavar="ORG/NAME",
+    help="Hub repo for --source hub (default: the repo DIRECTORY is a cache snapshot of).",
+)
+@click.option(
+    "--revision",
+    metavar="REV",
+    help="Branch, tag or commit for --source hub (default: the snapshot's commit, else main).",
+)
+@click.option(
+    "--output",
+    metavar="OUT",
+    help="Read-only DIRECTORY: prepare a view of it in OUT (links to the weights, patched "
+    "copies of what fix changes) and fix that; DIRECTORY is not touched. Serve from OUT.",
+)
 def fix(
     directory: str,
     dry_run: bool,
     no_build: bool,
     no_smoke: bool,
     as_json: bool,
+    source: str,
+    repo_id: Optional[str],
+    revision: Optional[str],
+    output: Optional[str],
 ) -> None:
     """Make DIRECTORY's Int8 KV cache work: validate, provide the kernel sources, patch
     config.json, build the extension, install the loader and prove it."""
@@ -53,7 +83,17 @@ def fix(
 
     path = existing_dir(directory)
     assert path is not None
-    options = FixOptions(dry_run=dry_run, build=not no_build, smoke=not no_smoke)
+    options = FixOptions(
+        dry_run=dry_run,
+        build=not no_build,
+        smoke=not no_smoke,
+        source=source,
+        repo_id=repo_id,
+        revision=revision,
+        output=Path(output).absolute() if output else None,
+        # download bars go to stderr; a --json consumer wants none at all
+        progress=False if as_json else None,
+    )
     result = run_fix(path, options)
     planned = [{"path": str(p.path), "bytes": len(p.new)} for p in result.planned]
     if dry_run and not as_json:

@@ -23,6 +23,10 @@ class FixOptions:
     cache_dir: Optional[Path] = None
     arch: Optional[str] = None
     smoke_timeout: Optional[float] = None
+    # --output OUT: fix a view of the directory in OUT and leave the directory untouched
+    output: Optional[Path] = None
+    # huggingface_hub's download bars: None = only when stderr is a terminal; False for --json
+    progress: Optional[bool] = None
 
 
 @dataclass
@@ -50,12 +54,19 @@ class FixResult:
 # (module, condition): steps run in this order; a step raises a KvprepError to stop.
 _STEPS: list[tuple[str, Callable[[FixOptions], bool]]] = [
     ("validate", lambda o: True),
+    ("sources", lambda o: True),
     ("config_patch", lambda o: True),
 ]
 
 
 def run_fix(directory: Path, options: FixOptions) -> FixResult:
+    view_findings: list[Finding] = []
+    if options.output is not None:
+        from qwen_kvprep.view import fix_target
+
+        directory, view_findings = fix_target(directory, options.output, options.dry_run)
     ctx = FixContext(directory, options, Journal(directory, dry_run=options.dry_run))
+    ctx.add(*view_findings)
     for name, wanted in _STEPS:
         if wanted(options):
             importlib.import_module(f"qwen_kvprep.steps.{name}").run(ctx)

@@ -1,0 +1,120 @@
+"""Checks on the kernel sources: which ones the checkpoint (and the modules-cache copy of
+its code) holds, and whether Qwen's own sources can compile with this torch."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Optional
+
+from qwen_kvprep import hub
+from qwen_kvprep.checks import check
+from qwen_kvprep.findings import Finding, FindingsLike, fail, info, ok, skip, warn
+from qwen_kvprep.probe.facts import Facts
+
+_LABEL = {
+    hub.OFFICIAL: "official",
+    hub.OURS: "qwen-kvprep's",
+    hub.MODIFIED: "modified/unknown",
+    hub.MISSING: "missing",
+}
+
+
+def _listing(per_file: Mapping[str, str], hashes: Mapping[str, Optional[str]]) -> str:
+    parts = []
+    for name, kind in per_file.items():
+        sha = hashes.get(name)
+        extra = f", sha256 {sha[:16]}…" if kind == hub.MODIFIED and sha else ""
+        parts.append(f"{name}: {_LABEL[kind]}{extra}")
+    return "; ".join(parts)
+
+
+def _judge(
+    where: str,
+    hashes: Mapping[str, Optional[str]],
+    ours: Optional[Mapping[str, str]],
+    fix_cmd: str,
+) -> Finding:
+    kind, per_file = hub.classify_set(hashes, ours)
+    details: dict[str, Any] = {"where": where, "kind": kind, "files": dict(per_file)}
+    if kind == hub.OFFICIAL:
+        return ok("kernels.sources", f"{where}: Qwen's official kernel sources", **details)
+    if kind == hub.OURS:
+        return ok("kernels.sources", f"{where}: qwen-kvprep's kernel sources", **details)
+    if kind == hub.MISSING:
+        # The model then warns once and silently runs the slower pure-torch path.
+        return warn(
+            "kernels.sources",
+            f"{where}: no kernel sources (the model falls back to the slow path)",
+            fix_cmd,
+            **details,
+        )
+    problem = (
+        "the two files come from different sets (the .cpp binds the functions its own .cu defines)"
+        if kind == hub.MIXED and hub.MODIFIED not in per_file.values()
+        else "not a known pair"
+    )
+    note = "" if ours is not None else " (qwen-kvprep's own kernels/ were not found to compare)"
+    return warn(
+        "kernels.sources",
+        f"{where}: {problem}: {_listing(per_file, hashes)}{note}",
+        fix_cmd,
+        **details,
+    )
+
+
+@check("kernels.sources", "Which kernel sources the checkpoint holds")
+def kernel_sources(facts: Facts) -> FindingsLike:
+    cp = facts.checkpoint
+    if cp is None:
+        return skip("kernels.sources", "no checkpoint given")
+    ours = hub.ours_hashes()
+    fix_cmd = f"qwen-kvprep fix {cp.path}"
+    out = [_judge("checkpoint", getattr(cp, "kernel_sources", None) or {}, ours, fix_cmd)]
+    # The model looks for the sources next to the modules-cache copy of its code (facts
+    # §4): that copy matters as much as the checkpoint's own.
+    module = getattr(facts.caches, "module_kernel_sources", None)
+    if module is not None:
+        out.append(_judge("modules cache", module, ours, fix_cmd))
+    return out
+
+
+def _env_torch(env: Any) -> tuple[Optional[str], Optional[str]]:
+    """(torch version, torch.version.cuda) from EnvFacts; "?" for a CUDA version that was
+    not probed (as opposed to None: a CPU-only build)."""
+    version = getattr(env, "torch_version", None)
+    cuda = getattr(env, "torch_cuda", "?")
+    return (version if isinstance(version, str) else None), cuda
+
+
+@check("kernels.official_compat", "Whether Qwen's own kernel sources compile with this torch")
+def official_compat(facts: Facts) -> FindingsLike:
+    if facts.env is None:
+        return skip("kernels.official_compat", "environment not probed")
+    version, cuda = _env_torch(facts.env)
+    compat = hub.official_compat(version, cuda)
+    if compat.status == "unknown":
+        return skip("kernels.official_compat", f"cannot tell: {compat.reason}")
+    cp = facts.checkpoint
+    holds_official = (
+        cp is not None
+        and hub.OFFICIAL
+        in hub.classify_set(getattr(cp, "kernel_sources", None) or {}, None)[1].values()
+    )
+    details = {"torch": version, "torch_cuda": cuda, "status": compat.status}
+    if holds_official and cp is not None:
+        if compat.status == "no":
+            return fail(
+                "kernels.official_compat",
+                f"the checkpoint's official kernel sources cannot compile here: {compat.reason}",
+                f"qwen-kvprep fix {cp.path} --source vendored",
+                **details,
+            )
+        return ok("kernels.official_compat", f"official sources: {compat.reason}", **details)
+    if compat.status == "no":
+        return info(
+            "kernels.official_compat",
+            f"Qwen's official sources would not compile here ({compat.reason}); "
+            "qwen-kvprep's own kernels are used by default",
+            **details,
+        )
+    return info("kernels.official_compat", f"official sources: {compat.reason}", **details)

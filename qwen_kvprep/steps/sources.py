@@ -1,0 +1,264 @@
+"""Step of `fix` after validate: choose the kernel sources and put them into the checkpoint.
+
+`--source vendored` takes qwen-kvprep's own kernels/; `--source hub` fetches Qwen's files
+through huggingface_hub (hub.fetch_official, verified by sha256); `--source auto` keeps a
+correct pair already in the directory (official or ours, by hash) and otherwise takes the
+vendored pair. The chosen files land in `ctx.sources` (read by build and modules) and in
+the checkpoint through the journal, only after they were verified.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+from qwen_kvprep import hub, resources
+from qwen_kvprep.errors import SourceError, UsageError
+from qwen_kvprep.findings import Finding, fail, info, ok, warn
+
+SOURCES = ("auto", "vendored", "hub")
+
+
+@dataclass(frozen=True)
+class SourceSet:
+    """The two kernel source files the rest of `fix` builds and installs."""
+
+    origin: str  # "vendored" | "hub" | "checkpoint" (kept what the directory had)
+    kind: str  # hub.OFFICIAL | hub.OURS
+    files: Mapping[str, bytes]
+    repo_id: Optional[str] = None
+    revision: Optional[str] = None
+    commit: Optional[str] = None  # what the Hub resolved `revision` to
+
+    def hashes(self) -> dict[str, str]:
+        return {name: resources.sha256_bytes(data) for name, data in self.files.items()}
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "origin": self.origin,
+            "kind": self.kind,
+            "repo_id": self.repo_id,
+            "revision": self.revision,
+            "commit": self.commit,
+            "files": self.hashes(),
+        }
+
+
+def run(ctx: Any) -> None:
+    options = ctx.options
+    source = options.source
+    if source not in SOURCES:
+        raise UsageError(f"--source must be one of {', '.join(SOURCES)}, not {source!r}")
+    if source != "hub" and (options.repo_id or options.revision):
+        raise UsageError(
+            "--repo-id and --revision choose what `--source hub` downloads; "
+            f"they mean nothing with --source {source}",
+            fix="add `--source hub`, or drop --repo-id/--revision",
+        )
+
+    present = _read_present(Path(ctx.directory))
+    hashes = {n: (resources.sha256_bytes(b) if b is not None else None) for n, b in present.items()}
+    kind, per_file = hub.classify_set(hashes, hub.ours_hashes())
+
+    if source == "vendored":
+        chosen = _vendored()
+    elif source == "hub":
+        chosen = _from_hub(ctx, kind, present)
+    else:
+        chosen = _auto(ctx, kind, present)
+
+    _install(ctx, chosen, per_file, hashes)
+    ctx.sources = chosen
+    ctx.extra["sources"] = chosen.to_json()
+
+
+def _read_present(directory: Path) -> dict[str, Optional[bytes]]:
+    out: dict[str, Optional[bytes]] = {}
+    for name in resources.KERNEL_FILES:
+        try:
+            # Follows a symlink into a huggingface_hub blob: what matters is the content.
+            out[name] = (directory / name).read_bytes()
+        except FileNotFoundError:
+            out[name] = None
+        except OSError as exc:
+            raise SourceError(
+                f"cannot read {directory / name}: {exc}",
+                fix=f"check the permissions of {directory}",
+            ) from exc
+    return out
+
+
+def _vendored() -> SourceSet:
+    try:
+        folder = resources.kernels_dir()
+        files = {name: (folder / name).read_bytes() for name in resources.KERNEL_FILES}
+    except OSError as exc:
+        finding = fail(
+            "kernels.sources",
+            f"qwen-kvprep's own kernel sources are missing from this installation ({exc})",
+            "reinstall qwen-kvprep (`pip install --force-reinstall qwen-kvprep`)",
+        )
+        raise SourceError(finding.message, fix=finding.fix, findings=[finding]) from exc
+    return SourceSet("vendored", hub.OURS, files)
+
+
+def _torch_info() -> tuple[Optional[str], Optional[str]]:
+    """(torch version, torch.version.cuda) of the torch that will build the extension."""
+    try:
+        import torch
+    except ImportError:
+        return None, None
+    return str(torch.__version__), getattr(torch.version, "cuda", None)
+
+
+def _compat_finding(compat: hub.Compat, severity: str) -> Finding:
+    make = fail if severity == "fail" else warn
+    return make(
+        "kernels.official_compat",
+        f"the official kernel sources cannot be compiled here: {compat.reason}",
+        "use `--source vendored` (qwen-kvprep's kernels implement the same two functions "
+        "and compile with this torch)",
+    )
+
+
+def _auto(ctx: Any, kind: str, present: Mapping[str, Optional[bytes]]) -> SourceSet:
+    if kind == hub.OURS:
+        return SourceSet("checkpoint", hub.OURS, _complete(present))
+    if kind == hub.OFFICIAL:
+        compat = hub.official_compat(*_torch_info())
+        if compat.status != "no":
+            return SourceSet("checkpoint", hub.OFFICIAL, _complete(present))
+        ctx.add(
+            info(
+                "kernels.official_compat",
+                f"the checkpoint holds the official kernel sources, but {compat.reason}: "
+                "using qwen-kvprep's kernels instead (the originals are kept for "
+                "`qwen-kvprep revert`)",
+            )
+        )
+    return _vendored()
+
+
+def _complete(present: Mapping[str, Optional[bytes]]) -> dict[str, bytes]:
+    return {name: data for name, data in present.items() if data is not None}
+
+
+def _from_hub(ctx: Any, kind: str, present: Mapping[str, Optional[bytes]]) -> SourceSet:
+    options = ctx.options
+    compat = hub.official_compat(*_torch_info())
+    if compat.status == "no" and options.build:
+        # Refuse before downloading: the build step could only fail on these sources.
+        finding = _compat_finding(compat, "fail")
+        raise SourceError(
+            finding.message,
+            fix=f"{finding.fix}; or `--no-build` to only place the official files",
+            findings=[finding],
+        )
+    if compat.status == "no":
+        ctx.add(_compat_finding(compat, "warn"))
+
+    repo_id, revision = resolve_repo(ctx.directory, ctx.facts, options.repo_id, options.revision)
+    if kind == hub.OFFICIAL:
+        # The known-good list has one hash per file, so a verified download could only
+        # bring these same bytes again: no network needed, offline or not.
+        ctx.add(
+            info(
+                "kernels.sources",
+                "the checkpoint already holds the official kernel sources (sha256 verified); "
+                "nothing to download",
+            )
+        )
+        return SourceSet("checkpoint", hub.OFFICIAL, _complete(present), repo_id, revision)
+    if repo_id is None:
+        raise UsageError(
+            f"--source hub needs --repo-id: {ctx.directory} does not say which Hub repo it "
+            "came from (it is not a huggingface_hub cache snapshot)",
+            fix="pass --repo-id ORG/NAME; Qwen v1 repos with the kernel sources: "
+            + ", ".join(hub.known_good().repos)
+            + "; or use --source vendored",
+        )
+    fetched = hub.fetch_official(
+        repo_id,
+        revision,
+        progress=getattr(options, "progress", None),
+        checkpoint=Path(ctx.directory),
+    )
+    return SourceSet("hub", hub.OFFICIAL, fetched.files, repo_id, revision, fetched.commit)
+
+
+def resolve_repo(
+    directory: Path, facts: Any, repo_option: Optional[str], revision_option: Optional[str]
+) -> tuple[Optional[str], str]:
+    """(repo id, revision) for `--source hub`.
+
+    The repo: --repo-id, else what the checkpoint says about itself (a huggingface_hub
+    cache snapshot `.../models--ORG--NAME/snapshots/REV`). The revision: --revision, else
+    the snapshot's commit when the repo is the snapshot's own, else "main".
+    """
+    checkpoint = getattr(facts, "checkpoint", None)
+    own_repo = getattr(checkpoint, "repo_id", None)
+    own_revision = getattr(checkpoint, "revision", None)
+    if checkpoint is None:
+        from qwen_kvprep.probe.checkpoint import hub_snapshot
+
+        own_repo, own_revision, _ = hub_snapshot(Path(directory))
+    repo_id = repo_option or own_repo
+    if revision_option:
+        revision = revision_option
+    elif own_revision and repo_id == own_repo:
+        revision = own_revision
+    else:
+        revision = "main"
+    return repo_id, revision
+
+
+def _describe(sources: SourceSet) -> str:
+    if sources.origin == "hub":
+        commit = f" (commit {sources.commit[:12]})" if sources.commit else ""
+        return (
+            f"the official kernel sources from {sources.repo_id}@{sources.revision}{commit}, "
+            "sha256 verified"
+        )
+    if sources.origin == "checkpoint":
+        which = "official" if sources.kind == hub.OFFICIAL else "qwen-kvprep's"
+        return f"the {which} kernel sources already in the checkpoint (sha256 verified)"
+    return "qwen-kvprep's own kernel sources"
+
+
+def _install(
+    ctx: Any,
+    chosen: SourceSet,
+    per_file: Mapping[str, str],
+    hashes: Mapping[str, Optional[str]],
+) -> None:
+    written: list[str] = []
+    replaced: dict[str, str] = {}
+    for name, data in chosen.files.items():
+        if ctx.journal.write(name, data):
+            written.append(name)
+            if per_file[name] != hub.MISSING:
+                replaced[name] = per_file[name]
+    verb = "would write" if ctx.options.dry_run else "wrote"
+    action = f"; {verb} {', '.join(written)}" if written else ""
+    ctx.add(
+        ok(
+            "kernels.sources",
+            f"using {_describe(chosen)}{action}",
+            paths=[Path(ctx.directory) / n for n in written],
+            **chosen.to_json(),
+        )
+    )
+    modified = {n: k for n, k in replaced.items() if k == hub.MODIFIED}
+    if modified:
+        listing = ", ".join(f"{n} (sha256 {str(hashes[n])[:16]}…)" for n in sorted(modified))
+        ctx.add(
+            warn(
+                "kernels.sources",
+                f"replaced kernel sources that were neither official nor qwen-kvprep's: {listing}",
+                "`qwen-kvprep revert` restores them",
+                paths=[Path(ctx.directory) / n for n in sorted(modified)],
+                replaced={n: hashes[n] for n in sorted(modified)},
+            )
+        )
