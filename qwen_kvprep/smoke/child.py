@@ -1,0 +1,499 @@
+"""Child side of `qwen-kvprep smoke`: `python -m qwen_kvprep.smoke.child DIR --fd N ...`.
+
+It runs in its own process so that whatever the model code does (crash in a CUDA kernel,
+hang in a JIT build lock, call os._exit) cannot take the CLI with it. It only measures;
+the parent judges the numbers (qwen_kvprep.smoke.evaluate), so thresholds can be changed
+and tested without loading a model.
+
+The model is loaded as a server would load it: `from_pretrained(DIR,
+trust_remote_code=True)` with nothing overriding the config, so the flags in config.json
+are what is tested. Generation is a hand-written greedy loop over the model's own forward
+(the same calls `generate` makes for greedy search) rather than `generate` itself: the
+checkpoint's generation_config.json asks for sampling, stop words and a repetition
+penalty, and transformers versions differ in how they merge a caller's config with it; a
+loop of plain forwards gives exactly N tokens and raw logits on every version.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.machinery
+import json
+import logging
+import os
+import resource
+import sys
+import time
+import traceback
+import warnings
+from typing import IO, Any, Callable, Optional
+
+from qwen_kvprep.smoke.protocol import (
+    DEFAULT_MAX_NEW_TOKENS,
+    DEFAULT_PROMPT,
+    DEVICES,
+    PHASE_DONE,
+    PHASE_INSPECT,
+    PHASE_LOAD,
+    PHASE_QUANTIZED,
+    PHASE_START,
+    PHASE_UNQUANTIZED,
+    RESULT_VERSION,
+)
+
+FLAG = "use_cache_quantization"
+# Logits are compared only while both runs share a prefix, i.e. up to the first
+# divergence; keeping more steps than this costs memory (vocab x 4 bytes each) for nothing.
+KEEP_LOGITS_STEPS = 64
+
+
+class Events:
+    """Line-delimited JSON on the dedicated descriptor; flushed per line so that the
+    parent still has everything up to a crash."""
+
+    def __init__(self, stream: IO[str]) -> None:
+        self.stream = stream
+        self.phase = PHASE_START
+
+    def send(self, obj: dict[str, Any]) -> None:
+        self.stream.write(json.dumps(obj, default=str) + "\n")
+        self.stream.flush()
+
+    def start(self, phase: str) -> None:
+        self.phase = phase
+        self.send({"event": "phase", "phase": phase, "t": time.time()})
+
+
+class _Capture(logging.Handler):
+    def __init__(self, sink: list[str]) -> None:
+        super().__init__(logging.WARNING)
+        self.sink = sink
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            self.sink.append(record.getMessage())
+        except Exception:  # a bad format string in model code must not kill the smoke
+            self.sink.append(str(record.msg))
+
+
+def _rss_peak_bytes() -> int:
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    # Linux reports KiB, macOS bytes
+    return int(peak if sys.platform == "darwin" else peak * 1024)
+
+
+def resolve_device(requested: str, torch: Any) -> str:
+    if requested == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(
+            f"--device cuda, but torch {torch.__version__} sees no GPU "
+            f"(torch.version.cuda={torch.version.cuda})"
+        )
+    return requested
+
+
+def load_model(directory: str, device: str) -> tuple[Any, Any, float, list[str]]:
+    """Tokenizer and model as a server loads them; also the warnings printed meanwhile."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    captured: list[str] = []
+    handler = _Capture(captured)
+    # transformers' own loggers do not propagate to the root logger; remote code
+    # (transformers_modules.*) does. Listen on both.
+    loggers = [logging.getLogger(), logging.getLogger("transformers")]
+    for lg in loggers:
+        lg.addHandler(handler)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")  # one warning per layer, not one per site
+            t0 = time.perf_counter()
+            tokenizer = AutoTokenizer.from_pretrained(directory, trust_remote_code=True)
+            kwargs: dict[str, Any] = {}
+            if device == "cuda" and _has_accelerate():
+                kwargs["device_map"] = "auto"  # what Qwen's own instructions use
+            model = AutoModelForCausalLM.from_pretrained(
+                directory, trust_remote_code=True, **kwargs
+            )
+            if device == "cuda" and "device_map" not in kwargs:
+                model = model.to("cuda")
+            model.eval()
+            if device == "cuda":
+                import torch
+
+                torch.cuda.synchronize()
+            load_s = time.perf_counter() - t0
+    finally:
+        for lg in loggers:
+            lg.removeHandler(handler)
+    messages = [str(w.message) for w in caught] + captured
+    for m in messages:  # recorded instead of printed: keep them in the log too
+        print(f"warning during load: {m}", file=sys.stderr)
+    return tokenizer, model, load_s, messages
+
+
+def _has_accelerate() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("accelerate") is not None
+
+
+def flagged_modules(model: Any) -> list[tuple[str, Any]]:
+    return [(n, m) for n, m in model.named_modules() if hasattr(m, FLAG)]
+
+
+def attention_layers(model: Any) -> list[tuple[str, Any]]:
+    """The leaf-most modules carrying the quantization flag: the attention layers (the
+    model-level module carries the flag too, to read the cache length)."""
+    flagged = flagged_modules(model)
+    names = [n for n, _ in flagged]
+    return [
+        (n, m) for n, m in flagged if not any(o != n and o.startswith(n + ".") for o in names)
+    ]
+
+
+def kernel_info(module: Any) -> dict[str, Any]:
+    kernels = getattr(module, "cache_kernels", None)
+    if kernels is None:
+        return {"loaded": False, "module": None, "file": None, "compiled": False}
+    path = getattr(kernels, "__file__", None)
+    compiled = bool(path) and str(path).endswith(tuple(importlib.machinery.EXTENSION_SUFFIXES))
+    return {
+        "loaded": True,
+        "module": getattr(kernels, "__name__", type(kernels).__name__),
+        "file": str(path) if path else None,
+        "compiled": compiled,
+    }
+
+
+class CountingKernels:
+    """Stands in for a layer's `cache_kernels` and counts calls into the extension, so
+    "the kernel ran" is observed rather than inferred from the attribute being set."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+        self.calls = 0
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._inner, name)
+        if not callable(attr):
+            return attr
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            self.calls += 1
+            return attr(*args, **kwargs)
+
+        return counted
+
+
+def _tensors(obj: Any) -> list[Any]:
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, (tuple, list)):
+        return [t for item in obj for t in _tensors(item)]
+    return []
+
+
+def _legacy(past: Any) -> Any:
+    # newer transformers may hand back a Cache object; the remote code itself uses tuples
+    to_legacy = getattr(past, "to_legacy_cache", None)
+    return to_legacy() if callable(to_legacy) else past
+
+
+def cache_layout(layer_past: Any, batch: int, tokens: int) -> dict[str, Any]:
+    """Describe one layer's cache entry: quantized ((q, scale, zero), (q, scale, zero))
+    with q [b, h, s, d] uint8 and scale/zero [b, h, s, 1], or plain (key, value)."""
+    # numel * element_size, not storage size: key/value may be views of one projection
+    # output, but what a cache holds per token is their logical size
+    nbytes = sum(t.numel() * t.element_size() for t in _tensors(layer_past))
+    info: dict[str, Any] = {"bytes": nbytes}
+    parts = list(layer_past) if isinstance(layer_past, (tuple, list)) else []
+    if len(parts) == 2 and all(isinstance(p, (tuple, list)) and len(p) == 3 for p in parts):
+        q, scale, zero = parts[0]
+        vq, vscale, vzero = parts[1]
+        info.update(
+            layout="quantized",
+            q_dtype=str(q.dtype).replace("torch.", ""),
+            v_dtype=str(vq.dtype).replace("torch.", ""),
+            q_shape=list(q.shape),
+            scale_shape=list(scale.shape),
+            zero_shape=list(zero.shape),
+            scale_dtype=str(scale.dtype).replace("torch.", ""),
+            scale_bytes=scale.element_size(),
+        )
+        heads, head_dim = (q.shape[1], q.shape[3]) if q.dim() == 4 else (None, None)
+        want_q = [batch, heads, tokens, head_dim]
+        want_s = [batch, heads, tokens, 1]
+        info["heads"], info["head_dim"] = heads, head_dim
+        info["per_token"] = (
+            all(list(t.shape) == want_s for t in (scale, zero, vscale, vzero))
+            and list(q.shape) == want_q
+            and list(vq.shape) == want_q
+        )
+    elif len(parts) == 2 and all(hasattr(p, "dtype") for p in parts):
+        info.update(
+            layout="plain",
+            dtype=str(parts[0].dtype).replace("torch.", ""),
+            shape=list(parts[0].shape),
+            element_bytes=parts[0].element_size(),
+        )
+    else:
+        info["layout"] = "unknown"
+    return info
+
+
+def greedy(
+    model: Any,
+    input_ids: Any,
+    new_tokens: int,
+    on_prefill: Callable[[Any], None],
+    device: str,
+) -> dict[str, Any]:
+    """N greedy tokens through the model's forward with its cache; raw first-step logits."""
+    import torch
+
+    def sync() -> None:
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+    with torch.inference_mode():
+        sync()
+        t0 = time.perf_counter()
+        out = model(input_ids=input_ids, use_cache=True)
+        logits = out.logits[:, -1, :].float()
+        token = logits.argmax(dim=-1)
+        step_logits = [logits[0].cpu()]
+        tokens = [int(token[0])]  # int() synchronises, so the timing below is honest
+        t1 = time.perf_counter()
+        on_prefill(_legacy(out.past_key_values))
+        past = out.past_key_values
+        t2 = time.perf_counter()
+        for _ in range(new_tokens - 1):
+            out = model(input_ids=token[:, None], past_key_values=past, use_cache=True)
+            past = out.past_key_values
+            logits = out.logits[:, -1, :]
+            token = logits.argmax(dim=-1)
+            tokens.append(int(token[0]))
+            if len(step_logits) < KEEP_LOGITS_STEPS:
+                step_logits.append(logits[0].float().cpu())
+        sync()
+        t3 = time.perf_counter()
+    decode_steps = new_tokens - 1
+    decode_s = t3 - t2
+    return {
+        "tokens": tokens,
+        "step_logits": step_logits,
+        "prefill_seconds": t1 - t0,
+        "decode_seconds": decode_s,
+        "decode_tokens_per_s": (decode_steps / decode_s) if decode_steps and decode_s > 0 else None,
+    }
+
+
+def _cache_summary(past: Any, batch: int, tokens: int) -> dict[str, Any]:
+    layers = [cache_layout(lp, batch, tokens) for lp in past]
+    total = sum(layer["bytes"] for layer in layers)
+    return {"layers": layers, "bytes_per_token": total / (batch * tokens)}
+
+
+def _peak(device: str) -> dict[str, Any]:
+    if device == "cuda":
+        import torch
+
+        return {"kind": "cuda_max_allocated", "bytes": int(torch.cuda.max_memory_allocated())}
+    return {"kind": "rss_high_water", "bytes": _rss_peak_bytes()}
+
+
+def _reset_peak(device: str) -> None:
+    if device == "cuda":
+        import torch
+
+        torch.cuda.reset_peak_memory_stats()
+
+
+def run_mode(
+    model: Any, input_ids: Any, new_tokens: int, device: str, quantized: bool
+) -> dict[str, Any]:
+    """One greedy run with every flagged module's quantization flag set to `quantized`."""
+    flagged = flagged_modules(model)
+    saved = [(m, getattr(m, FLAG)) for _, m in flagged]
+    for _, m in flagged:
+        setattr(m, FLAG, quantized)
+    cache: dict[str, Any] = {}
+    batch, tokens = int(input_ids.shape[0]), int(input_ids.shape[1])
+    _reset_peak(device)
+    try:
+        run = greedy(
+            model,
+            input_ids,
+            new_tokens,
+            lambda past: cache.update(_cache_summary(past, batch, tokens)),
+            device,
+        )
+    finally:
+        for m, value in saved:
+            setattr(m, FLAG, value)
+    run["cache"] = cache
+    run["peak_memory"] = _peak(device)
+    return run
+
+
+def compare_runs(q: dict[str, Any], u: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Logit differences while the two runs still share a prefix (before the first
+    different token, and at it), and how close a call the first divergence was."""
+    qt, ut = q["tokens"], u["tokens"]
+    ql, ul = q["step_logits"], u["step_logits"]
+    diverged = next((i for i, (a, b) in enumerate(zip(qt, ut)) if a != b), None)
+    last = diverged if diverged is not None else len(ut) - 1
+    worst_abs = worst_rel = 0.0
+    steps = min(last + 1, len(ql), len(ul))
+    for j in range(steps):
+        ref = ul[j]
+        diff = float((ql[j] - ref).abs().max())
+        span = float(ref.max() - ref.min())
+        worst_abs = max(worst_abs, diff)
+        worst_rel = max(worst_rel, diff / span if span > 0 else 0.0)
+    ref0 = ul[0]
+    first = {
+        "max_abs_logit_diff": float((ql[0] - ref0).abs().max()),
+        "logit_range": float(ref0.max() - ref0.min()),
+        "argmax_quantized": int(ql[0].argmax()),
+        "argmax_unquantized": int(ref0.argmax()),
+    }
+    comparison: dict[str, Any] = {
+        "tokens": len(ut),
+        "identical_tokens": sum(a == b for a, b in zip(qt, ut)),
+        "first_divergence": diverged,
+        "steps_compared": steps,
+        "max_abs_logit_diff": worst_abs,
+        "max_rel_logit_diff": worst_rel,
+        "divergence_margin": None,
+        "divergence_rel_margin": None,
+    }
+    if diverged is not None and diverged < len(ul):
+        ref = ul[diverged]
+        # how much the unquantized model preferred its own token over the quantized
+        # run's pick, on the same prefix: a small margin is a near-tie, not a bug
+        margin = float(ref[ut[diverged]] - ref[qt[diverged]])
+        span = float(ref.max() - ref.min())
+        comparison["divergence_margin"] = margin
+        comparison["divergence_rel_margin"] = margin / span if span > 0 else None
+    return first, comparison
+
+
+def smoke(
+    directory: str, device_req: str, prompt: str, new_tokens: int, ev: Events
+) -> dict[str, Any]:
+    import torch
+    import transformers
+
+    device = resolve_device(device_req, torch)
+    result: dict[str, Any] = {
+        "result_version": RESULT_VERSION,
+        "device": device,
+        "device_name": torch.cuda.get_device_name(0) if device == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda,
+        "transformers": transformers.__version__,
+        "prompt": prompt,
+        "max_new_tokens": new_tokens,
+    }
+
+    ev.start(PHASE_LOAD)
+    tokenizer, model, load_s, messages = load_model(directory, device)
+    result["load_seconds"] = load_s
+    result["load_warnings"] = messages
+    result["model_dtype"] = str(next(model.parameters()).dtype).replace("torch.", "")
+    code = sys.modules.get(type(model).__module__)
+    result["model_code"] = getattr(code, "__file__", None)
+    result["peak_after_load"] = _peak(device)
+
+    ev.start(PHASE_INSPECT)
+    layers = attention_layers(model)
+    layer_rows: list[dict[str, Any]] = []
+    proxies: list[Optional[CountingKernels]] = []
+    for name, mod in layers:
+        row = {
+            "name": name,
+            "use_cache_quantization": bool(getattr(mod, FLAG, False)),
+            "use_cache_kernel": bool(getattr(mod, "use_cache_kernel", False)),
+            "kernel": kernel_info(mod),
+        }
+        layer_rows.append(row)
+        if getattr(mod, "cache_kernels", None) is not None:
+            proxy = CountingKernels(mod.cache_kernels)
+            mod.cache_kernels = proxy
+            proxies.append(proxy)
+        else:
+            proxies.append(None)
+    result["layers"] = layer_rows
+    ids = tokenizer.encode(prompt)
+    if not ids:
+        raise ValueError(f"the tokenizer turned the prompt {prompt!r} into no tokens")
+    input_device = model.get_input_embeddings().weight.device
+    input_ids = torch.tensor([ids], dtype=torch.long, device=input_device)
+    result["prompt_tokens"] = len(ids)
+
+    quantized_on = any(r["use_cache_quantization"] for r in layer_rows)
+    ev.start(PHASE_QUANTIZED)
+    # The model as configured first: with the patched config this is the quantized cache.
+    q = run_mode(model, input_ids, new_tokens, device, quantized=quantized_on)
+    for row, (_, mod), counter in zip(layer_rows, layers, proxies):
+        row["kernel_calls"] = counter.calls if counter is not None else 0
+        if counter is not None:
+            mod.cache_kernels = counter._inner  # the model as it was
+    ev.start(PHASE_UNQUANTIZED)
+    u = run_mode(model, input_ids, new_tokens, device, quantized=False)
+
+    result["first_step"], result["comparison"] = compare_runs(q, u)
+    for key, run in (("quantized", q), ("unquantized", u)):
+        run.pop("step_logits")
+        run["text"] = tokenizer.decode(run["tokens"])
+        result[key] = run
+    result["quantized"]["enabled"] = quantized_on
+    result["peak_memory"] = _peak(device) if device != "cuda" else {
+        "kind": "cuda_max_allocated",
+        "bytes": max(q["peak_memory"]["bytes"], u["peak_memory"]["bytes"],
+                     result["peak_after_load"]["bytes"]),
+    }
+    return result
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m qwen_kvprep.smoke.child")
+    parser.add_argument("directory")
+    parser.add_argument("--fd", type=int, default=None, help="descriptor for the events")
+    parser.add_argument("--device", choices=DEVICES, default="auto")
+    parser.add_argument("--prompt", default=DEFAULT_PROMPT)
+    parser.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS)
+    args = parser.parse_args(argv)
+
+    stream = os.fdopen(args.fd, "w", encoding="utf-8") if args.fd is not None else sys.stdout
+    if args.fd is not None:
+        # model code, transformers and compilers print freely: send their stdout to our
+        # stderr (the parent's log) so nothing can corrupt the event stream
+        os.dup2(2, 1)
+    ev = Events(stream)
+    ev.start(PHASE_START)
+    try:
+        result = smoke(args.directory, args.device, args.prompt, args.max_new_tokens, ev)
+    except BaseException as exc:  # report everything, even SystemExit from model code
+        traceback.print_exc()
+        ev.send(
+            {
+                "event": "error",
+                "phase": ev.phase,
+                "type": type(exc).__name__,
+                "message": str(exc),
+                "traceback": traceback.format_exc(),
+            }
+        )
+        return 1
+    ev.send({"event": "result", "result": result})
+    ev.start(PHASE_DONE)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,472 @@
+"""Judge what the smoke child measured: findings and the "smoke" summary object.
+
+A pure function of the child's outcome, so every verdict and threshold is testable
+without loading a model.
+
+Thresholds (why these):
+
+- Logits, while the quantized and unquantized runs share a prefix: the largest
+  |Δlogit| over the vocabulary must stay within MAX_REL_LOGIT_DIFF = 5 % of the
+  unquantized logits' range (max − min) at that step. The uint8 format keeps one
+  (scale, zero) pair per head and chunk, so each cached value is off by less than one
+  step, range/255 ≈ 0.4 % of that head's value range (the cast truncates); on the tiny
+  model that shows up as ≈ 0.6 % of the logit range. Kernels that drop the zero point, skip
+  a product or misread the layout show 30–70 %. 5 % leaves an order of magnitude for
+  larger models and is still far below what a broken kernel does.
+- Tokens: greedy decoding may legitimately part ways where two tokens are nearly tied. A
+  divergence is accepted when, on the shared prefix, the unquantized model preferred its
+  own token over the quantized run's pick by no more than that same 5 % of the logit
+  range (a margin the allowed logit error can flip); otherwise it fails. The fraction of
+  identical tokens and the first divergence are reported either way.
+- Bytes per token are exact arithmetic on the cache tensors; the measured ratio is also
+  compared with the format's formula (`expected_ratio`), which catches a cache holding
+  more than the format says.
+"""
+
+from __future__ import annotations
+
+import signal
+from typing import Any, Optional
+
+from qwen_kvprep.findings import Finding, Severity, fail, info, ok, skip, warn
+from qwen_kvprep.smoke.protocol import FALLBACK_WARNINGS, LOAD_PHASES, PHASE_WORDS
+from qwen_kvprep.smoke.runner import ChildOutcome, SmokeOptions
+
+MAX_REL_LOGIT_DIFF = 0.05
+
+# Known causes, matched in the error text or the log tail (qwen-v1-facts.md §4).
+_HINTS = (
+    (
+        "./cache_autogptq_cuda_256.cpp",
+        "the checkpoint still runs the original cpp_kernels.py, which compiles from paths "
+        "relative to the working directory: run `qwen-kvprep fix {dir}`",
+    ),
+    (
+        "compute_70",
+        "the original cpp_kernels.py asks nvcc for sm_70, which CUDA 13 dropped: run "
+        "`qwen-kvprep fix {dir}` to use the prebuilt extension instead",
+    ),
+    (
+        "DeprecatedTypeProperties",
+        "the official kernel sources do not compile against this torch: run "
+        "`qwen-kvprep fix {dir}` (it uses qwen-kvprep's own kernel sources)",
+    ),
+    (
+        "requires the following packages",
+        "install the packages the model code imports: pip install tiktoken einops "
+        "transformers_stream_generator",
+    ),
+    (
+        "out of memory",
+        "the model does not fit this device: try --device cpu, or a machine with more "
+        "memory",
+    ),
+)
+
+
+def expected_ratio(head_dim: int, scale_bytes: int, element_bytes: int) -> float:
+    """Quantized over unquantized KV bytes per token for the Qwen v1 format.
+
+    Per layer, token and head, K and V each store D one-byte codes plus a scale and a zero
+    point of `scale_bytes` each, against D values of `element_bytes` unquantized:
+    ratio = (D + 2·s) / (D · e). D=128, bf16 (s = e = 2): 132/256 = 0.516.
+    """
+    return (head_dim + 2 * scale_bytes) / (head_dim * element_bytes)
+
+
+def _quote(lines: list[str], n: int = 8) -> str:
+    return "\n".join("        | " + line for line in lines[-n:])
+
+
+def _hint(text: str, directory: str) -> Optional[str]:
+    for needle, fix in _HINTS:
+        if needle in text:
+            return fix.format(dir=directory)
+    return None
+
+
+def _signal_name(code: int) -> str:
+    try:
+        return signal.Signals(-code).name
+    except ValueError:
+        return f"signal {-code}"
+
+
+def _failure(outcome: ChildOutcome, options: SmokeOptions, directory: str) -> Finding:
+    phase = outcome.error.get("phase", outcome.phase) if outcome.error else outcome.phase
+    fid = "smoke.load" if phase in LOAD_PHASES else "smoke.run"
+    doing = PHASE_WORDS.get(phase, phase)
+    details: dict[str, Any] = {
+        "phase": phase,
+        "timed_out": outcome.timed_out,
+        "returncode": outcome.returncode,
+        "elapsed_seconds": round(outcome.elapsed, 2),
+        "log_tail": outcome.log_tail,
+    }
+    fix: Optional[str]
+    if outcome.timed_out:
+        message = (
+            f"no answer after {options.timeout:g} s while {doing}; the child process and "
+            "everything it started were killed"
+        )
+        fix = (
+            "a stale torch JIT `lock` file in the modules cache makes every load wait "
+            f"forever: run `qwen-kvprep doctor {directory}`; a very large model may just "
+            "need a longer --timeout"
+        )
+    elif outcome.error is not None:
+        err = outcome.error
+        message = f"{err.get('type')} while {doing}: {err.get('message')}"
+        details["exception"] = {"type": err.get("type"), "message": err.get("message")}
+        details["traceback"] = err.get("traceback")
+        fix = _hint(f"{err.get('message')}\n" + "\n".join(outcome.log_tail), directory)
+    elif outcome.returncode is not None and outcome.returncode < 0:
+        message = (
+            f"the child process died of {_signal_name(outcome.returncode)} while {doing}"
+        )
+        fix = _hint("\n".join(outcome.log_tail), directory)
+    else:
+        message = (
+            f"the child process exited with status {outcome.returncode} while {doing}, "
+            "without a result"
+        )
+        fix = _hint("\n".join(outcome.log_tail), directory)
+    if outcome.log_tail:
+        message += "\n      last lines of its output:\n" + _quote(outcome.log_tail)
+    return fail(
+        fid, message, fix=fix or f"run `qwen-kvprep doctor {directory}`", paths=[directory],
+        **details,
+    )
+
+
+def _quantization(result: dict[str, Any], directory: str) -> Finding:
+    layers = result.get("layers") or []
+    if not layers:
+        return fail(
+            "smoke.quantization",
+            "the model has no layer with a use_cache_quantization flag: its remote code "
+            "predates the Int8 KV cache",
+            fix="use a Qwen (v1) checkpoint revision from late September 2023 or later",
+            paths=[directory],
+        )
+    off = [row["name"] for row in layers if not row.get("use_cache_quantization")]
+    if off:
+        return fail(
+            "smoke.quantization",
+            f"the quantized KV cache is off in {len(off)} of {len(layers)} layers "
+            f"({', '.join(off[:3])}{', ...' if len(off) > 3 else ''})",
+            fix=f"run `qwen-kvprep fix {directory}` (sets use_cache_quantization in "
+            "config.json)",
+            paths=[directory],
+            layers_off=off,
+        )
+    cache = (result.get("quantized") or {}).get("cache") or {}
+    bad = []
+    for i, layer in enumerate(cache.get("layers") or []):
+        if layer.get("layout") != "quantized":
+            bad.append(f"layer {i}: cache is {layer.get('layout')}, not (q, scale, zero)")
+        elif layer.get("q_dtype") != "uint8" or layer.get("v_dtype") != "uint8":
+            bad.append(f"layer {i}: codes are {layer.get('q_dtype')}, not uint8")
+        elif not layer.get("per_token"):
+            bad.append(
+                f"layer {i}: scale {layer.get('scale_shape')} for codes "
+                f"{layer.get('q_shape')} is not one per token [b, h, s, 1]"
+            )
+    if not cache.get("layers"):
+        bad.append("the forward pass returned no cache")
+    if bad:
+        return fail(
+            "smoke.quantization",
+            "the cache tensors are not the Int8 format: " + "; ".join(bad[:3]),
+            fix="the model's remote code does not quantize the cache as Qwen v1 does; "
+            "compare its modeling_qwen.py with the official one",
+            paths=[directory],
+            problems=bad,
+        )
+    first = cache["layers"][0]
+    return ok(
+        "smoke.quantization",
+        f"uint8 cache with per-token {first.get('scale_dtype')} scale and zero point in all "
+        f"{len(layers)} layers",
+        layers=len(layers),
+    )
+
+
+def _fallback_warnings(result: dict[str, Any], log_tail: list[str]) -> list[str]:
+    said = list(result.get("load_warnings") or [])
+    known = [w for w in said if any(k in w for k in FALLBACK_WARNINGS)]
+    if not known:  # model code that print()s instead of warning
+        known = [k for k in FALLBACK_WARNINGS if any(k in line for line in log_tail)]
+    return list(dict.fromkeys(known))
+
+
+def _kernel(result: dict[str, Any], log_tail: list[str], directory: str) -> Finding:
+    layers = result.get("layers") or []
+    if not layers or not all(row.get("use_cache_quantization") for row in layers):
+        return skip("smoke.kernel", "not checked: the quantized cache is off")
+    problems: list[str] = []
+    fallback: list[str] = []
+    for row in layers:
+        kern = row.get("kernel") or {}
+        name = row["name"]
+        if not row.get("use_cache_kernel"):
+            problems.append(f"{name}: use_cache_kernel is off")
+        elif not kern.get("loaded"):
+            fallback.append(name)
+        elif not kern.get("compiled"):
+            problems.append(
+                f"{name}: cache_kernels is {kern.get('module')} "
+                f"({kern.get('file') or 'no file'}), not a compiled extension"
+            )
+        elif not row.get("kernel_calls"):
+            problems.append(f"{name}: the extension is loaded but was never called")
+    said = _fallback_warnings(result, log_tail)
+    if fallback:
+        quoted = "; ".join(repr(w) for w in said) or "no warning was printed"
+        which = "all" if len(fallback) == len(layers) else f"{len(fallback)} of"
+        problems.insert(
+            0,
+            f"{which} {len(layers)} layers fell back to the pure-torch path "
+            f"(cache_kernels is None); the model said: {quoted}",
+        )
+    if problems:
+        if any("source files" in w for w in said):
+            fix = (
+                f"run `qwen-kvprep fix {directory}`: it puts the kernel sources beside the "
+                "modules-cache copy of modeling_qwen.py, where the model looks for them"
+            )
+        else:
+            fix = f"run `qwen-kvprep doctor {directory}` to see why the extension is not used"
+        return fail(
+            "smoke.kernel",
+            "the KV-cache kernel is not used: " + "; ".join(problems[:4]),
+            fix=fix,
+            paths=[directory],
+            fallback_layers=fallback,
+            problems=problems,
+            warnings=said,
+        )
+    files = sorted({str((row.get("kernel") or {}).get("file")) for row in layers})
+    calls = sum(int(row.get("kernel_calls") or 0) for row in layers)
+    return ok(
+        "smoke.kernel",
+        f"the compiled extension ran in all {len(layers)} layers ({calls} calls)",
+        paths=files,
+        calls=calls,
+    )
+
+
+def _agreement(result: dict[str, Any], directory: str) -> Finding:
+    q = result.get("quantized") or {}
+    if not q.get("enabled"):
+        return skip("smoke.agreement", "not compared: the quantized cache is off")
+    cmp_ = result.get("comparison") or {}
+    first = result.get("first_step") or {}
+    n = int(cmp_.get("tokens") or 0)
+    same = int(cmp_.get("identical_tokens") or 0)
+    div = cmp_.get("first_divergence")
+    rel = float(cmp_.get("max_rel_logit_diff") or 0.0)
+    span = float(first.get("logit_range") or 0.0)
+    first_rel = (float(first.get("max_abs_logit_diff") or 0.0) / span) if span > 0 else 0.0
+    details = {
+        "tokens": n,
+        "identical_tokens": same,
+        "fraction": (same / n) if n else None,
+        "first_divergence": div,
+        "first_step_max_abs_logit_diff": first.get("max_abs_logit_diff"),
+        "first_step_logit_range": first.get("logit_range"),
+        "first_step_rel_logit_diff": first_rel,
+        "max_rel_logit_diff": rel,
+        "divergence_rel_margin": cmp_.get("divergence_rel_margin"),
+        "threshold_rel_logit_diff": MAX_REL_LOGIT_DIFF,
+    }
+    logit_text = (
+        f"first-step logits differ by at most {first.get('max_abs_logit_diff', 0):.3g} "
+        f"({first_rel:.1%} of their range)"
+    )
+    problems = []
+    if rel > MAX_REL_LOGIT_DIFF:
+        problems.append(
+            f"logits differ by up to {rel:.1%} of their range on the shared prefix "
+            f"(allowed {MAX_REL_LOGIT_DIFF:.0%})"
+        )
+    margin = cmp_.get("divergence_rel_margin")
+    if div is not None and (margin is None or margin > MAX_REL_LOGIT_DIFF):
+        problems.append(
+            f"generations part at token {div + 1} where the unquantized model preferred "
+            f"its token by {margin:.1%} of the logit range (not a near-tie)"
+            if margin is not None
+            else f"generations part at token {div + 1}"
+        )
+    fix = (
+        "the kernel computes something else than the format it is given: rebuild it with "
+        f"`qwen-kvprep fix {directory}` and report the numbers in details"
+    )
+    if problems:
+        return fail(
+            "smoke.agreement",
+            f"quantized and unquantized generations disagree: {'; '.join(problems)}; "
+            f"{same}/{n} identical tokens",
+            fix=fix,
+            paths=[directory],
+            **details,
+        )
+    if div is None:
+        text = f"quantized and unquantized generations agree on {same}/{n} tokens; {logit_text}"
+    else:
+        text = (
+            f"generations agree on the first {div}/{n} tokens, then part at a near-tie "
+            f"(margin {margin:.1%} of the logit range); {logit_text}"
+        )
+    return ok("smoke.agreement", text, **details)
+
+
+def _num(n: float) -> str:
+    return f"{n:,.0f}" if float(n).is_integer() else f"{n:,.1f}"
+
+
+def _bytes(n: int) -> str:
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{n} B"
+
+
+def measurements(result: dict[str, Any]) -> dict[str, Any]:
+    """The numbers of the summary object: bytes per token, speed, memory, times."""
+    q = result.get("quantized") or {}
+    u = result.get("unquantized") or {}
+    qc, uc = q.get("cache") or {}, u.get("cache") or {}
+    q_bpt, u_bpt = qc.get("bytes_per_token"), uc.get("bytes_per_token")
+    kv: dict[str, Any] = {
+        "quantized": q_bpt if q.get("enabled") else None,
+        "unquantized": u_bpt,
+        "ratio": (q_bpt / u_bpt) if q.get("enabled") and q_bpt and u_bpt else None,
+        "expected_ratio": None,
+    }
+    ql = (qc.get("layers") or [{}])[0]
+    ul = (uc.get("layers") or [{}])[0]
+    if ql.get("layout") == "quantized" and ul.get("layout") == "plain" and ql.get("head_dim"):
+        kv["head_dim"] = ql["head_dim"]
+        kv["heads"] = ql.get("heads")
+        kv["layers"] = len(qc.get("layers") or [])
+        kv["scale_bytes"] = ql.get("scale_bytes")
+        kv["element_bytes"] = ul.get("element_bytes")
+        kv["expected_ratio"] = expected_ratio(
+            int(ql["head_dim"]), int(ql["scale_bytes"]), int(ul["element_bytes"])
+        )
+    return {
+        "kv_bytes_per_token": kv,
+        "tokens_per_s": {
+            "quantized": q.get("decode_tokens_per_s"),
+            "unquantized": u.get("decode_tokens_per_s"),
+        },
+        "prefill_seconds": {
+            "quantized": q.get("prefill_seconds"),
+            "unquantized": u.get("prefill_seconds"),
+        },
+        "load_seconds": result.get("load_seconds"),
+        "peak_memory": result.get("peak_memory"),
+    }
+
+
+def _measure(m: dict[str, Any], result: dict[str, Any]) -> Finding:
+    kv = m["kv_bytes_per_token"]
+    parts = []
+    if kv["quantized"] is not None and kv["unquantized"]:
+        parts.append(
+            f"KV cache per token {_num(kv['quantized'])} bytes instead of "
+            f"{_num(kv['unquantized'])} ({kv['ratio']:.3f}x)"
+        )
+    elif kv["unquantized"]:
+        parts.append(f"KV cache per token {_num(kv['unquantized'])} bytes (unquantized)")
+    parts.append(f"load {m['load_seconds']:.1f} s")
+    tps = m["tokens_per_s"]
+    if tps["quantized"] and tps["unquantized"]:
+        parts.append(
+            f"{tps['quantized']:.0f} tokens/s quantized, {tps['unquantized']:.0f} unquantized"
+        )
+    peak = m.get("peak_memory") or {}
+    if peak.get("bytes"):
+        what = "GPU peak" if peak.get("kind") == "cuda_max_allocated" else "peak RSS"
+        parts.append(f"{what} {_bytes(int(peak['bytes']))}")
+    text = f"on {result.get('device_name', result.get('device'))}: " + "; ".join(parts)
+    exp = kv.get("expected_ratio")
+    if kv.get("ratio") is not None and exp is not None and abs(kv["ratio"] - exp) > 1e-6:
+        return warn(
+            "smoke.measure",
+            text + f"; the format predicts {exp:.3f}x: the cache holds more than the format",
+            **m,
+        )
+    return info("smoke.measure", text, **m)
+
+
+def evaluate(
+    outcome: ChildOutcome, options: SmokeOptions, directory: str
+) -> tuple[list[Finding], dict[str, Any]]:
+    """Findings (ids smoke.load, smoke.run, smoke.quantization, smoke.kernel,
+    smoke.agreement, smoke.measure) and the summary object for --json and the state."""
+    summary: dict[str, Any] = {
+        "ok": False,
+        "device_requested": options.device,
+        "timeout_s": options.timeout,
+        "timed_out": outcome.timed_out,
+        "elapsed_seconds": round(outcome.elapsed, 3),
+    }
+    result = outcome.result
+    if result is None:
+        finding = _failure(outcome, options, directory)
+        summary["phase"] = finding.details.get("phase")
+        summary["error"] = finding.message.split("\n", 1)[0]
+        return [finding], summary
+
+    findings = [
+        ok(
+            "smoke.load",
+            f"loaded as a server would (from_pretrained, trust_remote_code) on "
+            f"{result.get('device')} in {float(result.get('load_seconds') or 0):.1f} s",
+            paths=[p for p in [result.get("model_code")] if p],
+            transformers=result.get("transformers"),
+            torch=result.get("torch"),
+        ),
+        _quantization(result, directory),
+        _kernel(result, outcome.log_tail, directory),
+        _agreement(result, directory),
+    ]
+    m = measurements(result)
+    findings.append(_measure(m, result))
+    layers = result.get("layers") or []
+    agreement = next(f for f in findings if f.id == "smoke.agreement")
+    summary.update(
+        ok=not any(f.severity is Severity.FAIL for f in findings),
+        device=result.get("device"),
+        device_name=result.get("device_name"),
+        torch=result.get("torch"),
+        torch_cuda=result.get("torch_cuda"),
+        transformers=result.get("transformers"),
+        model_dtype=result.get("model_dtype"),
+        model_code=result.get("model_code"),
+        layers=len(layers),
+        kernel_layers=sum(
+            1
+            for row in layers
+            if (row.get("kernel") or {}).get("compiled") and row.get("kernel_calls")
+        ),
+        kernel_calls=sum(int(row.get("kernel_calls") or 0) for row in layers),
+        kernel_files=sorted(
+            {str(row["kernel"]["file"]) for row in layers if (row.get("kernel") or {}).get("file")}
+        ),
+        prompt=result.get("prompt"),
+        prompt_tokens=result.get("prompt_tokens"),
+        max_new_tokens=result.get("max_new_tokens"),
+        agreement={k: v for k, v in agreement.details.items()},
+        text={
+            "quantized": (result.get("quantized") or {}).get("text"),
+            "unquantized": (result.get("unquantized") or {}).get("text"),
+        },
+        **m,
+    )
+    return findings, summary
+

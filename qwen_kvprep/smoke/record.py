@@ -1,0 +1,73 @@
+"""Keep the smoke verdict in the checkpoint's state (state["smoke"]), so that doctor and
+prestart can tell, without importing torch, that this checkpoint was proven to work."""
+
+from __future__ import annotations
+
+import datetime
+import importlib
+from pathlib import Path
+from typing import Any, Optional
+
+from qwen_kvprep import __version__
+from qwen_kvprep.journal import Journal
+
+# What a later reader needs; the generated text and log tails stay out of the state.
+_KEEP = (
+    "ok",
+    "device",
+    "device_name",
+    "torch",
+    "torch_cuda",
+    "transformers",
+    "model_dtype",
+    "layers",
+    "kernel_layers",
+    "kernel_calls",
+    "kernel_files",
+    "kv_bytes_per_token",
+    "tokens_per_s",
+    "load_seconds",
+    "peak_memory",
+    "timed_out",
+    "phase",
+    "error",
+)
+_AGREEMENT_KEEP = (
+    "tokens",
+    "identical_tokens",
+    "first_divergence",
+    "first_step_max_abs_logit_diff",
+    "first_step_rel_logit_diff",
+    "max_rel_logit_diff",
+)
+
+
+def state_entry(summary: dict[str, Any]) -> dict[str, Any]:
+    entry = {k: summary[k] for k in _KEEP if k in summary}
+    agreement = summary.get("agreement") or {}
+    if agreement:
+        entry["agreement"] = {k: agreement.get(k) for k in _AGREEMENT_KEEP}
+    entry["tool_version"] = __version__
+    entry["checked"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    return entry
+
+
+def record_smoke(
+    directory: Path, summary: dict[str, Any], journal: Optional[Journal] = None
+) -> Optional[Path]:
+    """Store the verdict in an existing state.json; returns its path, or None when there is
+    no state to update (the checkpoint was never fixed, or this install has no state
+    module): smoke alone does not create one, since prestart trusts a state as "fixed"."""
+    try:
+        state_mod: Any = importlib.import_module("qwen_kvprep.state")
+    except ImportError:
+        return None
+    state = state_mod.load_state(Path(directory))
+    if not isinstance(state, dict):
+        return None
+    journal = journal or Journal(Path(directory))
+    if journal.dry_run:
+        return None
+    state["smoke"] = state_entry(summary)
+    state_mod.save_state(journal, state)
+    return journal.state_dir / "state.json"

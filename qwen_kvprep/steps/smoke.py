@@ -1,0 +1,34 @@
+"""Last step of `fix`: prove the result works (qwen_kvprep.smoke) and record the verdict.
+
+A failing smoke is reported as failing findings (exit 1), not raised: every earlier step
+has already done its work, and the findings say what is still wrong.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from qwen_kvprep.findings import warn
+
+
+def run(ctx: Any) -> None:
+    from qwen_kvprep.smoke import SmokeOptions, run_smoke
+    from qwen_kvprep.smoke.progress import PhaseProgress
+    from qwen_kvprep.smoke.protocol import DEFAULT_TIMEOUT_S
+    from qwen_kvprep.smoke.record import record_smoke
+
+    opts = ctx.options
+    timeout = opts.smoke_timeout if opts.smoke_timeout else DEFAULT_TIMEOUT_S
+    show = opts.progress if opts.progress is not None else sys.stderr.isatty()
+    report = run_smoke(
+        ctx.directory,
+        SmokeOptions(timeout=timeout),
+        on_phase=PhaseProgress(sys.stderr) if show else None,
+    )
+    ctx.add(*report.findings)
+    ctx.extra["smoke"] = report.summary
+    try:
+        record_smoke(ctx.directory, report.summary, ctx.journal)
+    except OSError as exc:
+        ctx.add(warn("smoke.record", f"could not record the smoke result in the state: {exc}"))
