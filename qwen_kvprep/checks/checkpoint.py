@@ -367,18 +367,23 @@ def index(facts: Facts) -> CheckResult:
             redownload(cp, list(idx.missing)), paths=[cp.path / f for f in idx.missing],
             python=python_redownload(cp, list(idx.missing)),
         ))
+    compared = False
     if idx.name == ST_INDEX:
-        out.extend(_index_vs_shards(cp))
+        more, compared = _index_vs_shards(cp)
+        out.extend(more)
     if not out:
+        also = " and consistent with their headers" if compared else ""
         out.append(ok(
-            id, f"{idx.name} maps {len(idx.weight_map)} tensors to {len(idx.files)} shard(s), "
-            "all present and consistent",
+            id, f"{idx.name} maps {len(idx.weight_map)} tensors to {len(idx.files)} file(s), "
+            f"all present{also}",
         ))
     return out
 
 
-def _index_vs_shards(cp: CheckpointFacts) -> list[Finding]:
-    """Compare the index with the shard headers (only when every shard header is sound)."""
+def _index_vs_shards(cp: CheckpointFacts) -> tuple[list[Finding], bool]:
+    """Compare the index with the shard headers, only when every shard header is sound.
+
+    Returns the findings and whether the comparison was made."""
     id = "checkpoint.index"
     idx = cp.index
     assert idx is not None
@@ -386,7 +391,7 @@ def _index_vs_shards(cp: CheckpointFacts) -> list[Finding]:
     if idx.missing or any(
         f not in shards or shards[f].error is not None for f in idx.files
     ):
-        return []  # reported by the missing/shard findings; totals would mislead
+        return [], False  # reported by the missing/shard/content findings; totals would mislead
     out: list[Finding] = []
     misplaced = sorted(t for t, f in idx.weight_map.items() if t not in shards[f].tensor_names)
     if misplaced:
@@ -407,7 +412,7 @@ def _index_vs_shards(cp: CheckpointFacts) -> list[Finding]:
             redownload(cp, [idx.name]), paths=[cp.path / idx.name],
             total_size=idx.total_size, shard_bytes=total,
         ))
-    return out
+    return out, True
 
 
 @check("checkpoint.tokenizer", "qwen.tiktoken parses")
