@@ -56,6 +56,10 @@ _STEPS: list[tuple[str, Callable[[FixOptions], bool]]] = [
     ("validate", lambda o: True),
     ("sources", lambda o: True),
     ("config_patch", lambda o: True),
+    ("build", lambda o: True),  # reports --no-build itself (the loader then builds lazily)
+    ("loader", lambda o: True),
+    ("modules", lambda o: True),
+    ("state", lambda o: True),
 ]
 
 

@@ -1,0 +1,430 @@
+"""Plan a build (its ABI inputs and key), find it in the cache, or compile and publish it.
+
+One build per ABI: the key is the sha256 of every input that makes a binary incompatible
+(sources, flags, full torch version, torch's CUDA, C++ ABI, Python tag, platform, arch
+list, nvcc version, tool version). A build is compiled in `<cache>/tmp/<key>.*` by a
+worker process and published with one rename to `<cache>/builds/<key>/`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import filelock
+
+from qwen_kvprep import __version__
+from qwen_kvprep.buildcache import arch as archmod
+from qwen_kvprep.buildcache.diagnose import advice, first_errors
+from qwen_kvprep.buildcache.jobs import compile_jobs
+from qwen_kvprep.buildcache.lock import build_lock, lock_timeout
+from qwen_kvprep.buildcache.manifest import (
+    BUILD_LOG,
+    EXTENSION_NAME,
+    MANIFEST,
+    MANIFEST_VERSION,
+    dumps,
+    problem,
+    read_manifest,
+)
+from qwen_kvprep.buildcache.paths import CacheLayout
+from qwen_kvprep.buildcache.toolchain import (
+    NvccInfo,
+    TorchInfo,
+    machine,
+    nvcc_info,
+    python_tag,
+    torch_info,
+)
+from qwen_kvprep.errors import BuildError, SourceError
+from qwen_kvprep.findings import fail
+from qwen_kvprep.fsutil import fsync_dir
+from qwen_kvprep.resources import KERNEL_FILES, sha256_bytes, sha256_file
+
+CPP, CU = KERNEL_FILES
+# What modeling_qwen.py calls; a build without them is refused before it is published.
+REQUIRED_FUNCTIONS = (
+    "vecquant8matmul_batched_faster_old",
+    "vecquant8matmul_batched_column_compression_faster_old",
+)
+# The official cpp_kernels.py flags (facts §4), minus its hard-coded architectures.
+CFLAGS = ("-O3",)
+CUDA_CFLAGS = ("-O3", "--use_fast_math")
+FAILED_LOGS_KEPT = 20
+STALE_TMP_SECONDS = 24 * 3600
+
+Notify = Callable[[str], None]
+
+
+def stderr_notify(message: str) -> None:
+    print(f"qwen-kvprep: {message}", file=sys.stderr, flush=True)
+
+
+@dataclass(frozen=True)
+class BuildPlan:
+    key: str
+    inputs: dict[str, Any]
+    sources: Mapping[str, bytes]
+    cuda: bool
+    mode: str  # one plain sentence: what kind of build and why
+    torch: TorchInfo
+    nvcc: Optional[NvccInfo]
+    arch_list: tuple[str, ...] = ()
+    arch_origin: Optional[str] = None
+    covers: tuple[str, ...] = ()
+
+    @property
+    def cuda_cflags(self) -> list[str]:
+        return list(self.inputs["flags"]["cuda_cflags"])
+
+
+@dataclass(frozen=True)
+class BuildResult:
+    key: str
+    dir: Path
+    so: Path
+    manifest: dict[str, Any]
+    compiled: bool  # False: found in the cache
+    waited: float = 0.0  # seconds spent waiting for another builder's lock
+    jobs: Optional[str] = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def cuda(self) -> bool:
+        return bool(self.manifest.get("cuda"))
+
+    @property
+    def arch_list(self) -> list[str]:
+        return list(self.manifest["inputs"].get("arch_list") or [])
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "key": self.key,
+            "dir": str(self.dir),
+            "so": str(self.so),
+            "cuda": self.cuda,
+            "arch_list": self.arch_list,
+            "compiled": self.compiled,
+            "build_seconds": self.manifest.get("build_seconds"),
+            "waited_seconds": round(self.waited, 3),
+        }
+
+
+def build_key(inputs: Mapping[str, Any]) -> str:
+    canonical = json.dumps(inputs, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
+
+
+def plan_build(sources: Mapping[str, bytes], arch: Optional[str] = None) -> BuildPlan:
+    """Decide what to build (CUDA or CPU-only, which architectures) and its key."""
+    if CPP not in sources:
+        raise SourceError(
+            f"no {CPP} among the kernel sources", fix="run `qwen-kvprep fix DIR` to choose sources"
+        )
+    tinfo = torch_info()
+    nvcc: Optional[NvccInfo] = None
+    arch_list: tuple[str, ...] = ()
+    origin: Optional[str] = None
+    covers: tuple[str, ...] = ()
+    if tinfo.cuda is None:
+        mode = f"CPU-only build: torch {tinfo.version} is a CPU build (torch.version.cuda is None)"
+    elif CU not in sources:
+        mode = f"CPU-only build: the CUDA source {CU} is missing"
+    else:
+        nvcc, why = nvcc_info()
+        if nvcc is None:
+            mode = (
+                f"CPU-only build: torch {tinfo.version} has CUDA {tinfo.cuda} but there is no "
+                f"usable nvcc ({why}); the kernel will refuse GPU tensors"
+            )
+        else:
+            _check_cuda_majors(tinfo, nvcc)
+            arch_list, origin = archmod.choose_arch_list(arch, nvcc)
+            covers = tuple(a for a in nvcc.arches if archmod.covers(arch_list, _cap(a)))
+            mode = (
+                f"CUDA build with nvcc {nvcc.version} ({nvcc.cuda_home}) for "
+                f"{';'.join(arch_list)} ({origin})"
+            )
+    cuda = nvcc is not None
+    names = sorted(n for n in sources if n in KERNEL_FILES)
+    inputs: dict[str, Any] = {
+        "sources": {n: sha256_bytes(sources[n]) for n in names},
+        "flags": {
+            "cflags": list(CFLAGS),
+            "cuda_cflags": (list(CUDA_CFLAGS) + archmod.gencode_flags(arch_list)) if cuda else [],
+            "with_cuda": cuda,
+        },
+        "torch": tinfo.version,
+        "torch_cuda": tinfo.cuda,
+        "cxx11_abi": tinfo.cxx11_abi,
+        "python_tag": python_tag(),
+        "machine": machine(),
+        "arch_list": list(arch_list),
+        "nvcc": nvcc.version if nvcc else None,
+        "tool_version": __version__,
+    }
+    return BuildPlan(
+        key=build_key(inputs),
+        inputs=inputs,
+        sources={n: sources[n] for n in names},
+        cuda=cuda,
+        mode=mode,
+        torch=tinfo,
+        nvcc=nvcc,
+        arch_list=arch_list,
+        arch_origin=origin,
+        covers=covers,
+    )
+
+
+def _cap(arch: str) -> tuple[int, int]:
+    major, minor = arch.split(".")
+    return int(major), int(minor.rstrip("af"))
+
+
+def _check_cuda_majors(tinfo: TorchInfo, nvcc: NvccInfo) -> None:
+    # torch.utils.cpp_extension refuses this combination too, after a long traceback.
+    if tinfo.cuda_major is not None and nvcc.release[0] != tinfo.cuda_major:
+        message = (
+            f"nvcc {nvcc.version} ({nvcc.nvcc}) and torch {tinfo.version} (CUDA {tinfo.cuda}) "
+            "have different CUDA major versions; an extension built so would not load"
+        )
+        fix = (
+            f"install a CUDA {tinfo.cuda_major}.x toolkit and point CUDA_HOME at it, or install "
+            f"a torch wheel built for CUDA {nvcc.release[0]}"
+        )
+        raise BuildError(message, fix=fix, findings=[fail("build.cuda_mismatch", message, fix=fix)])
+
+
+def find_build(layout: CacheLayout, key: str, verify: bool = True) -> Optional[BuildResult]:
+    """The published build for `key` if it is complete and intact."""
+    folder = layout.build_dir(key)
+    manifest = read_manifest(folder)
+    if manifest is None or manifest.get("key") != key:
+        return None
+    if problem(folder, manifest, check_hash=verify) is not None:
+        return None
+    return BuildResult(key, folder, folder / str(manifest["so"]), manifest, compiled=False)
+
+
+def ensure_build(
+    plan: BuildPlan,
+    layout: CacheLayout,
+    *,
+    force: bool = False,
+    timeout: Optional[float] = None,
+    notify: Notify = stderr_notify,
+) -> BuildResult:
+    """Return the build for `plan`, compiling it under the key's lock if needed."""
+    if not force:
+        found = find_build(layout, plan.key)
+        if found is not None:
+            return found
+    # Only compiling needs a writable cache: a read-only cache with the build is fine.
+    layout.ensure_writable()
+    wait_limit = lock_timeout(timeout)
+    with build_lock(layout, plan.key, wait_limit, notify) as waited:
+        if not force or waited > 0:
+            # Whoever held the lock has probably just published it (a forced rebuild that
+            # had to wait counts the other builder's fresh result as good enough).
+            found = find_build(layout, plan.key)
+            if found is not None:
+                return BuildResult(found.key, found.dir, found.so, found.manifest, False, waited)
+        _collect_garbage(layout, plan.key)
+        return _compile(plan, layout, waited, notify)
+
+
+def _compile(plan: BuildPlan, layout: CacheLayout, waited: float, notify: Notify) -> BuildResult:
+    jobs, jobs_why = compile_jobs()
+    staging = Path(tempfile.mkdtemp(prefix=f"{plan.key}.{os.getpid()}.", dir=layout.tmp))
+    try:
+        src, build, out = staging / "src", staging / "build", staging / "out"
+        for folder in (src, build, out):
+            folder.mkdir()
+        for name, data in plan.sources.items():
+            (src / name).write_bytes(data)
+        compiled = [str(src / CPP)] + ([str(src / CU)] if plan.cuda else [])
+        log_path = out / BUILD_LOG
+        spec = {
+            "parent": os.getpid(),
+            "name": EXTENSION_NAME,
+            "sources": compiled,
+            "extra_cflags": plan.inputs["flags"]["cflags"],
+            "extra_cuda_cflags": plan.inputs["flags"]["cuda_cflags"],
+            "with_cuda": plan.cuda,
+            "build_directory": str(build),
+            "require": list(REQUIRED_FUNCTIONS),
+            "result": str(staging / "result.json"),
+        }
+        spec_path = staging / "spec.json"
+        spec_path.write_text(json.dumps(spec), encoding="utf-8")
+        env = dict(os.environ)
+        env["MAX_JOBS"] = str(jobs)
+        env["PYTHONDONTWRITEBYTECODE"] = "1"
+        if plan.nvcc is not None:
+            # torch guesses CUDA_HOME from `which nvcc`, wrong for wrapper scripts.
+            env["CUDA_HOME"] = str(plan.nvcc.cuda_home)
+            env["TORCH_CUDA_ARCH_LIST"] = ";".join(plan.arch_list)
+        notify(f"compiling the extension ({plan.mode}; {jobs} job(s): {jobs_why}); log: {log_path}")
+        start = time.monotonic()
+        with open(log_path, "wb") as log:
+            log.write(
+                f"# qwen-kvprep {__version__} build {plan.key}\n# {plan.mode}\n"
+                f"# jobs: {jobs} ({jobs_why})\n# inputs: {json.dumps(plan.inputs)}\n".encode()
+            )
+            log.flush()
+            _run_worker(spec_path, log, env, staging)
+        seconds = time.monotonic() - start
+        result = _read_result(staging / "result.json")
+        if not result.get("ok"):
+            raise _failure(plan, layout, log_path, result)
+        so_src = build / f"{EXTENSION_NAME}.so"
+        so = out / so_src.name
+        os.replace(so_src, so)
+        manifest = {
+            "manifest_version": MANIFEST_VERSION,
+            "key": plan.key,
+            "inputs": plan.inputs,
+            "cuda": plan.cuda,
+            "so": so.name,
+            "so_sha256": sha256_file(so),
+            "build_seconds": round(seconds, 2),
+            "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "covers": list(plan.covers),
+            "mode": plan.mode,
+            "builder": {"pid": os.getpid(), "host": socket.gethostname(), "jobs": jobs},
+        }
+        (out / MANIFEST).write_text(dumps(manifest), encoding="utf-8")
+        final = _publish(out, layout, plan.key)
+        return BuildResult(plan.key, final, final / so.name, manifest, True, waited, jobs_why)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _run_worker(spec_path: Path, log: Any, env: dict[str, str], cwd: Path) -> None:
+    worker = Path(__file__).with_name("_worker.py")
+    proc = subprocess.Popen(
+        [sys.executable, str(worker), str(spec_path)],
+        stdin=subprocess.DEVNULL,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=env,
+        cwd=str(cwd),
+        start_new_session=True,  # its own process group: one killpg stops ninja and compilers
+    )
+    try:
+        proc.wait()
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        raise
+
+
+def _read_result(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {"ok": False, "stage": "build", "error": "the build process died without a result"}
+    return data if isinstance(data, dict) else {"ok": False}
+
+
+def _failure(
+    plan: BuildPlan, layout: CacheLayout, log_path: Path, result: dict[str, Any]
+) -> BuildError:
+    stamp = datetime.now().strftime("%Y%m%dT%H%M%S")
+    kept = layout.logs / f"{plan.key}-{stamp}-{os.getpid()}.log"
+    try:
+        shutil.copyfile(log_path, kept)
+    except OSError:
+        kept = log_path  # lost with the staging folder, but still name it
+    _prune_logs(layout)
+    text = log_path.read_text(encoding="utf-8", errors="replace") if log_path.exists() else ""
+    errors = first_errors(text + "\n" + str(result.get("error", "")))
+    hints = advice(text + "\n" + str(result.get("error", "")))
+    if result.get("stage") == "import":
+        what = "the extension compiled but does not load"
+    elif result.get("stage") == "check":
+        what = "the built extension is incomplete"
+    else:
+        what = "compiling the extension failed"
+    quoted = "\n".join(f"    {line}" for line in errors) or f"    {result.get('error', '?')}"
+    message = f"{what} ({plan.mode}):\n{quoted}\n  full log: {kept}"
+    fix = "; ".join(hints) if hints else f"read the full log {kept}"
+    finding = fail(
+        "build.compile",
+        message,
+        fix=fix,
+        paths=[kept],
+        errors=errors,
+        key=plan.key,
+        log=str(kept),
+    )
+    return BuildError(message, fix=fix, findings=[finding])
+
+
+def _prune_logs(layout: CacheLayout) -> None:
+    with contextlib.suppress(OSError):
+        logs = sorted(layout.logs.glob("*.log"), key=lambda p: p.stat().st_mtime, reverse=True)
+        for old in logs[FAILED_LOGS_KEPT:]:
+            old.unlink()
+
+
+def _publish(out: Path, layout: CacheLayout, key: str) -> Path:
+    """Rename the finished folder into builds/. A previous build of the key (forced
+    rebuild, or a damaged one) is first renamed away into tmp/ and removed."""
+    final = layout.build_dir(key)
+    if final.exists():
+        trash = Path(tempfile.mkdtemp(prefix=f"{key}.old.", dir=layout.tmp))
+        os.rename(final, trash / "build")
+    os.rename(out, final)
+    fsync_dir(layout.builds)
+    for old in layout.tmp.glob(f"{key}.old.*"):
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def _collect_garbage(layout: CacheLayout, key: str) -> None:
+    """Remove what killed builds left in tmp/. The caller holds `key`'s lock, so every
+    `<key>.*` folder there is dead; other keys' folders go once old and unlocked."""
+    now = time.time()
+    try:
+        entries = list(layout.tmp.iterdir())
+    except OSError:
+        return
+    for entry in entries:
+        name = entry.name
+        if name.startswith("."):
+            continue
+        other = name.split(".", 1)[0]
+        if other == key:
+            shutil.rmtree(entry, ignore_errors=True)
+            continue
+        try:
+            if now - entry.stat().st_mtime < STALE_TMP_SECONDS:
+                continue
+        except OSError:
+            continue
+        lock = filelock.FileLock(str(layout.lock_path(other)))
+        try:
+            lock.acquire(timeout=0)
+        except filelock.Timeout:
+            continue  # its builder is alive
+        try:
+            shutil.rmtree(entry, ignore_errors=True)
+        finally:
+            lock.release()

@@ -1,0 +1,115 @@
+"""One build per key at a time, across processes, with a bounded and reported wait.
+
+filelock takes an OS lock (flock) on `<cache>/locks/<key>.lock`: the kernel drops it when
+its holder dies, so a killed build never leaves a lock that blocks the next one (unlike
+torch's own JIT `lock` file). The holder writes who it is to `<key>.owner` so a waiter can
+say whom it waits for; a stale owner file is harmless because it is only read while the
+lock is really held.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import time
+from collections.abc import Iterator
+from datetime import datetime
+from typing import Any, Callable, Optional
+
+import filelock
+
+from qwen_kvprep.buildcache.paths import CacheLayout
+from qwen_kvprep.errors import LockTimeout, UsageError
+from qwen_kvprep.findings import fail
+from qwen_kvprep.fsutil import atomic_write_text
+
+ENV_LOCK_TIMEOUT = "QWEN_KVPREP_LOCK_TIMEOUT"
+DEFAULT_LOCK_TIMEOUT = 600.0
+
+
+def lock_timeout(option: Optional[float] = None) -> float:
+    """Seconds to wait for another builder: option > $QWEN_KVPREP_LOCK_TIMEOUT > 600."""
+    if option is not None:
+        return float(option)
+    raw = os.environ.get(ENV_LOCK_TIMEOUT, "").strip()
+    if not raw:
+        return DEFAULT_LOCK_TIMEOUT
+    try:
+        value = float(raw)
+    except ValueError:
+        raise UsageError(
+            f"{ENV_LOCK_TIMEOUT}={raw!r} is not a number of seconds",
+            fix=f"export {ENV_LOCK_TIMEOUT}=600",
+        ) from None
+    return max(0.0, value)
+
+
+def read_owner(layout: CacheLayout, key: str) -> Optional[dict[str, Any]]:
+    try:
+        data = json.loads(layout.owner_path(key).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def describe_owner(owner: Optional[dict[str, Any]]) -> str:
+    if not owner:
+        return "held by another process (it has not said who it is yet)"
+    since = owner.get("since")
+    when = (
+        datetime.fromtimestamp(float(since)).isoformat(sep=" ", timespec="seconds")
+        if isinstance(since, (int, float))
+        else "?"
+    )
+    return f"held by pid {owner.get('pid', '?')} on {owner.get('host', '?')} since {when}"
+
+
+@contextlib.contextmanager
+def build_lock(
+    layout: CacheLayout,
+    key: str,
+    timeout: float,
+    notify: Callable[[str], None],
+) -> Iterator[float]:
+    """Hold the key's lock; yields the seconds spent waiting for it."""
+    path = layout.lock_path(key)
+    lock = filelock.FileLock(str(path))
+    start = time.monotonic()
+    try:
+        lock.acquire(timeout=0)
+    except filelock.Timeout:
+        owner = read_owner(layout, key)
+        notify(
+            f"waiting for build lock held by {describe_owner(owner)[len('held by ') :]} "
+            f"(lock {path}; giving up after {timeout:.0f} s, see {ENV_LOCK_TIMEOUT})"
+        )
+        try:
+            lock.acquire(timeout=timeout, poll_interval=0.1)
+        except filelock.Timeout:
+            owner = read_owner(layout, key) or owner
+            message = (
+                f"gave up after {timeout:.0f} s waiting for the build lock {path}, "
+                f"{describe_owner(owner)}"
+            )
+            fix = (
+                "that process is still building (the lock is released the moment it exits): "
+                f"wait for it, stop it, or allow a longer wait with {ENV_LOCK_TIMEOUT}=SECONDS"
+            )
+            raise LockTimeout(
+                message, fix=fix, findings=[fail("build.lock", message, fix=fix, paths=[path])]
+            ) from None
+    waited = time.monotonic() - start
+    owner_path = layout.owner_path(key)
+    try:
+        atomic_write_text(
+            owner_path,
+            json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()}),
+        )
+        yield waited
+    finally:
+        # remove our record before letting the next holder in, so it never sees ours
+        with contextlib.suppress(OSError):
+            owner_path.unlink()
+        lock.release()

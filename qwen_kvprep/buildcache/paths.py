@@ -1,0 +1,97 @@
+"""Where the build cache lives and how it is laid out.
+
+    <cache>/builds/<key>/   published builds: manifest.json, the extension, build.log
+    <cache>/locks/<key>.lock, <key>.owner   one lock per key; who holds it
+    <cache>/tmp/<key>.<pid>.<rand>/         builds in progress (renamed into builds/)
+    <cache>/logs/<key>-<time>.log           logs of failed builds
+    <cache>/probe/                          memoized tool probes (nvcc version, ...)
+
+Everything a build writes goes under tmp/ first, on the same file system as builds/, so
+publishing is one rename: a reader sees a complete build or none.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from qwen_kvprep.errors import CacheError
+from qwen_kvprep.findings import fail
+
+ENV_CACHE = "QWEN_KVPREP_CACHE"
+CACHE_OPTION = "--cache-dir"
+
+
+def resolve_cache_dir(option: Optional[Path] = None) -> Path:
+    """--cache-dir > $QWEN_KVPREP_CACHE > $XDG_CACHE_HOME/qwen-kvprep > ~/.cache/qwen-kvprep."""
+    if option is not None:
+        return Path(option).expanduser().absolute()
+    env = os.environ.get(ENV_CACHE)
+    if env:
+        return Path(env).expanduser().absolute()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
+    return (base / "qwen-kvprep").absolute()
+
+
+@dataclass(frozen=True)
+class CacheLayout:
+    root: Path
+
+    @property
+    def builds(self) -> Path:
+        return self.root / "builds"
+
+    @property
+    def locks(self) -> Path:
+        return self.root / "locks"
+
+    @property
+    def tmp(self) -> Path:
+        return self.root / "tmp"
+
+    @property
+    def logs(self) -> Path:
+        return self.root / "logs"
+
+    @property
+    def probe(self) -> Path:
+        return self.root / "probe"
+
+    def build_dir(self, key: str) -> Path:
+        return self.builds / key
+
+    def lock_path(self, key: str) -> Path:
+        return self.locks / f"{key}.lock"
+
+    def owner_path(self, key: str) -> Path:
+        return self.locks / f"{key}.owner"
+
+    def ensure_writable(self) -> None:
+        """Create the folders and prove a file can be written, or raise a CacheError that
+        names the folder and how to use another one."""
+        try:
+            for folder in (self.builds, self.locks, self.tmp, self.logs, self.probe):
+                folder.mkdir(parents=True, exist_ok=True)
+            # os.access lies for root and on some network file systems: really write.
+            fd, probe = tempfile.mkstemp(prefix=".write-test.", dir=self.tmp)
+            os.close(fd)
+            os.unlink(probe)
+        except OSError as exc:
+            raise not_writable(self.root, exc) from exc
+
+
+def not_writable(root: Path, exc: OSError) -> CacheError:
+    reason = exc.strerror or str(exc)
+    where = exc.filename or root
+    message = f"the build cache folder {root} is not writable ({reason}: {where})"
+    fix = (
+        f"use another folder: `{CACHE_OPTION} DIR` or `export {ENV_CACHE}=DIR` "
+        f"(or make {root} writable)"
+    )
+    return CacheError(
+        message, fix=fix, findings=[fail("build.cache", message, fix=fix, paths=[root])]
+    )

@@ -1,0 +1,72 @@
+"""The transformers modules cache: where the model's remote code really runs from.
+
+transformers copies modeling_qwen.py (and the .py files it imports relatively) into
+`<HF_MODULES_CACHE>/transformers_modules/<name>/` and imports it from there, so the model
+looks for the kernel sources and cpp_kernels.py in that folder, not in the checkpoint
+(facts §4). `<name>` depends on the transformers version; instead of re-implementing its
+naming, `module_folder` asks transformers to do exactly what a load does.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from qwen_kvprep.errors import CacheError, CheckpointError
+from qwen_kvprep.findings import fail
+
+MODULE_FILE = "modeling_qwen.py"
+DYNAMIC_MODULE_NAME = "transformers_modules"
+
+
+def modules_cache_root() -> Path:
+    """HF_MODULES_CACHE > $HF_HOME/modules > $XDG_CACHE_HOME/huggingface/modules >
+    ~/.cache/huggingface/modules, from the environment only (no transformers import)."""
+    env = os.environ.get("HF_MODULES_CACHE")
+    if env:
+        return Path(env).expanduser()
+    home = os.environ.get("HF_HOME")
+    if home:
+        return Path(home).expanduser() / "modules"
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
+    return base / "huggingface" / "modules"
+
+
+def module_folder(checkpoint_dir: Path, materialize: bool = True) -> Path:
+    """The folder the checkpoint's remote code is imported from.
+
+    materialize=True calls transformers' get_cached_module_file, which copies the remote
+    code there exactly as from_pretrained would (idempotent). materialize=False predicts
+    the folder with transformers' own naming without writing anything (for --dry-run).
+    """
+    from transformers import dynamic_module_utils as dmu
+
+    root = Path(getattr(dmu, "HF_MODULES_CACHE", None) or modules_cache_root())
+    package = getattr(dmu, "TRANSFORMERS_DYNAMIC_MODULE_NAME", DYNAMIC_MODULE_NAME)
+    source = str(Path(checkpoint_dir).absolute())
+    if not materialize:
+        name = os.path.basename(source)
+        sanitize = getattr(dmu, "_sanitize_module_name", None)
+        if callable(sanitize):  # newer transformers rename folders it cannot import
+            name = sanitize(name)
+        return root / package / name
+    try:
+        rel = dmu.get_cached_module_file(source, MODULE_FILE, local_files_only=True)
+    except ImportError as exc:
+        # transformers checks the remote code's imports (tiktoken, einops, ...) first
+        message = f"transformers refuses the remote code of {source}: {exc}"
+        fix = (
+            "install the packages it names "
+            "(pip install tiktoken einops transformers_stream_generator)"
+        )
+        raise CheckpointError(
+            message, fix=fix, findings=[fail("modules.requirements", message, fix=fix)]
+        ) from exc
+    except OSError as exc:
+        message = f"cannot copy the remote code of {source} into the modules cache {root}: {exc}"
+        fix = "make it writable or point HF_MODULES_CACHE (or HF_HOME) at a writable folder"
+        raise CacheError(
+            message, fix=fix, findings=[fail("modules.cache", message, fix=fix, paths=[root])]
+        ) from exc
+    return root / Path(rel).parent

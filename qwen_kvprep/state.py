@@ -1,0 +1,116 @@
+"""`<checkpoint>/.qwen-kvprep/state.json`: what `fix` did and verified.
+
+prestart reads it on every container start to tell, in a few milliseconds, that nothing
+changed; so this module must never import torch or transformers (nor anything that does).
+
+    {"state_version": 1, "tool_version", "checkpoint": abs path,
+     "files": {rel: sha256 or null},       config.json, cpp_kernels.py, the kernel sources
+     "sources": {"origin": "vendored"|"hub"|"checkpoint", "repo_id", "revision"},
+     "packages": {"torch": ver, "transformers": ver},   importlib.metadata versions
+     "build": {"key", "dir", "so", "cuda", "arch_list"} | null,
+     "modules": {"root", "folder", "files": {name: sha256}},
+     "smoke": {...} | null, "updated": iso time}
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime, timezone
+from importlib import metadata
+from pathlib import Path
+from typing import Any, Optional
+
+from qwen_kvprep import __version__
+from qwen_kvprep.journal import STATE_DIRNAME, Journal
+from qwen_kvprep.resources import KERNEL_FILES, sha256_file
+
+STATE_FILE = "state.json"
+STATE_VERSION = 1
+TRACKED_FILES = ("config.json", "cpp_kernels.py", *KERNEL_FILES)
+# Fields that change on every run without meaning anything changed.
+_VOLATILE = ("updated",)
+
+
+def state_path(directory: Path) -> Path:
+    return Path(directory) / STATE_DIRNAME / STATE_FILE
+
+
+def load_state(directory: Path) -> Optional[dict[str, Any]]:
+    """The recorded state, or None if absent, unreadable or of another version."""
+    try:
+        data = json.loads(state_path(directory).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(data, dict) or data.get("state_version") != STATE_VERSION:
+        return None
+    return data
+
+
+def file_hashes(
+    directory: Path, names: tuple[str, ...] = TRACKED_FILES
+) -> dict[str, Optional[str]]:
+    """sha256 of each tracked file (None when absent); symlinks are followed."""
+    out: dict[str, Optional[str]] = {}
+    for name in names:
+        path = Path(directory) / name
+        try:
+            out[name] = sha256_file(path)
+        except OSError:
+            out[name] = None
+    return out
+
+
+def package_versions(
+    names: tuple[str, ...] = ("torch", "transformers"),
+) -> dict[str, Optional[str]]:
+    out: dict[str, Optional[str]] = {}
+    for name in names:
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def new_state(directory: Path, **fields: Any) -> dict[str, Any]:
+    state: dict[str, Any] = {
+        "state_version": STATE_VERSION,
+        "tool_version": __version__,
+        "checkpoint": str(Path(directory).absolute()),
+        "files": file_hashes(directory),
+        "sources": None,
+        "packages": package_versions(),
+        "build": None,
+        "modules": None,
+        "smoke": None,
+    }
+    state.update(fields)
+    state["updated"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    return state
+
+
+def same_state(a: Optional[dict[str, Any]], b: Optional[dict[str, Any]]) -> bool:
+    if a is None or b is None:
+        return a is b
+    strip = lambda d: {k: v for k, v in d.items() if k not in _VOLATILE}  # noqa: E731
+    return strip(a) == strip(b)
+
+
+def save_state(journal: Journal, state: dict[str, Any]) -> bool:
+    """Record `state` (unless only its timestamp would change). Returns whether written."""
+    if same_state(load_state(journal.root), state):
+        return False
+    journal.record_state_file(STATE_FILE, json.dumps(state, indent=2, sort_keys=True) + "\n")
+    return not journal.dry_run
+
+
+def update_state(journal: Journal, **fields: Any) -> bool:
+    """Change some fields of the recorded state (the smoke step records its result)."""
+    state = load_state(journal.root)
+    if state is None:
+        return False
+    merged = {**state, **fields}
+    if same_state(state, merged):
+        return False
+    merged["updated"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    return save_state(journal, merged)

@@ -1,0 +1,88 @@
+"""Step of `fix`: get the extension for the chosen sources from the build cache, compiling
+it (under the key's lock) only when no build for this ABI exists yet."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from qwen_kvprep.findings import info, ok, skip, warn
+
+
+def run(ctx: Any) -> None:
+    from qwen_kvprep.buildcache import CacheLayout, resolve_cache_dir, sources_of
+    from qwen_kvprep.buildcache.builder import ensure_build, find_build, plan_build
+
+    layout = CacheLayout(resolve_cache_dir(ctx.options.cache_dir))
+    ctx.extra["cache_dir"] = str(layout.root)
+    if not ctx.options.build:
+        ctx.add(
+            skip(
+                "build.build",
+                "not building (--no-build): the loader builds on the first model load where "
+                "qwen-kvprep is installed; elsewhere the model falls back to pure torch",
+                fix=f"qwen-kvprep build --cache-dir {layout.root}",
+            )
+        )
+        return
+    plan = plan_build(sources_of(ctx.sources), ctx.options.arch)
+    # A CPU-only build where torch has CUDA means GPU users get no kernel: say so loudly.
+    mode = warn if (not plan.cuda and plan.torch.cuda) else info
+    ctx.add(
+        mode(
+            "build.mode",
+            plan.mode,
+            fix=None
+            if mode is info
+            else "install the CUDA "
+            "toolkit matching torch.version.cuda (or set CUDA_HOME) and run fix again",
+            arch_list=list(plan.arch_list),
+            cuda=plan.cuda,
+        )
+    )
+    short = plan.key[:12]
+    if ctx.options.dry_run:
+        found = find_build(layout, plan.key)
+        if found is not None:
+            ctx.build = found
+            ctx.add(
+                ok(
+                    "build.build",
+                    f"build {short} is already in the cache",
+                    paths=[found.dir],
+                    key=plan.key,
+                )
+            )
+        else:
+            ctx.add(
+                info(
+                    "build.build",
+                    f"would build key {plan.key} into {layout.build_dir(plan.key)}",
+                    key=plan.key,
+                )
+            )
+        return
+    result = ensure_build(plan, layout)
+    ctx.build = result
+    ctx.extra["build"] = result.to_json()
+    if result.compiled:
+        ctx.add(
+            info(
+                "build.build",
+                f"compiled build {short} in {result.manifest['build_seconds']:.0f} s "
+                f"({result.jobs})",
+                paths=[result.dir],
+                **result.to_json(),
+            )
+        )
+    else:
+        waited = (
+            f" after waiting {result.waited:.0f} s for another builder" if result.waited else ""
+        )
+        ctx.add(
+            ok(
+                "build.build",
+                f"using the cached build {short}{waited}",
+                paths=[result.dir],
+                **result.to_json(),
+            )
+        )

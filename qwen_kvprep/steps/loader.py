@@ -1,0 +1,43 @@
+"""Step of `fix`: replace the checkpoint's cpp_kernels.py (a JIT build at import time,
+relative to the working directory) with qwen-kvprep's loader. The journal keeps the
+original for `revert`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from qwen_kvprep.findings import info, ok
+
+LOADER_FILE = "cpp_kernels.py"
+
+
+def loader_bytes(ctx: Any) -> bytes:
+    """The rendered loader for this fix (also planted into the modules cache)."""
+    from qwen_kvprep.buildcache import CacheLayout, resolve_cache_dir, sources_of
+    from qwen_kvprep.buildcache.loader import render_loader, source_hashes
+
+    root = CacheLayout(resolve_cache_dir(ctx.options.cache_dir)).root
+    build = ctx.build
+    return render_loader(
+        ctx.directory,
+        [root],
+        source_hashes(sources_of(ctx.sources)),
+        getattr(build, "key", None),
+    )
+
+
+def run(ctx: Any) -> None:
+    path = ctx.directory / LOADER_FILE
+    changed = ctx.journal.write(LOADER_FILE, loader_bytes(ctx))
+    ctx.extra["loader"] = str(path)
+    if changed:
+        verb = "would install" if ctx.options.dry_run else "installed"
+        ctx.add(
+            info(
+                "build.loader",
+                f"{verb} the qwen-kvprep loader as {LOADER_FILE} (the original is kept for revert)",
+                paths=[path],
+            )
+        )
+    else:
+        ctx.add(ok("build.loader", f"{LOADER_FILE} is already the current loader", paths=[path]))

@@ -1,0 +1,106 @@
+"""Step of `fix`: put the kernel sources and the loader next to the modules-cache copy of
+modeling_qwen.py, where the model looks for them (facts §4: transformers copies only
+.py files there, so the sources are missing and the model silently falls back).
+
+Files are planted through the journal into the folder transformers' naming predicts
+(recording what was there for `revert`) before transformers is asked to refresh its copy;
+the folder it reports is then checked to hold exactly what was planted.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from qwen_kvprep.errors import CacheError
+from qwen_kvprep.findings import fail, info, ok, warn
+from qwen_kvprep.resources import sha256_bytes, sha256_file
+
+
+def _plant_all(ctx: Any, folder: Path, files: dict[str, bytes]) -> list[str]:
+    changed = []
+    for name, data in files.items():
+        try:
+            if ctx.journal.plant(folder / name, data):
+                changed.append(name)
+        except OSError as exc:
+            message = f"cannot write {folder / name}: {exc.strerror or exc}"
+            fix = (
+                "make the modules cache writable, or point HF_MODULES_CACHE (or HF_HOME) elsewhere"
+            )
+            raise CacheError(
+                message, fix=fix, findings=[fail("modules.plant", message, fix=fix, paths=[folder])]
+            ) from exc
+    return changed
+
+
+def run(ctx: Any) -> None:
+    from qwen_kvprep.buildcache import sources_of
+    from qwen_kvprep.modcache import module_folder, modules_cache_root
+    from qwen_kvprep.steps.loader import LOADER_FILE, loader_bytes
+
+    files = dict(sorted(sources_of(ctx.sources).items()))
+    files[LOADER_FILE] = loader_bytes(ctx)
+    predicted = module_folder(ctx.directory, materialize=False)
+    changed = _plant_all(ctx, predicted, files)
+    folder = predicted
+    if not ctx.options.dry_run:
+        folder = module_folder(ctx.directory)
+        if folder != predicted:
+            # a transformers naming scheme the prediction missed: plant where it really is
+            ctx.add(
+                warn(
+                    "modules.folder",
+                    f"transformers uses {folder}, not {predicted}",
+                    paths=[folder, predicted],
+                )
+            )
+            changed += _plant_all(ctx, folder, files)
+        wrong = [n for n, d in files.items() if _hash(folder / n) != sha256_bytes(d)]
+        if wrong:
+            message = f"{', '.join(wrong)} in {folder} differ from what was planted"
+            raise CacheError(message, findings=[fail("modules.plant", message, paths=[folder])])
+    root = modules_cache_root()
+    env_root = Path(os.path.abspath(root))
+    if env_root not in folder.parents:
+        ctx.add(
+            warn(
+                "modules.root",
+                f"transformers' modules cache {folder.parent.parent} is not "
+                f"the one the environment names ({env_root})",
+                paths=[folder],
+            )
+        )
+    ctx.extra["modules"] = {
+        "root": str(env_root),
+        "folder": str(folder),
+        "files": {n: sha256_bytes(d) for n, d in files.items()},
+    }
+    names = ", ".join(files)
+    if changed:
+        verb = "would plant" if ctx.options.dry_run else "planted"
+        ctx.add(
+            info(
+                "modules.plant",
+                f"{verb} {', '.join(changed)} in the modules cache",
+                paths=[folder],
+                folder=str(folder),
+            )
+        )
+    else:
+        ctx.add(
+            ok(
+                "modules.plant",
+                f"the modules cache already holds {names}",
+                paths=[folder],
+                folder=str(folder),
+            )
+        )
+
+
+def _hash(path: Path) -> str:
+    try:
+        return sha256_file(path)
+    except OSError:
+        return ""

@@ -1,0 +1,58 @@
+"""Step of `fix`: record what was done (hashes, build, planted files) in
+`.qwen-kvprep/state.json`, so prestart and doctor can tell in milliseconds, without
+importing torch, that nothing changed since."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from qwen_kvprep.findings import info, ok
+
+
+def _sources(ctx: Any) -> dict[str, Any]:
+    chosen = ctx.sources
+    if chosen is None:
+        return {"origin": "vendored", "repo_id": None, "revision": None}
+    return {
+        "origin": getattr(chosen, "origin", "vendored"),
+        "repo_id": getattr(chosen, "repo_id", None),
+        "revision": getattr(chosen, "revision", None),
+    }
+
+
+def _build(ctx: Any) -> Any:
+    build = ctx.build
+    if build is None:
+        return None
+    return {
+        "key": build.key,
+        "dir": str(build.dir),
+        "so": str(build.so),
+        "cuda": build.cuda,
+        "arch_list": build.arch_list,
+    }
+
+
+def run(ctx: Any) -> None:
+    from qwen_kvprep.state import load_state, new_state, same_state, save_state, state_path
+
+    path = state_path(ctx.directory)
+    if ctx.options.dry_run:
+        ctx.add(info("checkpoint.state", f"would record what fix did in {path}", paths=[path]))
+        return
+    state = new_state(
+        ctx.directory,
+        sources=_sources(ctx),
+        build=_build(ctx),
+        modules=ctx.extra.get("modules"),
+    )
+    previous = load_state(ctx.directory)
+    # An unchanged result keeps its smoke verdict; anything else must be proved again.
+    if previous is not None and same_state({**previous, "smoke": None}, state):
+        state["smoke"] = previous.get("smoke")
+    written = save_state(ctx.journal, state)
+    if written:
+        ctx.add(info("checkpoint.state", "recorded what fix did", paths=[path]))
+    else:
+        ctx.add(ok("checkpoint.state", "the recorded state is current", paths=[path]))
+    ctx.extra["state"] = str(path)
