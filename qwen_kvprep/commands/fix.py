@@ -65,6 +65,17 @@ def render_planned(planned: list[PlannedWrite]) -> str:
     help="Read-only DIRECTORY: prepare a view of it in OUT (links to the weights, patched "
     "copies of what fix changes) and fix that; DIRECTORY is not touched. Serve from OUT.",
 )
+@click.option(
+    "--cache-dir",
+    metavar="DIR",
+    help="Build cache folder (default: $QWEN_KVPREP_CACHE, else ~/.cache/qwen-kvprep).",
+)
+@click.option(
+    "--arch",
+    metavar="LIST",
+    help='GPU architectures to build for, e.g. "8.0;9.0" (default: TORCH_CUDA_ARCH_LIST, '
+    "else the visible GPUs, else every architecture nvcc supports).",
+)
 def fix(
     directory: str,
     dry_run: bool,
@@ -75,6 +86,8 @@ def fix(
     repo_id: Optional[str],
     revision: Optional[str],
     output: Optional[str],
+    cache_dir: Optional[str],
+    arch: Optional[str],
 ) -> None:
     """Make DIRECTORY's Int8 KV cache work: validate, provide the kernel sources, patch
     config.json, build the extension, install the loader and prove it."""
@@ -93,6 +106,8 @@ def fix(
         output=Path(output).absolute() if output else None,
         # download bars go to stderr; a --json consumer wants none at all
         progress=False if as_json else None,
+        cache_dir=Path(cache_dir).absolute() if cache_dir else None,
+        arch=arch,
     )
     result = run_fix(path, options)
     planned = [{"path": str(p.path), "bytes": len(p.new)} for p in result.planned]
