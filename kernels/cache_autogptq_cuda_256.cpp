@@ -1,0 +1,355 @@
+// Int8 KV-cache kernels for Qwen (v1) remote code, written for qwen-kvprep from the
+// interface description alone (no code from Qwen's repositories).
+//
+// Exports the two functions modeling_qwen.py calls, with its argument order:
+//
+//   vecquant8matmul_batched_faster_old(vec, mat, mul, scales, zeros)          (Q·Kᵀ)
+//     vec [B,H,Q,D] fp16, mat [B,H,D,L] uint8, mul [B,H,Q,L] fp16, scales/zeros [B,H,L,1] fp16
+//     mul[b,h,q,l] = Σ_d vec[b,h,q,d] · scales[b,h,l] · (mat[b,h,d,l] − zeros[b,h,l])
+//
+//   vecquant8matmul_batched_column_compression_faster_old(vec, mat, mul, scales, zeros)  (P·V)
+//     vec [B,H,Q,L] fp16, mat [B,H,L,D] uint8, mul [B,H,Q,D] fp16, scales/zeros [B,H,L,1] fp16
+//     mul[b,h,q,d] = Σ_l vec[b,h,q,l] · scales[b,h,l] · (mat[b,h,l,d] − zeros[b,h,l])
+//
+// Both overwrite every element of `mul` (fp32 accumulation, one fp16 rounding) and return
+// None. Inputs are checked; a bad call raises TypeError / ValueError / RuntimeError.
+//
+// Two builds from the same sources, with no extra defines:
+//   * this file alone: a CPU-only extension (CUDA tensors are refused with a clear error);
+//   * this file + cache_autogptq_cuda_kernel_256.cu: CPU and CUDA, chosen by the tensors'
+//     device.
+// The CUDA entry points are declared weak and hidden here: when the .cu is not linked in
+// they resolve to null at link time, and the dispatch below sees that.
+
+#include <torch/extension.h>
+
+#include <ATen/MemoryOverlap.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#if defined(__GNUC__) || defined(__clang__)
+#define KVPREP_WEAK_CUDA_ENTRY __attribute__((weak, visibility("hidden")))
+#else
+#define KVPREP_WEAK_CUDA_ENTRY
+#endif
+
+extern "C" {
+void kvprep_v1_qk_cuda(int device, const void* vec, const uint8_t* mat, void* mul,
+                       const void* scales, const void* zeros, int64_t BH, int64_t Q,
+                       int64_t D, int64_t L) KVPREP_WEAK_CUDA_ENTRY;
+int64_t kvprep_v1_pv_workspace_floats(int device, int64_t BH, int64_t Q, int64_t L,
+                                      int64_t D) KVPREP_WEAK_CUDA_ENTRY;
+void kvprep_v1_pv_cuda(int device, const void* vec, const uint8_t* mat, void* mul,
+                       const void* scales, const void* zeros, float* workspace,
+                       int64_t workspace_floats, int64_t BH, int64_t Q, int64_t L,
+                       int64_t D) KVPREP_WEAK_CUDA_ENTRY;
+}
+
+#if defined(_MSC_VER) && !defined(__clang__)
+// MSVC has no weak symbols: an unresolved entry point falls back to a null-valued alias.
+// (Untested: the project is built and tested on Linux.)
+#pragma comment(linker, "/alternatename:kvprep_v1_qk_cuda=kvprep_v1_qk_cuda_missing")
+#pragma comment(linker, \
+                "/alternatename:kvprep_v1_pv_workspace_floats=kvprep_v1_pv_workspace_missing")
+#pragma comment(linker, "/alternatename:kvprep_v1_pv_cuda=kvprep_v1_pv_cuda_missing")
+extern "C" {
+void kvprep_v1_qk_cuda_missing(int, const void*, const uint8_t*, void*, const void*,
+                               const void*, int64_t, int64_t, int64_t, int64_t) {}
+int64_t kvprep_v1_pv_workspace_missing(int, int64_t, int64_t, int64_t, int64_t) { return 0; }
+void kvprep_v1_pv_cuda_missing(int, const void*, const uint8_t*, void*, const void*,
+                               const void*, float*, int64_t, int64_t, int64_t, int64_t,
+                               int64_t) {}
+}
+static bool cuda_entries_present() {
+  return reinterpret_cast<const void*>(&kvprep_v1_qk_cuda) !=
+             reinterpret_cast<const void*>(&kvprep_v1_qk_cuda_missing) &&
+         reinterpret_cast<const void*>(&kvprep_v1_pv_cuda) !=
+             reinterpret_cast<const void*>(&kvprep_v1_pv_cuda_missing);
+}
+#else
+static bool cuda_entries_present() {
+  return &kvprep_v1_qk_cuda != nullptr && &kvprep_v1_pv_workspace_floats != nullptr &&
+         &kvprep_v1_pv_cuda != nullptr;
+}
+#endif
+
+namespace {
+
+constexpr const char* kQkName = "vecquant8matmul_batched_faster_old";
+constexpr const char* kPvName = "vecquant8matmul_batched_column_compression_faster_old";
+
+std::string shape_str(const at::Tensor& t) {
+  std::string s = "[";
+  for (int64_t i = 0; i < t.dim(); ++i) {
+    if (i) s += ", ";
+    s += std::to_string(t.size(i));
+  }
+  return s + "]";
+}
+
+std::string expected_str(const std::vector<int64_t>& dims) {
+  std::string s = "[";
+  for (size_t i = 0; i < dims.size(); ++i) {
+    if (i) s += ", ";
+    s += std::to_string(dims[i]);
+  }
+  return s + "]";
+}
+
+void check_dtype(const char* fn, const char* arg, const at::Tensor& t, at::ScalarType want) {
+  TORCH_CHECK_TYPE(t.scalar_type() == want, fn, ": ", arg, " must be ", c10::toString(want),
+                   ", got ", c10::toString(t.scalar_type()));
+}
+
+void check_shape(const char* fn, const char* arg, const at::Tensor& t,
+                 const std::vector<int64_t>& want, const char* layout) {
+  TORCH_CHECK_VALUE(t.dim() == static_cast<int64_t>(want.size()), fn, ": ", arg,
+                    " must be a 4-d tensor ", layout, ", got shape ", shape_str(t));
+  bool same = true;
+  for (size_t i = 0; i < want.size(); ++i) same = same && t.size(i) == want[i];
+  TORCH_CHECK_VALUE(same, fn, ": ", arg, " must have shape ", layout, " = ",
+                    expected_str(want), ", got ", shape_str(t));
+}
+
+enum class Where { kCpu, kCuda };
+
+// Checks everything the kernels rely on; returns where to run. `vec_last` is the name of
+// vec's last dimension (D for QK, L for PV), used in messages only.
+Where check_common(const char* fn, const at::Tensor& vec, const at::Tensor& mat,
+                   const at::Tensor& mul, const at::Tensor& scales, const at::Tensor& zeros) {
+  const at::Tensor* all[] = {&vec, &mat, &mul, &scales, &zeros};
+  const char* names[] = {"vec", "mat", "mul", "scales", "zeros"};
+  for (int i = 0; i < 5; ++i) {
+    TORCH_CHECK(all[i]->defined(), fn, ": ", names[i], " is an undefined tensor");
+  }
+  const c10::Device dev = vec.device();
+  for (int i = 1; i < 5; ++i) {
+    TORCH_CHECK(all[i]->device() == dev, fn, ": all tensors must be on the same device; vec is on ",
+                dev.str(), " but ", names[i], " is on ", all[i]->device().str());
+  }
+  check_dtype(fn, "vec", vec, at::kHalf);
+  check_dtype(fn, "mat", mat, at::kByte);
+  check_dtype(fn, "mul", mul, at::kHalf);
+  check_dtype(fn, "scales", scales, at::kHalf);
+  check_dtype(fn, "zeros", zeros, at::kHalf);
+  for (int i = 0; i < 5; ++i) {
+    TORCH_CHECK_VALUE(all[i]->dim() == 4, fn, ": ", names[i],
+                      " must be a 4-d tensor, got shape ", shape_str(*all[i]));
+  }
+  Where where;
+  if (dev.is_cpu()) {
+    where = Where::kCpu;
+  } else if (dev.is_cuda()) {
+    TORCH_CHECK(cuda_entries_present(), fn, ": got tensors on ", dev.str(),
+                ", but this extension was built without CUDA (only "
+                "cache_autogptq_cuda_256.cpp was compiled); rebuild it together with "
+                "cache_autogptq_cuda_kernel_256.cu to use CUDA tensors");
+    where = Where::kCuda;
+  } else {
+    TORCH_CHECK(false, fn, ": unsupported device ", dev.str(),
+                "; expected CPU or CUDA tensors");
+  }
+  return where;
+}
+
+void check_layout(const char* fn, const at::Tensor& vec, const at::Tensor& mat,
+                  const at::Tensor& mul, const at::Tensor& scales, const at::Tensor& zeros) {
+  const at::Tensor* all[] = {&vec, &mat, &mul, &scales, &zeros};
+  const char* names[] = {"vec", "mat", "mul", "scales", "zeros"};
+  for (int i = 0; i < 5; ++i) {
+    TORCH_CHECK_VALUE(all[i]->is_contiguous(), fn, ": ", names[i],
+                      " must be contiguous (call .contiguous() first), got shape ",
+                      shape_str(*all[i]), " with strides ", all[i]->strides());
+  }
+  // The output is written while the inputs are read: it must not share memory with them.
+  TORCH_CHECK_VALUE(at::has_internal_overlap(mul) != at::MemOverlap::Yes, fn,
+                    ": mul must not have overlapping elements");
+  for (int i = 0; i < 5; ++i) {
+    if (all[i] == &mul) continue;
+    TORCH_CHECK_VALUE(at::get_overlap_status(mul, *all[i]) == at::MemOverlapStatus::No, fn,
+                      ": mul must not share memory with ", names[i]);
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// CPU implementation. Parallel over independent output tiles; fp32 accumulation; the uint8
+// rows are dequantized (minus zero) into a small fp32 buffer once per tile of queries, and
+// the inner loops run over contiguous memory so the compiler vectorizes them.
+
+constexpr int64_t kCpuTileL = 256;  // QK: cached tokens per task
+constexpr int64_t kCpuTileQ = 16;   // queries sharing one dequantized row
+
+void qk_cpu(const at::Half* vec, const uint8_t* mat, at::Half* out, const at::Half* scales,
+            const at::Half* zeros, int64_t BH, int64_t Q, int64_t D, int64_t L) {
+  const int64_t n_ltiles = (L + kCpuTileL - 1) / kCpuTileL;
+  at::parallel_for(0, BH * n_ltiles, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> vf;
+    std::vector<float> row(kCpuTileL);
+    std::vector<float> zf(kCpuTileL);
+    std::vector<float> sf(kCpuTileL);
+    std::vector<float> acc(kCpuTileQ * kCpuTileL);
+    int64_t vf_bh = -1;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t bh = task / n_ltiles;
+      const int64_t l0 = (task % n_ltiles) * kCpuTileL;
+      const int64_t nl = std::min(kCpuTileL, L - l0);
+      if (vf_bh != bh) {
+        const at::Half* v = vec + bh * Q * D;
+        vf.resize(Q * D);
+        for (int64_t i = 0; i < Q * D; ++i) vf[i] = static_cast<float>(v[i]);
+        vf_bh = bh;
+      }
+      for (int64_t i = 0; i < nl; ++i) {
+        zf[i] = static_cast<float>(zeros[bh * L + l0 + i]);
+        sf[i] = static_cast<float>(scales[bh * L + l0 + i]);
+      }
+      const uint8_t* m = mat + bh * D * L + l0;
+      for (int64_t qb = 0; qb < Q; qb += kCpuTileQ) {
+        const int64_t nq = std::min(kCpuTileQ, Q - qb);
+        std::fill(acc.begin(), acc.begin() + nq * kCpuTileL, 0.0f);
+        for (int64_t d = 0; d < D; ++d) {
+          const uint8_t* mr = m + d * L;
+          float* rp = row.data();
+          const float* zp = zf.data();
+          for (int64_t i = 0; i < nl; ++i) rp[i] = static_cast<float>(mr[i]) - zp[i];
+          for (int64_t q = 0; q < nq; ++q) {
+            const float a = vf[(qb + q) * D + d];
+            float* ap = acc.data() + q * kCpuTileL;
+            for (int64_t i = 0; i < nl; ++i) ap[i] += a * rp[i];
+          }
+        }
+        for (int64_t q = 0; q < nq; ++q) {
+          at::Half* o = out + (bh * Q + qb + q) * L + l0;
+          const float* ap = acc.data() + q * kCpuTileL;
+          for (int64_t i = 0; i < nl; ++i) o[i] = static_cast<at::Half>(ap[i] * sf[i]);
+        }
+      }
+    }
+  });
+}
+
+void pv_cpu(const at::Half* vec, const uint8_t* mat, at::Half* out, const at::Half* scales,
+            const at::Half* zeros, int64_t BH, int64_t Q, int64_t L, int64_t D) {
+  const int64_t n_qtiles = (Q + kCpuTileQ - 1) / kCpuTileQ;
+  at::parallel_for(0, BH * n_qtiles, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> row(D);
+    std::vector<float> acc(kCpuTileQ * D);
+    std::vector<float> w(kCpuTileQ);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t bh = task / n_qtiles;
+      const int64_t qb = (task % n_qtiles) * kCpuTileQ;
+      const int64_t nq = std::min(kCpuTileQ, Q - qb);
+      std::fill(acc.begin(), acc.begin() + nq * D, 0.0f);
+      const uint8_t* m = mat + bh * L * D;
+      const at::Half* v = vec + (bh * Q + qb) * L;
+      for (int64_t l = 0; l < L; ++l) {
+        const float s = static_cast<float>(scales[bh * L + l]);
+        const float z = static_cast<float>(zeros[bh * L + l]);
+        const uint8_t* mr = m + l * D;
+        float* rp = row.data();
+        for (int64_t d = 0; d < D; ++d) rp[d] = static_cast<float>(mr[d]) - z;
+        for (int64_t q = 0; q < nq; ++q) w[q] = static_cast<float>(v[q * L + l]) * s;
+        for (int64_t q = 0; q < nq; ++q) {
+          const float a = w[q];
+          float* ap = acc.data() + q * D;
+          for (int64_t d = 0; d < D; ++d) ap[d] += a * rp[d];
+        }
+      }
+      for (int64_t q = 0; q < nq; ++q) {
+        at::Half* o = out + (bh * Q + qb + q) * D;
+        const float* ap = acc.data() + q * D;
+        for (int64_t d = 0; d < D; ++d) o[d] = static_cast<at::Half>(ap[d]);
+      }
+    }
+  });
+}
+
+// ---------------------------------------------------------------------------------------
+
+void vecquant8matmul_batched_faster_old(const at::Tensor& vec, const at::Tensor& mat,
+                                        const at::Tensor& mul, const at::Tensor& scales,
+                                        const at::Tensor& zeros) {
+  const Where where = check_common(kQkName, vec, mat, mul, scales, zeros);
+  const int64_t B = vec.size(0), H = vec.size(1), Q = vec.size(2), D = vec.size(3);
+  const int64_t L = mat.size(3);
+  check_shape(kQkName, "mat", mat, {B, H, D, L}, "[B, H, D, L]");
+  check_shape(kQkName, "mul", mul, {B, H, Q, L}, "[B, H, Q, L]");
+  check_shape(kQkName, "scales", scales, {B, H, L, 1}, "[B, H, L, 1]");
+  check_shape(kQkName, "zeros", zeros, {B, H, L, 1}, "[B, H, L, 1]");
+  check_layout(kQkName, vec, mat, mul, scales, zeros);
+  if (mul.numel() == 0) return;
+  if (D == 0) {  // an empty sum
+    mul.zero_();
+    return;
+  }
+  const int64_t BH = B * H;
+  if (where == Where::kCuda) {
+    kvprep_v1_qk_cuda(static_cast<int>(vec.get_device()), vec.data_ptr<at::Half>(),
+                      mat.data_ptr<uint8_t>(), mul.data_ptr<at::Half>(),
+                      scales.data_ptr<at::Half>(), zeros.data_ptr<at::Half>(), BH, Q, D, L);
+    return;
+  }
+  qk_cpu(vec.data_ptr<at::Half>(), mat.data_ptr<uint8_t>(), mul.data_ptr<at::Half>(),
+         scales.data_ptr<at::Half>(), zeros.data_ptr<at::Half>(), BH, Q, D, L);
+}
+
+void vecquant8matmul_batched_column_compression_faster_old(const at::Tensor& vec,
+                                                           const at::Tensor& mat,
+                                                           const at::Tensor& mul,
+                                                           const at::Tensor& scales,
+                                                           const at::Tensor& zeros) {
+  const Where where = check_common(kPvName, vec, mat, mul, scales, zeros);
+  const int64_t B = vec.size(0), H = vec.size(1), Q = vec.size(2), L = vec.size(3);
+  const int64_t D = mat.size(3);
+  check_shape(kPvName, "mat", mat, {B, H, L, D}, "[B, H, L, D]");
+  check_shape(kPvName, "mul", mul, {B, H, Q, D}, "[B, H, Q, D]");
+  check_shape(kPvName, "scales", scales, {B, H, L, 1}, "[B, H, L, 1]");
+  check_shape(kPvName, "zeros", zeros, {B, H, L, 1}, "[B, H, L, 1]");
+  check_layout(kPvName, vec, mat, mul, scales, zeros);
+  if (mul.numel() == 0) return;
+  if (L == 0) {  // an empty sum
+    mul.zero_();
+    return;
+  }
+  const int64_t BH = B * H;
+  if (where == Where::kCuda) {
+    const int device = static_cast<int>(vec.get_device());
+    const int64_t n = kvprep_v1_pv_workspace_floats(device, BH, Q, L, D);
+    at::Tensor workspace;
+    if (n > 0) workspace = at::empty({n}, vec.options().dtype(at::kFloat));
+    kvprep_v1_pv_cuda(device, vec.data_ptr<at::Half>(), mat.data_ptr<uint8_t>(),
+                      mul.data_ptr<at::Half>(), scales.data_ptr<at::Half>(),
+                      zeros.data_ptr<at::Half>(),
+                      n > 0 ? workspace.data_ptr<float>() : nullptr, n, BH, Q, L, D);
+    return;
+  }
+  pv_cpu(vec.data_ptr<at::Half>(), mat.data_ptr<uint8_t>(), mul.data_ptr<at::Half>(),
+         scales.data_ptr<at::Half>(), zeros.data_ptr<at::Half>(), BH, Q, L, D);
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() =
+      "Int8 KV-cache kernels for Qwen (v1), written for qwen-kvprep (CPU, and CUDA when "
+      "cache_autogptq_cuda_kernel_256.cu is compiled in).";
+  m.def("vecquant8matmul_batched_faster_old", &vecquant8matmul_batched_faster_old,
+        "mul[b,h,q,l] = sum_d vec[b,h,q,d] * scales[b,h,l] * (mat[b,h,d,l] - zeros[b,h,l]); "
+        "vec [B,H,Q,D] fp16, mat [B,H,D,L] uint8, mul [B,H,Q,L] fp16 (overwritten), "
+        "scales/zeros [B,H,L,1] fp16",
+        py::arg("vec"), py::arg("mat"), py::arg("mul"), py::arg("scales"), py::arg("zeros"),
+        py::call_guard<py::gil_scoped_release>());
+  m.def("vecquant8matmul_batched_column_compression_faster_old",
+        &vecquant8matmul_batched_column_compression_faster_old,
+        "mul[b,h,q,d] = sum_l vec[b,h,q,l] * scales[b,h,l] * (mat[b,h,l,d] - zeros[b,h,l]); "
+        "vec [B,H,Q,L] fp16, mat [B,H,L,D] uint8, mul [B,H,Q,D] fp16 (overwritten), "
+        "scales/zeros [B,H,L,1] fp16",
+        py::arg("vec"), py::arg("mat"), py::arg("mul"), py::arg("scales"), py::arg("zeros"),
+        py::call_guard<py::gil_scoped_release>());
+  m.def("built_with_cuda", &cuda_entries_present,
+        "True when the CUDA kernels were compiled into this extension");
+}
