@@ -767,3 +767,19 @@ def test_refetch_without_a_known_repo_says_so(ckpt: Path) -> None:
     cmd = refetch(facts, ["a b.json"])
     assert cmd.startswith(f"hf download {PLACEHOLDER_REPO} 'a b.json' --local-dir {ckpt}")
     assert "replace Qwen/Qwen-7B-Chat with the repo this checkpoint came from" in cmd
+
+
+def test_hostile_nesting_never_crashes_the_probe(ckpt: Path) -> None:
+    deep = "[" * 200_000
+    (ckpt / "model.safetensors.index.json").write_text(deep)
+    (ckpt / "config.json").write_text(deep)
+    (ckpt / "tokenizer_config.json").write_text(deep)
+    raw = deep.encode()
+    shard = _shards(ckpt)[0]
+    shard.write_bytes(struct.pack("<Q", len(raw)) + raw)
+    findings = {(f.id, f.severity) for f in direct(ckpt)}
+    assert ("checkpoint.index", Severity.FAIL) in findings
+    assert ("config.parse", Severity.FAIL) in findings
+    assert ("checkpoint.content", Severity.FAIL) in findings  # tokenizer_config.json
+    assert probe_shard(shard, shard.name).error is not None
+    assert not [f for f in direct(ckpt) if "crashed" in f.message]

@@ -174,6 +174,16 @@ def _read_text(path: Path) -> Optional[str]:
         return None
 
 
+def load_json(text: str) -> tuple[Any, Optional[str], Optional[int]]:
+    """(data, error, line of the error); never raises, whatever the text."""
+    try:
+        return json.loads(text), None, None
+    except json.JSONDecodeError as exc:
+        return None, f"{exc.msg} at line {exc.lineno}, column {exc.colno}", exc.lineno
+    except (ValueError, RecursionError) as exc:  # a hostile file nests 100,000 levels deep
+        return None, f"{type(exc).__name__}: {exc}", None
+
+
 # -- content sniffing ----------------------------------------------------------------------
 
 
@@ -248,12 +258,11 @@ def probe_shard(path: Path, name: str) -> ShardFacts:
             raw = fh.read(n)
     except OSError as exc:
         return _shard_error(name, None, f"cannot be read: {exc.strerror or exc}")
-    try:
-        header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as exc:
+    header, error, _ = load_json(raw.decode("utf-8", errors="replace"))
+    if error is not None:
         return _shard_error(
             name, size,
-            f"has a header that is not valid JSON ({exc}); loading fails with `SafetensorError: "
+            f"has a header that is not valid JSON ({error}); loading fails with `SafetensorError: "
             "Error while deserializing header: InvalidHeaderDeserialization`",
             header_len=n,
         )
@@ -362,13 +371,9 @@ def probe_index(root: Path, name: str) -> IndexFacts:
     text = _read_text(root / name)
     if text is None:
         return IndexFacts(name, error="cannot be read")
-    try:
-        data = json.loads(text)
-    except ValueError as exc:
-        err = exc if not isinstance(exc, json.JSONDecodeError) else (
-            f"{exc.msg} at line {exc.lineno}, column {exc.colno}"
-        )
-        return IndexFacts(name, error=f"is not valid JSON ({err})")
+    data, error, _ = load_json(text)
+    if error is not None:
+        return IndexFacts(name, error=f"is not valid JSON ({error})")
     wm = data.get("weight_map") if isinstance(data, dict) else None
     if not isinstance(wm, dict) or not wm:
         return IndexFacts(name, error="has no weight_map")
@@ -552,13 +557,9 @@ def _json_problem(root: Path, name: str) -> Optional[ContentProblem]:
     text = _read_text(root / name)
     if text is None:
         return ContentProblem(name, "unreadable", "cannot be read")
-    try:
-        json.loads(text)
-    except json.JSONDecodeError as exc:
-        return ContentProblem(
-            name, "invalid-json",
-            f"is not valid JSON ({exc.msg} at line {exc.lineno}, column {exc.colno})",
-        )
+    _, error, _ = load_json(text)
+    if error is not None:
+        return ContentProblem(name, "invalid-json", f"is not valid JSON ({error})")
     return None
 
 
@@ -592,7 +593,8 @@ def _weights(
 def probe_checkpoint(path: Path) -> CheckpointFacts:
     """Everything the checkpoint and config checks need; never raises for a broken checkpoint."""
     path = Path(path)
-    name = path.absolute().name
+    # normpath: "ckpt/" or "a/ckpt/." must give "ckpt", as transformers' basename would.
+    name = Path(os.path.normpath(path.absolute())).name
     repo_id, revision, hub_root = hub_snapshot(path)
     base: dict[str, Any] = {
         "path": path, "name": name, "repo_id": repo_id, "revision": revision,
@@ -632,6 +634,8 @@ def probe_checkpoint(path: Path) -> CheckpointFacts:
                 cause = exc.__cause__
                 if isinstance(cause, json.JSONDecodeError):
                     config_error_line = cause.lineno
+            except (ValueError, RecursionError) as exc:  # what parse_config lets through
+                config_error = f"{config_path} is not valid JSON ({type(exc).__name__}: {exc})"
     is_link = config_path.is_symlink()
     link_target: Optional[str] = None
     if is_link:
@@ -671,11 +675,8 @@ def probe_checkpoint(path: Path) -> CheckpointFacts:
 
     tokenizer_config: Optional[Mapping[str, Any]] = None
     if TOKENIZER_CONFIG in files and TOKENIZER_CONFIG not in problems:
-        try:
-            loaded = json.loads(_read_text(path / TOKENIZER_CONFIG) or "null")
-            tokenizer_config = loaded if isinstance(loaded, dict) else None
-        except ValueError:
-            tokenizer_config = None
+        loaded, _, _ = load_json(_read_text(path / TOKENIZER_CONFIG) or "null")
+        tokenizer_config = loaded if isinstance(loaded, dict) else None
     entries = {f[:-3] for f in REMOTE_CODE_FILES if f in files}
     entries |= _auto_map_modules(config) | _auto_map_modules(tokenizer_config)
     requirements = scan_requirements(
