@@ -1,0 +1,421 @@
+"""Cache checks: the build cache and the GPU code its builds carry (`build.`), and
+transformers' modules cache, where the model code really runs from (`modules.`)."""
+
+from __future__ import annotations
+
+import shlex
+from typing import Any, Optional
+
+from qwen_kvprep.checks import check
+from qwen_kvprep.findings import Finding, FindingsLike, fail, info, ok, skip, warn
+from qwen_kvprep.probe.binary import BinaryArchs, runs_on
+from qwen_kvprep.probe.caches import (
+    LOADER,
+    BuildRecord,
+    CacheFacts,
+    LockFile,
+    ModuleFolder,
+    usable_builds,
+)
+from qwen_kvprep.probe.facts import Facts
+from qwen_kvprep.resources import KERNEL_FILES
+
+FALLBACK_WARNING = "KV cache kernel source files (.cpp and .cu) not found."
+CACHE_FIX = "use another folder: `--cache-dir DIR` or `export QWEN_KVPREP_CACHE=DIR`"
+
+
+def _caches(facts: Facts, id: str) -> tuple[Optional[CacheFacts], Optional[Finding]]:
+    if facts.caches is None:
+        return None, skip(id, "the caches were not probed")
+    return facts.caches, None
+
+
+def _fix_cmd(facts: Facts) -> str:
+    cp = facts.checkpoint
+    return (
+        f"qwen-kvprep fix {shlex.quote(str(cp.path))}" if cp is not None else "qwen-kvprep fix DIR"
+    )
+
+
+@check("build.cache", "Build cache folder writable")
+def build_cache(facts: Facts) -> FindingsLike:
+    caches, s = _caches(facts, "build.cache")
+    if caches is None:
+        return s
+    acc = caches.build_cache
+    if acc is None:
+        return skip("build.cache", "the build cache folder could not be determined")
+    usable = usable_builds(caches, facts.env)
+    details = {
+        "path": acc.path,
+        "source": acc.source,
+        "exists": acc.exists,
+        "builds": len(caches.builds),
+        "usable_builds": [b.key for b in usable],
+    }
+    if acc.writable:
+        state = "" if acc.exists else " (created by the first build)"
+        return ok(
+            "build.cache",
+            f"build cache {acc.path}{state} is writable; {len(caches.builds)} build(s), "
+            f"{len(usable)} for this torch",
+            paths=[acc.path],
+            **details,
+        )
+    message = (
+        f"the build cache folder {acc.path} (from {acc.source}) cannot be written: {acc.reason}"
+    )
+    if usable:
+        return warn(
+            "build.cache",
+            f"{message}; the existing build for this torch can be used, "
+            "but nothing new can be built",
+            CACHE_FIX,
+            paths=[acc.path],
+            **details,
+        )
+    return fail(
+        "build.cache",
+        f"{message}, so the extension can be neither built nor published",
+        CACHE_FIX,
+        paths=[acc.path],
+        **details,
+    )
+
+
+def _describe(archs: BinaryArchs) -> str:
+    return ", ".join(archs.labels()) or "no GPU code"
+
+
+def _arch_findings(facts: Facts, label: str, archs: BinaryArchs, rebuild: str) -> list[Finding]:
+    env = facts.env
+    assert env is not None
+    details: dict[str, Any] = {"binary": archs.path, "code": archs.labels()}
+    if archs.error:
+        return [
+            warn(
+                "build.arch",
+                f"{label}: cannot read {archs.path}: {archs.error}",
+                rebuild,
+                paths=[archs.path],
+                **details,
+            )
+        ]
+    out: list[Finding] = []
+    for g in env.gpus:
+        d = dict(details, gpu=g.label)
+        entry = runs_on(archs.entries, g.capability)
+        cc = f"{g.capability[0]}.{g.capability[1]}"
+        if entry is None:
+            out.append(
+                fail(
+                    "build.arch",
+                    f"{label} carries {_describe(archs)}, nothing that runs on GPU {g.index} "
+                    f"{g.label}: the first kernel call fails with `CUDA error: no kernel image "
+                    "is available for execution on the device`",
+                    rebuild.replace("ARCH", cc),
+                    paths=[archs.path],
+                    **d,
+                )
+            )
+        elif entry.kind == "ptx":
+            out.append(
+                info(
+                    "build.arch",
+                    f"{label} runs on GPU {g.index} {g.label} through PTX {entry.label} "
+                    "(JIT-compiled at first use; SASS for it would start faster)",
+                    paths=[archs.path],
+                    **d,
+                )
+            )
+        else:
+            out.append(
+                ok(
+                    "build.arch",
+                    f"{label} carries {entry.label} for GPU {g.index} {g.label}",
+                    paths=[archs.path],
+                    **d,
+                )
+            )
+    return out
+
+
+@check("build.arch", "The built extension carries code for each visible GPU")
+def build_arch(facts: Facts) -> FindingsLike:
+    caches, s = _caches(facts, "build.arch")
+    if caches is None:
+        return s
+    env = facts.env
+    if env is None or env.torch_version is None:
+        return skip("build.arch", "torch is not importable (see env.torch)")
+    rebuild = 'qwen-kvprep build --arch "ARCH", then ' + _fix_cmd(facts)
+    targets: list[tuple[str, BuildRecord]] = [
+        (f"the build {b.key[:12]}", b) for b in usable_builds(caches, env)
+    ]
+    jit: list[BinaryArchs] = []
+    for mf in caches.module_folders:
+        jit += list(mf.jit_builds)
+    if not env.gpus:
+        parts = [
+            f"{label}: {_describe(b.archs) if b.archs else 'CPU only'}" for label, b in targets
+        ]
+        if not parts and not jit:
+            return skip("build.arch", "no GPU visible and no build for this torch yet")
+        parts += [f"{a.path}: {_describe(a)}" for a in jit]
+        return info("build.arch", "no GPU visible to check against; " + "; ".join(parts))
+    if not env.torch_is_cuda:
+        return skip("build.arch", "torch is a CPU build: the kernel runs on the CPU (see env.gpu)")
+    out: list[Finding] = []
+    for label, b in targets:
+        if not b.cuda or b.archs is None:
+            out.append(
+                fail(
+                    "build.arch",
+                    f"{label} ({b.dir}) was built without CUDA, so the kernel refuses the "
+                    "model's GPU tensors",
+                    "check env.cuda_home and env.nvcc, then " + _fix_cmd(facts),
+                    paths=[b.dir],
+                )
+            )
+            continue
+        out += _arch_findings(facts, label, b.archs, rebuild)
+    for a in jit:
+        # Built by Qwen's original cpp_kernels.py in the modules cache: its arch flags
+        # come from the nvcc version, not from the GPU (facts §4).
+        out += _arch_findings(
+            facts, "the extension Qwen's cpp_kernels.py built", a, _fix_cmd(facts)
+        )
+    if not out:
+        return info(
+            "build.arch",
+            "no build for this torch yet: `qwen-kvprep fix DIR` builds one for the visible GPUs",
+        )
+    return out
+
+
+# ---------------------------------------------------------------------------------------
+
+
+@check("modules.cache", "transformers' modules cache writable")
+def modules_cache(facts: Facts) -> FindingsLike:
+    caches, s = _caches(facts, "modules.cache")
+    if caches is None:
+        return s
+    acc = caches.modules_root
+    if acc is None:
+        return skip("modules.cache", "the modules cache folder could not be determined")
+    details = {"path": acc.path, "source": acc.source, "exists": acc.exists}
+    if acc.writable:
+        return ok(
+            "modules.cache",
+            f"modules cache {acc.path} (from {acc.source}) is writable",
+            paths=[acc.path],
+            **details,
+        )
+    message = (
+        f"transformers' modules cache {acc.path} (from {acc.source}) cannot be written: "
+        f"{acc.reason}; from_pretrained copies the remote code there at every load"
+    )
+    fix = "export HF_MODULES_CACHE=DIR (a writable folder), then " + _fix_cmd(facts) + " again"
+    mf = caches.module_folder
+    complete = (
+        mf is not None and mf.exists and all(mf.files.get(n) for n in (*KERNEL_FILES, LOADER))
+    )
+    if complete:
+        return warn(
+            "modules.cache",
+            message + ", which works only while the copy there is already current",
+            fix,
+            paths=[acc.path],
+            **details,
+        )
+    return fail(
+        "modules.cache", message + ", so loading the model fails", fix, paths=[acc.path], **details
+    )
+
+
+def _quant_requested(facts: Facts) -> Optional[bool]:
+    cfg = getattr(facts.checkpoint, "config", None)
+    if not isinstance(cfg, dict):
+        return None
+    return cfg.get("use_cache_quantization") is True and cfg.get("use_cache_kernel") is True
+
+
+def _state_folder(caches: CacheFacts) -> Optional[str]:
+    modules = caches.state.get("modules") if caches.state else None
+    folder = modules.get("folder") if isinstance(modules, dict) else None
+    return str(folder) if folder else None
+
+
+def _judge_folder(facts: Facts, mf: ModuleFolder, requested: bool) -> Finding:
+    cp = facts.checkpoint
+    fix = _fix_cmd(facts)
+    details: dict[str, Any] = {
+        "folder": mf.path,
+        "how": mf.how,
+        "files": dict(mf.files),
+        "loader_is_ours": mf.loader_is_ours,
+    }
+    missing = [n for n in KERNEL_FILES if not mf.files.get(n)]
+    if missing:
+        message = (
+            f"{mf.path} lacks {' and '.join(missing)}: the model looks for the kernel sources "
+            f"beside this copy of its code, warns `{FALLBACK_WARNING}` and silently runs the "
+            "slow pure-torch path"
+        )
+        if requested:
+            return fail("modules.folder", message, fix, paths=[mf.path], **details)
+        return info(
+            "modules.folder",
+            message + " (the config does not ask for the kernel yet)",
+            fix,
+            paths=[mf.path],
+            **details,
+        )
+    ckpt_sources = getattr(cp, "kernel_sources", None) or {}
+    stale = [
+        n for n in KERNEL_FILES if ckpt_sources.get(n) and ckpt_sources.get(n) != mf.files.get(n)
+    ]
+    if stale:
+        return warn(
+            "modules.folder",
+            f"the kernel sources in {mf.path} differ from the checkpoint's ({', '.join(stale)}), "
+            "so the model builds or loads different kernels than the checkpoint holds",
+            fix,
+            paths=[mf.path],
+            **details,
+        )
+    if mf.loader_is_ours is False:
+        if getattr(cp, "loader_is_ours", False):
+            return info(
+                "modules.folder",
+                f"{mf.path} still holds Qwen's original {LOADER}; transformers replaces it "
+                "with the checkpoint's (qwen-kvprep's loader) at the next load",
+                paths=[mf.path],
+                **details,
+            )
+        message = (
+            f"{mf.path} holds Qwen's original {LOADER}, which compiles the sources at import "
+            "with paths relative to the working directory: started anywhere else, "
+            "from_pretrained fails with `FileNotFoundError: './cache_autogptq_cuda_256.cpp'`"
+        )
+        if requested:
+            return fail("modules.folder", message, fix, paths=[mf.path], **details)
+        return info("modules.folder", message, fix, paths=[mf.path], **details)
+    if mf.loader_is_ours is None:
+        return info(
+            "modules.folder",
+            f"{mf.path} holds the kernel sources; transformers copies the loader {LOADER} "
+            "in at the next load",
+            paths=[mf.path],
+            **details,
+        )
+    return ok(
+        "modules.folder",
+        f"{mf.path} holds the kernel sources and qwen-kvprep's loader",
+        paths=[mf.path],
+        **details,
+    )
+
+
+@check(
+    "modules.folder", "The checkpoint's modules-cache folder holds the kernel sources and loader"
+)
+def modules_folder(facts: Facts) -> FindingsLike:
+    caches, s = _caches(facts, "modules.folder")
+    if caches is None:
+        return s
+    if facts.checkpoint is None:
+        return skip("modules.folder", "no checkpoint given")
+    if not caches.module_folders:
+        return skip("modules.folder", "the modules-cache folder could not be determined")
+    requested = bool(_quant_requested(facts))
+    existing = [mf for mf in caches.module_folders if mf.exists]
+    planted = _state_folder(caches)
+    primary = caches.module_folders[0]
+    if not existing:
+        details = {"folder": primary.path, "state_folder": planted}
+        if planted and planted != primary.path:
+            return warn(
+                "modules.folder",
+                f"`fix` planted the kernel sources in {planted}, but this environment's "
+                f"modules cache points at {primary.path} (HF_HOME/HF_MODULES_CACHE differ): the "
+                f"first load creates it without them, warns `{FALLBACK_WARNING}` and silently "
+                "falls back to the slow path",
+                f"run `qwen-kvprep prestart {facts.checkpoint.path} -- CMD` or "
+                f"{_fix_cmd(facts)} with this environment",
+                paths=[primary.path],
+                **details,
+            )
+        return info(
+            "modules.folder",
+            f"{primary.path} does not exist yet: transformers creates it at the first load and "
+            "copies only .py files, so unless `qwen-kvprep fix` or `prestart` plants the kernel "
+            "sources there the model silently falls back to the slow path",
+            _fix_cmd(facts),
+            paths=[primary.path],
+            **details,
+        )
+    return [_judge_folder(facts, mf, requested) for mf in existing]
+
+
+def _age(lock: LockFile) -> str:
+    if lock.age_s is None:
+        return ""
+    a = lock.age_s
+    text = f"{a:.0f} s" if a < 120 else f"{a / 60:.0f} min" if a < 7200 else f"{a / 3600:.1f} h"
+    return f", {text} old"
+
+
+@check("modules.stale_lock", "Leftover torch JIT lock files (a load that waits forever)")
+def stale_lock(facts: Facts) -> FindingsLike:
+    caches, s = _caches(facts, "modules.stale_lock")
+    if caches is None:
+        return s
+    root = caches.modules_root.path if caches.modules_root else "the modules cache"
+    if not caches.locks_scanned:
+        return skip("modules.stale_lock", "the modules cache was not scanned")
+    if not caches.locks:
+        return ok("modules.stale_lock", f"no torch JIT lock files under {root}")
+    out: list[Finding] = []
+    for lock in caches.locks:
+        details: dict[str, Any] = {
+            "lock": lock.path,
+            "age_s": lock.age_s,
+            "holders": [list(h) for h in lock.holders],
+        }
+        clear = f"rm -f {shlex.quote(lock.path)}"
+        if lock.holders:
+            who = "; ".join(f"PID {pid} ({cmd})" for pid, cmd in lock.holders)
+            out.append(
+                info(
+                    "modules.stale_lock",
+                    f"{lock.path} is held by a running build: {who}",
+                    paths=[lock.path],
+                    **details,
+                )
+            )
+        elif lock.unreadable:
+            out.append(
+                warn(
+                    "modules.stale_lock",
+                    f"{lock.path}{_age(lock)} is probably left over from a killed build (the open "
+                    f"files of {lock.unreadable} other processes could not be inspected): if so, "
+                    "every later load of the model waits on it forever",
+                    f"if no build is running: {clear}",
+                    paths=[lock.path],
+                    **details,
+                )
+            )
+        else:
+            out.append(
+                fail(
+                    "modules.stale_lock",
+                    f"{lock.path}{_age(lock)} is left over from a killed build (no process holds "
+                    "it): every later load of the model waits on it forever",
+                    clear,
+                    paths=[lock.path],
+                    **details,
+                )
+            )
+    return out

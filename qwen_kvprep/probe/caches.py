@@ -1,0 +1,423 @@
+"""Probe the caches: qwen-kvprep's build cache, transformers' modules cache, the
+checkpoint's module folder in it, and torch JIT lock files left in that cache.
+
+Reads only: writability is judged with os.access/statvfs, never by writing, so doctor
+also works (and says what would fail) on a read-only file system. transformers is not
+imported: the modules-cache folder is computed from the environment the same way
+transformers < 4.54 names it (the versions that run Qwen v1).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from qwen_kvprep.probe.binary import BinaryArchs, read_archs
+from qwen_kvprep.resources import KERNEL_FILES, sha256_file
+
+LOADER = "cpp_kernels.py"
+MODELING = "modeling_qwen.py"
+LOADER_MARKER = "# qwen-kvprep loader"
+STATE_FILE = Path(".qwen-kvprep") / "state.json"
+# The official cpp_kernels.py builds into <its folder>/build with torch's FileBaton, whose
+# `lock` file stays behind when the build is killed.
+JIT_BUILD_DIR = "build"
+JIT_LOCK = "lock"
+# transformers_modules/<name>/build/lock, or .../<org>/<repo>/<commit>/build/lock.
+_LOCK_SEARCH_DEPTH = 6
+_HUB_SNAPSHOT = re.compile(r"models--([^/]+?)--([^/]+)/snapshots/([^/]+)/?$")
+
+
+@dataclass(frozen=True)
+class FolderAccess:
+    """Whether a cache folder can be written (or created), judged without writing."""
+
+    path: str
+    source: str  # how the path was chosen: "--cache-dir", "QWEN_KVPREP_CACHE", ...
+    exists: bool = False
+    writable: bool = False  # exists and writable, or can be created
+    blocker: Optional[str] = None  # the existing path that stops writing
+    reason: Optional[str] = None  # why it cannot be written
+
+
+@dataclass(frozen=True)
+class BuildRecord:
+    """A published build in <cache>/builds/<key>/."""
+
+    dir: str
+    key: str
+    manifest: Mapping[str, Any] = field(default_factory=dict)
+    so_path: Optional[str] = None
+    so_exists: bool = False
+    archs: Optional[BinaryArchs] = None  # None: CPU build, not read
+
+    @property
+    def cuda(self) -> bool:
+        return bool(self.manifest.get("cuda"))
+
+    def input(self, name: str) -> Any:
+        inputs = self.manifest.get("inputs")
+        return inputs.get(name) if isinstance(inputs, Mapping) else None
+
+
+@dataclass(frozen=True)
+class ModuleFolder:
+    """A transformers_modules/<name> folder the model code runs from."""
+
+    path: str
+    how: str  # "local path" | "hub repo id"
+    exists: bool = False
+    files: Mapping[str, Optional[str]] = field(default_factory=dict)  # name -> sha256 or None
+    loader_is_ours: Optional[bool] = None  # None: no cpp_kernels.py there
+    jit_builds: tuple[BinaryArchs, ...] = ()  # extensions the original loader built there
+
+
+@dataclass(frozen=True)
+class LockFile:
+    path: str
+    age_s: Optional[float] = None
+    holders: tuple[tuple[int, str], ...] = ()  # (pid, command line) with the file open
+    unreadable: int = 0  # processes whose open files could not be inspected
+
+
+@dataclass(frozen=True)
+class CacheFacts:
+    build_cache: Optional[FolderAccess] = None
+    builds: tuple[BuildRecord, ...] = ()
+    modules_root: Optional[FolderAccess] = None
+    module_folders: tuple[ModuleFolder, ...] = ()  # for the checkpoint, if one was given
+    locks: tuple[LockFile, ...] = ()
+    locks_scanned: bool = False
+    state: Optional[Mapping[str, Any]] = None  # <checkpoint>/.qwen-kvprep/state.json
+    state_error: Optional[str] = None
+    python_tag: str = ""
+    machine: str = ""
+
+    @property
+    def module_folder(self) -> Optional[ModuleFolder]:
+        """The folder a server loading the checkpoint by path uses (the first candidate)."""
+        return self.module_folders[0] if self.module_folders else None
+
+    @property
+    def module_kernel_sources(self) -> Optional[dict[str, Optional[str]]]:
+        """sha256 of the kernel sources beside the modules-cache copy of the model code,
+        None when that folder does not exist yet (read by checks/kernels.py)."""
+        mf = self.module_folder
+        if mf is None or not mf.exists:
+            return None
+        return {n: mf.files.get(n) for n in KERNEL_FILES}
+
+
+# ---------------------------------------------------------------------------------------
+
+
+def _read_only_fs(path: str) -> bool:
+    try:
+        return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+    except OSError:
+        return False
+
+
+def folder_access(path: Path, source: str) -> FolderAccess:
+    p = Path(path)
+    try:
+        if p.exists():
+            if not p.is_dir():
+                return FolderAccess(
+                    str(p), source, True, False, str(p), "it is a file, not a folder"
+                )
+            ok = os.access(p, os.W_OK | os.X_OK)
+            return FolderAccess(
+                str(p), source, True, ok, None if ok else str(p), None if ok else _why(str(p))
+            )
+        anc = p.parent
+        while not anc.exists() and anc != anc.parent:
+            anc = anc.parent
+        if not anc.is_dir():
+            return FolderAccess(
+                str(p), source, False, False, str(anc), f"{anc} is a file, not a folder"
+            )
+        ok = os.access(anc, os.W_OK | os.X_OK)
+        return FolderAccess(
+            str(p),
+            source,
+            False,
+            ok,
+            None if ok else str(anc),
+            None if ok else f"cannot be created: {_why(str(anc))}",
+        )
+    except OSError as exc:
+        return FolderAccess(str(p), source, False, False, str(p), exc.strerror or str(exc))
+
+
+def _why(path: str) -> str:
+    if _read_only_fs(path):
+        return f"{path} is on a read-only file system"
+    return f"{path} is not writable by this user"
+
+
+def build_cache_dir(option: Optional[Path], environ: Mapping[str, str]) -> tuple[Path, str]:
+    """--cache-dir > $QWEN_KVPREP_CACHE > $XDG_CACHE_HOME/qwen-kvprep > ~/.cache/qwen-kvprep
+    (the order buildcache.paths.resolve_cache_dir uses), with where it came from."""
+    if option is not None:
+        return Path(option).expanduser().absolute(), "--cache-dir"
+    if environ.get("QWEN_KVPREP_CACHE"):
+        return Path(environ["QWEN_KVPREP_CACHE"]).expanduser().absolute(), "QWEN_KVPREP_CACHE"
+    if environ.get("XDG_CACHE_HOME"):
+        return (
+            Path(environ["XDG_CACHE_HOME"]).expanduser() / "qwen-kvprep"
+        ).absolute(), "XDG_CACHE_HOME"
+    return (Path.home() / ".cache" / "qwen-kvprep").absolute(), "default"
+
+
+def modules_cache_root(environ: Mapping[str, str]) -> tuple[Path, str]:
+    """Where transformers keeps remote code: HF_MODULES_CACHE > $HF_HOME/modules >
+    $XDG_CACHE_HOME/huggingface/modules > ~/.cache/huggingface/modules (huggingface_hub
+    derives HF_HOME from XDG_CACHE_HOME when HF_HOME is unset)."""
+    if environ.get("HF_MODULES_CACHE"):
+        return Path(environ["HF_MODULES_CACHE"]).expanduser(), "HF_MODULES_CACHE"
+    if environ.get("HF_HOME"):
+        return Path(environ["HF_HOME"]).expanduser() / "modules", "HF_HOME"
+    if environ.get("XDG_CACHE_HOME"):
+        return Path(
+            environ["XDG_CACHE_HOME"]
+        ).expanduser() / "huggingface" / "modules", "XDG_CACHE_HOME"
+    return Path.home() / ".cache" / "huggingface" / "modules", "default"
+
+
+def module_folder_candidates(directory: Path, root: Path) -> list[tuple[Path, str]]:
+    """transformers_modules/<basename> (loaded by path, as transformers < 4.54 names it);
+    for a huggingface_hub snapshot also <org>/<repo>/<commit> (loaded by repo id)."""
+    base = root / "transformers_modules"
+    out = [(base / Path(str(directory).rstrip("/")).name, "local path")]
+    m = _HUB_SNAPSHOT.search(str(directory))
+    if m:
+        out.append((base / m.group(1) / m.group(2) / m.group(3), "hub repo id"))
+    return out
+
+
+def _probe_module_folder(path: Path, how: str) -> ModuleFolder:
+    if not path.is_dir():
+        return ModuleFolder(str(path), how, False)
+    files: dict[str, Optional[str]] = {}
+    for name in (*KERNEL_FILES, LOADER, MODELING):
+        try:
+            files[name] = sha256_file(path / name) if (path / name).is_file() else None
+        except OSError:
+            files[name] = None
+    ours: Optional[bool] = None
+    if files.get(LOADER):
+        try:
+            with open(path / LOADER, encoding="utf-8", errors="replace") as fh:
+                head = "".join(fh.readline() for _ in range(10))
+            ours = LOADER_MARKER in head
+        except OSError:
+            ours = None
+    jit: list[BinaryArchs] = []
+    with contextlib.suppress(OSError):
+        jit = [read_archs(so) for so in sorted((path / JIT_BUILD_DIR).glob("*.so"))]
+    return ModuleFolder(str(path), how, True, files, ours, tuple(jit))
+
+
+def _read_builds(cache: Path) -> tuple[BuildRecord, ...]:
+    builds_root = cache / "builds"
+    try:
+        entries = sorted(p for p in builds_root.iterdir() if p.is_dir())
+    except OSError:
+        return ()
+    out = []
+    for entry in entries:
+        try:
+            manifest = json.loads((entry / "manifest.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        if not isinstance(manifest, dict):
+            continue
+        so_name = manifest.get("so")
+        so = entry / str(so_name) if isinstance(so_name, str) and so_name else None
+        so_exists = so is not None and so.is_file()
+        archs = read_archs(so) if so is not None and so_exists and manifest.get("cuda") else None
+        out.append(
+            BuildRecord(
+                str(entry),
+                str(manifest.get("key", entry.name)),
+                manifest,
+                str(so) if so else None,
+                so_exists,
+                archs,
+            )
+        )
+    return tuple(out)
+
+
+def _read_state(directory: Path) -> tuple[Optional[Mapping[str, Any]], Optional[str]]:
+    path = directory / STATE_FILE
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return None, None
+    except OSError as exc:
+        return None, f"{path}: {exc.strerror or exc}"
+    try:
+        data = json.loads(text)
+    except ValueError as exc:
+        return None, f"{path} is not valid JSON: {exc}"
+    if not isinstance(data, dict):
+        return None, f"{path} does not hold a JSON object"
+    return data, None
+
+
+# ---------------------------------------------------------------------------------------
+# torch JIT lock files and who holds them
+
+
+def find_jit_locks(root: Path) -> list[Path]:
+    """`build/lock` files anywhere below the modules cache (bounded depth)."""
+    base = root / "transformers_modules"
+    found: list[Path] = []
+    if not base.is_dir():
+        return found
+    base_depth = len(base.parts)
+    for dirpath, dirnames, filenames in os.walk(base):
+        here = Path(dirpath)
+        if here.name == JIT_BUILD_DIR and JIT_LOCK in filenames:
+            found.append(here / JIT_LOCK)
+        if len(here.parts) - base_depth >= _LOCK_SEARCH_DEPTH:
+            dirnames[:] = []
+        else:
+            # Never descend into __pycache__ or the object files of a build.
+            dirnames[:] = [d for d in dirnames if d != "__pycache__"]
+    return sorted(found)
+
+
+def open_file_holders(
+    paths: list[Path], proc: Path = Path("/proc")
+) -> tuple[dict[str, list[tuple[int, str]]], int]:
+    """Which processes hold each path open (torch's FileBaton keeps the lock's descriptor
+    open for the whole build), and how many processes could not be inspected."""
+    wanted = {os.path.realpath(p): str(p) for p in paths}
+    holders: dict[str, list[tuple[int, str]]] = {str(p): [] for p in paths}
+    unreadable = 0
+    me = os.getpid()
+    try:
+        pids = [int(e) for e in os.listdir(proc) if e.isdigit()]
+    except OSError:
+        return holders, -1
+    for pid in pids:
+        if pid == me:
+            continue
+        fd_dir = proc / str(pid) / "fd"
+        try:
+            fds = os.listdir(fd_dir)
+        except FileNotFoundError:
+            continue  # exited meanwhile
+        except OSError:
+            unreadable += 1
+            continue
+        for fd in fds:
+            try:
+                target = os.readlink(fd_dir / fd)
+            except OSError:
+                continue
+            if target in wanted:
+                holders[wanted[target]].append((pid, _cmdline(proc, pid)))
+    return holders, unreadable
+
+
+def _cmdline(proc: Path, pid: int) -> str:
+    try:
+        raw = (proc / str(pid) / "cmdline").read_bytes()
+    except OSError:
+        return "?"
+    return raw.replace(b"\0", b" ").decode(errors="replace").strip()[:200] or "?"
+
+
+def _locks(root: Path) -> tuple[LockFile, ...]:
+    paths = find_jit_locks(root)
+    if not paths:
+        return ()
+    holders, unreadable = open_file_holders(paths)
+    now = time.time()
+    out = []
+    for p in paths:
+        try:
+            age: Optional[float] = max(0.0, now - p.stat().st_mtime)
+        except OSError:
+            age = None
+        out.append(LockFile(str(p), age, tuple(holders.get(str(p), ())), unreadable))
+    return tuple(out)
+
+
+# ---------------------------------------------------------------------------------------
+
+
+def probe_caches(
+    directory: Optional[Path],
+    env: Any = None,
+    cache_dir: Optional[Path] = None,
+    environ: Optional[Mapping[str, str]] = None,
+) -> CacheFacts:
+    """Gather CacheFacts. Never raises, never writes. `env` (EnvFacts) is accepted for the
+    shared probe signature; nothing here depends on it."""
+    del env
+    environ = os.environ if environ is None else environ
+    try:
+        from qwen_kvprep.buildcache.toolchain import machine, python_tag
+
+        tag, mach = python_tag(), machine()
+    except Exception:  # the build package is optional for doctor
+        tag, mach = "", ""
+
+    cache, cache_source = build_cache_dir(cache_dir, environ)
+    root, root_source = modules_cache_root(environ)
+    folders: tuple[ModuleFolder, ...] = ()
+    state: Optional[Mapping[str, Any]] = None
+    state_error: Optional[str] = None
+    if directory is not None:
+        folders = tuple(
+            _probe_module_folder(p, how) for p, how in module_folder_candidates(directory, root)
+        )
+        state, state_error = _read_state(Path(directory))
+    return CacheFacts(
+        build_cache=folder_access(cache, cache_source),
+        builds=_read_builds(cache),
+        modules_root=folder_access(root, root_source),
+        module_folders=folders,
+        locks=_locks(root),
+        locks_scanned=True,
+        state=state,
+        state_error=state_error,
+        python_tag=tag,
+        machine=mach,
+    )
+
+
+def usable_builds(caches: Optional[CacheFacts], env: Any) -> list[BuildRecord]:
+    """Published builds whose ABI inputs fit the running torch and Python, the one fix
+    recorded in the checkpoint's state first. (The loader matches the full key; the nvcc
+    version and arch list are not known without running nvcc, so this is the ABI part.)"""
+    if caches is None or env is None or getattr(env, "torch_version", None) is None:
+        return []
+    out = []
+    for b in caches.builds:
+        if not b.so_exists or b.input("torch") != env.torch_version:
+            continue
+        abi = b.input("cxx11_abi")
+        if abi is not None and env.cxx11_abi is not None and bool(abi) != bool(env.cxx11_abi):
+            continue
+        if caches.python_tag and b.input("python_tag") not in (None, caches.python_tag):
+            continue
+        if caches.machine and b.input("machine") not in (None, caches.machine):
+            continue
+        out.append(b)
+    build = caches.state.get("build") if isinstance(caches.state, Mapping) else None
+    key = build.get("key") if isinstance(build, Mapping) else None
+    out.sort(key=lambda b: (b.key != key, not b.cuda))
+    return out
