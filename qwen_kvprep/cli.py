@@ -17,6 +17,7 @@ import click
 from qwen_kvprep import __version__
 from qwen_kvprep.errors import EXIT_FAILED, EXIT_OK, EXIT_USAGE, KvprepError, UsageError
 from qwen_kvprep.findings import Finding, failed
+from qwen_kvprep.redact import scrub, scrub_findings, scrub_obj
 from qwen_kvprep.report import emit, render_human, render_json, use_colour
 
 
@@ -40,6 +41,10 @@ def output_findings(
     findings: Sequence[Finding], as_json: bool, strict: bool = False, **extra: Any
 ) -> int:
     """Print findings in the chosen form and return the exit code they imply."""
+    # Secrets (values of *TOKEN*/*KEY*/*SECRET*/*PASSWORD* variables, hf_ tokens) never
+    # reach any output, whichever check or step put them into a message.
+    findings = scrub_findings(findings)
+    extra = scrub_obj(extra)
     if as_json:
         emit(render_json(findings, **extra))
     else:
@@ -92,16 +97,18 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
 
 
 def report_error(exc: KvprepError, as_json: bool) -> int:
+    findings = scrub_findings(exc.findings)
+    message, fix = scrub(exc.message), scrub(exc.fix) if exc.fix else None
     if as_json:
         from qwen_kvprep.report import document
 
-        doc = document(list(exc.findings), error={"message": exc.message, "fix": exc.fix})
+        doc = document(findings, error={"message": message, "fix": fix})
         doc["ok"] = False
         emit(json.dumps(doc, indent=2, default=str))
     else:
-        if exc.findings:
-            emit(render_human(list(exc.findings), colour=use_colour(sys.stderr)), sys.stderr)
-        click.echo(f"error: {exc.message}", err=True)
-        if exc.fix:
-            click.echo(f"  fix: {exc.fix}", err=True)
+        if findings:
+            emit(render_human(findings, colour=use_colour(sys.stderr)), sys.stderr)
+        click.echo(f"error: {message}", err=True)
+        if fix:
+            click.echo(f"  fix: {fix}", err=True)
     return exc.exit_code

@@ -1,0 +1,142 @@
+"""Keep secrets out of every output, and the Markdown block of `doctor --report`.
+
+Two kinds of secret never appear in what qwen-kvprep prints:
+- the values of environment variables whose NAMES contain TOKEN, KEY, SECRET or PASSWORD
+  (HF_TOKEN, AWS_SECRET_ACCESS_KEY, WANDB_API_KEY, ...), wherever they occur: in a path, a
+  command line found in /proc, an error message;
+- anything shaped like a Hugging Face token (`hf_` and 30+ letters/digits), whatever
+  variable (if any) it came from.
+
+Values shorter than 4 characters and plain booleans are not treated as secrets: redacting
+"1" from every version number would make the output useless and protect nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import replace
+from typing import Any, Optional
+
+from qwen_kvprep.findings import Finding
+from qwen_kvprep.probe.facts import Facts
+
+SENSITIVE_NAME = re.compile(r"TOKEN|KEY|SECRET|PASSWORD", re.IGNORECASE)
+HF_TOKEN = re.compile(r"hf_[A-Za-z0-9]{30,}")
+MASK = "***"
+_MIN_SECRET_LEN = 4
+_NOT_SECRET = {"true", "false", "yes", "no", "on", "off", "none", "null"}
+
+
+def sensitive_names(environ: Optional[Mapping[str, str]] = None) -> list[str]:
+    env = os.environ if environ is None else environ
+    return sorted(n for n in env if SENSITIVE_NAME.search(n))
+
+
+def secret_values(environ: Optional[Mapping[str, str]] = None) -> list[str]:
+    """Values to mask, longest first (so a secret containing another is masked whole)."""
+    env = os.environ if environ is None else environ
+    values = {
+        v
+        for n, v in env.items()
+        if SENSITIVE_NAME.search(n)
+        and len(v.strip()) >= _MIN_SECRET_LEN
+        and v.strip().lower() not in _NOT_SECRET
+    }
+    return sorted(values, key=len, reverse=True)
+
+
+def scrub(text: str, environ: Optional[Mapping[str, str]] = None) -> str:
+    for value in secret_values(environ):
+        text = text.replace(value, MASK)
+    return HF_TOKEN.sub("hf_" + MASK, text)
+
+
+def scrub_obj(obj: Any, environ: Optional[Mapping[str, str]] = None) -> Any:
+    """Scrub every string inside dicts, lists and tuples (keys too)."""
+    if isinstance(obj, str):
+        return scrub(obj, environ)
+    if isinstance(obj, Mapping):
+        return {scrub_obj(k, environ): scrub_obj(v, environ) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(scrub_obj(v, environ) for v in obj)
+    return obj
+
+
+def scrub_finding(f: Finding, environ: Optional[Mapping[str, str]] = None) -> Finding:
+    return replace(
+        f,
+        message=scrub(f.message, environ),
+        fix=scrub(f.fix, environ) if f.fix is not None else None,
+        paths=tuple(scrub(str(p), environ) for p in f.paths),
+        details=scrub_obj(dict(f.details), environ),
+    )
+
+
+def scrub_findings(
+    findings: Iterable[Finding], environ: Optional[Mapping[str, str]] = None
+) -> list[Finding]:
+    return [scrub_finding(f, environ) for f in findings]
+
+
+# ---------------------------------------------------------------------------------------
+# doctor --report
+
+
+def _cell(value: Any) -> str:
+    text = "-" if value is None or value == "" else str(value)
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def facts_table(facts: Facts) -> dict[str, str]:
+    """Versions, GPUs, toolchain, caches and config flags, one row each."""
+    rows: dict[str, str] = {}
+    env = facts.env
+    if env is not None:
+        from qwen_kvprep.probe.env import summary
+
+        rows.update({k: _cell(v) for k, v in summary(env).items()})
+        rows["platform"] = _cell(f"{env.platform} {env.machine}")
+        for name, value in sorted(env.env_vars.items()):
+            rows[f"${name}"] = _cell(value)
+    names = sensitive_names()
+    if names:
+        # Say that they are set (it can matter: HF_TOKEN for gated repos), never their values.
+        rows["secrets set (values hidden)"] = _cell(", ".join(names))
+    caches = facts.caches
+    if caches is not None:
+        if caches.build_cache is not None:
+            rows["build cache"] = _cell(f"{caches.build_cache.path} ({caches.build_cache.source})")
+        rows["builds in cache"] = _cell(len(caches.builds))
+        if caches.modules_root is not None:
+            rows["modules cache"] = _cell(
+                f"{caches.modules_root.path} ({caches.modules_root.source})"
+            )
+        mf = caches.module_folder
+        if mf is not None:
+            rows["module folder"] = _cell(f"{mf.path} ({'exists' if mf.exists else 'absent'})")
+    cp = facts.checkpoint
+    if cp is not None:
+        rows["checkpoint"] = _cell(getattr(cp, "path", None))
+        cfg = getattr(cp, "config", None)
+        if isinstance(cfg, dict):
+            for key in (
+                "use_cache_quantization",
+                "use_cache_kernel",
+                "use_flash_attn",
+                "bf16",
+                "fp16",
+                "fp32",
+            ):
+                rows[f"config {key}"] = _cell(cfg.get(key, "(unset)"))
+        rows["GPTQ"] = _cell(getattr(cp, "gptq", None))
+    return rows
+
+
+def report_markdown(facts: Facts, findings: Sequence[Finding]) -> str:
+    """The `doctor --report` block, scrubbed of secrets as a whole."""
+    from qwen_kvprep.report import render_markdown
+
+    text = render_markdown(scrub_findings(findings), facts_table(facts))
+    return scrub(text)
