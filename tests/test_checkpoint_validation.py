@@ -783,3 +783,16 @@ def test_hostile_nesting_never_crashes_the_probe(ckpt: Path) -> None:
     assert ("checkpoint.content", Severity.FAIL) in findings  # tokenizer_config.json
     assert probe_shard(shard, shard.name).error is not None
     assert not [f for f in direct(ckpt) if "crashed" in f.message]
+
+
+def test_lfs_pointers_of_one_kind_are_one_finding_with_one_fix(ckpt: Path) -> None:
+    for shard in _shards(ckpt):
+        shard.write_bytes(LFS_POINTER)
+    (ckpt / "qwen.tiktoken").write_bytes(LFS_POINTER)
+    content = [f for f in direct(ckpt) if f.id == "checkpoint.content"]
+    assert len(content) == 2  # the shards, and the tokenizer file
+    shards = next(f for f in content if "safetensors" in f.message)
+    names = [s.name for s in _shards(ckpt)]
+    assert shards.paths == tuple(str(ckpt / n) for n in names)
+    assert shards.fix is not None and " ".join(names) in shards.fix
+    assert "HeaderTooLarge" in shards.message

@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 import shlex
 from collections.abc import Sequence
+from pathlib import PurePosixPath
 from typing import Optional, Union
 
 from qwen_kvprep.checks import check
@@ -250,30 +251,42 @@ def remote_code(facts: Facts) -> CheckResult:
     return ok(id, f"{MODELING} supports the Int8 KV cache and its kernel")
 
 
-_CONTENT_WORDS = {
-    "lfs-pointer": (
-        "Git LFS pointers",
-        "the repo was probably cloned without git-lfs, and loading fails with errors such as "
-        "`SafetensorError: Error while deserializing header: HeaderTooLarge` or `SyntaxError`",
-    ),
-    "html": (
-        "HTML pages",
-        "loading fails with `SyntaxError` or `JSONDecodeError: Expecting value: line 1 "
-        "column 1`",
-    ),
-    "empty": (
-        "empty",
-        "an interrupted copy or download; loading fails on the first read of it",
-    ),
-    "invalid-json": (
-        "not valid JSON",
-        "loading fails with `JSONDecodeError`",
-    ),
-    "unreadable": (
-        "unreadable",
-        "loading fails with `PermissionError` or `OSError`",
-    ),
+# (plural wording, likely cause or None) per kind of content problem.
+_CONTENT_WORDS: dict[str, tuple[str, Optional[str]]] = {
+    "lfs-pointer": ("Git LFS pointers", "the repo was probably cloned without git-lfs"),
+    "html": ("HTML pages", None),  # the detail already says "a login or error page"
+    "empty": ("empty", "an interrupted copy or download"),
+    "invalid-json": ("not valid JSON", None),
+    "unreadable": ("unreadable", None),
 }
+
+# What loading then fails with, by file type; "*" covers the kinds not listed.
+_CONTENT_SYMPTOM: dict[str, dict[str, str]] = {
+    ".safetensors": {
+        "empty": "`SafetensorError: Error while deserializing header: HeaderTooSmall`",
+        "*": "`SafetensorError: Error while deserializing header: HeaderTooLarge`",
+    },
+    ".bin": {
+        "lfs-pointer": "`UnpicklingError: invalid load key, 'v'.`",
+        "html": "`UnpicklingError: invalid load key, '<'.`",
+        "*": "an error from torch.load",
+    },
+    ".py": {
+        "empty": "`AttributeError` or `ImportError`, as the module defines nothing",
+        "*": "`SyntaxError: invalid syntax` when transformers imports it",
+    },
+    ".json": {"*": "`JSONDecodeError`"},
+    ".tiktoken": {"*": "an error while the tokenizer reads its BPE ranks"},
+    ".cpp": {"*": "compiler errors when the kernel is built"},
+    ".cu": {"*": "compiler errors when the kernel is built"},
+}
+
+
+def _symptom(kind: str, suffix: str) -> str:
+    if kind == "unreadable":
+        return "`PermissionError` or `OSError`"
+    table = _CONTENT_SYMPTOM.get(suffix, {})
+    return table.get(kind) or table.get("*") or "an error on the first read of it"
 
 
 @check("checkpoint.content", "No file is an LFS pointer, an HTML page or empty")
@@ -284,18 +297,21 @@ def content(facts: Facts) -> CheckResult:
         return cp
     if not cp.content_problems:
         return ok(id, "no file is a Git LFS pointer, an HTML page or empty")
-    by_kind: dict[str, list[ContentProblem]] = {}
+    # One finding per kind and file type: 8 LFS-pointer shards are one problem, with one fix.
+    groups: dict[tuple[str, str], list[ContentProblem]] = {}
     for p in cp.content_problems:
-        by_kind.setdefault(p.kind, []).append(p)
+        groups.setdefault((p.kind, PurePosixPath(p.name).suffix), []).append(p)
     out: list[Finding] = []
-    for kind, problems in by_kind.items():
+    for (kind, suffix), problems in groups.items():
         names = [p.name for p in problems]
-        many, why = _CONTENT_WORDS.get(kind, (kind, "loading fails"))
+        many, cause = _CONTENT_WORDS.get(kind, (kind, None))
         # One file: its own detail ("is a Git LFS pointer of 134 bytes (the real file ...)").
         what = problems[0].detail if len(problems) == 1 else f"are {many}"
-        msg = f"{', '.join(names)} {what}: {why}"
+        because = f": {cause}, so" if cause else ", so"
         out.append(fail(
-            id, msg, refetch(cp, names, lfs=kind == "lfs-pointer"),
+            id,
+            f"{', '.join(names)} {what}{because} loading fails with {_symptom(kind, suffix)}",
+            refetch(cp, names, lfs=kind == "lfs-pointer"),
             paths=[cp.path / n for n in names], kind=kind,
             files={p.name: p.detail for p in problems},
         ))
@@ -354,8 +370,8 @@ def index(facts: Facts) -> CheckResult:
             f"{idx.name} names {len(names)} file(s) outside the checkpoint "
             f"({'; '.join(f'{n!r} {why}' for n, why in idx.refused[:3])}), which qwen-kvprep "
             "refuses and never opens",
-            f"the index is corrupt or hostile: re-download it ({redownload(cp, [idx.name])}) "
-            "and do not load this checkpoint until then",
+            "the index is corrupt or hostile; do not load this checkpoint until it is "
+            f"re-downloaded: {redownload(cp, [idx.name])}",
             paths=[path], refused=dict(idx.refused),
         ))
     if idx.missing:
