@@ -54,17 +54,21 @@ class KnownGood:
     repos: tuple[str, ...]  # Qwen v1 repos known to carry the files, for messages
 
 
-@functools.cache
-def known_good() -> KnownGood:
-    """The package's list of official file hashes (tests swap this function out)."""
-    raw = json.loads(DATA_FILE.read_text(encoding="utf-8"))
+def load_known_good(path: Path = DATA_FILE) -> KnownGood:
+    raw = json.loads(path.read_text(encoding="utf-8"))
     files = {
         name: KnownFile(name, entry["sha256"], int(entry["size"]))
         for name, entry in raw["files"].items()
     }
     if set(files) != set(resources.KERNEL_FILES):
-        raise RuntimeError(f"{DATA_FILE} must list exactly {resources.KERNEL_FILES}")
+        raise RuntimeError(f"{path} must list exactly {resources.KERNEL_FILES}")
     return KnownGood(files, tuple(raw.get("repos", ())))
+
+
+@functools.cache
+def known_good() -> KnownGood:
+    """The package's list of official file hashes (tests swap this function out)."""
+    return load_known_good()
 
 
 def ours_hashes() -> Optional[dict[str, str]]:

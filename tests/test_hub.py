@@ -435,6 +435,10 @@ def test_snapshot_dir_gives_repo_and_revision(fake_hub: FakeHub, tmp_path: Path)
         assert not (snap / name).is_symlink()  # written by the journal, not linked
         assert (snap / name).read_bytes() == GOOD[name]
     assert ctx.journal.changed_files == sorted(KERNEL_FILES)
+    # they were absent before fix, so revert removes them (it would bring back links had
+    # huggingface_hub's links been left for the journal to find)
+    ctx.journal.revert()
+    assert not any(os.path.lexists(snap / name) for name in KERNEL_FILES)
 
 
 def test_snapshot_dir_left_unchanged_on_refusal(fake_hub: FakeHub, tmp_path: Path) -> None:

@@ -71,18 +71,23 @@ def kernel_sources(facts: Facts) -> FindingsLike:
     fix_cmd = f"qwen-kvprep fix {cp.path}"
     out = [_judge("checkpoint", getattr(cp, "kernel_sources", None) or {}, ours, fix_cmd)]
     # The model looks for the sources next to the modules-cache copy of its code (facts
-    # §4): that copy matters as much as the checkpoint's own.
-    module = getattr(facts.caches, "module_kernel_sources", None)
-    if module is not None:
-        out.append(_judge("modules cache", module, ours, fix_cmd))
+    # §4): that copy matters as much as the checkpoint's own. A folder that does not exist
+    # yet is created by transformers (or fix) later, so there is nothing to judge.
+    for folder in _module_folders(facts):
+        out.append(_judge(f"modules cache {folder.path}", folder.files, ours, fix_cmd))
     return out
 
 
+def _module_folders(facts: Facts) -> list[Any]:
+    folders = getattr(facts.caches, "module_folders", None) or ()
+    return [f for f in folders if getattr(f, "exists", False)]
+
+
 def _env_torch(env: Any) -> tuple[Optional[str], Optional[str]]:
-    """(torch version, torch.version.cuda) from EnvFacts; "?" for a CUDA version that was
-    not probed (as opposed to None: a CPU-only build)."""
+    """(torch version, torch.version.cuda) from EnvFacts (probe/env.py): torch_cuda is
+    None for a CPU-only build."""
     version = getattr(env, "torch_version", None)
-    cuda = getattr(env, "torch_cuda", "?")
+    cuda = getattr(env, "torch_cuda", None)
     return (version if isinstance(version, str) else None), cuda
 
 
@@ -95,17 +100,15 @@ def official_compat(facts: Facts) -> FindingsLike:
     if compat.status == "unknown":
         return skip("kernels.official_compat", f"cannot tell: {compat.reason}")
     cp = facts.checkpoint
-    holds_official = (
-        cp is not None
-        and hub.OFFICIAL
-        in hub.classify_set(getattr(cp, "kernel_sources", None) or {}, None)[1].values()
-    )
+    held = [getattr(cp, "kernel_sources", None) or {}] if cp is not None else []
+    held += [folder.files for folder in _module_folders(facts)]
+    holds_official = any(hub.OFFICIAL in hub.classify_set(h, None)[1].values() for h in held)
     details = {"torch": version, "torch_cuda": cuda, "status": compat.status}
     if holds_official and cp is not None:
         if compat.status == "no":
             return fail(
                 "kernels.official_compat",
-                f"the checkpoint's official kernel sources cannot compile here: {compat.reason}",
+                f"the official kernel sources here cannot compile: {compat.reason}",
                 f"qwen-kvprep fix {cp.path} --source vendored",
                 **details,
             )
