@@ -62,12 +62,10 @@ def record_smoke(
         state_mod: Any = importlib.import_module("qwen_kvprep.state")
     except ImportError:
         return None
-    state = state_mod.load_state(Path(directory))
-    if not isinstance(state, dict):
+    if not isinstance(state_mod.load_state(Path(directory)), dict):
         return None
     journal = journal or Journal(Path(directory))
     if journal.dry_run:
         return None
-    state["smoke"] = state_entry(summary)
-    state_mod.save_state(journal, state)
-    return journal.state_dir / "state.json"
+    state_mod.update_state(journal, smoke=state_entry(summary))
+    return Path(state_mod.state_path(Path(directory)))

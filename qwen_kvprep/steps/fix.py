@@ -60,6 +60,8 @@ _STEPS: list[tuple[str, Callable[[FixOptions], bool]]] = [
     ("loader", lambda o: True),
     ("modules", lambda o: True),
     ("state", lambda o: True),
+    # last: proves the result (a child process loads the model); dry-run has nothing to prove
+    ("smoke", lambda o: o.smoke and not o.dry_run),
 ]
 
 

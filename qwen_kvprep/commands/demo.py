@@ -1,0 +1,59 @@
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Optional
+
+import click
+
+
+@click.command()
+@click.argument("directory", required=False)
+@click.option(
+    "--cache-dir",
+    metavar="DIR",
+    help="Build cache to use (default: $QWEN_KVPREP_CACHE, else ~/.cache/qwen-kvprep).",
+)
+@click.option(
+    "--smoke-timeout",
+    type=click.FloatRange(min=1.0),
+    metavar="S",
+    help="Seconds the smoke child may take before it is killed.",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON document.")
+def demo(
+    directory: Optional[str], cache_dir: Optional[str], smoke_timeout: Optional[float],
+    as_json: bool,
+) -> None:
+    """See the whole Int8 KV-cache path work on a tiny generated model, in about a minute.
+
+    Generates a tiny Qwen (v1) compatible checkpoint (no download), runs `fix` on it
+    (build and smoke included) and explains what happened and what was measured.
+    DIRECTORY keeps everything (checkpoint, HF caches); without it a temporary folder is
+    used and removed. The compiled extension goes to the normal build cache, where a real
+    `fix` finds it.
+    """
+    from qwen_kvprep.cli import output_findings
+    from qwen_kvprep.demo import DemoOptions, narrative, run_demo
+    from qwen_kvprep.report import emit
+    from qwen_kvprep.smoke.progress import wants_progress
+
+    progress = wants_progress(as_json)
+    echo = (lambda text: print(f"demo: {text}", file=sys.stderr, flush=True)) if progress else None
+    result = run_demo(
+        DemoOptions(
+            directory=Path(directory) if directory else None,
+            cache_dir=Path(cache_dir) if cache_dir else None,
+            progress=progress,
+            smoke_timeout=smoke_timeout,
+        ),
+        echo,
+    )
+    if as_json:
+        sys.exit(output_findings(result.findings, True, demo=result.to_json()))
+    emit(narrative(result))
+    sys.exit(0 if result.ok else 1)
+
+
+def register(group: click.Group) -> None:
+    group.add_command(demo)
