@@ -625,7 +625,7 @@ def _st(tensors: dict[str, tuple[str, list[int], int]], extra: int = 0, cut: int
         (_st({"a": ("BF16", [4, 4], 2)}, cut=1), "cut short"),
         (_st({"a": ("BF16", [4, 4], 2)}, extra=3), "extra bytes"),
         (b"\x01\x02", "too short"),
-        (struct.pack("<Q", 0) + b"{}", "header length"),
+        (struct.pack("<Q", 0) + b"{}", "header length of 0"),
         (struct.pack("<Q", 10**12) + b"{}", "HeaderTooLarge"),
         (struct.pack("<Q", 100) + b"{}", "header alone needs"),
         (struct.pack("<Q", 4) + b"{{{{", "not valid JSON"),

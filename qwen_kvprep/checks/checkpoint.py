@@ -23,6 +23,8 @@ from qwen_kvprep.probe.checkpoint import (
     REMOTE_CODE_FILES,
     ST_INDEX,
     ST_SINGLE,
+    ST_TOO_LARGE,
+    ST_TOO_SMALL,
     TIKTOKEN,
     TOKENIZER_FILES,
     CheckpointFacts,
@@ -263,8 +265,8 @@ _CONTENT_WORDS: dict[str, tuple[str, Optional[str]]] = {
 # What loading then fails with, by file type; "*" covers the kinds not listed.
 _CONTENT_SYMPTOM: dict[str, dict[str, str]] = {
     ".safetensors": {
-        "empty": "`SafetensorError: Error while deserializing header: HeaderTooSmall`",
-        "*": "`SafetensorError: Error while deserializing header: HeaderTooLarge`",
+        "empty": ST_TOO_SMALL,
+        "*": ST_TOO_LARGE,
     },
     ".bin": {
         "lfs-pointer": "`UnpicklingError: invalid load key, 'v'.`",

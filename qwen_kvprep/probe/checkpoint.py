@@ -53,6 +53,21 @@ LOADER_MARKER = "# qwen-kvprep loader"
 # The safetensors library refuses headers above 100 MB (HeaderTooLarge); so do we.
 MAX_HEADER = 100_000_000
 
+
+def safetensors_symptom(old: str, new: str) -> str:
+    """The error safetensors raises, in its older (enum name) and newer (text) spelling."""
+    return (
+        f"`SafetensorError: Error while deserializing header: {old}` (newer safetensors: "
+        f"`{new}`)"
+    )
+
+
+ST_TOO_LARGE = safetensors_symptom("HeaderTooLarge", "header too large")
+ST_TOO_SMALL = safetensors_symptom("HeaderTooSmall", "header too small")
+ST_INCOMPLETE = safetensors_symptom(
+    "MetadataIncompleteBuffer", "incomplete metadata, file not fully covered"
+)
+
 # Bytes per element of each safetensors dtype (Qwen v1 uses BF16/F16/F32 and, in the GPTQ
 # variants, I32; the others are listed so that a valid foreign shard is not misjudged).
 DTYPE_SIZES: Mapping[str, int] = {
@@ -237,16 +252,22 @@ def probe_shard(path: Path, name: str) -> ShardFacts:
             prefix = fh.read(8)
             if len(prefix) < 8:
                 return _shard_error(
-                    name, size, f"is only {size} bytes, too short to hold a safetensors header",
+                    name, size,
+                    f"is only {size} bytes, too short to hold a safetensors header (loading fails "
+                    f"with {ST_TOO_SMALL})",
                     truncated=True,
                 )
             (n,) = struct.unpack("<Q", prefix)
-            if n == 0 or n > MAX_HEADER:
+            if n > MAX_HEADER:
                 return _shard_error(
                     name, size,
-                    f"starts with a header length of {n:,} bytes, so it is not a valid safetensors "
-                    "file (loading fails with `SafetensorError: Error while deserializing header: "
-                    "HeaderTooLarge`)",
+                    f"starts with a header length of {n:,} bytes, so it is not a safetensors file "
+                    f"(loading fails with {ST_TOO_LARGE})",
+                )
+            if n < 2:  # not even "{}"
+                return _shard_error(
+                    name, size, f"starts with a header length of {n}, so it is not a safetensors "
+                    "file",
                 )
             if 8 + n > size:
                 return _shard_error(
@@ -262,8 +283,8 @@ def probe_shard(path: Path, name: str) -> ShardFacts:
     if error is not None:
         return _shard_error(
             name, size,
-            f"has a header that is not valid JSON ({error}); loading fails with `SafetensorError: "
-            "Error while deserializing header: InvalidHeaderDeserialization`",
+            f"has a header that is not valid JSON ({error}), so loading fails with "
+            + safetensors_symptom("InvalidHeaderDeserialization", "invalid JSON in header"),
             header_len=n,
         )
     if not isinstance(header, dict):
@@ -295,15 +316,14 @@ def probe_shard(path: Path, name: str) -> ShardFacts:
         return _shard_error(
             name, size,
             f"is {size:,} bytes but its header describes {expected:,}: the download was cut short "
-            "(loading fails with `SafetensorError: Error while deserializing header: "
-            "MetadataIncompleteBuffer`)",
+            f"(loading fails with {ST_INCOMPLETE})",
             header_len=n, truncated=True,
         )
     if size > expected:
         return _shard_error(
             name, size,
             f"is {size:,} bytes but its header describes {expected:,}: it has {size - expected:,} "
-            "extra bytes (loading fails with `MetadataIncompleteBuffer`)",
+            f"extra bytes (loading fails with {ST_INCOMPLETE})",
             header_len=n,
         )
     return ShardFacts(
