@@ -264,7 +264,7 @@ def _compile(plan: BuildPlan, layout: CacheLayout, waited: float, notify: Notify
             "name": EXTENSION_NAME,
             "sources": compiled,
             "extra_cflags": plan.inputs["flags"]["cflags"],
-            "extra_cuda_cflags": plan.inputs["flags"]["cuda_cflags"],
+            "extra_cuda_cflags": plan.inputs["flags"]["cuda_cflags"] + _nvcc_threads(plan, jobs),
             "with_cuda": plan.cuda,
             "build_directory": str(build),
             "require": list(REQUIRED_FUNCTIONS),
@@ -313,6 +313,14 @@ def _compile(plan: BuildPlan, layout: CacheLayout, waited: float, notify: Notify
         return BuildResult(plan.key, final, final / so.name, manifest, True, waited, jobs_why)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+def _nvcc_threads(plan: BuildPlan, jobs: int) -> list[str]:
+    """nvcc compiles the architectures of one .cu one after another unless told to use
+    threads (CUDA >= 11.2). Not part of the key: it does not change the output."""
+    if plan.nvcc is None or jobs < 2 or len(plan.arch_list) < 2 or plan.nvcc.release < (11, 2):
+        return []
+    return ["--threads", str(jobs)]
 
 
 def _run_worker(spec_path: Path, log: Any, env: dict[str, str], cwd: Path) -> None:

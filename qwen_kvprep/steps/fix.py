@@ -3,6 +3,7 @@ state → smoke. Each step reads and extends one FixContext."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -71,9 +72,19 @@ def run_fix(directory: Path, options: FixOptions) -> FixResult:
         from qwen_kvprep.view import fix_target
 
         directory, view_findings = fix_target(directory, options.output, options.dry_run)
-    ctx = FixContext(directory, options, Journal(directory, dry_run=options.dry_run))
-    ctx.add(*view_findings)
-    for name, wanted in _STEPS:
-        if wanted(options):
-            importlib.import_module(f"qwen_kvprep.steps.{name}").run(ctx)
+    # Concurrent fixes of one directory (replicas starting together) take turns: each
+    # loads the journal only once it holds the lock, so no original is recorded twice.
+    # A dry run writes nothing and needs no turn.
+    with contextlib.ExitStack() as stack:
+        if not options.dry_run:
+            from qwen_kvprep.buildcache.builder import stderr_notify
+            from qwen_kvprep.buildcache.lock import directory_lock, lock_timeout
+
+            what = f"qwen-kvprep fix of {directory}"
+            stack.enter_context(directory_lock(directory, lock_timeout(), stderr_notify, what))
+        ctx = FixContext(directory, options, Journal(directory, dry_run=options.dry_run))
+        ctx.add(*view_findings)
+        for name, wanted in _STEPS:
+            if wanted(options):
+                importlib.import_module(f"qwen_kvprep.steps.{name}").run(ctx)
     return FixResult(ctx.findings, ctx.journal.planned, ctx.extra)
