@@ -195,7 +195,8 @@ def tree(root: Path) -> Tree:
 
 
 def run_hub(directory: Path, **options: Any) -> FixContext:
-    opts = FixOptions(source="hub", smoke=False, progress=False, **options)
+    options.setdefault("progress", False)
+    opts = FixOptions(source="hub", smoke=False, **options)
     ctx = FixContext(directory, opts, Journal(directory, dry_run=opts.dry_run))
     sources.run(ctx)
     return ctx
@@ -251,6 +252,29 @@ def test_revision_option_is_used(fake_hub: FakeHub, ckpt: Path) -> None:
     ctx = run_hub(ckpt, repo_id=REPO, revision="v1.0")
     assert ctx.sources.revision == "v1.0"
     assert all("/resolve/v1.0/" in path for _, path in fake_hub.requests)
+
+
+@pytest.mark.parametrize(("progress", "bars_off"), [(False, True), (True, False)])
+def test_progress_bars_only_when_wanted(
+    fake_hub: FakeHub, ckpt: Path, monkeypatch: pytest.MonkeyPatch, progress: bool, bars_off: bool
+) -> None:
+    import huggingface_hub
+    from huggingface_hub.utils import are_progress_bars_disabled
+
+    if are_progress_bars_disabled():
+        pytest.skip("HF_HUB_DISABLE_PROGRESS_BARS is set for this run")
+    seen: list[bool] = []
+    real = huggingface_hub.hf_hub_download
+
+    def spy(*args: Any, **kwargs: Any) -> str:
+        seen.append(are_progress_bars_disabled())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", spy)
+    fake_hub.serve(GOOD)
+    run_hub(ckpt, repo_id=REPO, progress=progress)
+    assert seen == [bars_off, bars_off]
+    assert not are_progress_bars_disabled()  # the user's setting is back
 
 
 # -- bad bodies ----------------------------------------------------------------------------

@@ -116,7 +116,7 @@ def official_compat(facts: Facts) -> FindingsLike:
     if compat.status == "no":
         return info(
             "kernels.official_compat",
-            f"Qwen's official sources would not compile here ({compat.reason}); "
+            f"Qwen's official sources would not compile here: {compat.reason}; "
             "qwen-kvprep's own kernels are used by default",
             **details,
         )

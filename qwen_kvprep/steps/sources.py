@@ -108,7 +108,7 @@ def _torch_info() -> tuple[Optional[str], Optional[str]]:
     """(torch version, torch.version.cuda) of the torch that will build the extension."""
     try:
         import torch
-    except ImportError:
+    except Exception:  # not installed, or a broken install (missing CUDA libraries)
         return None, None
     return str(torch.__version__), getattr(torch.version, "cuda", None)
 
