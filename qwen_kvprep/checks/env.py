@@ -193,8 +193,8 @@ def torch_build(facts: Facts) -> FindingsLike:
     if env.torch_cuda is None:
         return info(
             "env.torch",
-            f"torch {env.torch_version} is a CPU build: only the CPU kernel path is available "
-            "here (the GPU kernel needs a CUDA build of torch)",
+            f"torch {env.torch_version} is a CPU build: CPU kernel path only (the GPU kernel "
+            "needs a CUDA build of torch)",
             **details,
         )
     cuda = _v(env.torch_cuda)
