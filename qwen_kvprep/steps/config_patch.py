@@ -34,6 +34,11 @@ def parse_config(text: str, path: Path) -> OrderedDict[str, Any]:
             fix=f"repair line {exc.lineno} of {path}, or re-download it with "
             f"`hf download <repo> {CONFIG} --local-dir {path.parent}`",
         ) from exc
+    except RecursionError as exc:  # hostile nesting: refuse, never a traceback
+        raise ConfigError(
+            f"{path} nests JSON too deeply to be a model config",
+            fix=f"re-download it with `hf download <repo> {CONFIG} --local-dir {path.parent}`",
+        ) from exc
     if not isinstance(data, OrderedDict):
         raise ConfigError(f"{path} does not hold a JSON object", fix=f"re-download {CONFIG}")
     return data
