@@ -126,6 +126,7 @@ def build_lock(
     path = layout.lock_path(key)
     lock = filelock.FileLock(str(path))
     start = time.monotonic()
+    waited = 0.0  # exactly 0 when nobody held it: callers tell "had to wait" by this
     try:
         lock.acquire(timeout=0)
     except filelock.Timeout:
@@ -149,7 +150,7 @@ def build_lock(
             raise LockTimeout(
                 message, fix=fix, findings=[fail("build.lock", message, fix=fix, paths=[path])]
             ) from None
-    waited = time.monotonic() - start
+        waited = max(time.monotonic() - start, 1e-6)
     owner_path = layout.owner_path(key)
     try:
         atomic_write_text(
