@@ -1,0 +1,268 @@
+"""Our KV-cache extension, CUDA side: it compiles for every architecture the local nvcc
+supports, and the full extension (.cpp + .cu) links and imports with a CUDA build of torch.
+
+No GPU is needed. Where one is present, the CUDA results are also checked against a float64
+reference. Run with the CUDA torch environment, e.g.
+`CUDA_HOME=/usr/local/cuda-13.0 .venv-cuda/bin/python -m pytest -m cuda_build tests/...`.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+from typing import Optional
+
+import pytest
+import torch
+import torch.utils.cpp_extension as cpp_extension
+
+from qwen_kvprep.resources import KERNEL_FILES, kernels_dir
+
+pytestmark = [pytest.mark.cuda_build, pytest.mark.slow]
+
+CPP = kernels_dir() / KERNEL_FILES[0]
+CU = kernels_dir() / KERNEL_FILES[1]
+
+
+def _cuda_home() -> Optional[Path]:
+    """The first CUDA toolkit that has both nvcc and the runtime headers.
+
+    torch's own guess can be a folder holding only an nvcc wrapper (`/usr/local` when
+    /usr/local/bin/nvcc forwards to the real toolkit), which cannot build anything.
+    """
+    candidates: list[Optional[str]] = [
+        os.environ.get("CUDA_HOME"),
+        os.environ.get("CUDA_PATH"),
+        cpp_extension.CUDA_HOME,
+    ]
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        candidates.append(str(Path(os.path.realpath(nvcc)).parent.parent))
+    candidates.append("/usr/local/cuda")
+    for c in candidates:
+        if not c:
+            continue
+        home = Path(c)
+        if (home / "bin" / "nvcc").is_file() and (home / "include" / "cuda_runtime.h").is_file():
+            return home
+    return None
+
+
+def _nvcc_version(nvcc: Path) -> tuple[int, int]:
+    out = subprocess.run([str(nvcc), "--version"], capture_output=True, text=True).stdout
+    m = re.search(r"release (\d+)\.(\d+)", out)
+    assert m, f"cannot read the nvcc version from: {out!r}"
+    return int(m.group(1)), int(m.group(2))
+
+
+def supported_archs(nvcc: Path) -> list[int]:
+    """Real architectures to build for: sm_70 up (sm_75 up from CUDA 13, which dropped Volta)."""
+    major, minor = _nvcc_version(nvcc)
+    out = subprocess.run([str(nvcc), "--list-gpu-arch"], capture_output=True, text=True).stdout
+    archs = sorted({int(m) for m in re.findall(r"compute_(\d+)\b", out)})
+    if not archs:  # nvcc < 11.5 has no --list-gpu-arch
+        archs = [70, 72, 75, 80, 86] + ([87] if (major, minor) >= (11, 4) else [])
+    floor = 75 if major >= 13 else 70
+    return [a for a in archs if a >= floor]
+
+
+def _torch_cuda_headers() -> Optional[list[str]]:
+    """torch's include dirs, when they carry the c10/cuda headers of a CUDA build."""
+    dirs = cpp_extension.include_paths()
+    for d in dirs:
+        if (Path(d) / "c10" / "cuda" / "impl" / "cuda_cmake_macros.h").is_file():
+            return dirs
+    return None
+
+
+@pytest.fixture(scope="module")
+def cuda_home() -> Path:
+    home = _cuda_home()
+    if home is None:
+        pytest.skip("no CUDA toolkit (nvcc + headers) found; set CUDA_HOME")
+    return home
+
+
+def nvcc_flags() -> list[str]:
+    """What torch's extension builder passes to nvcc, as far as it matters to the source."""
+    common = list(
+        getattr(
+            cpp_extension,
+            "COMMON_NVCC_FLAGS",
+            [
+                "-D__CUDA_NO_HALF_OPERATORS__",
+                "-D__CUDA_NO_HALF_CONVERSIONS__",
+                "-D__CUDA_NO_BFLOAT16_CONVERSIONS__",
+                "-D__CUDA_NO_HALF2_OPERATORS__",
+                "--expt-relaxed-constexpr",
+            ],
+        )
+    )
+    abi = int(bool(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", True)))
+    return [
+        *common,
+        "-std=c++17",
+        "-O3",
+        "--use_fast_math",
+        "-Xcompiler",
+        "-fPIC",
+        f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+    ]
+
+
+def test_cu_compiles_for_every_supported_arch(cuda_home: Path, tmp_path: Path) -> None:
+    headers = _torch_cuda_headers()
+    if headers is None:
+        pytest.skip("this torch is a CPU build: its headers lack c10/cuda (use .venv-cuda)")
+    nvcc = cuda_home / "bin" / "nvcc"
+    archs = supported_archs(nvcc)
+    assert archs, "nvcc lists no architecture at or above sm_70/sm_75"
+    gencode = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs]
+    gencode.append(f"-gencode=arch=compute_{archs[-1]},code=compute_{archs[-1]}")  # PTX
+    cmd = [
+        str(nvcc),
+        *nvcc_flags(),
+        *(f"-I{d}" for d in headers),
+        *gencode,
+        "--resource-usage",
+        "-c",
+        str(CU),
+        "-o",
+        str(tmp_path / "kernels.o"),
+    ]
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    assert res.returncode == 0, f"nvcc failed:\n{res.stdout}\n{res.stderr}"
+    report = res.stdout + res.stderr
+    # Our source must compile cleanly (nvcc's own notices, e.g. on old targets, are fine).
+    ours = [ln for ln in report.splitlines() if CU.name in ln and "warning" in ln.lower()]
+    assert not ours, "\n".join(ours)
+    for a in archs:  # ptxas reports every kernel it assembled, per target
+        assert f"for 'sm_{a}'" in report, f"no code for sm_{a}:\n{report}"
+    assert (tmp_path / "kernels.o").stat().st_size > 0
+
+
+@pytest.fixture(scope="module")
+def cuda_ext(cuda_home: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ModuleType]:
+    if not torch.version.cuda:
+        pytest.skip("this torch is a CPU build; the full CUDA extension needs a CUDA torch")
+    nvcc = cuda_home / "bin" / "nvcc"
+    archs = [a for a in (80, 90) if a in supported_archs(nvcc)]
+    build = tmp_path_factory.mktemp("kvprep_cuda_ext")
+    with pytest.MonkeyPatch.context() as mp:
+        # torch reads the toolkit location from this module global when it builds.
+        mp.setattr(cpp_extension, "CUDA_HOME", str(cuda_home))
+        mp.setenv("CUDA_HOME", str(cuda_home))
+        mp.setenv("TORCH_CUDA_ARCH_LIST", ";".join(f"{a // 10}.{a % 10}" for a in archs))
+        mod = cpp_extension.load(
+            name="kvprep_test_cuda_ext",
+            sources=[str(CPP), str(CU)],
+            build_directory=str(build),
+            extra_cflags=["-O3"],
+            extra_cuda_cflags=["-O3", "--use_fast_math"],
+            verbose=False,
+        )
+    yield mod
+
+
+def test_full_extension_links_and_imports(cuda_ext: ModuleType) -> None:
+    assert cuda_ext.built_with_cuda() is True
+    assert cuda_ext.__file__ is not None
+    nm = shutil.which("nm")
+    if nm is not None:
+        undefined = subprocess.run(
+            [nm, "-D", "--undefined-only", cuda_ext.__file__],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        assert "kvprep_v1" not in undefined
+        defined = subprocess.run(
+            [nm, cuda_ext.__file__], capture_output=True, text=True, check=True
+        ).stdout
+        for entry in ("kvprep_v1_qk_cuda", "kvprep_v1_pv_cuda", "kvprep_v1_pv_workspace_floats"):
+            assert re.search(rf" [tT] {entry}$", defined, re.M), f"{entry} not defined"
+
+
+def _inputs(b: int, h: int, q: int, d: int, seq: int, pv: bool, seed: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    vec = torch.randn(b, h, q, seq if pv else d, generator=g).half()
+    shape = (b, h, seq, d) if pv else (b, h, d, seq)
+    mat = torch.randint(0, 256, shape, generator=g, dtype=torch.uint8)
+    scales = (torch.rand(b, h, seq, 1, generator=g) * 0.03 + 0.002).half()
+    zeros = (torch.rand(b, h, seq, 1, generator=g) * 255).half()
+    mul = torch.full((b, h, q, d if pv else seq), float("nan"), dtype=torch.float16)
+    return [vec, mat, mul, scales, zeros]
+
+
+def _reference(args: list[torch.Tensor], pv: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    vec, mat, _, scales, zeros = (t.cpu().double() for t in args)
+    if pv:
+        dq = (mat - zeros) * scales
+    else:
+        dq = (mat - zeros.transpose(-1, -2)) * scales.transpose(-1, -2)
+    return vec @ dq, vec.abs() @ dq.abs()
+
+
+def _check(out: torch.Tensor, ref: torch.Tensor, mag: torch.Tensor) -> None:
+    out = out.cpu()
+    assert not torch.isnan(out).any(), "output not fully written"
+    tol = ref.abs() * 2.0**-10 + mag * 2e-5 + 1e-6
+    worst = ((out.double() - ref).abs() - tol).max().item()
+    assert worst <= 0, f"error exceeds tolerance by {worst:.3g}"
+
+
+def test_cpu_path_of_the_cuda_build(cuda_ext: ModuleType) -> None:
+    for pv, name in (
+        (False, "vecquant8matmul_batched_faster_old"),
+        (True, "vecquant8matmul_batched_column_compression_faster_old"),
+    ):
+        args = _inputs(2, 3, 2, 40, 33, pv, seed=11)
+        getattr(cuda_ext, name)(*args)
+        _check(args[2], *_reference(args, pv))
+
+
+GPU_SHAPES = [
+    # b, h, q, d, seq: aligned, misaligned rows (seq % 16 != 0), odd d, prefill tiles, splits
+    (1, 32, 1, 128, 512),
+    (1, 32, 1, 128, 8191),
+    (2, 4, 1, 128, 1),
+    (2, 4, 1, 128, 129),
+    (3, 5, 5, 64, 1000),
+    (1, 2, 9, 80, 777),
+    (2, 3, 1, 3, 7),
+    (1, 2, 3, 600, 40),
+    (1, 1, 2, 72, 2050),
+    (8, 32, 17, 128, 300),
+]
+
+
+@pytest.mark.parametrize("pv", (False, True), ids=("qk", "pv"))
+@pytest.mark.parametrize(("b", "h", "q", "d", "seq"), GPU_SHAPES)
+def test_gpu_matches_reference(
+    cuda_ext: ModuleType, pv: bool, b: int, h: int, q: int, d: int, seq: int
+) -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("no GPU here: only the build is checked")
+    name = (
+        "vecquant8matmul_batched_column_compression_faster_old"
+        if pv
+        else "vecquant8matmul_batched_faster_old"
+    )
+    args = _inputs(b, h, q, d, seq, pv, seed=b * 7 + q * 3 + seq)
+    dev = [t.cuda() for t in args]
+    getattr(cuda_ext, name)(*dev)
+    torch.cuda.synchronize()
+    _check(dev[2], *_reference(args, pv))
+    # A cache that starts at an odd address (a contiguous slice of a bigger buffer).
+    flat = torch.empty(args[1].numel() + 1, dtype=torch.uint8, device="cuda")
+    shifted = flat[1:].view(args[1].shape)
+    shifted.copy_(dev[1])
+    dev[2].fill_(float("nan"))
+    getattr(cuda_ext, name)(dev[0], shifted, dev[2], dev[3], dev[4])
+    torch.cuda.synchronize()
+    _check(dev[2], *_reference(args, pv))
