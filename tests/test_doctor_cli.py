@@ -1,0 +1,340 @@
+"""`qwen-kvprep doctor` end to end, in subprocesses: the --json document against its
+schema (on this machine and on a generated checkpoint), secrets kept out of every output,
+exit codes, --strict, a torch that cannot be imported, a read-only file system, and a
+stale torch JIT lock. doctor must change nothing in any of them."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+import pytest
+
+from tests.treesnap import snapshot
+
+REPO = Path(__file__).resolve().parent.parent
+TOKEN = "hf_" + "QwenKvprepTestToken" + "x" * 17  # shaped like a real token (30+ chars)
+API_KEY_VALUE = "kvprep-test-api-key-value"
+
+# The --json document (schema_version 1), as a JSON Schema. Validated by the small
+# validator below: the project does not depend on the jsonschema package.
+FINDING_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "required": ["id", "severity", "message", "fix", "paths"],
+    "additionalProperties": False,
+    "properties": {
+        "id": {
+            "type": "string",
+            "pattern": (
+                r"^(env|checkpoint|config|kernels|build|modules|smoke)"
+                r"\.[a-z0-9_]+(\.[a-z0-9_]+)*$"
+            ),
+        },
+        "severity": {"enum": ["ok", "info", "warn", "fail", "skip"]},
+        "message": {"type": "string", "minLength": 1},
+        "fix": {"type": ["string", "null"]},
+        "paths": {"type": "array", "items": {"type": "string"}},
+        "details": {"type": "object"},
+    },
+}
+DOCUMENT_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "required": ["schema_version", "tool_version", "ok", "findings"],
+    "properties": {
+        "schema_version": {"const": 1},
+        "tool_version": {"type": "string", "minLength": 1},
+        "ok": {"type": "boolean"},
+        "findings": {"type": "array", "items": FINDING_SCHEMA},
+    },
+}
+_TYPES = {
+    "object": dict,
+    "array": list,
+    "string": str,
+    "boolean": bool,
+    "null": type(None),
+}
+
+
+def validate(value: Any, schema: dict[str, Any], where: str = "$") -> list[str]:
+    """The subset of JSON Schema used above; returns every violation."""
+    errors: list[str] = []
+    if "const" in schema and value != schema["const"]:
+        errors.append(f"{where}: {value!r} != {schema['const']!r}")
+    if "enum" in schema and value not in schema["enum"]:
+        errors.append(f"{where}: {value!r} not in {schema['enum']}")
+    if "type" in schema:
+        names = schema["type"] if isinstance(schema["type"], list) else [schema["type"]]
+        if not any(isinstance(value, _TYPES[n]) for n in names):
+            return [*errors, f"{where}: {type(value).__name__} is not {names}"]
+    if isinstance(value, str):
+        if len(value) < schema.get("minLength", 0):
+            errors.append(f"{where}: shorter than {schema['minLength']}")
+        if "pattern" in schema and not re.search(schema["pattern"], value):
+            errors.append(f"{where}: {value!r} does not match {schema['pattern']}")
+    if isinstance(value, dict):
+        for key in schema.get("required", []):
+            if key not in value:
+                errors.append(f"{where}: missing {key!r}")
+        props = schema.get("properties", {})
+        for key, sub in value.items():
+            if key in props:
+                errors += validate(sub, props[key], f"{where}.{key}")
+            elif schema.get("additionalProperties") is False:
+                errors.append(f"{where}: unexpected key {key!r}")
+    if isinstance(value, list) and "items" in schema:
+        for i, item in enumerate(value):
+            errors += validate(item, schema["items"], f"{where}[{i}]")
+    return errors
+
+
+def test_the_validator_rejects_a_bad_document() -> None:
+    bad = {"schema_version": 2, "ok": "yes", "findings": [{"id": "nope", "severity": "bad"}]}
+    errors = validate(bad, DOCUMENT_SCHEMA)
+    assert any("tool_version" in e for e in errors)
+    assert any("schema_version" in e for e in errors)
+    assert any("severity" in e for e in errors)
+    assert any("does not match" in e for e in errors)
+
+
+# ---------------------------------------------------------------------------------------
+
+
+def base_env(tmp: Path, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not re.search("TOKEN|KEY|SECRET|PASSWORD", k)}
+    env.update(
+        HF_HOME=str(tmp / "hf-home"),
+        HF_MODULES_CACHE=str(tmp / "hf-home" / "modules"),
+        QWEN_KVPREP_CACHE=str(tmp / "kvprep-cache"),
+        PYTHONPATH=str(REPO),
+        NO_COLOR="1",
+    )
+    env.update(extra)
+    return env
+
+
+def doctor(
+    *args: str, env: dict[str, str], cwd: Path, prefix: Optional[list[str]] = None
+) -> subprocess.CompletedProcess[str]:
+    cmd = [*(prefix or []), sys.executable, "-m", "qwen_kvprep", "doctor", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=cwd, timeout=300)
+
+
+def parse(res: subprocess.CompletedProcess[str]) -> dict[str, Any]:
+    assert "Traceback" not in res.stderr, res.stderr
+    doc = json.loads(res.stdout)
+    assert validate(doc, DOCUMENT_SCHEMA) == []
+    fails = [f for f in doc["findings"] if f["severity"] == "fail"]
+    assert doc["ok"] is (not fails)
+    assert res.returncode == (1 if fails else 0), (res.returncode, fails)
+    for f in doc["findings"]:
+        if f["severity"] in ("warn", "fail"):
+            assert f["fix"], f
+    return doc
+
+
+def by_id(doc: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
+    out: dict[str, list[dict[str, Any]]] = {}
+    for f in doc["findings"]:
+        out.setdefault(f["id"], []).append(f)
+    return out
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from qwen_kvprep.tiny import generate_checkpoint
+
+    return generate_checkpoint(tmp_path_factory.mktemp("ckpt") / "Qwen-tiny")
+
+
+ENV_IDS = {
+    "env.python",
+    "env.torch",
+    "env.gpu",
+    "env.driver",
+    "env.cuda_home",
+    "env.nvcc",
+    "env.host_compiler",
+    "env.ninja",
+    "env.python_headers",
+    "env.transformers",
+    "env.remote_requirements",
+    "env.flash_attn",
+    "env.gptq",
+    "build.cache",
+    "build.arch",
+    "modules.cache",
+    "modules.folder",
+    "modules.stale_lock",
+}
+
+
+def test_json_on_this_machine(tmp_path: Path) -> None:
+    doc = parse(doctor("--json", env=base_env(tmp_path), cwd=tmp_path))
+    ids = by_id(doc)
+    assert set(ids) >= ENV_IDS
+    assert ids["modules.folder"][0]["severity"] == "skip"  # no checkpoint given
+    assert ids["env.python"][0]["severity"] == "ok"
+    assert not (tmp_path / "hf-home").exists() and not (tmp_path / "kvprep-cache").exists()
+
+
+def test_json_on_a_generated_checkpoint_changes_nothing(tiny: Path, tmp_path: Path) -> None:
+    env = base_env(tmp_path)
+    (tmp_path / "hf-home" / "modules").mkdir(parents=True)
+    before = snapshot(tiny), snapshot(tmp_path)
+    doc = parse(doctor("--json", str(tiny), env=env, cwd=tmp_path))
+    assert (snapshot(tiny), snapshot(tmp_path)) == before
+    ids = by_id(doc)
+    assert set(ids) >= ENV_IDS
+    assert any(i.startswith("checkpoint.") for i in ids)
+    # before the first load transformers has not created the module folder yet
+    folder = ids["modules.folder"][0]
+    assert folder["severity"] == "info"
+    assert (
+        str(tmp_path / "hf-home" / "modules" / "transformers_modules" / "Qwen-tiny")
+        in folder["message"]
+    )
+
+
+def test_secrets_never_printed(tiny: Path, tmp_path: Path) -> None:
+    # The token also sits inside a path that findings quote, to prove scrubbing (not luck).
+    home = tmp_path / f"home-{TOKEN}"
+    env = base_env(
+        tmp_path,
+        HF_TOKEN=TOKEN,
+        WANDB_API_KEY=API_KEY_VALUE,
+        HF_HOME=str(home),
+        HF_MODULES_CACHE=str(home / "modules"),
+        QWEN_KVPREP_CACHE=str(tmp_path / API_KEY_VALUE / "cache"),
+    )
+    for args in (["--report"], ["--json"], [], ["--report", "--check", "modules.cache"]):
+        res = doctor(*args, str(tiny), env=env, cwd=tmp_path)
+        out = res.stdout + res.stderr
+        assert "Traceback" not in out, out
+        assert TOKEN not in out, args
+        assert API_KEY_VALUE not in out, args
+        assert "***" in out, args  # the paths were printed, masked
+    report = doctor("--report", str(tiny), env=env, cwd=tmp_path).stdout
+    assert "### qwen-kvprep report" in report
+    assert "HF_TOKEN" in report and "WANDB_API_KEY" in report  # named as set, never valued
+    assert "transformers" in report and "env.torch" in report
+
+
+def test_usage_errors_and_selection(tmp_path: Path) -> None:
+    env = base_env(tmp_path)
+    bad = doctor("--check", "env.torch", "--check", "env.no_such_check", env=env, cwd=tmp_path)
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr
+    assert "env.no_such_check" in bad.stderr
+    listed = doctor("--list-checks", env=env, cwd=tmp_path)
+    assert listed.returncode == 0
+    assert {line.split()[0] for line in listed.stdout.splitlines() if line.strip()} >= ENV_IDS
+    one = parse(
+        doctor("--json", "--check", "env.python", "--check", "env.ninja", env=env, cwd=tmp_path)
+    )
+    assert set(by_id(one)) == {"env.python", "env.ninja"}
+
+
+def test_strict_makes_warnings_fail(tiny: Path, tmp_path: Path) -> None:
+    # fix planted the sources under another HF_HOME than this environment's: a warning
+    copy = tmp_path / "Qwen-tiny"
+    shutil.copytree(tiny, copy)
+    state = {
+        "state_version": 1,
+        "modules": {"folder": "/build-time/hf/modules/transformers_modules/Qwen-tiny"},
+    }
+    (copy / ".qwen-kvprep").mkdir()
+    (copy / ".qwen-kvprep" / "state.json").write_text(json.dumps(state))
+    env = base_env(tmp_path)
+    lax = doctor("--check", "modules.folder", str(copy), env=env, cwd=tmp_path)
+    assert lax.returncode == 0, lax.stdout + lax.stderr
+    assert "WARN" in lax.stdout and "modules.folder" in lax.stdout
+    strict = doctor("--strict", "--check", "modules.folder", str(copy), env=env, cwd=tmp_path)
+    assert strict.returncode == 1
+
+
+def test_stale_lock_reported_with_the_command_that_clears_it(tmp_path: Path) -> None:
+    env = base_env(tmp_path)
+    lock = (
+        tmp_path / "hf-home" / "modules" / "transformers_modules" / "Qwen-tiny" / "build" / "lock"
+    )
+    lock.parent.mkdir(parents=True)
+    lock.write_bytes(b"")
+    doc = parse(doctor("--json", "--check", "modules.stale_lock", env=env, cwd=tmp_path))
+    (finding,) = doc["findings"]
+    if finding["severity"] == "warn":
+        pytest.skip("other processes' open files cannot be inspected here")
+    assert finding["severity"] == "fail"
+    assert finding["fix"] == f"rm -f {lock}"
+    assert lock.exists()  # reported, never removed by doctor
+
+
+def test_doctor_without_torch(tiny: Path, tmp_path: Path) -> None:
+    shim = tmp_path / "shim" / "torch"
+    shim.mkdir(parents=True)
+    (shim / "__init__.py").write_text('raise ImportError("torch is hidden by this test")\n')
+    env = base_env(tmp_path, PYTHONPATH=f"{tmp_path / 'shim'}{os.pathsep}{REPO}")
+    for args in (["--json"], ["--json", str(tiny)]):
+        doc = parse(doctor(*args, env=env, cwd=tmp_path))
+        ids = by_id(doc)
+        torch_finding = ids["env.torch"][0]
+        assert torch_finding["severity"] == "fail"
+        assert "torch is hidden by this test" in torch_finding["message"]
+        assert ids["env.transformers"][0]["severity"] in ("ok", "fail")
+    human = doctor(str(tiny), env=env, cwd=tmp_path)
+    assert human.returncode == 1 and "Traceback" not in human.stderr
+    assert "env.torch" in human.stdout
+
+
+def _unshare_works() -> bool:
+    if shutil.which("unshare") is None:
+        return False
+    try:
+        res = subprocess.run(["unshare", "-rm", "true"], capture_output=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return res.returncode == 0
+
+
+@pytest.mark.skipif(
+    not _unshare_works(), reason="no user+mount namespaces for a read-only bind mount"
+)
+def test_doctor_on_a_read_only_file_system(tiny: Path, tmp_path: Path) -> None:
+    root = tmp_path / "ro"
+    copy = root / "Qwen-tiny"
+    shutil.copytree(tiny, copy)
+    (root / "hf-home" / "modules").mkdir(parents=True)
+    env = base_env(
+        tmp_path,
+        HF_HOME=str(root / "hf-home"),
+        HF_MODULES_CACHE=str(root / "hf-home" / "modules"),
+        QWEN_KVPREP_CACHE=str(root / "kvprep-cache"),
+    )
+    before = snapshot(root)
+    # A private mount namespace in which `root` is bind-mounted read-only onto itself.
+    prefix = [
+        "unshare",
+        "-rm",
+        "sh",
+        "-c",
+        'mount --bind -o ro "$1" "$1" && shift && exec "$@"',
+        "sh",
+        str(root),
+    ]
+    doc = parse(doctor("--json", str(copy), env=env, cwd=tmp_path, prefix=prefix))
+    assert snapshot(root) == before
+    ids = by_id(doc)
+    cache = ids["build.cache"][0]
+    assert cache["severity"] == "fail"
+    assert (
+        "read-only file system" in cache["message"]
+        and str(root / "kvprep-cache") in cache["message"]
+    )
+    assert "QWEN_KVPREP_CACHE" in cache["fix"] and "--cache-dir" in cache["fix"]
+    assert ids["modules.cache"][0]["severity"] == "fail"
+    assert ids["env.python"][0]["severity"] == "ok"
