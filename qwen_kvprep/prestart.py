@@ -239,12 +239,24 @@ def python_tag() -> str:
 
 
 def modules_root() -> str:
-    from qwen_kvprep.modcache import modules_cache_root
-
-    return os.path.abspath(str(modules_cache_root()))
+    """modcache.modules_cache_root(), absolute (tested equal). Repeated here because that
+    module's imports (pathlib, errors -> findings -> dataclasses) cost more than the whole
+    fast path."""
+    env = os.environ.get("HF_MODULES_CACHE")
+    if env:
+        root = os.path.expanduser(env)
+    elif os.environ.get("HF_HOME"):
+        root = os.path.join(os.path.expanduser(os.environ["HF_HOME"]), "modules")
+    else:
+        xdg = os.environ.get("XDG_CACHE_HOME")
+        base = os.path.expanduser(xdg) if xdg else os.path.join(os.path.expanduser("~"), ".cache")
+        root = os.path.join(base, "huggingface", "modules")
+    return os.path.abspath(root)
 
 
 def load_state(target: str) -> Optional[dict[str, Any]]:
+    # state.load_state reads the same file, but state.py imports importlib.metadata and
+    # the journal (shutil, tempfile...) at the top: too slow to import here.
     try:
         with open(os.path.join(target, STATE_DIRNAME, STATE_FILE), encoding="utf-8") as fh:
             data = json.load(fh)
@@ -389,20 +401,18 @@ def fast(args: Sequence[str]) -> None:
 # ------------------------------------------------------------------ slow path
 
 
-def _lock_timeout() -> float:
-    try:
-        return float(os.environ.get(ENV_LOCK_TIMEOUT, "") or 1800)
-    except ValueError:
-        return 1800.0
-
-
 def _locked(request: Request, work: Callable[[], None]) -> None:
     """Run `work` holding the per-checkpoint lock, so that replicas starting together on
     one directory do the work once: the others wait, then find the state matching."""
     from filelock import FileLock, Timeout
 
+    from qwen_kvprep.buildcache.lock import lock_timeout
     from qwen_kvprep.errors import LockTimeout
 
+    # A file of our own, not buildcache.lock.directory_lock: fix takes that flock on the
+    # directory inside, and a second flock on the same directory from this process (another
+    # descriptor) would wait for ourselves.
+    timeout = lock_timeout()
     folder = os.path.join(request.target, STATE_DIRNAME)
     try:
         os.makedirs(folder, exist_ok=True)
@@ -411,10 +421,10 @@ def _locked(request: Request, work: Callable[[], None]) -> None:
     except Timeout:
         say(request, f"waiting for another qwen-kvprep preparing {request.target}")
         try:
-            lock.acquire(timeout=_lock_timeout())
+            lock.acquire(timeout=timeout)
         except Timeout:
             raise LockTimeout(
-                f"another process kept {lock.lock_file} for more than {_lock_timeout():.0f} s",
+                f"another process kept {lock.lock_file} for more than {timeout:.0f} s",
                 fix=f"see which process holds it (`fuser {lock.lock_file}`), or raise "
                 f"{ENV_LOCK_TIMEOUT}",
             ) from None
@@ -444,6 +454,11 @@ def prepare(request: Request) -> list[Any]:
         arch=request.arch,
         output=Path(request.output).absolute() if request.output else None,
     )
+    if options.output is not None:
+        from qwen_kvprep.view import check_output_dir
+
+        # before the lock below creates OUT/.qwen-kvprep: refuse a foreign OUT untouched
+        check_output_dir(Path(request.directory).absolute(), options.output)
     findings: list[Any] = []
 
     def work() -> None:

@@ -1,0 +1,502 @@
+"""`prestart`: the fast path (no torch/transformers/huggingface_hub, exec CMD), its
+comparison with the recorded state, and the slow path through fix on real tiny
+checkpoints (fresh modules cache, re-patched config, read-only --output, 8 replicas)."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Optional
+
+import pytest
+
+from qwen_kvprep import __version__, prestart
+from qwen_kvprep.prestart import Request, parse_fast, state_mismatch
+
+HEAVY = ("torch", "transformers", "huggingface_hub")
+# The fast path also avoids these: each costs more than the whole budget's remainder.
+AVOIDED = (*HEAVY, "click", "importlib.metadata", "qwen_kvprep.cli", "qwen_kvprep.journal")
+CONSOLE_SCRIPT = Path(sys.executable).with_name("qwen-kvprep")
+
+
+def sha(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def run_prestart(
+    *args: str, env: Optional[dict[str, str]] = None, timeout: float = 900, script: bool = False
+) -> subprocess.CompletedProcess[str]:
+    """Run prestart as a container would: in its own process, through the real entry."""
+    head = [str(CONSOLE_SCRIPT)] if script else [sys.executable, "-m", "qwen_kvprep"]
+    return subprocess.run(
+        [*head, "prestart", *args],
+        capture_output=True, text=True, timeout=timeout, env=env or dict(os.environ),
+    )
+
+
+# ------------------------------------------------------------------ argument parsing
+
+
+def test_parse_fast_reads_options_env_and_command(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("DIR", "OUTPUT", "SMOKE", "ALLOW_FALLBACK", "CACHE", "ARCH", "QUIET"):
+        monkeypatch.delenv(f"QWEN_KVPREP_{name}", raising=False)
+    req = parse_fast(["/m", "--smoke", "--output=/o", "--", "python", "--smoke", "x"])
+    assert req is not None
+    assert (req.directory, req.output, req.smoke, req.allow_fallback) == ("/m", "/o", True, False)
+    assert req.command == ["python", "--smoke", "x"]  # CMD's own options stay CMD's
+
+    monkeypatch.setenv("QWEN_KVPREP_DIR", "/env-model")
+    monkeypatch.setenv("QWEN_KVPREP_ALLOW_FALLBACK", "yes")
+    monkeypatch.setenv("QWEN_KVPREP_ARCH", "8.0;9.0")
+    req = parse_fast(["--", "serve"])
+    assert req is not None
+    assert (req.directory, req.allow_fallback, req.arch, req.command) == (
+        "/env-model", True, "8.0;9.0", ["serve"]
+    )
+    req = parse_fast(["/m", "-o", "/o2", "--cache-dir", "/c", "-q"])
+    assert req is not None
+    assert (req.output, req.cache_dir, req.quiet, req.command) == ("/o2", "/c", True, [])
+
+
+@pytest.mark.parametrize(
+    "args", [["--help"], ["/m", "--no-such"], ["/a", "/b"], ["/m", "--output"], ["-h", "--", "x"]]
+)
+def test_parse_fast_leaves_anything_unusual_to_click(args: list[str]) -> None:
+    assert parse_fast(args) is None
+
+
+def test_parse_fast_leaves_bad_env_values_to_click(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("QWEN_KVPREP_SMOKE", "perhaps")
+    assert parse_fast(["/m"]) is None
+
+
+# ------------------------------------------------------------------ helpers equal their originals
+
+
+def test_dist_version_agrees_with_importlib_metadata() -> None:
+    names = {d.metadata["Name"] for d in importlib.metadata.distributions()}
+    assert {"torch", "transformers", "click"} <= names
+    for name in sorted(names):
+        assert prestart.dist_version(name) == importlib.metadata.version(name), name
+    assert prestart.dist_version("no-such-distribution-qwen-kvprep") is None
+
+
+def test_python_tag_agrees_with_the_build_cache() -> None:
+    from qwen_kvprep.buildcache.toolchain import python_tag
+
+    assert prestart.python_tag() == python_tag()
+
+
+@pytest.mark.parametrize(
+    "env",
+    [{"HF_MODULES_CACHE": "~/mods/"}, {"HF_HOME": "/h"},
+     {"HF_HOME": "/h", "HF_MODULES_CACHE": "/m"}, {"XDG_CACHE_HOME": "/x"}, {}],
+)
+def test_modules_root_agrees_with_modcache(
+    env: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from qwen_kvprep.modcache import modules_cache_root
+
+    for name in ("HF_MODULES_CACHE", "HF_HOME", "XDG_CACHE_HOME"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert prestart.modules_root() == os.path.abspath(modules_cache_root())
+
+
+# ------------------------------------------------------------------ a recorded state, made by hand
+
+
+def fake_prepared(root: Path) -> Path:
+    """A directory with the state fix records, built by hand (no build, no transformers):
+    what the fast path compares is all there and consistent."""
+    ckpt = root / "Fake-Chat"
+    ckpt.mkdir(parents=True)
+    for name, text in [("config.json", '{"use_cache_kernel": true}\n'),
+                       ("cpp_kernels.py", "# qwen-kvprep loader\n"),
+                       ("cache_autogptq_cuda_256.cpp", "// cpp\n"),
+                       ("cache_autogptq_cuda_kernel_256.cu", "// cu\n"),
+                       ("model.safetensors", "weights")]:
+        (ckpt / name).write_text(text)
+    build = root / "cache" / "builds" / "k1"
+    build.mkdir(parents=True)
+    (build / "cache_autogptq_cuda_256.so").write_bytes(b"\x7fELF")
+    (build / "manifest.json").write_text(json.dumps(
+        {"manifest_version": 1, "key": "k1", "inputs": {"python_tag": prestart.python_tag()}}))
+    modules_root = Path(os.environ["HF_MODULES_CACHE"])
+    folder = modules_root / "transformers_modules" / "Fake-Chat"
+    folder.mkdir(parents=True)
+    planted = {}
+    for name in ("cache_autogptq_cuda_256.cpp", "cache_autogptq_cuda_kernel_256.cu",
+                 "cpp_kernels.py"):
+        shutil.copy(ckpt / name, folder / name)
+        planted[name] = sha(folder / name)
+    state = {
+        "state_version": 1,
+        "tool_version": __version__,
+        "checkpoint": str(ckpt),
+        "files": {n: sha(ckpt / n) for n in prestart.TRACKED_FILES},
+        "sources": {"origin": "vendored", "repo_id": None, "revision": None},
+        "packages": {n: importlib.metadata.version(n) for n in ("torch", "transformers")},
+        "build": {"key": "k1", "dir": str(build), "so": str(build / "cache_autogptq_cuda_256.so"),
+                  "cuda": True, "arch_list": ["8.0", "9.0+PTX"]},
+        "modules": {"root": str(modules_root), "folder": str(folder), "files": planted},
+        "smoke": None,
+        "updated": "2025-01-01T00:00:00+00:00",
+    }
+    (ckpt / ".qwen-kvprep").mkdir()
+    (ckpt / ".qwen-kvprep" / "state.json").write_text(json.dumps(state, indent=2))
+    return ckpt
+
+
+@pytest.fixture()
+def fake(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("HF_MODULES_CACHE", str(tmp_path / "modules"))
+    monkeypatch.delenv("QWEN_KVPREP_ARCH", raising=False)
+    return fake_prepared(tmp_path)
+
+
+def edit_state(ckpt: Path, **changes: Any) -> None:
+    path = ckpt / ".qwen-kvprep" / "state.json"
+    state = json.loads(path.read_text())
+    state.update(changes)
+    path.write_text(json.dumps(state))
+
+
+def test_a_matching_state_is_recognised(fake: Path) -> None:
+    assert state_mismatch(Request(str(fake))) is None
+
+
+@pytest.mark.parametrize(
+    ("change", "expected"),
+    [
+        ("config", "config.json changed"),
+        ("loader", "cpp_kernels.py changed"),
+        ("source", "cache_autogptq_cuda_kernel_256.cu changed"),
+        ("torch", "torch is"),
+        ("transformers", "transformers is"),
+        ("so", "build"),
+        ("manifest", "manifest"),
+        ("python", "this Python"),
+        ("planted", "modules cache"),
+        ("modules-root", "the modules cache is"),
+        ("no-state", "no state"),
+        ("tool", "recorded by qwen-kvprep"),
+        ("moved", "recorded for"),
+        ("arch", "--arch"),
+        ("smoke", "smoke"),
+    ],
+)
+def test_each_change_is_noticed(
+    fake: Path, change: str, expected: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    state = json.loads((fake / ".qwen-kvprep" / "state.json").read_text())
+    build = Path(state["build"]["dir"])
+    request = Request(str(fake))
+    if change == "config":
+        (fake / "config.json").write_text('{"use_cache_kernel": false}\n')
+    elif change == "loader":
+        (fake / "cpp_kernels.py").write_text("# the official loader again\n")
+    elif change == "source":
+        (fake / "cache_autogptq_cuda_kernel_256.cu").unlink()
+    elif change in ("torch", "transformers"):
+        edit_state(fake, packages={**state["packages"], change: "0.0.1"})
+    elif change == "so":
+        (build / "cache_autogptq_cuda_256.so").unlink()
+    elif change == "manifest":
+        (build / "manifest.json").unlink()
+    elif change == "python":
+        (build / "manifest.json").write_text(json.dumps({"inputs": {"python_tag": "cp27"}}))
+    elif change == "planted":
+        (Path(state["modules"]["folder"]) / "cache_autogptq_cuda_256.cpp").unlink()
+    elif change == "modules-root":
+        monkeypatch.setenv("HF_MODULES_CACHE", str(tmp_path / "fresh-modules"))
+    elif change == "no-state":
+        (fake / ".qwen-kvprep" / "state.json").unlink()
+    elif change == "tool":
+        edit_state(fake, tool_version="0.0.0")
+    elif change == "moved":
+        moved = fake.with_name("Moved-Chat")
+        fake.rename(moved)
+        request = Request(str(moved))
+    elif change == "arch":
+        request = Request(str(fake), arch="8.6")
+    elif change == "smoke":
+        request = Request(str(fake), smoke=True)
+    reason = state_mismatch(request)
+    assert reason is not None and expected in reason
+
+
+def test_equivalent_arch_spellings_match(fake: Path) -> None:
+    assert state_mismatch(Request(str(fake), arch="sm_80, 9.0+ptx")) is None
+
+
+def test_a_passing_smoke_satisfies_smoke(fake: Path) -> None:
+    edit_state(fake, smoke={"ok": True})
+    assert state_mismatch(Request(str(fake), smoke=True)) is None
+    edit_state(fake, smoke={"ok": False})
+    assert state_mismatch(Request(str(fake), smoke=True)) is not None
+
+
+# ------------------------------------------------------------------ the fast path, in a process
+
+
+def imported_top_level(path: Path) -> set[str]:
+    return {line.split(".")[0] for line in path.read_text().split()}
+
+
+@pytest.mark.parametrize("script", [True, False], ids=["console-script", "python-m"])
+def test_fast_path_execs_cmd_and_imports_nothing_heavy(
+    fake: Path, tmp_path: Path, script: bool
+) -> None:
+    dump = tmp_path / "imports.txt"
+    env = {**os.environ, "QWEN_KVPREP_DEBUG_IMPORTS": str(dump)}
+    res = run_prestart(
+        str(fake), "--", sys.executable, "-c", "print('hi'); raise SystemExit(7)",
+        env=env, script=script,
+    )
+    assert res.returncode == 7, res.stderr
+    assert res.stdout == "hi\n"  # prestart's own words go to stderr
+    assert "is ready" in res.stderr
+    modules = set(dump.read_text().split())
+    assert "qwen_kvprep.prestart" in modules
+    assert not [m for m in AVOIDED if m in modules]
+
+
+def test_fast_path_imports_seen_by_importtime(fake: Path) -> None:
+    res = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "qwen_kvprep", "prestart", str(fake)],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert res.returncode == 0, res.stderr
+    imported = {
+        line.split("|")[-1].strip()
+        for line in res.stderr.splitlines()
+        if line.startswith("import time:") and "|" in line
+    }
+    assert "qwen_kvprep.prestart" in imported
+    assert not {m for m in imported if m.split(".")[0] in HEAVY or m == "click"}
+
+
+def test_the_command_replaces_prestart(fake: Path) -> None:
+    # exec, not a child: the pid CMD sees is the one prestart was started with
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "qwen_kvprep", "prestart", str(fake), "-q", "--",
+         sys.executable, "-c", "import os; print(os.getpid())"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    assert int(out) == proc.pid
+    assert err == ""  # -q
+
+
+def test_no_command_exits_zero_and_a_missing_one_127(fake: Path) -> None:
+    res = run_prestart(str(fake))
+    assert res.returncode == 0 and res.stdout == ""
+    res = run_prestart(str(fake), "--", "no-such-command-qwen-kvprep")
+    assert res.returncode == 127
+    assert "cannot run" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_directory_from_the_environment(fake: Path) -> None:
+    env = {**os.environ, "QWEN_KVPREP_DIR": str(fake)}
+    res = run_prestart("--", sys.executable, "-c", "print('env')", env=env)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout == "env\n"
+
+
+# ------------------------------------------------------------------ failures before CMD
+
+
+def test_a_failure_stops_before_cmd_unless_fallback_is_allowed(tmp_path: Path) -> None:
+    bad = tmp_path / "Not-A-Model"
+    bad.mkdir()
+    (bad / "README.md").write_text("nothing here")
+    cmd = ["--", sys.executable, "-c", "print('started'); raise SystemExit(5)"]
+    res = run_prestart(str(bad), *cmd)
+    assert res.returncode == 1
+    assert "started" not in res.stdout
+    assert "error:" in res.stderr and "Traceback" not in res.stderr
+
+    res = run_prestart(str(bad), "--allow-fallback", *cmd)
+    assert res.returncode == 5 and res.stdout == "started\n"
+    assert "--allow-fallback" in res.stderr
+
+    env = {**os.environ, "QWEN_KVPREP_ALLOW_FALLBACK": "1", "QWEN_KVPREP_DIR": str(bad)}
+    res = run_prestart(*cmd, env=env)
+    assert res.returncode == 5, res.stderr
+
+
+def test_usage_errors_are_not_papered_over(tmp_path: Path) -> None:
+    res = run_prestart(str(tmp_path / "missing"), "--allow-fallback", "--", "true")
+    assert res.returncode == 2
+    assert "no such directory" in res.stderr
+    res = run_prestart("--", "true", env={k: v for k, v in os.environ.items()
+                                          if k != "QWEN_KVPREP_DIR"})
+    assert res.returncode == 2 and "QWEN_KVPREP_DIR" in res.stderr
+    res = run_prestart(str(tmp_path), "python", "serve.py")  # CMD without --
+    assert res.returncode == 2
+
+
+# ------------------------------------------------------------------ real checkpoints, real fix
+
+LOAD_AND_CHECK = """
+import sys, warnings
+# the silent fallbacks only warn ("... KV cache kernel(s) ..."): make them fail
+warnings.filterwarnings("error", message=".*KV cache kernel")
+import torch
+from transformers import AutoModelForCausalLM
+path = sys.argv[1]
+model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)
+layers = [m for m in model.modules() if hasattr(m, "kernel_calls")]
+ids = torch.tensor([[1, 2, 3, 4]])
+model.generate(ids, max_new_tokens=3, do_sample=False, min_new_tokens=3)
+assert layers and all(l.cache_kernels is not None for l in layers), "kernel not loaded"
+assert all(l.kernel_calls > 0 for l in layers), "kernel not called"
+print("KERNEL-OK", type(layers[0].cache_kernels).__name__, sum(l.kernel_calls for l in layers))
+"""
+
+
+@pytest.fixture(scope="module")
+def tiny_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from qwen_kvprep.tiny import generate_checkpoint
+
+    return generate_checkpoint(tmp_path_factory.mktemp("tiny") / "Tiny-Chat")
+
+
+@pytest.fixture()
+def model_env(tmp_path: Path, shared_build_cache: Path) -> Iterator[dict[str, str]]:
+    """A container's view of the world: a fresh HF home and modules cache, the shared
+    build cache (compiled once per session), one compile job (2 shared cores)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("QWEN_KVPREP_")}
+    env.update(HF_HOME=str(tmp_path / "hf"), HF_MODULES_CACHE=str(tmp_path / "hf" / "modules"),
+               QWEN_KVPREP_CACHE=str(shared_build_cache), MAX_JOBS="1",
+               HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    yield env
+
+
+def copy_of(template: Path, where: Path) -> Path:
+    dest = where / template.name
+    shutil.copytree(template, dest, symlinks=True)
+    return dest
+
+
+def snapshot(root: Path) -> dict[str, tuple[Any, ...]]:
+    out: dict[str, tuple[Any, ...]] = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames + filenames:
+            full = Path(dirpath) / name
+            st = full.lstat()
+            kind = "link" if full.is_symlink() else "dir" if full.is_dir() else "file"
+            content = os.readlink(full) if kind == "link" else (
+                full.read_bytes() if kind == "file" else b"")
+            out[str(full.relative_to(root))] = (kind, content, st.st_mode, st.st_mtime_ns)
+    return out
+
+
+@pytest.mark.slow
+def test_fresh_modules_cache_is_planted_and_the_kernel_runs(
+    tiny_template: Path, tmp_path: Path, model_env: dict[str, str]
+) -> None:
+    ckpt = copy_of(tiny_template, tmp_path)
+    check = ["--", sys.executable, "-c", LOAD_AND_CHECK, str(ckpt)]
+    res = run_prestart(str(ckpt), *check, env=model_env)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "KERNEL-OK" in res.stdout
+    assert "preparing" in res.stderr
+
+    # the next start: nothing to do, nothing heavy imported
+    dump = tmp_path / "imports.txt"
+    res = run_prestart(str(ckpt), "--", "true", env={**model_env,
+                                                    "QWEN_KVPREP_DEBUG_IMPORTS": str(dump)})
+    assert res.returncode == 0 and "is ready" in res.stderr, res.stderr
+    assert not imported_top_level(dump) & set(HEAVY)
+
+    # a new container: empty modules cache -> the sources are planted there, and a load
+    # from that cache runs the kernel
+    fresh = {**model_env, "HF_MODULES_CACHE": str(tmp_path / "fresh-modules")}
+    res = run_prestart(str(ckpt), *check, env=fresh)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "the modules cache is" in res.stderr  # why it was not the fast path
+    assert "KERNEL-OK" in res.stdout
+    planted = list((tmp_path / "fresh-modules").rglob("cache_autogptq_cuda_kernel_256.cu"))
+    assert len(planted) == 1
+    assert planted[0].read_bytes() == (ckpt / "cache_autogptq_cuda_kernel_256.cu").read_bytes()
+
+
+@pytest.mark.slow
+def test_a_config_switched_back_is_patched_again(
+    tiny_template: Path, tmp_path: Path, model_env: dict[str, str]
+) -> None:
+    ckpt = copy_of(tiny_template, tmp_path)
+    assert run_prestart(str(ckpt), env=model_env).returncode == 0
+    config = json.loads((ckpt / "config.json").read_text())
+    config["use_cache_kernel"] = False  # someone turned it off (or re-downloaded config.json)
+    (ckpt / "config.json").write_text(json.dumps(config, indent=2))
+    res = run_prestart(str(ckpt), "--", sys.executable, "-c", "print('served')", env=model_env)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "config.json changed" in res.stderr
+    assert res.stdout == "served\n"
+    assert json.loads((ckpt / "config.json").read_text())["use_cache_kernel"] is True
+    assert "is ready" in run_prestart(str(ckpt), env=model_env).stderr
+
+
+@pytest.mark.slow
+def test_output_view_of_a_read_only_checkpoint(
+    tiny_template: Path, tmp_path: Path, model_env: dict[str, str]
+) -> None:
+    ckpt = copy_of(tiny_template, tmp_path / "ro")
+    # root ignores modes, so read-only is proven by comparing, not by EACCES
+    subprocess.run(["chmod", "-R", "a-w", str(ckpt)], check=True)
+    before = snapshot(ckpt)
+    try:
+        out = tmp_path / "prepared" / "Tiny-Chat"
+        env = {**model_env, "QWEN_KVPREP_OUTPUT": str(out)}  # the env form of --output
+        res = run_prestart(str(ckpt), "--", sys.executable, "-c", LOAD_AND_CHECK, str(out),
+                           env=env)
+        assert res.returncode == 0, res.stderr[-3000:]
+        assert "KERNEL-OK" in res.stdout
+        res = run_prestart(str(ckpt), "--output", str(out), env=model_env)
+        assert res.returncode == 0 and "is ready" in res.stderr, res.stderr
+        after = snapshot(ckpt)
+    finally:
+        subprocess.run(["chmod", "-R", "u+w", str(ckpt)], check=True)
+    assert after == before
+    assert (out / "model.safetensors.index.json").is_symlink()
+    assert not (out / "config.json").is_symlink()
+    assert json.loads((out / "config.json").read_text())["use_cache_kernel"] is True
+
+
+@pytest.mark.slow
+def test_eight_replicas_start_together_on_one_shared_cache(
+    tiny_template: Path, tmp_path: Path, model_env: dict[str, str]
+) -> None:
+    # Two model directories, four replicas on each, one modules cache and one build cache
+    # for all: the per-directory lock and the build lock must let every one succeed.
+    dirs = [copy_of(tiny_template, tmp_path / f"vol{i}") for i in range(2)]
+    procs = []
+    for i in range(8):
+        ckpt = dirs[i % 2]
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "qwen_kvprep", "prestart", str(ckpt), "--",
+             sys.executable, "-c", f"print('replica {i}')"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=model_env,
+        ))
+    results = [(p, *p.communicate(timeout=1200)) for p in procs]
+    for i, (proc, out, err) in enumerate(results):
+        assert proc.returncode == 0, err[-3000:]
+        assert out == f"replica {i}\n"
+    for ckpt in dirs:
+        state = json.loads((ckpt / ".qwen-kvprep" / "state.json").read_text())
+        assert state["files"]["config.json"] == sha(ckpt / "config.json")
+        journal = json.loads((ckpt / ".qwen-kvprep" / "journal.json").read_text())
+        assert "config.json" in journal["files"]  # the original kept once, for revert
+        assert "is ready" in run_prestart(str(ckpt), env=model_env).stderr

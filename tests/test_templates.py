@@ -1,0 +1,185 @@
+"""`qwen-kvprep template`: the rendered files parse, and every qwen-kvprep command line in
+them is accepted by the real CLI (so a renamed option breaks this test, not a deployment)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import click
+import pytest
+import yaml
+
+from qwen_kvprep.cli import cli
+from qwen_kvprep.commands.template import TEMPLATES, render
+
+
+def assert_cli_accepts(args: list[str]) -> None:
+    """Parse `qwen-kvprep ARGS` with click exactly as the CLI would (no callback runs)."""
+    assert args, "empty qwen-kvprep command line"
+    command = cli.commands.get(args[0])
+    assert command is not None, f"qwen-kvprep has no command {args[0]!r}"
+    try:
+        command.make_context(args[0], list(args[1:]))
+    except click.ClickException as exc:
+        pytest.fail(f"`qwen-kvprep {shlex.join(args)}` is rejected: {exc.format_message()}")
+
+
+def dockerfile_command_lines(text: str) -> list[list[str]]:
+    joined = re.sub(r"\\\n", " ", text)
+    found: list[list[str]] = []
+    for line in joined.splitlines():
+        instr, _, rest = line.strip().partition(" ")
+        if instr in ("ENTRYPOINT", "CMD") and rest.startswith("["):
+            argv = json.loads(rest)
+            if argv and argv[0] == "qwen-kvprep":
+                found.append(argv[1:])
+        elif instr == "RUN":
+            for part in rest.split("&&"):
+                argv = shlex.split(part)
+                if argv and argv[0] == "qwen-kvprep":
+                    found.append(argv[1:])
+    return found
+
+
+def leftover_placeholders(text: str) -> list[str]:
+    # template variables are lower case; $PATH, ${MODEL_DIR:-...}, "$@" are meant to stay
+    return re.findall(r"\$\{?([a-z_][a-z0-9_]*)", text)
+
+
+@pytest.mark.parametrize("kind", sorted(TEMPLATES))
+@pytest.mark.parametrize("view_dir", [None, "/srv/prepared/Qwen-7B-Chat"])
+def test_every_template_renders_completely(kind: str, view_dir: str | None) -> None:
+    text = render(kind, view_dir=view_dir)
+    assert leftover_placeholders(text) == []
+    assert "qwen-kvprep" in text
+
+
+def test_dockerfile_builds_in_the_image_and_starts_with_prestart() -> None:
+    text = render("docker", arch="7.0;8.0;9.0+PTX", model_dir="/models/Qwen-14B-Chat")
+    froms = [line for line in text.splitlines() if line.startswith("FROM ")]
+    assert len(froms) == 2 and froms[0].endswith(" AS build")  # multi-stage
+    commands = dockerfile_command_lines(text)
+    assert [c[0] for c in commands] == ["build", "prestart"]
+    assert commands[0][commands[0].index("--arch") + 1] == "7.0;8.0;9.0+PTX"
+    for argv in commands:
+        assert_cli_accepts(argv)
+    # the cache built in the first stage is what the final image carries and points at
+    cache = commands[0][commands[0].index("--cache-dir") + 1]
+    assert f"COPY --from=build {cache} {cache}" in text
+    assert f"QWEN_KVPREP_CACHE={cache}" in text.split("FROM ")[2]
+    assert "QWEN_KVPREP_DIR=/models/Qwen-14B-Chat" in text
+    assert 'ENTRYPOINT ["qwen-kvprep", "prestart", "--"]' in text
+
+
+def test_dockerfile_with_a_view_serves_from_it() -> None:
+    text = render("docker", view_dir="/srv/prepared/Qwen-7B-Chat")
+    assert "ENV QWEN_KVPREP_OUTPUT=/srv/prepared/Qwen-7B-Chat" in text
+    cmd = next(line for line in text.splitlines() if line.startswith("CMD "))
+    assert json.loads(cmd[4:])[-1] == "/srv/prepared/Qwen-7B-Chat"
+
+
+def test_entrypoint_execs_prestart_with_the_arguments(tmp_path: Path) -> None:
+    text = render("entrypoint", model_dir="/models/Qwen-7B-Chat")
+    line = next(x for x in text.splitlines() if x.startswith("exec qwen-kvprep"))
+    argv = shlex.split(line)[2:]
+    assert argv[0] == "prestart" and "--" in argv
+    assert_cli_accepts(argv[: argv.index("--")])
+    script = tmp_path / "entrypoint.sh"
+    script.write_text(text)
+    subprocess.run(["sh", "-n", str(script)], check=True)
+    # Run it with a stand-in qwen-kvprep that prints how it was called.
+    fake_bin = tmp_path / "bin"
+    fake_bin.mkdir()
+    fake = fake_bin / "qwen-kvprep"
+    fake.write_text('#!/bin/sh\nfor a in "$@"; do echo "[$a]"; done\nexit 3\n')
+    fake.chmod(0o755)
+    env = {**os.environ, "PATH": f"{fake_bin}{os.pathsep}{os.environ['PATH']}"}
+    env.pop("MODEL_DIR", None)
+    res = subprocess.run(
+        ["sh", str(script), "python3", "-m", "srv", "--name", "a b"],
+        capture_output=True, text=True, env=env,
+    )
+    assert res.returncode == 3  # exec: the exit code is the command's own
+    assert res.stdout.split("\n")[:-1] == [
+        "[prestart]", "[/models/Qwen-7B-Chat]", "[--]",
+        "[python3]", "[-m]", "[srv]", "[--name]", "[a b]",
+    ]
+    env["MODEL_DIR"] = "/elsewhere/Model"
+    res = subprocess.run(["sh", str(script)], capture_output=True, text=True, env=env)
+    assert res.stdout.split("\n")[:-1] == ["[prestart]", "[/elsewhere/Model]", "[--]"]
+
+
+def test_k8s_manifest_prepares_a_view_in_an_init_container() -> None:
+    text = render("k8s", model_dir="/models/Qwen-7B-Chat", image="reg.example/qwen:1",
+                  arch="8.0;9.0", replicas=3)
+    docs = list(yaml.safe_load_all(text))
+    kinds = {d["kind"]: d for d in docs}
+    assert set(kinds) == {"PersistentVolumeClaim", "Deployment"}
+    assert kinds["PersistentVolumeClaim"]["spec"]["accessModes"] == ["ReadWriteMany"]
+    deploy = kinds["Deployment"]
+    assert deploy["spec"]["replicas"] == 3
+    pod = deploy["spec"]["template"]["spec"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert "emptyDir" in volumes["prepared"]
+    assert volumes["model"]["persistentVolumeClaim"]["readOnly"] is True
+    assert volumes["build-cache"]["persistentVolumeClaim"]["claimName"] == (
+        kinds["PersistentVolumeClaim"]["metadata"]["name"]
+    )
+    (init,) = pod["initContainers"]
+    (server,) = pod["containers"]
+    assert init["image"] == server["image"] == "reg.example/qwen:1"
+    assert init["command"][:2] == ["qwen-kvprep", "fix"]
+    assert_cli_accepts(init["command"][1:])
+    view_dir = init["command"][init["command"].index("--output") + 1]
+    assert "." not in Path(view_dir).name
+    assert server["command"][:2] == ["qwen-kvprep", "prestart"]
+    assert server["command"][-1] == "--"
+    assert_cli_accepts(server["command"][1:-1])
+    assert server["args"][-1] == view_dir  # the server loads the view, not the volume
+    # both containers see the same view, build cache and modules cache
+    for c in (init, server):
+        mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
+        assert view_dir.startswith(mounts["prepared"] + "/")
+        env = {e["name"]: e["value"] for e in c["env"]}
+        assert env["HF_MODULES_CACHE"].startswith(mounts["prepared"] + "/")
+        assert c["command"][c["command"].index("--cache-dir") + 1] == mounts["build-cache"]
+        model_mount = next(m for m in c["volumeMounts"] if m["name"] == "model")
+        assert model_mount["readOnly"] is True
+
+
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [("model_dir", "/models/x; rm -rf /"), ("arch", '8.0"\nRUN evil'), ("image", "a b"),
+     ("model_dir", "relative/path"), ("model_dir", "/models/Qwen-1.8B-Chat")],
+)
+def test_unsafe_or_unloadable_values_are_refused(option: str, value: str) -> None:
+    from qwen_kvprep.errors import UsageError
+
+    with pytest.raises(UsageError):
+        render("docker", **{option: value})
+
+
+def run_cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "qwen_kvprep", *args],
+                          capture_output=True, text=True, cwd=cwd, timeout=120)
+
+
+def test_template_command_prints_and_writes(tmp_path: Path) -> None:
+    res = run_cli("template", "k8s", "--model-dir", "/models/Qwen-7B-Chat")
+    assert res.returncode == 0, res.stderr
+    assert list(yaml.safe_load_all(res.stdout))
+    out = tmp_path / "entrypoint.sh"
+    res = run_cli("template", "entrypoint", "-o", str(out))
+    assert res.returncode == 0, res.stderr
+    assert res.stdout == ""
+    assert out.read_text().startswith("#!/bin/sh")
+    assert os.access(out, os.X_OK)
+    res = run_cli("template", "docker", "--image", "bad image")
+    assert res.returncode == 2
+    assert "Traceback" not in res.stderr
