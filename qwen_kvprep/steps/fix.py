@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from qwen_kvprep.errors import KvprepError
 from qwen_kvprep.findings import Finding
 from qwen_kvprep.journal import Journal, PlannedWrite
 
@@ -86,5 +87,13 @@ def run_fix(directory: Path, options: FixOptions) -> FixResult:
         ctx.add(*view_findings)
         for name, wanted in _STEPS:
             if wanted(options):
-                importlib.import_module(f"qwen_kvprep.steps.{name}").run(ctx)
+                try:
+                    importlib.import_module(f"qwen_kvprep.steps.{name}").run(ctx)
+                except KvprepError as exc:
+                    # what the earlier steps found (a warning about replaced files, say)
+                    # belongs in the refusal too, before the reason itself
+                    seen = {id(f) for f in exc.findings}
+                    earlier = [f for f in ctx.findings if id(f) not in seen]
+                    exc.findings = (*earlier, *exc.findings)
+                    raise
     return FixResult(ctx.findings, ctx.journal.planned, ctx.extra)
