@@ -39,6 +39,12 @@ def render_planned(planned: list[PlannedWrite]) -> str:
 @click.option("--dry-run", is_flag=True, help="Show what would change (diffs) and write nothing.")
 @click.option("--no-build", is_flag=True, help="Skip compiling the extension.")
 @click.option("--no-smoke", is_flag=True, help="Skip the smoke generation.")
+@click.option(
+    "--smoke-timeout",
+    type=click.FloatRange(min=1.0),
+    metavar="S",
+    help="Seconds the smoke child process may take before it is killed (default 900).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document.")
 @click.option(
     "--source",
@@ -81,6 +87,7 @@ def fix(
     dry_run: bool,
     no_build: bool,
     no_smoke: bool,
+    smoke_timeout: Optional[float],
     as_json: bool,
     source: str,
     repo_id: Optional[str],
@@ -100,6 +107,7 @@ def fix(
         dry_run=dry_run,
         build=not no_build,
         smoke=not no_smoke,
+        smoke_timeout=smoke_timeout,
         source=source,
         repo_id=repo_id,
         revision=revision,

@@ -49,6 +49,7 @@ class SmokeOptions:
 class ChildOutcome:
     """What the child said and how it ended."""
 
+    pid: Optional[int] = None  # also the id of its process group
     returncode: Optional[int] = None
     timed_out: bool = False
     elapsed: float = 0.0
@@ -178,6 +179,7 @@ def run_child(
             os.close(read_fd)
             os.close(write_fd)
             raise
+        outcome.pid = proc.pid
         os.close(write_fd)  # only the child holds the write end now: EOF when it dies
         reader = threading.Thread(
             target=_read_events, args=(read_fd, outcome, lock, on_phase), daemon=True

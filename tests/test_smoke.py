@@ -1,0 +1,552 @@
+"""smoke: verdicts and thresholds on made-up child outcomes (fast), the child-process
+runner on stand-in children (fast), and the real thing on generated checkpoints (slow:
+they need the CPU build of the extension, shared by the session)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import pytest
+
+from qwen_kvprep.findings import Finding, Severity
+from qwen_kvprep.smoke import expected_ratio
+from qwen_kvprep.smoke import runner as runner_mod
+from qwen_kvprep.smoke.evaluate import MAX_REL_LOGIT_DIFF, evaluate
+from qwen_kvprep.smoke.protocol import FALLBACK_WARNINGS
+from qwen_kvprep.smoke.record import state_entry
+from qwen_kvprep.smoke.runner import ChildOutcome, SmokeOptions, run_child, tail_lines
+
+# -- the bytes-per-token formula ----------------------------------------------------------
+
+
+def test_expected_ratio_matches_the_format() -> None:
+    # facts §3: D=128 with bf16 scale/zero: 128 + 2 + 2 = 132 bytes against 256
+    assert expected_ratio(128, 2, 2) == pytest.approx(132 / 256)
+    assert round(expected_ratio(128, 2, 2), 3) == 0.516
+    assert expected_ratio(128, 4, 4) == pytest.approx(136 / 512)  # fp32 model
+    assert expected_ratio(64, 2, 2) == pytest.approx(68 / 128)
+    assert expected_ratio(64, 4, 4) == pytest.approx(72 / 256)
+
+
+# -- verdicts on made-up outcomes -------------------------------------------------------
+
+
+def _layer(
+    i: int, *, loaded: bool = True, compiled: bool = True, calls: int = 32
+) -> dict[str, Any]:
+    return {
+        "name": f"transformer.h.{i}.attn",
+        "use_cache_quantization": True,
+        "use_cache_kernel": True,
+        "kernel": {
+            "loaded": loaded,
+            "module": "cache_autogptq_cuda_256" if loaded else None,
+            "file": "/c/builds/k/cache_autogptq_cuda_256.so" if compiled else None,
+            "compiled": compiled and loaded,
+        },
+        "kernel_calls": calls if loaded else 0,
+    }
+
+
+def _qcache(layers: int = 2, s: int = 7, h: int = 2, d: int = 128) -> dict[str, Any]:
+    per_layer = 2 * h * s * (d + 4)
+    return {
+        "bytes_per_token": layers * per_layer / s,
+        "layers": [
+            {
+                "bytes": per_layer,
+                "layout": "quantized",
+                "q_dtype": "uint8",
+                "v_dtype": "uint8",
+                "q_shape": [1, h, s, d],
+                "scale_shape": [1, h, s, 1],
+                "zero_shape": [1, h, s, 1],
+                "scale_dtype": "bfloat16",
+                "scale_bytes": 2,
+                "heads": h,
+                "head_dim": d,
+                "per_token": True,
+            }
+            for _ in range(layers)
+        ],
+    }
+
+
+def _ucache(layers: int = 2, s: int = 7, h: int = 2, d: int = 128) -> dict[str, Any]:
+    per_layer = 2 * h * s * d * 2
+    return {
+        "bytes_per_token": layers * per_layer / s,
+        "layers": [
+            {
+                "bytes": per_layer,
+                "layout": "plain",
+                "dtype": "bfloat16",
+                "shape": [1, s, h, d],
+                "element_bytes": 2,
+            }
+            for _ in range(layers)
+        ],
+    }
+
+
+def _result(**over: Any) -> dict[str, Any]:
+    tokens = list(range(10, 26))
+    res: dict[str, Any] = {
+        "device": "cpu",
+        "device_name": "cpu",
+        "torch": "2.x",
+        "torch_cuda": None,
+        "transformers": "4.37.2",
+        "prompt": "p",
+        "prompt_tokens": 7,
+        "max_new_tokens": 16,
+        "load_seconds": 0.5,
+        "load_warnings": [],
+        "model_dtype": "bfloat16",
+        "model_code": "/m/modeling_qwen.py",
+        "layers": [_layer(0), _layer(1)],
+        "first_step": {
+            "max_abs_logit_diff": 0.1,
+            "logit_range": 20.0,
+            "argmax_quantized": 10,
+            "argmax_unquantized": 10,
+        },
+        "comparison": {
+            "tokens": 16,
+            "identical_tokens": 16,
+            "first_divergence": None,
+            "steps_compared": 16,
+            "max_abs_logit_diff": 0.15,
+            "max_rel_logit_diff": 0.0075,
+            "divergence_margin": None,
+            "divergence_rel_margin": None,
+        },
+        "quantized": {
+            "enabled": True,
+            "tokens": tokens,
+            "text": "q",
+            "cache": _qcache(),
+            "prefill_seconds": 0.01,
+            "decode_seconds": 0.1,
+            "decode_tokens_per_s": 150.0,
+        },
+        "unquantized": {
+            "tokens": tokens,
+            "text": "u",
+            "cache": _ucache(),
+            "prefill_seconds": 0.01,
+            "decode_seconds": 0.05,
+            "decode_tokens_per_s": 300.0,
+        },
+        "peak_memory": {"kind": "rss_high_water", "bytes": 300 << 20},
+    }
+    res.update(over)
+    return res
+
+
+def _judge(result: Optional[dict[str, Any]] = None, **outcome: Any) -> dict[str, Finding]:
+    out = ChildOutcome(result=result, **outcome)
+    findings, summary = evaluate(out, SmokeOptions(timeout=30), "/ckpt")
+    by_id = {f.id: f for f in findings}
+    assert summary["ok"] is not any(f.severity is Severity.FAIL for f in findings)
+    return by_id
+
+
+def test_healthy_result_passes_with_measurements() -> None:
+    out = ChildOutcome(result=_result())
+    findings, summary = evaluate(out, SmokeOptions(), "/ckpt")
+    assert all(f.severity in (Severity.OK, Severity.INFO) for f in findings), findings
+    assert summary["ok"] is True
+    kv = summary["kv_bytes_per_token"]
+    assert kv["quantized"] == 2 * 2 * 2 * 132
+    assert kv["unquantized"] == 2 * 2 * 2 * 256
+    assert kv["ratio"] == pytest.approx(132 / 256)
+    assert kv["expected_ratio"] == pytest.approx(132 / 256)
+    assert summary["kernel_layers"] == 2
+    assert "16/16" in {f.id: f for f in findings}["smoke.agreement"].message
+    assert "0.516x" in {f.id: f for f in findings}["smoke.measure"].message
+
+
+def test_fallback_layer_fails_and_quotes_the_warning() -> None:
+    warning = FALLBACK_WARNINGS[0]
+    res = _result(layers=[_layer(0), _layer(1, loaded=False)], load_warnings=[warning])
+    f = _judge(res)["smoke.kernel"]
+    assert f.severity is Severity.FAIL
+    assert warning in f.message
+    assert "1 of 2 layers fell back" in f.message
+    assert f.details["fallback_layers"] == ["transformer.h.1.attn"]
+    assert "qwen-kvprep fix" in (f.fix or "")
+
+
+def test_fallback_warning_found_in_printed_output_too() -> None:
+    res = _result(layers=[_layer(0, loaded=False), _layer(1, loaded=False)])
+    f = _judge(res, log_tail=[f"UserWarning: {FALLBACK_WARNINGS[1]}"])["smoke.kernel"]
+    assert f.severity is Severity.FAIL
+    assert FALLBACK_WARNINGS[1] in f.message and "all 2 layers" in f.message
+
+
+def test_pure_python_stand_in_is_not_the_kernel() -> None:
+    f = _judge(_result(layers=[_layer(0, compiled=False), _layer(1)]))["smoke.kernel"]
+    assert f.severity is Severity.FAIL
+    assert "not a compiled extension" in f.message
+
+
+def test_kernel_that_is_never_called_fails() -> None:
+    f = _judge(_result(layers=[_layer(0, calls=0), _layer(1)]))["smoke.kernel"]
+    assert f.severity is Severity.FAIL and "never called" in f.message
+
+
+def test_quantization_off_fails_and_skips_the_rest() -> None:
+    layers = [dict(_layer(i), use_cache_quantization=False) for i in range(2)]
+    q = dict(_result()["quantized"], enabled=False, cache=_ucache())
+    by = _judge(_result(layers=layers, quantized=q))
+    assert by["smoke.quantization"].severity is Severity.FAIL
+    assert by["smoke.kernel"].severity is Severity.SKIP
+    assert by["smoke.agreement"].severity is Severity.SKIP
+
+
+def test_cache_that_is_not_uint8_per_token_fails() -> None:
+    cache = _qcache()
+    cache["layers"][1] = dict(cache["layers"][1], scale_shape=[1, 2, 1, 1], per_token=False)
+    q = dict(_result()["quantized"], cache=cache)
+    f = _judge(_result(quantized=q))["smoke.quantization"]
+    assert f.severity is Severity.FAIL and "per token" in f.message
+
+
+def test_logit_difference_over_threshold_fails() -> None:
+    cmp_ = dict(_result()["comparison"], max_rel_logit_diff=MAX_REL_LOGIT_DIFF * 1.5)
+    f = _judge(_result(comparison=cmp_))["smoke.agreement"]
+    assert f.severity is Severity.FAIL
+    assert f.details["threshold_rel_logit_diff"] == MAX_REL_LOGIT_DIFF
+
+
+def test_divergence_at_a_near_tie_is_accepted() -> None:
+    cmp_ = dict(
+        _result()["comparison"],
+        identical_tokens=11,
+        first_divergence=9,
+        divergence_margin=0.05,
+        divergence_rel_margin=0.0025,
+    )
+    f = _judge(_result(comparison=cmp_))["smoke.agreement"]
+    assert f.severity is Severity.OK
+    assert "first 9/16" in f.message and "near-tie" in f.message
+
+
+def test_divergence_with_a_clear_margin_fails() -> None:
+    cmp_ = dict(
+        _result()["comparison"],
+        identical_tokens=0,
+        first_divergence=0,
+        divergence_margin=4.0,
+        divergence_rel_margin=0.2,
+    )
+    f = _judge(_result(comparison=cmp_))["smoke.agreement"]
+    assert f.severity is Severity.FAIL
+    assert "token 1" in f.message and "0/16" in f.message
+
+
+def test_ratio_off_the_formula_is_a_warning() -> None:
+    q = dict(_result()["quantized"])
+    q["cache"] = dict(q["cache"], bytes_per_token=q["cache"]["bytes_per_token"] + 64)
+    f = _judge(_result(quantized=q))["smoke.measure"]
+    assert f.severity is Severity.WARN and "predicts 0.516x" in f.message
+
+
+def test_timeout_during_load_is_a_load_failure() -> None:
+    f = _judge(None, timed_out=True, phase="load", log_tail=["Loading ..."])["smoke.load"]
+    assert f.severity is Severity.FAIL
+    assert "30 s" in f.message and "loading the model" in f.message
+    assert f.details["timed_out"] is True
+    assert "Loading ..." in f.message
+
+
+def test_error_event_is_quoted_with_its_phase() -> None:
+    err = {"phase": "generate-quantized", "type": "RuntimeError", "message": "CUDA error: boom"}
+    f = _judge(None, error=err, returncode=1, phase="generate-quantized")["smoke.run"]
+    assert f.severity is Severity.FAIL
+    assert "RuntimeError while generating with the quantized cache: CUDA error: boom" in f.message
+
+
+def test_known_error_gets_its_specific_fix() -> None:
+    err = {
+        "phase": "load",
+        "type": "FileNotFoundError",
+        "message": "[Errno 2] No such file or directory: './cache_autogptq_cuda_256.cpp'",
+    }
+    f = _judge(None, error=err, returncode=1)["smoke.load"]
+    assert "relative to the working directory" in (f.fix or "")
+
+
+def test_crash_by_signal_is_named() -> None:
+    f = _judge(None, returncode=-signal.SIGSEGV, phase="generate-unquantized")["smoke.run"]
+    assert "SIGSEGV" in f.message
+
+
+def test_state_entry_keeps_the_verdict_not_the_text() -> None:
+    _, summary = evaluate(ChildOutcome(result=_result()), SmokeOptions(), "/ckpt")
+    entry = state_entry(summary)
+    assert entry["ok"] is True
+    assert entry["kv_bytes_per_token"]["ratio"] == pytest.approx(132 / 256)
+    assert "text" not in entry and "checked" in entry
+    json.dumps(entry)
+
+
+# -- the runner, with stand-in children ---------------------------------------------------
+
+
+def _stand_in(monkeypatch: pytest.MonkeyPatch, code: str) -> None:
+    def command(directory: Path, options: SmokeOptions, fd: int) -> list[str]:
+        return [sys.executable, "-c", textwrap.dedent(code), str(fd)]
+
+    monkeypatch.setattr(runner_mod, "child_command", command)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_timeout_kills_the_whole_process_group(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    pidfile = tmp_path / "grandchild.pid"
+    _stand_in(
+        monkeypatch,
+        f"""
+        import os, subprocess, sys, time
+        out = os.fdopen(int(sys.argv[1]), "w")
+        out.write('{{"event": "phase", "phase": "load"}}\\n'); out.flush()
+        # a grandchild that ignores SIGTERM, like a wedged compiler
+        g = subprocess.Popen([sys.executable, "-c",
+            "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"])
+        open({str(pidfile)!r}, "w").write(str(g.pid))
+        print("about to hang", file=sys.stderr, flush=True)
+        time.sleep(600)
+        """,
+    )
+    t0 = time.monotonic()
+    out = run_child(tmp_path, SmokeOptions(timeout=3))
+    elapsed = time.monotonic() - t0
+    assert out.timed_out and out.phase == "load"
+    assert elapsed < 3 + 8
+    assert out.log_tail[-1] == "about to hang"
+    grandchild = int(pidfile.read_text())
+    for _ in range(50):  # it is killed, then reaped by init
+        if not _alive(grandchild):
+            break
+        time.sleep(0.1)
+    assert not _alive(grandchild)
+    with pytest.raises(ProcessLookupError):
+        os.killpg(out.pid or 0, 0)
+
+
+def test_result_survives_noise_on_stdout_and_a_bad_exit(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    _stand_in(
+        monkeypatch,
+        """
+        import os, sys
+        out = os.fdopen(int(sys.argv[1]), "w")
+        print('{"event": "result", "result": {"fake": 1}}')  # on stdout: must be ignored
+        out.write('not json\\n')
+        out.write('{"event": "result", "result": {"real": 1}}\\n'); out.flush()
+        os._exit(3)
+        """,
+    )
+    out = run_child(tmp_path, SmokeOptions(timeout=30))
+    assert out.result == {"real": 1}
+    assert out.returncode == 3 and out.bad_lines == 1 and not out.timed_out
+
+
+def test_crash_keeps_the_last_phase_and_output(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    _stand_in(
+        monkeypatch,
+        """
+        import os, signal, sys
+        out = os.fdopen(int(sys.argv[1]), "w")
+        out.write('{"event": "phase", "phase": "generate-quantized"}\\n'); out.flush()
+        print("CUDA error: an illegal memory access was encountered", file=sys.stderr)
+        sys.stderr.flush()
+        os.kill(os.getpid(), signal.SIGSEGV)
+        """,
+    )
+    out = run_child(tmp_path, SmokeOptions(timeout=30))
+    findings, _ = evaluate(out, SmokeOptions(timeout=30), str(tmp_path))
+    (f,) = findings
+    assert f.id == "smoke.run" and "SIGSEGV" in f.message
+    assert "illegal memory access" in f.message
+
+
+def test_tail_lines_reduces_progress_bars(tmp_path: Path) -> None:
+    log = tmp_path / "log"
+    log.write_bytes(b"a\n 10%\r 50%\r100%\n\nlast\n")
+    assert tail_lines(log) == ["a", "100%", "last"]
+
+
+def test_child_reports_an_unusable_directory(tmp_path: Path) -> None:
+    # the real child, no model: from_pretrained fails and the error comes back quoted
+    out = run_child(tmp_path, SmokeOptions(timeout=120, device="cpu"))
+    findings, summary = evaluate(out, SmokeOptions(timeout=120), str(tmp_path))
+    (f,) = findings
+    assert f.id == "smoke.load" and f.severity is Severity.FAIL
+    assert f.details["exception"]["type"] in ("OSError", "ValueError", "EnvironmentError")
+    assert summary["ok"] is False
+
+
+# -- the real thing on generated checkpoints (CPU build of the extension) ------------------
+
+
+def cli(*args: str, timeout: float = 300) -> tuple[int, dict[str, Any], str]:
+    res = subprocess.run(
+        [sys.executable, "-m", "qwen_kvprep", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    try:
+        doc = json.loads(res.stdout)
+    except ValueError:
+        raise AssertionError(f"no JSON on stdout:\n{res.stdout}\n{res.stderr}") from None
+    return res.returncode, doc, res.stderr
+
+
+def _fixed(dest: Path, smoke: bool = False, **knobs: Any) -> dict[str, Any]:
+    from qwen_kvprep.tiny import generate_checkpoint
+
+    generate_checkpoint(dest, **knobs)
+    args = ["fix", str(dest), "--json"] + ([] if smoke else ["--no-smoke"])
+    rc, doc, err = cli(*args)
+    assert rc == 0, (doc, err)
+    return doc
+
+
+def _by_id(doc: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {f["id"]: f for f in doc["findings"]}
+
+
+@pytest.mark.slow
+def test_fixed_checkpoint_passes_with_the_kernel_in_every_layer(
+    isolated_hf: Path, tmp_path: Path
+) -> None:
+    ckpt = tmp_path / "tiny"
+    doc = _fixed(ckpt, smoke=True)  # fix runs smoke as its last step
+    by = _by_id(doc)
+    for fid in ("smoke.load", "smoke.quantization", "smoke.kernel", "smoke.agreement"):
+        assert by[fid]["severity"] == "ok", by[fid]
+    smoke = doc["smoke"]
+    assert smoke["ok"] is True and smoke["layers"] == 2 and smoke["kernel_layers"] == 2
+    assert all(p.endswith(".so") for p in smoke["kernel_files"])
+    kv = smoke["kv_bytes_per_token"]
+    # 2 layers x K and V x 2 heads x (128 codes + bf16 scale + bf16 zero)
+    assert kv["quantized"] == 2 * 2 * 2 * 132
+    assert kv["unquantized"] == 2 * 2 * 2 * 256
+    assert kv["ratio"] == pytest.approx(132 / 256) and round(kv["ratio"], 3) == 0.516
+    assert smoke["agreement"]["identical_tokens"] == smoke["agreement"]["tokens"] == 16
+    assert smoke["tokens_per_s"]["quantized"] > 0 and smoke["peak_memory"]["bytes"] > 0
+    # the verdict is in the state
+    state = json.loads((ckpt / ".qwen-kvprep" / "state.json").read_text())
+    assert state["smoke"]["ok"] is True
+    assert state["smoke"]["kv_bytes_per_token"]["ratio"] == pytest.approx(132 / 256)
+
+    # and `smoke` alone, human output
+    res = subprocess.run(
+        [sys.executable, "-m", "qwen_kvprep", "smoke", str(ckpt), "--max-new-tokens", "4"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "ran in all 2 layers" in res.stdout and "1,056 bytes instead of 2,048" in res.stdout
+    assert "smoke [" not in res.stderr  # no progress lines when stderr is not a terminal
+
+
+@pytest.mark.slow
+def test_other_shape_follows_the_formula(isolated_hf: Path, tmp_path: Path) -> None:
+    ckpt = tmp_path / "tiny64"
+    _fixed(ckpt, head_dim=64, dtype="fp32", layers=3)
+    rc, doc, err = cli("smoke", str(ckpt), "--json", "--max-new-tokens", "8")
+    assert rc == 0, (doc, err)
+    kv = doc["smoke"]["kv_bytes_per_token"]
+    # fp32 model: scale and zero are fp32 too; (64 + 2*4) / (64 * 4)
+    assert kv["quantized"] == 3 * 2 * 2 * (64 + 8)
+    assert kv["unquantized"] == 3 * 2 * 2 * 64 * 4
+    assert kv["ratio"] == pytest.approx(expected_ratio(64, 4, 4)) == pytest.approx(72 / 256)
+    assert kv["expected_ratio"] == pytest.approx(kv["ratio"])
+
+
+def _module_folder(doc: dict[str, Any]) -> Path:
+    return Path(doc["modules"]["folder"])
+
+
+@pytest.mark.slow
+def test_missing_sources_in_modules_cache_fail_with_the_fallback_named(
+    isolated_hf: Path, tmp_path: Path
+) -> None:
+    ckpt = tmp_path / "tiny"
+    doc = _fixed(ckpt)
+    folder = _module_folder(doc)
+    for name in ("cache_autogptq_cuda_256.cpp", "cache_autogptq_cuda_kernel_256.cu"):
+        (folder / name).unlink()
+    rc, doc, _ = cli("smoke", str(ckpt), "--json", "--max-new-tokens", "4")
+    assert rc == 1
+    f = _by_id(doc)["smoke.kernel"]
+    assert f["severity"] == "fail"
+    assert "KV cache kernel source files (.cpp and .cu) not found." in f["message"]
+    assert "all 2 layers fell back" in f["message"]
+    assert "qwen-kvprep fix" in f["fix"]
+    assert doc["smoke"]["kernel_layers"] == 0
+
+
+def _patch_modeling(ckpt: Path, statement: str) -> None:
+    path = ckpt / "modeling_qwen.py"
+    text = path.read_text()
+    anchor = "class QWenAttention(nn.Module):\n    def __init__(self, config):\n"
+    assert anchor in text
+    path.write_text(text.replace(anchor, anchor + f"        {statement}\n", 1))
+
+
+@pytest.mark.slow
+def test_model_code_that_raises_fails_with_the_error_quoted(
+    isolated_hf: Path, tmp_path: Path
+) -> None:
+    ckpt = tmp_path / "tiny"
+    _fixed(ckpt)
+    _patch_modeling(ckpt, 'raise RuntimeError("tiny attention refuses to start (test)")')
+    rc, doc, err = cli("smoke", str(ckpt), "--json")
+    assert rc == 1 and "Traceback" not in err
+    (f,) = doc["findings"]
+    assert f["id"] == "smoke.load" and f["severity"] == "fail"
+    assert "RuntimeError" in f["message"]
+    assert "tiny attention refuses to start (test)" in f["message"]
+
+
+@pytest.mark.slow
+def test_hang_is_cut_at_the_timeout(isolated_hf: Path, tmp_path: Path) -> None:
+    ckpt = tmp_path / "tiny"
+    _fixed(ckpt)
+    _patch_modeling(ckpt, "import time; time.sleep(600)")
+    timeout = 15.0
+    t0 = time.monotonic()
+    rc, doc, _ = cli("smoke", str(ckpt), "--json", "--timeout", str(timeout), timeout=120)
+    elapsed = time.monotonic() - t0
+    assert rc == 1
+    (f,) = doc["findings"]
+    assert f["id"] == "smoke.load" and f["details"]["timed_out"] is True
+    assert f"{timeout:g} s" in f["message"]
+    # CLI start-up and the SIGTERM grace come on top of the timeout
+    assert elapsed < timeout + 10, elapsed
