@@ -1,0 +1,201 @@
+"""End to end on a generated tiny checkpoint: `qwen-kvprep fix DIR`, then a NEW process,
+started in ANOTHER working directory, does nothing but
+`AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True)` and must run every
+attention layer's quantized cache through our compiled extension (not the pure-torch
+fallback), with scores that match the fallback's within fp16 tolerance.
+
+Runs on the CPU build of the extension (the kernels' .cpp alone), so it runs in CI
+without a GPU. The build cache is the session's shared one (compiled once).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from qwen_kvprep.resources import KERNEL_FILES, sha256_file
+from qwen_kvprep.tiny import generate_checkpoint
+from tests.treesnap import snapshot
+
+pytestmark = pytest.mark.slow
+
+# Loads the model exactly as a server would, then reports what every layer uses and the
+# scores of the same token stream through the extension and through the fallback.
+PROBE = r"""
+import json, sys, warnings
+import torch
+from transformers import AutoModelForCausalLM
+
+warnings.simplefilter("ignore")
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1], trust_remote_code=True).eval()
+attn = [block.attn for block in model.transformer.h]
+report = {
+    "quantized": [bool(a.use_cache_quantization) for a in attn],
+    "kernel_files": [getattr(a.cache_kernels, "__file__", None) for a in attn],
+}
+prompt = torch.tensor([[5, 17, 99, 3, 42, 7, 250, 11, 64]])
+tokens = model.generate(prompt, max_new_tokens=12, do_sample=False, top_p=None, top_k=None)
+
+def scores():
+    # prefill, then one token at a time through the quantized cache (teacher forcing on
+    # the same token stream, so both paths are compared step by step)
+    for a in attn:
+        a.kernel_calls = 0
+    with torch.no_grad():
+        out = model(tokens[:, : prompt.size(1)], use_cache=True)
+        past, logits = out.past_key_values, [out.logits[:, -1]]
+        for t in range(prompt.size(1), tokens.size(1)):
+            out = model(tokens[:, t : t + 1], past_key_values=past, use_cache=True)
+            past = out.past_key_values
+            logits.append(out.logits[:, -1])
+    return torch.cat(logits).float(), [a.kernel_calls for a in attn]
+
+kernel, report["kernel_calls"] = scores()
+for a in attn:
+    a.cache_kernels = None  # the model's own pure-torch dequantize path
+fallback, report["fallback_calls"] = scores()
+report["max_abs_diff"] = (kernel - fallback).abs().max().item()
+report["max_abs_logit"] = fallback.abs().max().item()
+report["argmax_agree"] = bool((kernel.argmax(-1) == fallback.argmax(-1)).all())
+print("REPORT " + json.dumps(report))
+"""
+
+
+def _env(tmp: Path, cache: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    env["HF_HOME"] = str(tmp / "hf-home")
+    env["HF_MODULES_CACHE"] = str(tmp / "hf-home" / "modules")
+    env["QWEN_KVPREP_CACHE"] = str(cache)
+    env.pop("TRANSFORMERS_CACHE", None)
+    return env
+
+
+def _kvprep(args: list[str], env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "qwen_kvprep", *args],
+        env=env,
+        cwd=str(cwd),
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
+
+
+def _findings(stdout: str) -> dict[str, dict[str, Any]]:
+    doc = json.loads(stdout)
+    return {f["id"]: f for f in doc["findings"]}
+
+
+@pytest.fixture(scope="module")
+def fixed(tmp_path_factory: pytest.TempPathFactory, shared_build_cache: Path) -> dict[str, Any]:
+    tmp = tmp_path_factory.mktemp("e2e")
+    ckpt = generate_checkpoint(tmp / "tiny", dtype="fp32")
+    env = _env(tmp, shared_build_cache)
+    workdir = tmp / "fix-cwd"
+    workdir.mkdir()
+    done = _kvprep(["fix", str(ckpt), "--no-smoke", "--json"], env, workdir)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return {"tmp": tmp, "ckpt": ckpt, "env": env, "fix": _findings(done.stdout)}
+
+
+def test_fix_reports_every_step(fixed: dict[str, Any]) -> None:
+    findings = fixed["fix"]
+    for fid in (
+        "config.patch",
+        "build.mode",
+        "build.build",
+        "build.loader",
+        "modules.plant",
+        "checkpoint.state",
+    ):
+        assert fid in findings, sorted(findings)
+        assert findings[fid]["severity"] in ("ok", "info"), findings[fid]
+    assert findings["build.mode"]["message"].startswith("CPU-only build")
+
+
+def test_new_process_elsewhere_uses_the_extension_in_every_layer(fixed: dict[str, Any]) -> None:
+    tmp, ckpt, env = fixed["tmp"], fixed["ckpt"], fixed["env"]
+    elsewhere = tmp / "server-cwd"  # neither the checkpoint nor the modules cache
+    elsewhere.mkdir()
+    probe = tmp / "probe.py"
+    probe.write_text(PROBE)
+    env = dict(env, PYTHONPATH="")  # nothing from the checkout's cwd either
+    done = subprocess.run(
+        [sys.executable, str(probe), str(ckpt)],
+        env=env,
+        cwd=str(elsewhere),
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    line = next(x for x in done.stdout.splitlines() if x.startswith("REPORT "))
+    report = json.loads(line[len("REPORT ") :])
+    state = json.loads((ckpt / ".qwen-kvprep" / "state.json").read_text())
+    so = state["build"]["so"]
+    assert Path(so).is_relative_to(Path(env["QWEN_KVPREP_CACHE"]) / "builds")
+    layers = len(report["quantized"])
+    assert layers >= 2 and all(report["quantized"])
+    assert report["kernel_files"] == [so] * layers  # our build, not a fallback, every layer
+    assert all(n > 0 for n in report["kernel_calls"]), report
+    assert report["fallback_calls"] == [0] * layers
+    # fp16 inputs to the kernel against the fp32 fallback: well inside 1% of the logit scale
+    assert report["max_abs_diff"] <= 1e-2 * max(1.0, report["max_abs_logit"]), report
+    assert report["argmax_agree"], report
+    assert "Failed to import KV cache kernels" not in done.stderr
+    assert "not found" not in done.stderr
+
+
+def test_modules_cache_holds_sources_and_loader(fixed: dict[str, Any]) -> None:
+    ckpt, env = fixed["ckpt"], fixed["env"]
+    folder = Path(env["HF_MODULES_CACHE"]) / "transformers_modules" / ckpt.name
+    state = json.loads((ckpt / ".qwen-kvprep" / "state.json").read_text())
+    assert Path(state["modules"]["folder"]) == folder
+    for name in (*KERNEL_FILES, "cpp_kernels.py"):
+        assert sha256_file(folder / name) == sha256_file(ckpt / name), name
+        assert state["modules"]["files"][name] == sha256_file(folder / name)
+    assert (ckpt / "cpp_kernels.py").read_text().startswith("# qwen-kvprep loader")
+
+
+def test_second_fix_changes_nothing_and_is_quick(fixed: dict[str, Any]) -> None:
+    ckpt, env, tmp = fixed["ckpt"], fixed["env"], fixed["tmp"]
+    before = snapshot(ckpt)
+    start = time.monotonic()
+    done = _kvprep(["fix", str(ckpt), "--no-smoke", "--json"], env, tmp)
+    took = time.monotonic() - start
+    assert done.returncode == 0, done.stderr
+    findings = _findings(done.stdout)
+    for fid in ("config.patch", "build.build", "build.loader", "modules.plant", "checkpoint.state"):
+        assert findings[fid]["severity"] == "ok", findings[fid]
+    assert findings["build.build"]["details"]["compiled"] is False
+    assert snapshot(ckpt) == before
+    assert took < 120  # no compile: imports of torch/transformers dominate
+
+
+def test_dry_run_lists_every_write_and_writes_nothing(
+    tmp_path: Path, shared_build_cache: Path
+) -> None:
+    ckpt = generate_checkpoint(tmp_path / "fresh", dtype="fp32")
+    env = _env(tmp_path, shared_build_cache)
+    before = snapshot(ckpt)
+    done = _kvprep(["fix", str(ckpt), "--dry-run", "--no-smoke", "--json"], env, tmp_path)
+    assert done.returncode == 0, done.stderr
+    doc = json.loads(done.stdout)
+    paths = {Path(p["path"]) for p in doc["would_write"]}
+    modules = Path(env["HF_MODULES_CACHE"]) / "transformers_modules" / ckpt.name
+    for name in ("config.json", "cpp_kernels.py", *KERNEL_FILES):
+        assert ckpt / name in paths, name
+    for name in ("cpp_kernels.py", *KERNEL_FILES):
+        assert modules / name in paths, name
+    ids = {f["id"]: f for f in doc["findings"]}
+    assert "build.build" in ids and "checkpoint.state" in ids
+    assert snapshot(ckpt) == before
+    # nothing planted, no remote code copied (importing transformers may create hub/)
+    assert not Path(env["HF_MODULES_CACHE"]).exists()
