@@ -148,13 +148,26 @@ def ckpt(**kw: Any) -> CheckpointFacts:
     return dataclasses.replace(base, **kw)
 
 
+def _arch_list(entries: tuple[CodeEntry, ...]) -> list[str]:
+    """The manifest's arch_list for the code a binary carries ("8.0", "9.0a", "8.0+PTX")."""
+    ptx = {e.arch for e in entries if e.kind == "ptx"}
+    out = []
+    for e in entries:
+        if e.kind == "sass":
+            major, minor = e.capability
+            out.append(f"{major}.{minor}{e.variant}" + ("+PTX" if e.arch in ptx else ""))
+    return out
+
+
 def build(
     archs: tuple[str, ...] = ("sm_80",),
     cuda: bool = True,
     torch: str = "2.1.2+cu121",
     key: str = "k1",
+    arch_list: Optional[list[str]] = None,
 ) -> BuildRecord:
     entries = tuple(e for e in (parse_arch_label(a) for a in archs) if e)
+    claimed = _arch_list(entries) if arch_list is None else arch_list
     so = f"/cache/builds/{key}/cache_autogptq_cuda_256.so"
     return BuildRecord(
         dir=f"/cache/builds/{key}",
@@ -169,6 +182,7 @@ def build(
                 "cxx11_abi": False,
                 "python_tag": "cp311",
                 "machine": "linux-x86_64",
+                "arch_list": claimed if cuda else [],
             },
         },
         so_path=so,
@@ -814,6 +828,31 @@ def test_build_arch_cases() -> None:
     assert worst("build.arch", facts(cache=caches())) is Severity.INFO  # GPU, no build yet
 
 
+def test_build_arch_manifest_claims_what_the_binary_lacks() -> None:
+    # The loader picks this build for a 9.0 GPU by its manifest; the binary has no sm_90.
+    liar = build(("sm_80",), arch_list=["8.0", "9.0"])
+    f = facts(env_facts(gpus=(H100,)), cache=caches(builds=(liar,)))
+    assert worst("build.arch", f) is Severity.FAIL
+    assert "claims 9.0" in text("build.arch", f)
+
+
+def test_build_arch_judges_each_gpu_by_the_build_the_loader_picks() -> None:
+    two = caches(builds=(build(("sm_80",), key="for80"), build(("sm_90",), key="for90")))
+    gpus = (A100, dataclasses.replace(H100, index=1))
+    found = run("build.arch", facts(env_facts(gpus=gpus), cache=two))
+    assert [x.severity for x in found] == [Severity.OK, Severity.OK]
+    assert "for80" in found[0].message and "for90" in found[1].message
+    # builds of other kernel sources are not what the loader takes
+    other = dataclasses.replace(
+        build(("sm_90",), key="othersrc"),
+        manifest=dict(
+            build().manifest, inputs=dict(build(("sm_90",)).manifest["inputs"], sources={"x": "y"})
+        ),
+    )
+    f = facts(env_facts(gpus=(H100,)), checkpoint=ckpt(), cache=caches(builds=(other,)))
+    assert worst("build.arch", f) is Severity.INFO  # no build for these sources yet
+
+
 def test_build_arch_reads_original_jit_build_in_modules_cache() -> None:
     # Qwen's cpp_kernels.py with nvcc 12.1 builds sm_70 + sm_80 only: an H100 gets nothing.
     jit = BinaryArchs(
@@ -926,6 +965,20 @@ def test_probe_and_check_a_real_build_for_sm80_on_an_h100(
     found = run("build.arch", facts(env_facts(gpus=(H100,)), cache=probed))
     assert [x.severity for x in found] == [Severity.FAIL]
     assert "no kernel image is available" in found[0].message
+    assert (
+        run("build.arch", facts(env_facts(gpus=(A100,)), cache=probed))[0].severity is Severity.OK
+    )
+    # a manifest that claims 9.0 does not make the sm_80 binary run there
+    manifest["inputs"] = dict(manifest["inputs"], arch_list=["8.0", "9.0"])
+    (bdir / "manifest.json").write_text(__import__("json").dumps(manifest))
+    probed = dataclasses.replace(
+        probe_caches(None, cache_dir=cache, environ={"HF_MODULES_CACHE": str(tmp_path / "m")}),
+        python_tag="cp311",
+        machine="linux-x86_64",
+    )
+    found = run("build.arch", facts(env_facts(gpus=(H100,)), cache=probed))
+    assert [x.severity for x in found] == [Severity.FAIL]
+    assert "claims 9.0" in found[0].message
 
 
 def test_read_archs_on_non_elf_and_missing(tmp_path: Path) -> None:

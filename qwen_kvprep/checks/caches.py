@@ -6,6 +6,7 @@ from __future__ import annotations
 import shlex
 from typing import Any, Optional
 
+from qwen_kvprep.buildcache.arch import covers
 from qwen_kvprep.checks import check
 from qwen_kvprep.findings import Finding, FindingsLike, fail, info, ok, skip, warn
 from qwen_kvprep.probe.binary import BinaryArchs, runs_on
@@ -17,6 +18,7 @@ from qwen_kvprep.probe.caches import (
     ModuleFolder,
     usable_builds,
 )
+from qwen_kvprep.probe.env import GpuInfo
 from qwen_kvprep.probe.facts import Facts
 from qwen_kvprep.resources import KERNEL_FILES
 
@@ -83,61 +85,106 @@ def build_cache(facts: Facts) -> FindingsLike:
     )
 
 
-def _describe(archs: BinaryArchs) -> str:
+def _describe(archs: Optional[BinaryArchs]) -> str:
+    if archs is None:
+        return "no GPU code (a CPU-only build)"
     return ", ".join(archs.labels()) or "no GPU code"
 
 
-def _arch_findings(facts: Facts, label: str, archs: BinaryArchs, rebuild: str) -> list[Finding]:
-    env = facts.env
-    assert env is not None
-    details: dict[str, Any] = {"binary": archs.path, "code": archs.labels()}
+def _claims(b: BuildRecord, capability: tuple[int, int]) -> bool:
+    """Whether the build's manifest says it covers this GPU: the loader picks by this."""
+    arch_list = b.input("arch_list")
+    if not b.cuda or not isinstance(arch_list, list):
+        return False
+    try:
+        return covers([str(a) for a in arch_list], capability)
+    except ValueError:  # a malformed entry covers nothing
+        return False
+
+
+def _for_sources(builds: list[BuildRecord], facts: Facts) -> list[BuildRecord]:
+    """The builds of the kernel sources the checkpoint holds (the loader matches them)."""
+    sources = getattr(facts.checkpoint, "kernel_sources", None) or {}
+    wanted = {n: sources.get(n) for n in KERNEL_FILES}
+    if not all(wanted.values()):
+        return builds
+    return [b for b in builds if b.input("sources") in (None, wanted)]
+
+
+def _binary_on_gpu(b: BuildRecord, gpu: GpuInfo, label: str, rebuild: str) -> Finding:
+    archs = b.archs
+    cc = f"{gpu.capability[0]}.{gpu.capability[1]}"
+    d: dict[str, Any] = {
+        "binary": b.so_path,
+        "code": archs.labels() if archs else [],
+        "gpu": gpu.label,
+    }
+    if archs is None or archs.error:
+        why = archs.error if archs else "not read"
+        return warn(
+            "build.arch",
+            f"{label}: cannot read {b.so_path}: {why}",
+            rebuild.replace("ARCH", cc),
+            paths=[b.dir],
+            **d,
+        )
+    entry = runs_on(archs.entries, gpu.capability)
+    if entry is None:
+        return fail(
+            "build.arch",
+            f"{label} claims {cc} in its manifest but its binary carries {_describe(archs)}, "
+            f"nothing that runs on GPU {gpu.index} {gpu.label}: the first kernel call fails "
+            "with `CUDA error: no kernel image is available for execution on the device`",
+            rebuild.replace("ARCH", cc) + " (and `--force`)",
+            paths=[b.dir],
+            **d,
+        )
+    if entry.kind == "ptx":
+        return info(
+            "build.arch",
+            f"{label} runs on GPU {gpu.index} {gpu.label} through PTX {entry.label} "
+            "(JIT-compiled at first use; SASS for it would start faster)",
+            paths=[b.dir],
+            **d,
+        )
+    return ok(
+        "build.arch",
+        f"{label} carries {entry.label} for GPU {gpu.index} {gpu.label}",
+        paths=[b.dir],
+        **d,
+    )
+
+
+def _jit_on_gpu(archs: BinaryArchs, gpu: GpuInfo, fix: str) -> Finding:
+    # Built by Qwen's original cpp_kernels.py in the modules cache: its arch flags come
+    # from the nvcc version, not from the GPU (facts §4).
+    label = "the extension Qwen's original cpp_kernels.py built"
+    d: dict[str, Any] = {"binary": archs.path, "code": archs.labels(), "gpu": gpu.label}
     if archs.error:
-        return [
-            warn(
-                "build.arch",
-                f"{label}: cannot read {archs.path}: {archs.error}",
-                rebuild,
-                paths=[archs.path],
-                **details,
-            )
-        ]
-    out: list[Finding] = []
-    for g in env.gpus:
-        d = dict(details, gpu=g.label)
-        entry = runs_on(archs.entries, g.capability)
-        cc = f"{g.capability[0]}.{g.capability[1]}"
-        if entry is None:
-            out.append(
-                fail(
-                    "build.arch",
-                    f"{label} carries {_describe(archs)}, nothing that runs on GPU {g.index} "
-                    f"{g.label}: the first kernel call fails with `CUDA error: no kernel image "
-                    "is available for execution on the device`",
-                    rebuild.replace("ARCH", cc),
-                    paths=[archs.path],
-                    **d,
-                )
-            )
-        elif entry.kind == "ptx":
-            out.append(
-                info(
-                    "build.arch",
-                    f"{label} runs on GPU {g.index} {g.label} through PTX {entry.label} "
-                    "(JIT-compiled at first use; SASS for it would start faster)",
-                    paths=[archs.path],
-                    **d,
-                )
-            )
-        else:
-            out.append(
-                ok(
-                    "build.arch",
-                    f"{label} carries {entry.label} for GPU {g.index} {g.label}",
-                    paths=[archs.path],
-                    **d,
-                )
-            )
-    return out
+        return warn(
+            "build.arch",
+            f"{label}: cannot read {archs.path}: {archs.error}",
+            fix,
+            paths=[archs.path],
+            **d,
+        )
+    entry = runs_on(archs.entries, gpu.capability)
+    if entry is None:
+        return fail(
+            "build.arch",
+            f"{label} ({archs.path}) carries {_describe(archs)}, nothing that runs on GPU "
+            f"{gpu.index} {gpu.label}: the first kernel call fails with `CUDA error: no "
+            "kernel image is available for execution on the device`",
+            fix,
+            paths=[archs.path],
+            **d,
+        )
+    return ok(
+        "build.arch",
+        f"{label} carries {entry.label} for GPU {gpu.index} {gpu.label}",
+        paths=[archs.path],
+        **d,
+    )
 
 
 @check("build.arch", "The built extension carries code for each visible GPU")
@@ -149,47 +196,50 @@ def build_arch(facts: Facts) -> FindingsLike:
     if env is None or env.torch_version is None:
         return skip("build.arch", "torch is not importable (see env.torch)")
     rebuild = 'qwen-kvprep build --arch "ARCH", then ' + _fix_cmd(facts)
-    targets: list[tuple[str, BuildRecord]] = [
-        (f"the build {b.key[:12]}", b) for b in usable_builds(caches, env)
-    ]
-    jit: list[BinaryArchs] = []
-    for mf in caches.module_folders:
-        jit += list(mf.jit_builds)
+    builds = _for_sources(usable_builds(caches, env), facts)
+    jit = [a for mf in caches.module_folders for a in mf.jit_builds]
     if not env.gpus:
-        parts = [
-            f"{label}: {_describe(b.archs) if b.archs else 'CPU only'}" for label, b in targets
-        ]
-        if not parts and not jit:
-            return skip("build.arch", "no GPU visible and no build for this torch yet")
+        parts = [f"build {b.key[:12]}: {_describe(b.archs)}" for b in builds]
         parts += [f"{a.path}: {_describe(a)}" for a in jit]
+        if not parts:
+            return skip("build.arch", "no GPU visible and no build for this torch yet")
         return info("build.arch", "no GPU visible to check against; " + "; ".join(parts))
     if not env.torch_is_cuda:
         return skip("build.arch", "torch is a CPU build: the kernel runs on the CPU (see env.gpu)")
     out: list[Finding] = []
-    for label, b in targets:
-        if not b.cuda or b.archs is None:
+    for g in env.gpus:
+        cc = f"{g.capability[0]}.{g.capability[1]}"
+        # The loader takes the first build (fix's own first) whose manifest covers the GPU;
+        # the binary must then really carry code for it.
+        chosen = next((b for b in builds if _claims(b, g.capability)), None)
+        if chosen is not None:
+            out.append(_binary_on_gpu(chosen, g, f"the build {chosen.key[:12]}", rebuild))
+        elif builds:
+            listing = "; ".join(f"{b.key[:12]}: {_describe(b.archs)}" for b in builds)
             out.append(
                 fail(
                     "build.arch",
-                    f"{label} ({b.dir}) was built without CUDA, so the kernel refuses the "
-                    "model's GPU tensors",
-                    "check env.cuda_home and env.nvcc, then " + _fix_cmd(facts),
-                    paths=[b.dir],
+                    f"no build for this torch carries code for GPU {g.index} {g.label} "
+                    f"({listing}): code for other architectures fails there with `no kernel "
+                    "image is available for execution on the device`, so the loader skips "
+                    "them and compiles at the first load, or falls back to the slow path "
+                    "where qwen-kvprep is not installed",
+                    rebuild.replace("ARCH", cc),
+                    paths=[b.dir for b in builds],
+                    gpu=g.label,
+                    builds={b.key: _describe(b.archs) for b in builds},
                 )
             )
-            continue
-        out += _arch_findings(facts, label, b.archs, rebuild)
-    for a in jit:
-        # Built by Qwen's original cpp_kernels.py in the modules cache: its arch flags
-        # come from the nvcc version, not from the GPU (facts §4).
-        out += _arch_findings(
-            facts, "the extension Qwen's cpp_kernels.py built", a, _fix_cmd(facts)
-        )
-    if not out:
-        return info(
-            "build.arch",
-            "no build for this torch yet: `qwen-kvprep fix DIR` builds one for the visible GPUs",
-        )
+        elif not jit:
+            out.append(
+                info(
+                    "build.arch",
+                    f"no build for this torch yet: `{_fix_cmd(facts)}` builds one for "
+                    f"GPU {g.index} {g.label}",
+                    gpu=g.label,
+                )
+            )
+        out += [_jit_on_gpu(a, g, _fix_cmd(facts)) for a in jit]
     return out
 
 

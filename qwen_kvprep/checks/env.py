@@ -408,7 +408,8 @@ def cuda_home(facts: Facts) -> FindingsLike:
     }
     fix = _cuda_home_fix(env)
     raw = env.cuda_home_env if env.cuda_home_source == "CUDA_HOME" else env.cuda_path_env
-    if env.cuda_home_source in ("CUDA_HOME", "CUDA_PATH") and raw and ":" in raw:
+    list_sep = ";" if env.platform.startswith("win") else ":"
+    if env.cuda_home_source in ("CUDA_HOME", "CUDA_PATH") and raw and list_sep in raw:
         return _toolchain_finding(
             facts,
             "env.cuda_home",

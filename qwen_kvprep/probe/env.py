@@ -516,13 +516,13 @@ def probe_env(environ: Optional[Mapping[str, str]] = None) -> EnvFacts:
     driver = _driver_from_proc()
     driver_cuda = _driver_cuda_version()
     gpus, gpu_source = tf.gpus, "torch" if tf.gpus else None
-    if not tf.gpus and not tf.available:
+    if driver is None or (tf.cuda is None and not tf.gpus):
         nvml_driver, nvml_gpus = _nvml()
         driver = driver or nvml_driver
-        if nvml_gpus:
+        # Only when torch cannot see GPUs at all (no torch, a CPU build): for a CUDA
+        # build, what torch sees (CUDA_VISIBLE_DEVICES, a failed init) is the truth.
+        if tf.cuda is None and nvml_gpus:
             gpus, gpu_source = nvml_gpus, "nvml"
-    elif driver is None:
-        driver, _ = _nvml()
 
     which_nvcc = shutil.which("nvcc", path=env.get("PATH"))
     cuda_home, source = resolve_cuda_home(env, which_nvcc)
