@@ -27,6 +27,7 @@ ENV_SMOKE = "QWEN_KVPREP_SMOKE"
 ENV_ALLOW_FALLBACK = "QWEN_KVPREP_ALLOW_FALLBACK"
 ENV_CACHE = "QWEN_KVPREP_CACHE"  # the build cache (buildcache.resolve_cache_dir reads it too)
 ENV_ARCH = "QWEN_KVPREP_ARCH"
+ENV_SOURCE = "QWEN_KVPREP_SOURCE"
 ENV_QUIET = "QWEN_KVPREP_QUIET"
 ENV_LOCK_TIMEOUT = "QWEN_KVPREP_LOCK_TIMEOUT"
 # Test/bench hook: where to write the names of the imported modules just before exec.
@@ -38,6 +39,7 @@ LOCK_FILE = "prestart.lock"
 KERNEL_FILES = ("cache_autogptq_cuda_256.cpp", "cache_autogptq_cuda_kernel_256.cu")
 TRACKED_FILES = ("config.json", "cpp_kernels.py", *KERNEL_FILES)
 PACKAGES = ("torch", "transformers")
+SOURCES = ("auto", "vendored", "hub")  # steps.sources.SOURCES
 # The files the state tracks are a few KiB; never hash anything big (weights).
 _SMALL = 16 << 20
 # click's BoolParamType spellings, so an environment variable means the same on both paths.
@@ -51,7 +53,7 @@ class Request:
     """What one prestart call asks for, options and environment merged."""
 
     __slots__ = ("allow_fallback", "arch", "cache_dir", "command", "directory", "output",
-                 "quiet", "smoke")
+                 "quiet", "smoke", "source")
 
     def __init__(
         self,
@@ -63,6 +65,7 @@ class Request:
         arch: Optional[str] = None,
         quiet: bool = False,
         command: Sequence[str] = (),
+        source: Optional[str] = None,
     ) -> None:
         self.directory = directory
         self.output = output
@@ -72,6 +75,7 @@ class Request:
         self.arch = arch
         self.quiet = quiet
         self.command = list(command)
+        self.source = source
 
     @property
     def target(self) -> str:
@@ -107,6 +111,7 @@ def parse_fast(args: Sequence[str]) -> Optional[Request]:
         "-o": None,
         "--cache-dir": os.environ.get(ENV_CACHE) or None,
         "--arch": os.environ.get(ENV_ARCH) or None,
+        "--source": os.environ.get(ENV_SOURCE) or None,
     }
     flags: dict[str, Optional[bool]] = {
         "--smoke": env_flag(ENV_SMOKE) if os.environ.get(ENV_SMOKE, "").strip() else False,
@@ -138,6 +143,8 @@ def parse_fast(args: Sequence[str]) -> Optional[Request]:
         i += 1
     if any(v is None for v in flags.values()) or len(positional) > 1:
         return None
+    if values["--source"] not in (None, *SOURCES):
+        return None
     directory = positional[0] if positional else (os.environ.get(ENV_DIR) or None)
     output = values["-o"] or values["--output"]
     if directory is None:
@@ -151,6 +158,7 @@ def parse_fast(args: Sequence[str]) -> Optional[Request]:
         arch=values["--arch"],
         quiet=bool(flags["--quiet"]),
         command=command,
+        source=values["--source"],
     )
 
 
@@ -275,6 +283,23 @@ def _same_arch(asked: str, recorded: Sequence[str]) -> bool:
         return False  # the slow path reports it
 
 
+def _source_mismatch(source: Optional[str], state: dict[str, Any]) -> Optional[str]:
+    """--source vendored|hub asks for particular kernel sources (an image whose baked build
+    was compiled from qwen-kvprep's own must not pick up others it cannot compile)."""
+    recorded = state.get("files") or {}
+    if source == "vendored":
+        from qwen_kvprep.resources import kernels_dir
+
+        for name in KERNEL_FILES:
+            if recorded.get(name) != sha256_small(str(kernels_dir() / name)):
+                return f"--source vendored: {name} is not qwen-kvprep's own"
+    elif source == "hub":
+        origin = (state.get("sources") or {}).get("origin")
+        if origin != "hub":
+            return f"--source hub: the kernel sources came from {origin}"
+    return None
+
+
 def state_mismatch(request: Request) -> Optional[str]:
     """Why the recorded state does not hold any more (None: it all still matches).
 
@@ -344,6 +369,10 @@ def state_mismatch(request: Request) -> Optional[str]:
     for name, digest in planted.items():
         if sha256_small(os.path.join(folder, name)) != digest:
             return f"{name} is missing or different in the modules cache {folder}"
+
+    reason = _source_mismatch(request.source, state)
+    if reason:
+        return reason
 
     if request.smoke:
         smoke = state.get("smoke")
@@ -450,6 +479,7 @@ def prepare(request: Request) -> list[Any]:
     assert request.directory is not None
     options = FixOptions(
         smoke=request.smoke,
+        source=request.source or "auto",
         cache_dir=Path(request.cache_dir) if request.cache_dir else None,
         arch=request.arch,
         output=Path(request.output).absolute() if request.output else None,

@@ -60,13 +60,17 @@ def test_parse_fast_reads_options_env_and_command(monkeypatch: pytest.MonkeyPatc
     assert (req.directory, req.allow_fallback, req.arch, req.command) == (
         "/env-model", True, "8.0;9.0", ["serve"]
     )
-    req = parse_fast(["/m", "-o", "/o2", "--cache-dir", "/c", "-q"])
+    req = parse_fast(["/m", "-o", "/o2", "--cache-dir", "/c", "-q", "--source", "vendored"])
     assert req is not None
-    assert (req.output, req.cache_dir, req.quiet, req.command) == ("/o2", "/c", True, [])
+    assert (req.output, req.cache_dir, req.quiet, req.command, req.source) == (
+        "/o2", "/c", True, [], "vendored"
+    )
 
 
 @pytest.mark.parametrize(
-    "args", [["--help"], ["/m", "--no-such"], ["/a", "/b"], ["/m", "--output"], ["-h", "--", "x"]]
+    "args",
+    [["--help"], ["/m", "--no-such"], ["/a", "/b"], ["/m", "--output"], ["-h", "--", "x"],
+     ["/m", "--source", "elsewhere"]],
 )
 def test_parse_fast_leaves_anything_unusual_to_click(args: list[str]) -> None:
     assert parse_fast(args) is None
@@ -192,6 +196,8 @@ def test_a_matching_state_is_recognised(fake: Path) -> None:
         ("moved", "recorded for"),
         ("arch", "--arch"),
         ("smoke", "smoke"),
+        ("vendored", "--source vendored"),
+        ("hub", "--source hub"),
     ],
 )
 def test_each_change_is_noticed(
@@ -230,8 +236,22 @@ def test_each_change_is_noticed(
         request = Request(str(fake), arch="8.6")
     elif change == "smoke":
         request = Request(str(fake), smoke=True)
+    elif change in ("vendored", "hub"):
+        request = Request(str(fake), source=change)
     reason = state_mismatch(request)
     assert reason is not None and expected in reason
+
+
+def test_vendored_sources_satisfy_source_vendored(fake: Path) -> None:
+    from qwen_kvprep.resources import KERNEL_FILES, kernels_dir
+
+    files = json.loads((fake / ".qwen-kvprep" / "state.json").read_text())["files"]
+    for name in KERNEL_FILES:
+        shutil.copy(kernels_dir() / name, fake / name)
+        files[name] = sha(fake / name)
+    edit_state(fake, files=files)
+    assert state_mismatch(Request(str(fake), source="vendored")) is None
+    assert state_mismatch(Request(str(fake), source="auto")) is None
 
 
 def test_equivalent_arch_spellings_match(fake: Path) -> None:
@@ -383,8 +403,8 @@ def model_env(tmp_path: Path, shared_build_cache: Path) -> Iterator[dict[str, st
     yield env
 
 
-def copy_of(template: Path, where: Path) -> Path:
-    dest = where / template.name
+def copy_of(template: Path, where: Path, name: Optional[str] = None) -> Path:
+    dest = where / (name or template.name)
     shutil.copytree(template, dest, symlinks=True)
     return dest
 
@@ -481,7 +501,8 @@ def test_eight_replicas_start_together_on_one_shared_cache(
 ) -> None:
     # Two model directories, four replicas on each, one modules cache and one build cache
     # for all: the per-directory lock and the build lock must let every one succeed.
-    dirs = [copy_of(tiny_template, tmp_path / f"vol{i}") for i in range(2)]
+    # (Different names: transformers gives same-named directories one modules folder.)
+    dirs = [copy_of(tiny_template, tmp_path, f"Tiny-Chat-{i}") for i in range(2)]
     procs = []
     for i in range(8):
         ckpt = dirs[i % 2]

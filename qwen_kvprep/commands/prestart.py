@@ -12,6 +12,8 @@ from qwen_kvprep.prestart import (
     ENV_OUTPUT,
     ENV_QUIET,
     ENV_SMOKE,
+    ENV_SOURCE,
+    SOURCES,
 )
 
 _COMMAND_KEY = "qwen_kvprep.prestart.command"
@@ -57,6 +59,11 @@ class _CommandAfterDashes(click.Command):
     f"[env: {ENV_ARCH}]",
 )
 @click.option(
+    "--source", type=click.Choice(SOURCES), envvar=ENV_SOURCE,
+    help="Kernel sources when preparing (as fix --source; default auto). In an image whose "
+    f"build was baked from qwen-kvprep's own, use vendored. [env: {ENV_SOURCE}]",
+)
+@click.option(
     "--quiet", "-q", is_flag=True, envvar=ENV_QUIET,
     help=f"Print nothing unless something fails. [env: {ENV_QUIET}=1]",
 )
@@ -69,6 +76,7 @@ def prestart(
     allow_fallback: bool,
     cache_dir: Optional[str],
     arch: Optional[str],
+    source: Optional[str],
     quiet: bool,
 ) -> None:
     """Make sure DIRECTORY is prepared, then exec CMD:  prestart DIR [OPTIONS] -- CMD ARGS...
@@ -101,6 +109,7 @@ def prestart(
             arch=arch,
             quiet=quiet,
             command=command,
+            source=source,
         )
     )
 
