@@ -734,6 +734,11 @@ def test_remote_requirements() -> None:
     t = text("env.remote_requirements", f)
     assert "requires the following packages that were not found" in t
     assert "pip install einops transformers_stream_generator" in t
+    # with a checkpoint its own imports are checked (checkpoint.requirements): said once
+    probed = ckpt(requirements=("torch", "einops"))
+    assert (
+        worst("env.remote_requirements", dataclasses.replace(f, checkpoint=probed)) is Severity.SKIP
+    )
 
 
 def test_flash_attn_conflict() -> None:

@@ -291,6 +291,39 @@ def test_doctor_without_torch(tiny: Path, tmp_path: Path) -> None:
     assert "env.torch" in human.stdout
 
 
+def test_doctor_without_torch_and_transformers(tiny: Path, tmp_path: Path) -> None:
+    # A bare interpreter (a venv with nothing installed) that sees only qwen-kvprep and the
+    # small packages its CLI needs: torch, transformers and friends are really absent.
+    import importlib.util
+
+    subprocess.run(
+        [sys.executable, "-m", "venv", "--without-pip", str(tmp_path / "venv")],
+        check=True,
+        timeout=120,
+    )
+    site = tmp_path / "site"
+    site.mkdir()
+    for name in ("click", "packaging", "filelock"):
+        spec = importlib.util.find_spec(name)
+        assert spec is not None and spec.submodule_search_locations
+        (site / name).symlink_to(next(iter(spec.submodule_search_locations)))
+    env = base_env(tmp_path, PYTHONPATH=f"{site}{os.pathsep}{REPO}")
+    python = tmp_path / "venv" / "bin" / "python"
+    res = subprocess.run(
+        [str(python), "-m", "qwen_kvprep", "doctor", "--json", str(tiny)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=300,
+    )
+    ids = by_id(parse(res))
+    assert ids["env.torch"][0]["severity"] == "fail"
+    assert ids["env.transformers"][0]["severity"] == "fail"
+    assert "transformers>=4.32,<4.54" in ids["env.transformers"][0]["fix"]
+    assert ids["env.python"][0]["severity"] == "ok"
+
+
 def _unshare_works() -> bool:
     if shutil.which("unshare") is None:
         return False

@@ -779,6 +779,13 @@ def remote_requirements(facts: Facts) -> FindingsLike:
     env, s = _env(facts, "env.remote_requirements")
     if env is None:
         return s
+    if getattr(facts.checkpoint, "requirements", None):
+        # The checkpoint probe read the remote code's real imports: checkpoint.requirements
+        # reports the same failure more precisely, so say it once.
+        return skip(
+            "env.remote_requirements",
+            "checked against the checkpoint's own imports (see checkpoint.requirements)",
+        )
     found = {m: env.package(m) for m in REMOTE_REQUIREMENTS}
     missing = [m for m, p in found.items() if not p.found]
     details = {m: p.version if p.found else None for m, p in found.items()}
