@@ -215,6 +215,12 @@ void qk_cpu(const at::Half* vec, const uint8_t* mat, at::Half* out, const at::Ha
           const uint8_t* mr = m + d * L;
           float* rp = row.data();
           const float* zp = zf.data();
+          if (nq == 1) {  // decoding: no reuse of the dequantized row, skip the buffer
+            const float a = vf[qb * D + d];
+            float* ap = acc.data();
+            for (int64_t i = 0; i < nl; ++i) ap[i] += a * (static_cast<float>(mr[i]) - zp[i]);
+            continue;
+          }
           for (int64_t i = 0; i < nl; ++i) rp[i] = static_cast<float>(mr[i]) - zp[i];
           for (int64_t q = 0; q < nq; ++q) {
             const float a = vf[(qb + q) * D + d];
@@ -251,6 +257,12 @@ void pv_cpu(const at::Half* vec, const uint8_t* mat, at::Half* out, const at::Ha
         const float z = static_cast<float>(zeros[bh * L + l]);
         const uint8_t* mr = m + l * D;
         float* rp = row.data();
+        if (nq == 1) {  // decoding: no reuse of the dequantized row, skip the buffer
+          const float a = static_cast<float>(v[l]) * s;
+          float* ap = acc.data();
+          for (int64_t d = 0; d < D; ++d) ap[d] += a * (static_cast<float>(mr[d]) - z);
+          continue;
+        }
         for (int64_t d = 0; d < D; ++d) rp[d] = static_cast<float>(mr[d]) - z;
         for (int64_t q = 0; q < nq; ++q) w[q] = static_cast<float>(v[q * L + l]) * s;
         for (int64_t q = 0; q < nq; ++q) {
