@@ -19,6 +19,10 @@ def revert(directory: str) -> None:
     click.echo(f"restored {len(restored)} file(s) in {path}:")
     for item in restored:
         click.echo(f"  {item}")
+    from qwen_kvprep.buildcache import resolve_cache_dir
+
+    # builds are per ABI, not per checkpoint: other checkpoints may load the same one
+    click.echo(f"the shared build cache {resolve_cache_dir(None)} is kept (builds are shared)")
 
 
 def register(group: click.Group) -> None:

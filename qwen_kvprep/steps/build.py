@@ -5,7 +5,28 @@ from __future__ import annotations
 
 from typing import Any
 
-from qwen_kvprep.findings import info, ok, skip, warn
+from qwen_kvprep.errors import KvprepError
+from qwen_kvprep.findings import Finding, info, ok, skip, warn
+
+
+def _degrade_gracefully(ctx: Any) -> list[Finding]:
+    """config.json already asks for the kernel; with the original cpp_kernels.py still in
+    place the model would JIT-build at import and crash (facts §4). Our loader instead
+    raises ImportError there, and the model falls back with its warning."""
+    from qwen_kvprep.steps import loader
+
+    try:
+        loader.run(ctx)
+    except (KvprepError, OSError):
+        return []
+    return [
+        warn(
+            "build.loader",
+            "installed the loader although the build failed: the model falls back to its "
+            "pure-torch path (with a warning) until `qwen-kvprep fix` succeeds",
+            paths=[ctx.directory / loader.LOADER_FILE],
+        )
+    ]
 
 
 def run(ctx: Any) -> None:
@@ -61,7 +82,12 @@ def run(ctx: Any) -> None:
                 )
             )
         return
-    result = ensure_build(plan, layout)
+    try:
+        result = ensure_build(plan, layout)
+    except KvprepError as exc:
+        # the CLI prints the error's findings (ctx's are lost with the exception)
+        exc.findings = (*exc.findings, *_degrade_gracefully(ctx))
+        raise
     ctx.build = result
     ctx.extra["build"] = result.to_json()
     if result.compiled:
