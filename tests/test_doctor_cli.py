@@ -322,6 +322,16 @@ def test_doctor_without_torch_and_transformers(tiny: Path, tmp_path: Path) -> No
     assert ids["env.transformers"][0]["severity"] == "fail"
     assert "transformers>=4.32,<4.54" in ids["env.transformers"][0]["fix"]
     assert ids["env.python"][0]["severity"] == "ok"
+    report = subprocess.run(
+        [str(python), "-m", "qwen_kvprep", "doctor", "--report", str(tiny)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=300,
+    )
+    assert report.returncode == 1 and "Traceback" not in report.stderr
+    assert "not importable" in report.stdout and "not installed" in report.stdout
 
 
 def _unshare_works() -> bool:
