@@ -355,45 +355,42 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-}  // namespace kvprep_v1
+// ---- launch plans: plain host arithmetic, kept apart from the CUDA/torch glue below ----
 
-#if !defined(__CUDA_ARCH__)
-// ---- host side: only the host compilation pass sees the torch headers ----
-#include <c10/cuda/CUDAException.h>
-#include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
-#include <c10/util/Exception.h>
+constexpr int kMaxTpr = 32;  // PV: at most one warp per cache row (512 bytes)
 
-#if defined(__GNUC__) || defined(__clang__)
-#define KVPREP_CUDA_ENTRY __attribute__((visibility("hidden")))
-#else
-#define KVPREP_CUDA_ENTRY
-#endif
+inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-namespace kvprep_v1 {
-namespace {
+struct QkPlan {
+  int qt;  // queries per block: 1 (decode) or 4
+  int64_t n_ltiles;
+  int64_t n_qtiles;
+  int64_t blocks;
+};
 
-constexpr int64_t kMaxGrid = 2147483647;  // gridDim.x limit
-constexpr int kMaxTpr = 32;               // PV: at most one warp per cache row (512 bytes)
-
-int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+inline QkPlan qk_plan(int64_t BH, int64_t Q, int64_t L) {
+  QkPlan p{};
+  p.qt = Q == 1 ? 1 : 4;
+  p.n_ltiles = ceil_div(L, kTileL);
+  p.n_qtiles = ceil_div(Q, p.qt);
+  p.blocks = BH * p.n_ltiles * p.n_qtiles;
+  return p;
+}
 
 struct PvPlan {
   int qt;
-  int tpr;
+  int tpr;  // threads per cache row
   int64_t n_qtiles;
   int64_t n_dtiles;
-  int64_t n_split;
+  int64_t n_split;  // blocks sharing one (b·h, query tile, dim tile), each over a token range
   int64_t rows_per_split;
   int64_t blocks;
-  int64_t part_floats;
+  int64_t part_floats;  // fp32 partials needed when n_split > 1
 };
 
 // Splits the tokens over blocks only as far as needed to give every multiprocessor a few
 // blocks: the partials cost BH·n_split·Q·D floats of extra traffic.
-PvPlan pv_plan(int device, int64_t BH, int64_t Q, int64_t L, int64_t D) {
-  int sms = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+inline PvPlan pv_plan(int sms, int64_t BH, int64_t Q, int64_t L, int64_t D) {
   PvPlan p{};
   p.qt = Q == 1 ? 1 : 4;
   const int64_t tpr = ceil_div(D, 16);
@@ -412,7 +409,34 @@ PvPlan pv_plan(int device, int64_t BH, int64_t Q, int64_t L, int64_t D) {
   return p;
 }
 
-}  // namespace
+inline int64_t finalize_blocks(int64_t total) {
+  const int64_t b = ceil_div(total, kThreads);
+  return b < 65535 ? b : 65535;
+}
+
+}  // namespace kvprep_v1
+
+#if !defined(__CUDA_ARCH__)
+// ---- host side: only the host compilation pass sees the torch headers ----
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <c10/util/Exception.h>
+
+#if defined(__GNUC__) || defined(__clang__)
+#define KVPREP_CUDA_ENTRY __attribute__((visibility("hidden")))
+#else
+#define KVPREP_CUDA_ENTRY
+#endif
+
+namespace kvprep_v1 {
+constexpr int64_t kMaxGrid = 2147483647;  // gridDim.x limit
+
+inline int sm_count(int device) {
+  int sms = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  return sms;
+}
 }  // namespace kvprep_v1
 
 // Entry points called by cache_autogptq_cuda_256.cpp, which has checked devices, dtypes,
@@ -428,23 +452,20 @@ extern "C" KVPREP_CUDA_ENTRY void kvprep_v1_qk_cuda(int device, const void* vec,
   const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
   const cudaStream_t stream =
       c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device)).stream();
-  const int qt = Q == 1 ? 1 : 4;
-  const int64_t n_ltiles = ceil_div(L, kTileL);
-  const int64_t n_qtiles = ceil_div(Q, qt);
-  const int64_t blocks = BH * n_ltiles * n_qtiles;
-  TORCH_CHECK(blocks <= kMaxGrid, "vecquant8matmul_batched_faster_old: problem too large (",
-              blocks, " thread blocks)");
+  const QkPlan p = qk_plan(BH, Q, L);
+  TORCH_CHECK(p.blocks <= kMaxGrid, "vecquant8matmul_batched_faster_old: problem too large (",
+              p.blocks, " thread blocks)");
   const uint8_t* mat_end = mat + BH * D * L;
   const auto* v = reinterpret_cast<const __half*>(vec);
   auto* o = reinterpret_cast<__half*>(mul);
   const auto* s = reinterpret_cast<const __half*>(scales);
   const auto* z = reinterpret_cast<const __half*>(zeros);
-  const dim3 grid(static_cast<unsigned>(blocks));
-  if (qt == 1) {
-    qk_q1<<<grid, kThreads, 0, stream>>>(v, mat, o, s, z, Q, D, L, n_ltiles, n_qtiles,
+  const dim3 grid(static_cast<unsigned>(p.blocks));
+  if (p.qt == 1) {
+    qk_q1<<<grid, kThreads, 0, stream>>>(v, mat, o, s, z, Q, D, L, p.n_ltiles, p.n_qtiles,
                                          mat_end);
   } else {
-    qk_q4<<<grid, kThreads, 0, stream>>>(v, mat, o, s, z, Q, D, L, n_ltiles, n_qtiles,
+    qk_q4<<<grid, kThreads, 0, stream>>>(v, mat, o, s, z, Q, D, L, p.n_ltiles, p.n_qtiles,
                                          mat_end);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -454,7 +475,7 @@ extern "C" KVPREP_CUDA_ENTRY int64_t kvprep_v1_pv_workspace_floats(int device, i
                                                                    int64_t Q, int64_t L,
                                                                    int64_t D) {
   const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
-  return kvprep_v1::pv_plan(device, BH, Q, L, D).part_floats;
+  return kvprep_v1::pv_plan(kvprep_v1::sm_count(device), BH, Q, L, D).part_floats;
 }
 
 extern "C" KVPREP_CUDA_ENTRY void kvprep_v1_pv_cuda(int device, const void* vec,
@@ -467,7 +488,7 @@ extern "C" KVPREP_CUDA_ENTRY void kvprep_v1_pv_cuda(int device, const void* vec,
   const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
   const cudaStream_t stream =
       c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device)).stream();
-  const PvPlan p = pv_plan(device, BH, Q, L, D);
+  const PvPlan p = pv_plan(sm_count(device), BH, Q, L, D);
   TORCH_CHECK(p.blocks <= kMaxGrid,
               "vecquant8matmul_batched_column_compression_faster_old: problem too large (",
               p.blocks, " thread blocks)");
@@ -491,10 +512,8 @@ extern "C" KVPREP_CUDA_ENTRY void kvprep_v1_pv_cuda(int device, const void* vec,
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   if (part != nullptr) {
     const int64_t total = BH * Q * D;
-    int64_t fb = ceil_div(total, kThreads);
-    if (fb > 65535) fb = 65535;
-    pv_finalize<<<static_cast<unsigned>(fb), kThreads, 0, stream>>>(part, o, total, Q, D,
-                                                                    p.n_split);
+    pv_finalize<<<static_cast<unsigned>(finalize_blocks(total)), kThreads, 0, stream>>>(
+        part, o, total, Q, D, p.n_split);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
 }
