@@ -316,9 +316,14 @@ def run_mode(
     model: Any, input_ids: Any, new_tokens: int, device: str, quantized: bool
 ) -> dict[str, Any]:
     """One greedy run with every flagged module's quantization flag set to `quantized`."""
-    flagged = flagged_modules(model)
-    saved = [(m, getattr(m, FLAG)) for _, m in flagged]
-    for _, m in flagged:
+    # the layers read their own attribute; the config is switched too in case some code
+    # path reads it at run time
+    targets = [m for _, m in flagged_modules(model)]
+    config = getattr(model, "config", None)
+    if config is not None and hasattr(config, FLAG):
+        targets.append(config)
+    saved = [(m, getattr(m, FLAG)) for m in targets]
+    for m in targets:
         setattr(m, FLAG, quantized)
     cache: dict[str, Any] = {}
     batch, tokens = int(input_ids.shape[0]), int(input_ids.shape[1])
@@ -431,7 +436,10 @@ def smoke(
     ids = tokenizer.encode(prompt)
     if not ids:
         raise ValueError(f"the tokenizer turned the prompt {prompt!r} into no tokens")
-    input_device = model.get_input_embeddings().weight.device
+    try:
+        input_device = model.get_input_embeddings().weight.device
+    except (AttributeError, NotImplementedError):  # remote code without the accessor
+        input_device = next(model.parameters()).device
     input_ids = torch.tensor([ids], dtype=torch.long, device=input_device)
     result["prompt_tokens"] = len(ids)
 
