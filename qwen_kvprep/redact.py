@@ -136,7 +136,11 @@ def facts_table(facts: Facts) -> dict[str, str]:
 
 def report_markdown(facts: Facts, findings: Sequence[Finding]) -> str:
     """The `doctor --report` block, scrubbed of secrets as a whole."""
+    from qwen_kvprep.checks import AREAS
     from qwen_kvprep.report import render_markdown
 
-    text = render_markdown(scrub_findings(findings), facts_table(facts))
+    # Same order as the human output: by area (env first), stable within an area.
+    order = {a: i for i, a in enumerate(AREAS)}
+    ordered = sorted(findings, key=lambda f: order.get(f.area, len(order)))
+    text = render_markdown(scrub_findings(ordered), facts_table(facts))
     return scrub(text)
