@@ -488,3 +488,27 @@ def test_loader_helpers_agree_with_toolchain(tmp_path: Path) -> None:
         (["9.0a"], (9, 0)),
     ):
         assert namespace["_covers"](arch_list, cap) == archmod.covers(arch_list, cap)
+
+
+def test_failing_loader_runs_once_per_process(tmp_path: Path) -> None:
+    """Each attention layer imports cpp_kernels; a failure must not repeat the search,
+    the warning or a build attempt per layer."""
+    path = _render(tmp_path, tmp_path / "empty-cache")
+    code = (
+        "import sys, importlib.util, warnings\n"
+        "sys.modules['qwen_kvprep'] = None\n"
+        "errors = []\n"
+        "with warnings.catch_warnings(record=True) as caught:\n"
+        "    warnings.simplefilter('always')\n"
+        "    for _ in range(3):\n"
+        f"        spec = importlib.util.spec_from_file_location('ck', {str(path)!r})\n"
+        "        m = importlib.util.module_from_spec(spec)\n"
+        "        try:\n            spec.loader.exec_module(m)\n"
+        "        except ImportError as e:\n            errors.append(str(e))\n"
+        "print(len(errors), len(set(errors)), len(caught))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "QWEN_KVPREP_CACHE"}
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert out.stdout.split() == ["3", "1", "1"], out.stdout + out.stderr
