@@ -477,25 +477,26 @@ def prepare(request: Request) -> list[Any]:
     from qwen_kvprep.steps.fix import FixOptions, run_fix
 
     assert request.directory is not None
+    directory = Path(os.path.abspath(request.directory))
     options = FixOptions(
         smoke=request.smoke,
         source=request.source or "auto",
         cache_dir=Path(request.cache_dir) if request.cache_dir else None,
         arch=request.arch,
-        output=Path(request.output).absolute() if request.output else None,
+        output=Path(os.path.abspath(request.output)) if request.output else None,
     )
     if options.output is not None:
         from qwen_kvprep.view import check_output_dir
 
         # before the lock below creates OUT/.qwen-kvprep: refuse a foreign OUT untouched
-        check_output_dir(Path(request.directory).absolute(), options.output)
+        check_output_dir(directory, options.output)
     findings: list[Any] = []
 
     def work() -> None:
         # Another replica may have finished while we waited for the lock.
         if state_mismatch(request) is None:
             return
-        result = run_fix(Path(request.directory).absolute(), options)  # type: ignore[arg-type]
+        result = run_fix(directory, options)
         findings.extend(result.findings)
         if failed(result.findings):
             bad = [f for f in result.findings if f.severity.value == "fail"]
@@ -522,14 +523,20 @@ def run(request: Request) -> NoReturn:
         findings = prepare(request)
     except UsageError:
         raise  # a wrong invocation is never papered over by --allow-fallback
-    except KvprepError as exc:
+    except Exception as exc:
+        # --allow-fallback is for availability: any failure, even one we did not foresee,
+        # must not keep the server down (it runs without the kernel, and says so).
         if not request.allow_fallback:
             raise
-        from qwen_kvprep.cli import report_error
+        if isinstance(exc, KvprepError):
+            from qwen_kvprep.cli import report_error
 
-        report_error(exc, as_json=False)
-        say(request, "WARNING: --allow-fallback: starting the command without a working "
-            "Int8 KV cache kernel")
+            report_error(exc, as_json=False)
+        else:
+            sys.stderr.write(f"qwen-kvprep prestart: unexpected error: {exc!r}\n")
+        # not through say(): --quiet silences success, never this
+        sys.stderr.write("qwen-kvprep prestart: WARNING: --allow-fallback: starting the "
+                         "command without a working Int8 KV cache kernel\n")
         hand_over(request.command)
     if findings and not request.quiet:
         from qwen_kvprep.report import emit, render_human

@@ -90,8 +90,12 @@ def view_mismatch(source: str, out: str) -> Optional[str]:
 
 def check_output_dir(source: Path, out: Path) -> None:
     """Refuse an OUT that cannot work or would damage something, before touching it."""
+    from pathlib import Path as _Path
+
     from qwen_kvprep.errors import RefusedError, UsageError
 
+    source = _Path(os.path.abspath(source))  # the form the marker and the links hold
+    out = _Path(os.path.abspath(out))
     src = os.path.realpath(source)
     dst = os.path.realpath(out)
     if "." in out.name:

@@ -350,9 +350,11 @@ def test_a_failure_stops_before_cmd_unless_fallback_is_allowed(tmp_path: Path) -
     assert res.returncode == 5 and res.stdout == "started\n"
     assert "--allow-fallback" in res.stderr
 
-    env = {**os.environ, "QWEN_KVPREP_ALLOW_FALLBACK": "1", "QWEN_KVPREP_DIR": str(bad)}
+    env = {**os.environ, "QWEN_KVPREP_ALLOW_FALLBACK": "1", "QWEN_KVPREP_DIR": str(bad),
+           "QWEN_KVPREP_QUIET": "1"}
     res = run_prestart(*cmd, env=env)
     assert res.returncode == 5, res.stderr
+    assert "--allow-fallback" in res.stderr  # --quiet never hides that the kernel is off
 
 
 def test_usage_errors_are_not_papered_over(tmp_path: Path) -> None:
