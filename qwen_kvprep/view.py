@@ -12,9 +12,10 @@ it hashes only the few small files fix changes.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
+
+from qwen_kvprep.prestart import sha256_small
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # typing costs milliseconds at import; the fast path does not need it
@@ -32,19 +33,6 @@ CHANGED_FILES = (
     "cache_autogptq_cuda_256.cpp",
     "cache_autogptq_cuda_kernel_256.cu",
 )
-# Those files are a few KiB; a bigger one is not what we think it is, and is never hashed.
-_SMALL = 16 << 20
-
-
-def _sha256_small(path: str) -> Optional[str]:
-    try:
-        with open(path, "rb") as fh:
-            data = fh.read(_SMALL + 1)
-    except OSError:
-        return None
-    if len(data) > _SMALL:
-        return "too-large"
-    return hashlib.sha256(data).hexdigest()
 
 
 def marker_path(out: str) -> str:
@@ -80,7 +68,7 @@ def view_mismatch(source: str, out: str) -> Optional[str]:
         return f"the entries of {source} changed since the view was made"
     base = marker.get("base") or {}
     for name in CHANGED_FILES:
-        if _sha256_small(os.path.join(source, name)) != base.get(name):
+        if sha256_small(os.path.join(source, name)) != base.get(name):
             return f"{name} in {source} changed since the view was made"
     return None
 
@@ -166,7 +154,7 @@ def prepare_view(source: Path, out: Path) -> ViewResult:
     entries = source_entries(str(source))
     base: dict[str, Optional[str]] = {}
     for name in CHANGED_FILES:
-        base[name] = _sha256_small(str(source / name))
+        base[name] = sha256_small(str(source / name))
 
     for name in entries:
         target = str(source / name)
