@@ -172,6 +172,11 @@ def run_demo(options: DemoOptions, echo: Optional[Echo] = None) -> DemoResult:
     t_all = time.monotonic()
     try:
         _private_hf(base)
+        # The tiny model's matrices are too small to gain from a second thread, and on a
+        # busy machine OpenMP's spinning barriers make two threads ~100x slower than one
+        # (measured on the 2-core CI machine under load: 3 vs 425 tokens/s). The smoke
+        # child inherits this; a user's own setting wins.
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
         # torch is imported here, not first in the build thread: two threads importing
         # a large extension package at once is asking for import-lock trouble
         import torch  # noqa: F401
