@@ -366,7 +366,7 @@ def test_usage_errors_are_not_papered_over(tmp_path: Path) -> None:
                                           if k != "QWEN_KVPREP_DIR"})
     assert res.returncode == 2 and "QWEN_KVPREP_DIR" in res.stderr
     res = run_prestart(str(tmp_path), "python", "serve.py")  # CMD without --
-    assert res.returncode == 2
+    assert res.returncode == 2 and "after `--`" in res.stderr
 
 
 # ------------------------------------------------------------------ real checkpoints, real fix

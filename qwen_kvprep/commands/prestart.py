@@ -30,7 +30,13 @@ class _CommandAfterDashes(click.Command):
             cut = args.index("--")
             args, command = args[:cut], args[cut + 1 :]
         ctx.meta[_COMMAND_KEY] = command
-        return super().parse_args(ctx, args)
+        try:
+            return super().parse_args(ctx, args)
+        except click.UsageError as exc:
+            if "extra argument" not in exc.message:
+                raise
+            hint = "; put the command after `--`: prestart DIR -- CMD ARGS..."
+            raise click.UsageError(exc.message + hint, ctx) from None
 
 
 @click.command(cls=_CommandAfterDashes)
