@@ -70,3 +70,19 @@ def module_folder(checkpoint_dir: Path, materialize: bool = True) -> Path:
             message, fix=fix, findings=[fail("modules.cache", message, fix=fix, paths=[root])]
         ) from exc
     return root / Path(rel).parent
+
+
+def hub_module_folder(repo_id: str, commit: str) -> Path:
+    """Where transformers runs the remote code of a checkpoint loaded by repo id
+    (`from_pretrained("Qwen/Qwen-7B-Chat")`): `transformers_modules/<org>/<name>/<commit>`.
+    There transformers copies a file only when it is absent, so a stale original
+    cpp_kernels.py would stay forever; fix plants into this folder too."""
+    from transformers import dynamic_module_utils as dmu
+
+    root = Path(getattr(dmu, "HF_MODULES_CACHE", None) or modules_cache_root())
+    package = getattr(dmu, "TRANSFORMERS_DYNAMIC_MODULE_NAME", DYNAMIC_MODULE_NAME)
+    parts = repo_id.split("/")
+    sanitize = getattr(dmu, "_sanitize_module_name", None)
+    if callable(sanitize):
+        parts = [sanitize(p) for p in parts]
+    return root.joinpath(package, *parts, commit)

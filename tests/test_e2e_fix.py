@@ -199,3 +199,48 @@ def test_dry_run_lists_every_write_and_writes_nothing(
     assert snapshot(ckpt) == before
     # nothing planted, no remote code copied (importing transformers may create hub/)
     assert not Path(env["HF_MODULES_CACHE"]).exists()
+
+
+LOAD_BY_REPO_ID = r"""
+import json, sys, warnings
+warnings.simplefilter("ignore")
+from transformers import AutoModelForCausalLM
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1], trust_remote_code=True)
+print("FILES " + json.dumps([getattr(b.attn.cache_kernels, "__file__", None)
+                             for b in model.transformer.h]))
+"""
+
+
+def test_hub_snapshot_loaded_by_repo_id_uses_the_extension(
+    tmp_path: Path, shared_build_cache: Path
+) -> None:
+    """A huggingface_hub cache snapshot is usually loaded by repo id; transformers then runs
+    it from transformers_modules/<org>/<name>/<commit>/, which fix plants into too."""
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    hub = tmp_path / "hf-home" / "hub"
+    repo = hub / "models--KvprepTest--Tiny"
+    ckpt = generate_checkpoint(repo / "snapshots" / commit, dtype="fp32")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    env = _env(tmp_path, shared_build_cache)
+    done = _kvprep(["fix", str(ckpt), "--no-smoke", "--json"], env, tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    env = dict(env, HF_HUB_OFFLINE="1", HF_HUB_CACHE=str(hub))
+    probe = tmp_path / "probe.py"
+    probe.write_text(LOAD_BY_REPO_ID)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    loaded = subprocess.run(
+        [sys.executable, str(probe), "KvprepTest/Tiny"],
+        env=env,
+        cwd=str(elsewhere),
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert loaded.returncode == 0, loaded.stderr[-3000:]
+    files = json.loads(next(x for x in loaded.stdout.splitlines() if x.startswith("FILES "))[6:])
+    state = json.loads((ckpt / ".qwen-kvprep" / "state.json").read_text())
+    assert files == [state["build"]["so"]] * len(files)
+    folder = Path(env["HF_MODULES_CACHE"]) / "transformers_modules" / "KvprepTest" / "Tiny"
+    assert (folder / commit / "cache_autogptq_cuda_256.cpp").is_file()

@@ -10,6 +10,7 @@ Run by builder.py as a plain script (it imports nothing from qwen-kvprep) becaus
 Writes a JSON result to spec["result"]; the exit status is 0 only on success.
 """
 
+import contextlib
 import json
 import os
 import signal
@@ -18,21 +19,61 @@ import time
 import traceback
 
 
-def _die_with_parent(parent: int) -> None:
-    def _kill_group(signum, frame):  # type: ignore[no-untyped-def]
-        # ninja and the compilers are in our process group (we lead a new session)
-        os.killpg(0, signal.SIGKILL)
+def _descendants(root: int) -> list[int]:
+    """Live processes below `root`, from /proc (Linux)."""
+    children: dict = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", encoding="utf-8", errors="replace") as fh:
+                fields = fh.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if fields[0] != "Z":  # zombies are dead already
+            children.setdefault(int(fields[1]), []).append(int(entry))
+    found, stack = [], [root]
+    while stack:
+        for child in children.get(stack.pop(), []):
+            found.append(child)
+            stack.append(child)
+    return found
 
-    signal.signal(signal.SIGTERM, _kill_group)
+
+def _kill_tree(signum, frame):  # type: ignore[no-untyped-def]
+    # ninja starts every compiler in a process group of its own, so killing our group is
+    # not enough. As a child subreaper we adopt whatever loses its parent, so the tree
+    # below us stays complete while it is being killed.
+    for _ in range(100):
+        pids = _descendants(os.getpid())
+        if not pids:
+            break
+        for pid in pids:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        try:
+            while os.waitpid(-1, os.WNOHANG)[0] > 0:
+                pass
+        except ChildProcessError:
+            pass
+        time.sleep(0.02)
+    os._exit(1)
+
+
+def _die_with_parent(parent: int) -> None:
+    """When the process that started us dies (SIGKILL included), take the build down."""
+    signal.signal(signal.SIGTERM, _kill_tree)
     try:
         import ctypes
 
-        pr_set_pdeathsig = 1
-        ctypes.CDLL(None).prctl(pr_set_pdeathsig, signal.SIGTERM)
+        libc = ctypes.CDLL(None)
+        pr_set_pdeathsig, pr_set_child_subreaper = 1, 36
+        libc.prctl(pr_set_child_subreaper, 1)
+        libc.prctl(pr_set_pdeathsig, signal.SIGTERM)
     except (OSError, AttributeError):  # not Linux: the parent's cleanup has to do
         pass
     if os.getppid() != parent:  # the parent died before prctl took effect
-        _kill_group(signal.SIGTERM, None)
+        _kill_tree(signal.SIGTERM, None)
 
 
 def main() -> int:

@@ -332,14 +332,20 @@ def _run_worker(spec_path: Path, log: Any, env: dict[str, str], cwd: Path) -> No
         stderr=subprocess.STDOUT,
         env=env,
         cwd=str(cwd),
-        start_new_session=True,  # its own process group: one killpg stops ninja and compilers
+        start_new_session=True,  # a Ctrl-C in the terminal reaches us, not the compilers
     )
     try:
         proc.wait()
     except BaseException:
+        # SIGTERM: the worker kills its whole process tree (see _worker._kill_tree)
         with contextlib.suppress(OSError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+            proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(OSError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
         raise
 
 

@@ -10,8 +10,9 @@ the folder it reports is then checked to hold exactly what was planted.
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from qwen_kvprep.errors import CacheError
 from qwen_kvprep.findings import fail, info, ok, warn
@@ -61,6 +62,9 @@ def run(ctx: Any) -> None:
         if wrong:
             message = f"{', '.join(wrong)} in {folder} differ from what was planted"
             raise CacheError(message, findings=[fail("modules.plant", message, paths=[folder])])
+    hub_folder = _hub_folder(ctx)
+    if hub_folder is not None and hub_folder != folder:
+        changed += [f"{n} (for loads by repo id)" for n in _plant_all(ctx, hub_folder, files)]
     root = modules_cache_root()
     env_root = Path(os.path.abspath(root))
     if env_root not in folder.parents:
@@ -76,6 +80,7 @@ def run(ctx: Any) -> None:
         "root": str(env_root),
         "folder": str(folder),
         "files": {n: sha256_bytes(d) for n, d in files.items()},
+        "hub_folder": str(hub_folder) if hub_folder is not None else None,
     }
     names = ", ".join(files)
     if changed:
@@ -97,6 +102,18 @@ def run(ctx: Any) -> None:
                 folder=str(folder),
             )
         )
+
+
+def _hub_folder(ctx: Any) -> Optional[Path]:
+    """The repo-id folder, when the checkpoint is a huggingface_hub cache snapshot."""
+    from qwen_kvprep.modcache import hub_module_folder
+
+    checkpoint = getattr(ctx.facts, "checkpoint", None)
+    repo_id = getattr(checkpoint, "repo_id", None)
+    commit = getattr(checkpoint, "revision", None)
+    if not repo_id or not commit or not re.fullmatch(r"[0-9a-f]{40}", str(commit)):
+        return None
+    return hub_module_folder(str(repo_id), str(commit))
 
 
 def _hash(path: Path) -> str:
