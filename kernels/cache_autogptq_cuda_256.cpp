@@ -280,6 +280,52 @@ void pv_cpu(const at::Half* vec, const uint8_t* mat, at::Half* out, const at::Ha
   });
 }
 
+// Many queries at once (prefill): the loops above are bound by arithmetic, and a tuned
+// fp32 GEMM wins. The cache is dequantized exactly in fp32 (q - zero is exact, one
+// rounding for the scale), a few heads at a time to bound the temporary memory.
+constexpr int64_t kCpuGemmMinQ = 32;
+constexpr int64_t kCpuGemmChunkBytes = int64_t{16} << 20;
+
+int64_t heads_per_chunk(int64_t L, int64_t D) {
+  const int64_t per_head = std::max<int64_t>(1, L * D * static_cast<int64_t>(sizeof(float)));
+  return std::max<int64_t>(1, kCpuGemmChunkBytes / per_head);
+}
+
+void qk_cpu_gemm(const at::Tensor& vec, const at::Tensor& mat, const at::Tensor& mul,
+                 const at::Tensor& scales, const at::Tensor& zeros, int64_t BH, int64_t Q,
+                 int64_t D, int64_t L) {
+  const at::Tensor v = vec.view({BH, Q, D});
+  const at::Tensor m = mat.view({BH, D, L});
+  const at::Tensor s = scales.view({BH, 1, L});
+  const at::Tensor z = zeros.view({BH, 1, L});
+  at::Tensor o = mul.view({BH, Q, L});
+  const int64_t step = heads_per_chunk(L, D);
+  for (int64_t b0 = 0; b0 < BH; b0 += step) {
+    const int64_t b1 = std::min(BH, b0 + step);
+    const at::Tensor dq = m.slice(0, b0, b1).to(at::kFloat) - z.slice(0, b0, b1).to(at::kFloat);
+    at::Tensor r = at::bmm(v.slice(0, b0, b1).to(at::kFloat), dq);
+    r.mul_(s.slice(0, b0, b1).to(at::kFloat));
+    o.slice(0, b0, b1).copy_(r);
+  }
+}
+
+void pv_cpu_gemm(const at::Tensor& vec, const at::Tensor& mat, const at::Tensor& mul,
+                 const at::Tensor& scales, const at::Tensor& zeros, int64_t BH, int64_t Q,
+                 int64_t L, int64_t D) {
+  const at::Tensor v = vec.view({BH, Q, L});
+  const at::Tensor m = mat.view({BH, L, D});
+  const at::Tensor s = scales.view({BH, L, 1});
+  const at::Tensor z = zeros.view({BH, L, 1});
+  at::Tensor o = mul.view({BH, Q, D});
+  const int64_t step = heads_per_chunk(L, D);
+  for (int64_t b0 = 0; b0 < BH; b0 += step) {
+    const int64_t b1 = std::min(BH, b0 + step);
+    at::Tensor dq = m.slice(0, b0, b1).to(at::kFloat) - z.slice(0, b0, b1).to(at::kFloat);
+    dq.mul_(s.slice(0, b0, b1).to(at::kFloat));
+    o.slice(0, b0, b1).copy_(at::bmm(v.slice(0, b0, b1).to(at::kFloat), dq));
+  }
+}
+
 // ---------------------------------------------------------------------------------------
 
 void vecquant8matmul_batched_faster_old(const at::Tensor& vec, const at::Tensor& mat,
@@ -303,6 +349,10 @@ void vecquant8matmul_batched_faster_old(const at::Tensor& vec, const at::Tensor&
     kvprep_v1_qk_cuda(static_cast<int>(vec.get_device()), vec.data_ptr<at::Half>(),
                       mat.data_ptr<uint8_t>(), mul.data_ptr<at::Half>(),
                       scales.data_ptr<at::Half>(), zeros.data_ptr<at::Half>(), BH, Q, D, L);
+    return;
+  }
+  if (Q >= kCpuGemmMinQ) {
+    qk_cpu_gemm(vec, mat, mul, scales, zeros, BH, Q, D, L);
     return;
   }
   qk_cpu(vec.data_ptr<at::Half>(), mat.data_ptr<uint8_t>(), mul.data_ptr<at::Half>(),
@@ -337,6 +387,10 @@ void vecquant8matmul_batched_column_compression_faster_old(const at::Tensor& vec
                       mul.data_ptr<at::Half>(), scales.data_ptr<at::Half>(),
                       zeros.data_ptr<at::Half>(),
                       n > 0 ? workspace.data_ptr<float>() : nullptr, n, BH, Q, L, D);
+    return;
+  }
+  if (Q >= kCpuGemmMinQ) {
+    pv_cpu_gemm(vec, mat, mul, scales, zeros, BH, Q, L, D);
     return;
   }
   pv_cpu(vec.data_ptr<at::Half>(), mat.data_ptr<uint8_t>(), mul.data_ptr<at::Half>(),

@@ -117,8 +117,25 @@ def test_pv_matches_reference(ext: ModuleType, q: int, d: int, seq: int) -> None
     assert_close(mul, *ref_pv(vec, mat, scales, zeros))
 
 
+@pytest.mark.parametrize(("d", "seq"), [(128, 1), (128, 129), (3, 7), (80, 1000)])
+def test_prefill_sized_query_blocks(ext: ModuleType, d: int, seq: int) -> None:
+    """Q >= 32 takes the CPU GEMM route: same results, fully written."""
+    b, h, q = 2, 3, 40
+    vec, mat, scales, zeros = make_qk(b, h, q, d, seq, seed=d + seq)
+    mul = torch.full((b, h, q, seq), float("nan"), dtype=torch.float16)
+    getattr(ext, QK)(vec, mat, mul, scales, zeros)
+    assert_close(mul, *ref_qk(vec, mat, scales, zeros))
+
+    vec, mat, scales, zeros = make_pv(b, h, q, d, seq, seed=d + seq + 1)
+    mul = torch.full((b, h, q, d), float("nan"), dtype=torch.float16)
+    getattr(ext, PV)(vec, mat, mul, scales, zeros)
+    assert_close(mul, *ref_pv(vec, mat, scales, zeros))
+
+
 @pytest.mark.parametrize(
-    ("b", "h", "q", "seq"), [(2, 32, 1, 1000), (4, 16, 33, 129), (64, 1, 3, 7)]
+    ("b", "h", "q", "seq"),
+    # the last one: 64 heads of 1000 x 128 dequantized in fp32 take two GEMM chunks
+    [(2, 32, 1, 1000), (4, 16, 33, 129), (64, 1, 3, 7), (2, 32, 40, 1000)],
 )
 def test_many_heads_and_query_tiles(ext: ModuleType, b: int, h: int, q: int, seq: int) -> None:
     d = 128
