@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import subprocess
 import sys
 import time
@@ -120,7 +121,9 @@ def test_demo_dir_must_be_empty_or_a_previous_demo(tmp_path: Path) -> None:
     assert base2 == base and not (base / "tiny-qwen").exists()
 
 
-def _demo(*args: str, env: dict[str, str]) -> tuple[subprocess.CompletedProcess[str], float]:
+def _demo(*args: str, env: dict[str, str]) -> tuple[subprocess.CompletedProcess[str], float, str]:
+    """Run the demo; also its CPU seconds and the load, to tell a slow run from a busy host."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.monotonic()
     res = subprocess.run(
         [sys.executable, "-m", "qwen_kvprep", "demo", *args],
@@ -129,7 +132,11 @@ def _demo(*args: str, env: dict[str, str]) -> tuple[subprocess.CompletedProcess[
         env=env,
         timeout=600,
     )
-    return res, time.monotonic() - t0
+    wall = time.monotonic() - t0
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    note = f"{wall:.0f} s wall, {cpu:.0f} s CPU, load average {os.getloadavg()[0]:.1f}"
+    return res, wall, note
 
 
 @pytest.mark.slow
@@ -141,7 +148,7 @@ def test_demo_from_a_cold_cache_in_under_a_minute(tmp_path: Path) -> None:
         env.pop(var, None)  # the demo uses private ones under its folder
     where = tmp_path / "demo"
 
-    res, cold = _demo(str(where), env=env)
+    res, cold, cold_note = _demo(str(where), env=env)
     out = res.stdout
     assert res.returncode == 0, out + res.stderr
     assert "compiled build" in out  # really cold
@@ -149,12 +156,13 @@ def test_demo_from_a_cold_cache_in_under_a_minute(tmp_path: Path) -> None:
     assert "agree on 16/16 tokens" in out
     assert "the compiled kernel ran in 2/2 layers" in out
     assert "demo: " not in res.stderr  # progress only on a terminal
-    assert cold < 60, f"cold demo took {cold:.0f} s"
+    # the requirement is for the CI machine, which runs nothing else meanwhile
+    assert cold < 60, f"cold demo: {cold_note}"
     # the model's remote code ran from the demo's private modules cache
     assert (where / "hf" / "modules" / "transformers_modules" / "tiny-qwen").is_dir()
 
     # the second run reuses the build and says so; --json carries the measurements
-    res, warm = _demo(str(where), "--json", env=env)
+    res, warm, warm_note = _demo(str(where), "--json", env=env)
     assert res.returncode == 0, res.stdout + res.stderr
     doc = json.loads(res.stdout)
     assert doc["schema_version"] == 1 and doc["ok"] is True
@@ -163,4 +171,4 @@ def test_demo_from_a_cold_cache_in_under_a_minute(tmp_path: Path) -> None:
     kv = doc["demo"]["smoke"]["kv_bytes_per_token"]
     assert kv["ratio"] == pytest.approx(132 / 256)
     assert warm < cold
-    print(f"demo: cold {cold:.1f} s, warm {warm:.1f} s")
+    print(f"demo: cold {cold_note}; warm {warm_note}")

@@ -407,6 +407,7 @@ def smoke(
         "torch": torch.__version__,
         "torch_cuda": torch.version.cuda,
         "transformers": transformers.__version__,
+        "cpu_threads": torch.get_num_threads(),
         "prompt": prompt,
         "max_new_tokens": new_tokens,
     }

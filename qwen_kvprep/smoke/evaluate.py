@@ -447,6 +447,7 @@ def evaluate(
         torch_cuda=result.get("torch_cuda"),
         transformers=result.get("transformers"),
         model_dtype=result.get("model_dtype"),
+        cpu_threads=result.get("cpu_threads"),
         model_code=result.get("model_code"),
         layers=len(layers),
         kernel_layers=sum(

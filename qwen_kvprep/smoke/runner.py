@@ -79,9 +79,14 @@ def child_command(directory: Path, options: SmokeOptions, fd: int) -> list[str]:
 
 def child_env() -> dict[str, str]:
     env = dict(os.environ)
-    # The child must import this very qwen_kvprep, installed or not (a checkout run).
-    pkg_parent = str(Path(__file__).resolve().parents[2])
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_parent, env.get("PYTHONPATH")) if p)
+    # The child must import this very qwen_kvprep, also when it runs from a checkout (the
+    # child's working directory is elsewhere). An installed one is found anyway, and a
+    # site-packages folder on PYTHONPATH would go ahead of the standard library.
+    pkg_parent = Path(__file__).resolve().parents[2]
+    if not pkg_parent.name.endswith("-packages"):
+        env["PYTHONPATH"] = os.pathsep.join(
+            p for p in (str(pkg_parent), env.get("PYTHONPATH")) if p
+        )
     # Flush prints as they happen: after a crash the log must hold the last words.
     env["PYTHONUNBUFFERED"] = "1"
     # A local directory needs no network; without this, a tokenizer or config lookup on an
