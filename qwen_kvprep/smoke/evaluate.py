@@ -369,6 +369,13 @@ def measurements(result: dict[str, Any]) -> dict[str, Any]:
         },
         "load_seconds": result.get("load_seconds"),
         "peak_memory": result.get("peak_memory"),
+        # per run (the allocator's peak is reset before each): CUDA only, RSS never drops
+        "peak_memory_by_run": {
+            "quantized": (q.get("peak_memory") or {}).get("bytes"),
+            "unquantized": (u.get("peak_memory") or {}).get("bytes"),
+        }
+        if (result.get("peak_memory") or {}).get("kind") == "cuda_max_allocated"
+        else None,
     }
 
 

@@ -29,6 +29,7 @@ DEVICES = ("auto", "cpu", "cuda")
 PHASE_START = "start"
 PHASE_LOAD = "load"
 PHASE_INSPECT = "inspect"
+PHASE_WARMUP = "warm-up"
 PHASE_QUANTIZED = "generate-quantized"
 PHASE_UNQUANTIZED = "generate-unquantized"
 PHASE_DONE = "done"
@@ -37,6 +38,7 @@ PHASE_WORDS = {
     PHASE_START: "starting (importing torch and transformers)",
     PHASE_LOAD: "loading the model",
     PHASE_INSPECT: "inspecting the layers",
+    PHASE_WARMUP: "warming up (a few untimed tokens with each cache)",
     PHASE_QUANTIZED: "generating with the quantized cache",
     PHASE_UNQUANTIZED: "generating with the unquantized cache",
     PHASE_DONE: "done",
