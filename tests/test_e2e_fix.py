@@ -244,3 +244,31 @@ def test_hub_snapshot_loaded_by_repo_id_uses_the_extension(
     assert files == [state["build"]["so"]] * len(files)
     folder = Path(env["HF_MODULES_CACHE"]) / "transformers_modules" / "KvprepTest" / "Tiny"
     assert (folder / commit / "cache_autogptq_cuda_256.cpp").is_file()
+
+
+def test_no_build_loader_finds_a_matching_build_by_its_manifest(
+    fixed: dict[str, Any], tmp_path: Path
+) -> None:
+    """fix --no-build renders no build key: the loader matches the running torch against
+    the manifests in the cache (here: the build the first fix made)."""
+    ckpt = generate_checkpoint(tmp_path / "nobuild", dtype="fp32")
+    env = _env(tmp_path, Path(fixed["env"]["QWEN_KVPREP_CACHE"]))
+    done = _kvprep(["fix", str(ckpt), "--no-build", "--no-smoke", "--json"], env, tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert _findings(done.stdout)["build.build"]["severity"] == "skip"
+    assert "_BUILD_KEY = None" in (ckpt / "cpp_kernels.py").read_text()
+    probe = tmp_path / "probe.py"
+    probe.write_text(LOAD_BY_REPO_ID)  # loads whatever path it is given
+    loaded = subprocess.run(
+        [sys.executable, str(probe), str(ckpt)],
+        env=env,
+        cwd=str(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert loaded.returncode == 0, loaded.stderr[-3000:]
+    files = json.loads(next(x for x in loaded.stdout.splitlines() if x.startswith("FILES "))[6:])
+    first = json.loads((fixed["ckpt"] / ".qwen-kvprep" / "state.json").read_text())
+    assert files == [first["build"]["so"]] * len(files)
+    assert "compiling" not in loaded.stderr  # found, not built
