@@ -50,8 +50,9 @@ void kvprep_v1_pv_cuda(int device, const void* vec, const uint8_t* mat, void* mu
 }
 
 #if defined(_MSC_VER) && !defined(__clang__)
-// MSVC has no weak symbols: an unresolved entry point falls back to a null-valued alias.
-// (Untested: the project is built and tested on Linux.)
+// MSVC has no weak symbols: an entry point the .cu does not define resolves to a local
+// stand-in, and the dispatch compares addresses. (Untested: the project is built and tested
+// on Linux.)
 #pragma comment(linker, "/alternatename:kvprep_v1_qk_cuda=kvprep_v1_qk_cuda_missing")
 #pragma comment(linker, \
                 "/alternatename:kvprep_v1_pv_workspace_floats=kvprep_v1_pv_workspace_missing")
@@ -100,9 +101,21 @@ std::string expected_str(const std::vector<int64_t>& dims) {
   return s + "]";
 }
 
+const char* dtype_name(at::ScalarType t) {
+  switch (t) {
+    case at::kHalf: return "torch.float16";
+    case at::kByte: return "torch.uint8";
+    case at::kFloat: return "torch.float32";
+    case at::kBFloat16: return "torch.bfloat16";
+    case at::kDouble: return "torch.float64";
+    case at::kChar: return "torch.int8";
+    default: return c10::toString(t);
+  }
+}
+
 void check_dtype(const char* fn, const char* arg, const at::Tensor& t, at::ScalarType want) {
-  TORCH_CHECK_TYPE(t.scalar_type() == want, fn, ": ", arg, " must be ", c10::toString(want),
-                   ", got ", c10::toString(t.scalar_type()));
+  TORCH_CHECK_TYPE(t.scalar_type() == want, fn, ": ", arg, " must be ", dtype_name(want),
+                   ", got ", dtype_name(t.scalar_type()));
 }
 
 void check_shape(const char* fn, const char* arg, const at::Tensor& t,
@@ -117,8 +130,8 @@ void check_shape(const char* fn, const char* arg, const at::Tensor& t,
 
 enum class Where { kCpu, kCuda };
 
-// Checks everything the kernels rely on; returns where to run. `vec_last` is the name of
-// vec's last dimension (D for QK, L for PV), used in messages only.
+// Checks devices, dtypes and ranks, and that the build can serve the device; returns where
+// to run. Shapes are checked by each function, layout by check_layout.
 Where check_common(const char* fn, const at::Tensor& vec, const at::Tensor& mat,
                    const at::Tensor& mul, const at::Tensor& scales, const at::Tensor& zeros) {
   const at::Tensor* all[] = {&vec, &mat, &mul, &scales, &zeros};
@@ -140,17 +153,15 @@ Where check_common(const char* fn, const at::Tensor& vec, const at::Tensor& mat,
     TORCH_CHECK_VALUE(all[i]->dim() == 4, fn, ": ", names[i],
                       " must be a 4-d tensor, got shape ", shape_str(*all[i]));
   }
-  Where where;
-  if (dev.is_cpu()) {
-    where = Where::kCpu;
-  } else if (dev.is_cuda()) {
+  Where where = Where::kCpu;
+  if (dev.is_cuda()) {
     TORCH_CHECK(cuda_entries_present(), fn, ": got tensors on ", dev.str(),
                 ", but this extension was built without CUDA (only "
                 "cache_autogptq_cuda_256.cpp was compiled); rebuild it together with "
                 "cache_autogptq_cuda_kernel_256.cu to use CUDA tensors");
     where = Where::kCuda;
   } else {
-    TORCH_CHECK(false, fn, ": unsupported device ", dev.str(),
+    TORCH_CHECK(dev.is_cpu(), fn, ": unsupported device ", dev.str(),
                 "; expected CPU or CUDA tensors");
   }
   return where;
