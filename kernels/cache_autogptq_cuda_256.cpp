@@ -21,7 +21,11 @@
 // The CUDA entry points are declared weak and hidden here: when the .cu is not linked in
 // they resolve to null at link time, and the dispatch below sees that.
 
-#include <torch/extension.h>
+// ATen plus torch's pybind11 glue rather than <torch/extension.h>: the full header pulls in
+// autograd and torch::nn, and parsing it is most of a CPU build's time (a newcomer's first
+// `fix` or `demo` waits on it).
+#include <ATen/ATen.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include <ATen/MemoryOverlap.h>
 #include <ATen/Parallel.h>
