@@ -199,50 +199,140 @@ _GPTQ = {
 }
 
 
+# Weight design (see _weights). Tuned by measuring top-2 logit margins over 1,024
+# random positions: with these values 0.6% of them are below 0.25 (the quantized
+# cache moves logits by up to ~0.13), 2% below 1.0, the median is 4.7.
+_BIGRAM = 1.0  # current token -> its successor
+_PREV = 1.5  # previous token -> its trigger successor; more makes cross-talk win
+_TRIGGER_FRACTION = 0.3
+_NOISE = 0.3  # plain random part of every lm_head row
+_SIDE = 0.15  # output scale of every other head and of the MLPs
+_PREV_HEAD_PAIRS = 8  # fastest rotary pairs that carry the previous-token pattern
+_PREV_HEAD_MARGIN = 16.0  # score(previous token) - score(any other token)
+
+
 def _weights(
     *,
     layers: int,
-    hidden: int,
+    heads: int,
+    head_dim: int,
     ff: int,
     vocab_size: int,
     n_tokens: int,
     dtype: str,
     seed: int,
 ) -> dict[str, Any]:
-    """Random weights in Qwen's tensor names and order, deterministic from `seed`."""
+    """Weights in Qwen's tensor names and order, deterministic from `seed`.
+
+    Purely random weights make a model whose top-2 logits are so close that bf16
+    rounding or the 8-bit cache flip greedy tokens often (measured: 1 sequence in 6
+    within 16 tokens), so "quantized and unquantized cache agree" would mean little.
+    Instead the next token is decided by two discrete terms with wide margins, one of
+    which goes through the KV cache:
+
+    - every ordinary token has a random successor (bigram, strength _BIGRAM);
+    - layer 0 head 0 attends to the previous token: its query and key are constant
+      (biases only) and rotary embedding turns them into a score that peaks at
+      distance 1. Its value/output carry the previous token's embedding, and for a
+      random 30% of "trigger" tokens the head predicts another successor with the
+      larger strength _PREV. So about a third of the greedy tokens depend on the
+      cached values of the previous position.
+
+    Every other head and the MLPs are random with small outputs (_SIDE): they run
+    the data-dependent paths (random queries against the quantized keys) and move
+    the logits measurably, without deciding tokens. Special tokens and the padding
+    rows of lm_head get no successor role, so greedy decoding keeps to ordinary text.
+
+    Measured (seeds 0 and 1, 40 prompts x 16 greedy tokens each): quantized and
+    unquantized cache agree on every sequence, and removing head 0 changes 23-36% of
+    the tokens. Agreement is likely, not guaranteed: about 1 position in 1,000 is
+    close enough to a tie for the 8-bit cache to flip it.
+    """
     import torch
 
+    hidden = heads * head_dim
     gen = torch.Generator().manual_seed(seed)
 
     def normal(shape: tuple[int, ...], std: float) -> Any:
         return torch.randn(shape, generator=gen, dtype=torch.float32) * std
 
-    # Scales chosen so attention is neither uniform nor one-hot (q.k/sqrt(d) ~ N(0, 1))
-    # and the logits have clear winners: greedy decoding then depends on the KV cache
-    # yet survives its 8-bit quantization.
-    attn_std = 1.0 / math.sqrt(hidden)
-    tensors: dict[str, Any] = {"transformer.wte.weight": normal((vocab_size, hidden), 1.0)}
+    wte = normal((vocab_size, hidden), 1.0)
+    tensors: dict[str, Any] = {"transformer.wte.weight": wte}
     for i in range(layers):
         p = f"transformer.h.{i}."
+        c_attn_w = normal((3 * hidden, hidden), 1.0 / math.sqrt(hidden))
+        c_attn_b = normal((3 * hidden,), 0.1)
+        c_proj = normal((hidden, hidden), _SIDE / math.sqrt(hidden))
+        if i == 0:
+            _previous_token_head(c_attn_w, c_attn_b, c_proj, head_dim, hidden, gen)
         tensors[p + "ln_1.weight"] = torch.ones(hidden)
-        tensors[p + "attn.c_attn.weight"] = normal((3 * hidden, hidden), attn_std)
-        tensors[p + "attn.c_attn.bias"] = normal((3 * hidden,), 0.1)
-        tensors[p + "attn.c_proj.weight"] = normal((hidden, hidden), attn_std)
+        tensors[p + "attn.c_attn.weight"] = c_attn_w
+        tensors[p + "attn.c_attn.bias"] = c_attn_b
+        tensors[p + "attn.c_proj.weight"] = c_proj
         tensors[p + "ln_2.weight"] = torch.ones(hidden)
-        tensors[p + "mlp.w1.weight"] = normal((ff, hidden), attn_std)
-        tensors[p + "mlp.w2.weight"] = normal((ff, hidden), attn_std)
-        tensors[p + "mlp.c_proj.weight"] = normal((hidden, ff), 1.0 / math.sqrt(ff))
+        tensors[p + "mlp.w1.weight"] = normal((ff, hidden), 1.0 / math.sqrt(hidden))
+        tensors[p + "mlp.w2.weight"] = normal((ff, hidden), 1.0 / math.sqrt(hidden))
+        tensors[p + "mlp.c_proj.weight"] = normal((hidden, ff), 2 * _SIDE / math.sqrt(ff))
     tensors["transformer.ln_f.weight"] = torch.ones(hidden)
-    lm_head = normal((vocab_size, hidden), 3.0 / math.sqrt(hidden))
-    # rows past the tokenizer's vocabulary (padding to a multiple of 128) get logit 0,
-    # far below the winners, so greedy decoding never emits an id the tokenizer lacks
-    lm_head[n_tokens:] = 0.0
+
+    def unit(x: Any) -> Any:
+        return x / x.norm(dim=-1, keepdim=True)
+
+    n_plain = n_tokens - N_SPECIAL_TOKENS
+    # what layer 0 reads (ln_1 of the embedding) and what head 0 writes for it
+    x = wte[:n_plain] / wte[:n_plain].pow(2).mean(-1, keepdim=True).sqrt()
+    value = x @ tensors["transformer.h.0.attn.c_attn.weight"][2 * hidden : 2 * hidden + head_dim].T
+    head_out = value @ tensors["transformer.h.0.attn.c_proj.weight"][:, :head_dim].T
+
+    lm_head = torch.zeros((vocab_size, hidden))
+    lm_head[:n_tokens] = normal((n_tokens, hidden), _NOISE / math.sqrt(hidden))
+    successor = torch.randperm(n_plain, generator=gen)
+    lm_head[successor] += _BIGRAM * unit(wte[:n_plain])
+    n_trigger = int(_TRIGGER_FRACTION * n_plain)
+    triggers = torch.randperm(n_plain, generator=gen)[:n_trigger]
+    targets = torch.randperm(n_plain, generator=gen)[:n_trigger]
+    lm_head[targets] += _PREV * unit(head_out[triggers])
+    # rows past the tokenizer's vocabulary (padding to a multiple of 128) stay 0, far
+    # below the winners: greedy decoding never emits an id the tokenizer lacks
     tensors["lm_head.weight"] = lm_head
 
     torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
     # "auto" checkpoints are stored in bf16, like the original Qwen releases
     target = torch_dtype.get(dtype, torch.bfloat16)
     return {k: v.to(target).contiguous() for k, v in tensors.items()}
+
+
+def _previous_token_head(
+    c_attn_w: Any, c_attn_b: Any, c_proj: Any, head_dim: int, hidden: int, gen: Any
+) -> None:
+    """Turns head 0 of a layer into "attend to the previous position" (in place).
+
+    Query and key are constant (weights 0, biases only) on the fastest rotary pairs;
+    the key is the query rotated by one position's angle, so after rotary embedding
+    q_m . k_n = sum_i a^2 cos((m - n - 1) * theta_i), largest at m - n = 1. Over the
+    first 2048 distances the runner-up reaches at most 0.8 of the peak with 8 pairs,
+    and the scale a is set for a score margin of _PREV_HEAD_MARGIN.
+    """
+    import torch
+
+    half = head_dim // 2
+    pairs = min(_PREV_HEAD_PAIRS, half)
+    theta = 10000.0 ** (-2.0 * torch.arange(pairs, dtype=torch.float32) / head_dim)
+    a = math.sqrt(_PREV_HEAD_MARGIN * math.sqrt(head_dim) / (0.2 * pairs))
+    q = slice(0, head_dim)
+    k = slice(hidden, hidden + head_dim)
+    v = slice(2 * hidden, 2 * hidden + head_dim)
+    c_attn_w[q] = 0.0
+    c_attn_w[k] = 0.0
+    c_attn_b[q] = 0.0
+    c_attn_b[k] = 0.0
+    c_attn_b[v] = 0.0
+    c_attn_b[q.start : q.start + pairs] = a
+    c_attn_b[k.start : k.start + pairs] = a * torch.cos(theta)
+    c_attn_b[k.start + half : k.start + half + pairs] = a * torch.sin(theta)
+    # value: the layer input itself (RMS 1 per element), written back at full scale
+    c_attn_w[v] = torch.randn((head_dim, hidden), generator=gen) / math.sqrt(hidden)
+    c_proj[:, :head_dim] = torch.randn((hidden, head_dim), generator=gen) / math.sqrt(head_dim)
 
 
 def _shard(names: list[str], sizes: dict[str, int], shards: int) -> list[list[str]]:
@@ -309,7 +399,6 @@ def generate_checkpoint(
     n_tokens = len(ranks) + N_SPECIAL_TOKENS
     eod_id = len(ranks)
     vocab_size = 128 * math.ceil(n_tokens / 128)
-    hidden = heads * head_dim
 
     config = _config(
         layers=layers,
@@ -329,7 +418,8 @@ def generate_checkpoint(
 
     tensors = _weights(
         layers=layers,
-        hidden=hidden,
+        heads=heads,
+        head_dim=head_dim,
         ff=intermediate // 2,
         vocab_size=vocab_size,
         n_tokens=n_tokens,

@@ -102,12 +102,12 @@ def _load_cache_kernels():
     """
     module_root = Path(__file__).parent
     if not all((module_root / name).is_file() for name in KERNEL_SOURCE_FILES):
-        warnings.warn("KV cache kernel source files (.cpp and .cu) not found.")
+        warnings.warn("KV cache kernel source files (.cpp and .cu) not found.", stacklevel=2)
         return None
     try:
         from .cpp_kernels import cache_autogptq_cuda_256
     except ImportError:
-        warnings.warn("Failed to import KV cache kernels.")
+        warnings.warn("Failed to import KV cache kernels.", stacklevel=2)
         return None
     return cache_autogptq_cuda_256
 
@@ -150,9 +150,8 @@ class RotaryEmbedding(nn.Module):
         ):
             # NTK-aware scaling stretches the base instead of the positions
             base = self.base * ntk_alpha ** (self.dim / (self.dim - 2))
-            inv_freq = 1.0 / (
-                base ** (torch.arange(0, self.dim, 2, device=device, dtype=torch.float32) / self.dim)
-            )
+            exponents = torch.arange(0, self.dim, 2, device=device, dtype=torch.float32) / self.dim
+            inv_freq = 1.0 / (base**exponents)
             length = max(2 * max_seq_len, 16)
             positions = torch.arange(length, device=device, dtype=torch.float32)
             freqs = torch.outer(positions, inv_freq)
@@ -293,7 +292,9 @@ class QWenAttention(nn.Module):
             qv, qv_scale, qv_zero = value
             if kernels is not None:
                 attn_output = torch.zeros(
-                    attn_weights.shape[:-1] + (qv.size(-1),), dtype=torch.float16, device=query.device
+                    attn_weights.shape[:-1] + (qv.size(-1),),
+                    dtype=torch.float16,
+                    device=query.device,
                 )
                 kernels.vecquant8matmul_batched_column_compression_faster_old(
                     attn_weights.to(torch.float16).contiguous(),
@@ -564,7 +565,9 @@ class QWenModel(QWenPreTrainedModel):
             ntk_alpha = 1.0
         else:
             ntk_alpha = self._ntk_alpha(kv_seq_len)
-        rotary_pos_emb = self.rotary_emb(kv_seq_len, ntk_alpha=ntk_alpha, device=hidden_states.device)
+        rotary_pos_emb = self.rotary_emb(
+            kv_seq_len, ntk_alpha=ntk_alpha, device=hidden_states.device
+        )
 
         if self.gradient_checkpointing and self.training and use_cache:
             logger.warning_once("use_cache=True is incompatible with gradient checkpointing; off.")
@@ -772,7 +775,8 @@ class QWenLMHeadModel(QWenPreTrainedModel):
         generation_config: Optional[GenerationConfig] = None,
         **kwargs,
     ) -> Tuple[str, HistoryType]:
-        generation_config = generation_config if generation_config is not None else self.generation_config
+        if generation_config is None:
+            generation_config = self.generation_config
         history = list(history or [])
         stop_words_ids = list(stop_words_ids or [])
         chat_format = getattr(generation_config, "chat_format", "chatml")
@@ -814,7 +818,8 @@ class QWenLMHeadModel(QWenPreTrainedModel):
         from transformers import TextIteratorStreamer
         from transformers_stream_generator.main import StreamGenerationConfig
 
-        generation_config = generation_config if generation_config is not None else self.generation_config
+        if generation_config is None:
+            generation_config = self.generation_config
         chat_format = getattr(generation_config, "chat_format", "chatml")
         max_window_size = kwargs.pop("max_window_size", None) or getattr(
             generation_config, "max_window_size", 6144
@@ -854,11 +859,15 @@ class QWenLMHeadModel(QWenPreTrainedModel):
         streamer=None,
         **kwargs,
     ) -> Union[torch.LongTensor, object]:
-        config_for_stops = generation_config if generation_config is not None else self.generation_config
+        config_for_stops = generation_config
+        if config_for_stops is None:
+            config_for_stops = self.generation_config
         stop_words_ids = kwargs.pop("stop_words_ids", None)
         if stop_words_ids is None:
             stop_words_ids = getattr(config_for_stops, "stop_words_ids", None)
-        logits_processor = self._stop_words_processor(config_for_stops, stop_words_ids, logits_processor)
+        logits_processor = self._stop_words_processor(
+            config_for_stops, stop_words_ids, logits_processor
+        )
         return super().generate(
             inputs,
             generation_config=generation_config,

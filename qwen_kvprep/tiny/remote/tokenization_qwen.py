@@ -110,7 +110,9 @@ class QWenTokenizer(PreTrainedTokenizer):
                 raise ValueError(f"Adding tokens is not supported by QWenTokenizer: {surface!r}")
         return 0
 
-    def save_vocabulary(self, save_directory: str, filename_prefix: Optional[str] = None) -> Tuple[str]:
+    def save_vocabulary(
+        self, save_directory: str, filename_prefix: Optional[str] = None
+    ) -> Tuple[str]:
         name = (filename_prefix + "-" if filename_prefix else "") + VOCAB_FILES_NAMES["vocab_file"]
         path = os.path.join(save_directory, name)
         with open(path, "wb") as fh:
