@@ -38,6 +38,7 @@ from qwen_kvprep.buildcache.manifest import (
     MANIFEST,
     MANIFEST_VERSION,
     dumps,
+    list_builds,
     problem,
     read_manifest,
 )
@@ -219,6 +220,35 @@ def find_build(layout: CacheLayout, key: str, verify: bool = True) -> Optional[B
     if problem(folder, manifest, check_hash=verify) is not None:
         return None
     return BuildResult(key, folder, folder / str(manifest["so"]), manifest, compiled=False)
+
+
+# What makes a published build loadable in this process; architectures and nvcc only
+# decide which GPUs it runs on, which `covers` judges separately.
+_RUNTIME_INPUTS = ("sources", "torch", "torch_cuda", "cxx11_abi", "python_tag", "machine",
+                   "tool_version")
+
+
+def find_compatible(
+    layout: CacheLayout, plan: BuildPlan, gpus: tuple[tuple[int, int], ...]
+) -> Optional[BuildResult]:
+    """A published CUDA build this process can load and that runs on every visible GPU.
+
+    An image built with `build --arch …` and started where nvcc is missing (a runtime
+    image) or where the default architecture list differs (the visible GPU) must reuse
+    that build rather than fall back to a CPU-only one or compile again.
+    """
+    wanted = {k: plan.inputs[k] for k in _RUNTIME_INPUTS}
+    for folder, manifest in list_builds(layout.builds):
+        inputs = manifest["inputs"]
+        if not manifest.get("cuda") or any(inputs.get(k) != v for k, v in wanted.items()):
+            continue
+        arch_list = inputs.get("arch_list") or []
+        if not all(archmod.covers(arch_list, cap) for cap in gpus):
+            continue
+        if problem(folder, manifest) is None:
+            key = str(manifest["key"])
+            return BuildResult(key, folder, folder / str(manifest["so"]), manifest, False)
+    return None
 
 
 def ensure_build(

@@ -3,7 +3,8 @@ it (under the key's lock) only when no build for this ABI exists yet."""
 
 from __future__ import annotations
 
-from typing import Any
+import os
+from typing import Any, Optional
 
 from qwen_kvprep.errors import KvprepError
 from qwen_kvprep.findings import Finding, info, ok, skip, warn
@@ -27,6 +28,31 @@ def _degrade_gracefully(ctx: Any) -> list[Finding]:
             paths=[ctx.directory / loader.LOADER_FILE],
         )
     ]
+
+
+def _reuse_compatible(layout: Any, plan: Any, arch_option: Optional[str]) -> Any:
+    """An existing CUDA build to use instead of the plan, or None.
+
+    Only when the plan is not what the user asked for by name: without nvcc (a runtime
+    image whose build stage compiled the extension) the plan is CPU-only, and without
+    --arch / TORCH_CUDA_ARCH_LIST it targets the visible GPU; a cached build that covers
+    the visible GPUs serves both, and compiling again would only cost time.
+    """
+    from qwen_kvprep.buildcache.builder import find_build, find_compatible
+
+    if plan.torch.cuda is None or arch_option or os.environ.get("TORCH_CUDA_ARCH_LIST"):
+        return None
+    # with nvcc and no GPU the default list is meant to be portable: build it
+    if plan.cuda and plan.arch_origin != "the visible GPU(s)":
+        return None
+    if find_build(layout, plan.key) is not None:
+        return None  # the exact build exists: the normal path takes it
+    from qwen_kvprep.buildcache.arch import visible_gpu_archs
+
+    gpus = tuple(
+        (int(a.split(".")[0]), int(a.split(".")[1])) for a in visible_gpu_archs()
+    )
+    return find_compatible(layout, plan, gpus)
 
 
 def run(ctx: Any) -> None:
@@ -61,6 +87,21 @@ def run(ctx: Any) -> None:
         )
     )
     short = plan.key[:12]
+    reused = _reuse_compatible(layout, plan, ctx.options.arch)
+    if reused is not None:
+        ctx.build = reused
+        ctx.extra["build"] = reused.to_json()
+        ctx.add(
+            ok(
+                "build.build",
+                f"using the cached CUDA build {reused.key[:12]} for "
+                f"{';'.join(reused.arch_list)}: it loads with this torch and runs on every "
+                "visible GPU, so nothing is compiled",
+                paths=[reused.dir],
+                **reused.to_json(),
+            )
+        )
+        return
     if ctx.options.dry_run:
         found = find_build(layout, plan.key)
         if found is not None:
