@@ -450,6 +450,38 @@ def _scenario(ckpt: Path, out: Path) -> None:
         ext = sys.modules[type(kernel).__module__.rsplit(".", 1)[0] + ".cpp_kernels"]
         res["kernel"]["fake_calls"] = dict(ext.CALLS)
 
+        # left-padded batch: the unpadded row decodes as it does alone
+        tok.pad_token = "<|endoftext|>"
+        tok.padding_side = "left"
+        batch = tok(
+            ["What is two plus two? The key value cache", "Hello"],
+            return_tensors="pt",
+            padding=True,
+        )
+        rows = kernel.generate(**batch, max_new_tokens=12, do_sample=False)
+        res["kernel"]["batch_row0"] = rows[0, batch["input_ids"].shape[1] :].tolist()
+        try:
+            kernel.generate(**enc, max_new_tokens=2, num_beams=2, do_sample=False)
+            res["beam_quantized"] = "ok"
+        except AttributeError as exc:
+            res["beam_quantized"] = f"AttributeError: {exc}"
+
+        # Last, because flash_attn then stays importable in this process: a (fake)
+        # flash-attn makes "auto" true in bf16 even with the quantized cache on, and
+        # the flash path cannot take the quantized tuples.
+        fake = out.parent / "fake_site" / "flash_attn"
+        fake.mkdir(parents=True)
+        (fake / "__init__.py").write_text("def flash_attn_func(*a, **kw):\n    raise OSError\n")
+        sys.path.insert(0, str(fake.parent))
+        flash = load(use_cache_quantization=True)
+        attn = flash.transformer.h[0].attn
+        res["flash"] = {"config": flash.config.use_flash_attn, "attn": attn.use_flash_attn}
+        query = torch.zeros((1, n_prompt, 2, 128), dtype=torch.bfloat16)
+        try:
+            attn._flash(query, first.past_key_values[0][0], first.past_key_values[0][1])
+        except AttributeError as exc:
+            res["flash"]["with_quantized_cache"] = str(exc)
+
     out.write_text(json.dumps(res))
 
 
@@ -577,6 +609,19 @@ def test_kernel_path_is_taken_and_matches_the_fallback(scenario: Any) -> None:
     assert k["fake_calls"] == {"qk": 2 * 13, "pv": 2 * 13}
     assert k["logits_max_diff"] <= 0.02 * k["logits_scale"]
     assert k["tokens"] == scenario["fallback"]["tokens"]
+    assert k["batch_row0"] == k["tokens"]
+
+
+def test_beam_search_does_not_handle_the_quantized_cache(scenario: Any) -> None:
+    assert scenario["beam_quantized"] == (
+        "AttributeError: 'tuple' object has no attribute 'index_select'"
+    )
+
+
+def test_flash_attention_is_not_switched_off_by_quantization(scenario: Any) -> None:
+    flash = scenario["flash"]
+    assert flash["config"] is True and flash["attn"] is True
+    assert flash["with_quantized_cache"] == "'tuple' object has no attribute 'dtype'"
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--scenario"]:
