@@ -236,8 +236,8 @@ def test_refusals(tmp_path: Path) -> None:
         generate_checkpoint(busy)
     with pytest.raises(UsageError, match="dtype"):
         generate_checkpoint(tmp_path / "a", dtype="int8")
-    with pytest.raises(UsageError, match="dot"):
-        generate_checkpoint(tmp_path / "qwen-7b-v1.0")
+    with pytest.raises(UsageError, match="vocab_merges"):
+        generate_checkpoint(tmp_path / "a", vocab_merges=5000)
     with pytest.raises(UsageError, match="kernel_sources"):
         generate_checkpoint(tmp_path / "b", kernel_sources=tmp_path)
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()

@@ -27,6 +27,9 @@ twice the MLP width), vocab_merges, shards, dtype ("bf16", "fp16", "fp32", or "a
 none of the three flags set), seed (weights, and nothing else, depend on it),
 config_overrides (merged last; the value REMOVE deletes a key).
 
+The folder name is not checked: a dot in it (`qwen-7b-v1.0`) reproduces the module
+import failure of facts §6, which tests may want.
+
 Run `python -m qwen_kvprep.tiny DEST` to write one by hand.
 """
 
@@ -385,9 +388,6 @@ def generate_checkpoint(
         raise UsageError("vocab_merges must be >= 0")
     if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
         raise UsageError(f"{dest} exists and is not an empty directory")
-    if "." in dest.name:
-        # transformers turns the folder name into a module name; a dot breaks the import
-        raise UsageError(f"{dest.name!r}: a checkpoint folder name must not contain a dot")
     sources: list[Path] = []
     if kernel_sources is not None:
         sources = [Path(kernel_sources) / name for name in KERNEL_FILES]
@@ -396,6 +396,8 @@ def generate_checkpoint(
             raise UsageError(f"kernel_sources lacks {', '.join(missing)}")
 
     ranks = _train_merges(vocab_merges)
+    if len(ranks) - 256 < vocab_merges:
+        raise UsageError(f"vocab_merges: the built-in text yields at most {len(ranks) - 256}")
     n_tokens = len(ranks) + N_SPECIAL_TOKENS
     eod_id = len(ranks)
     vocab_size = 128 * math.ceil(n_tokens / 128)

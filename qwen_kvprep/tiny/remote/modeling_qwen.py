@@ -10,7 +10,7 @@ import math
 import threading
 import warnings
 from pathlib import Path
-from typing import Callable, List, Optional, Tuple, Union
+from typing import Callable, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -73,7 +73,7 @@ def quantize_cache_v(fdata, bits, qmax, qmin):
     [b, heads, s, 1] and kept in fdata's dtype. The cast to uint8 truncates.
     """
     qtype = torch.uint8 if bits == 8 else torch.int8
-    b, h, s, _ = fdata.shape
+    s = fdata.shape[2]
     flat = torch.flatten(fdata, 2)
     fmax = torch.amax(flat, dim=-1, keepdim=True)
     fmin = torch.amin(flat, dim=-1, keepdim=True)
@@ -675,7 +675,7 @@ class QWenLMHeadModel(QWenPreTrainedModel):
     ):
         if past_key_values:
             input_ids = input_ids[:, -1].unsqueeze(-1)
-        attention_mask = kwargs.get("attention_mask", None)
+        attention_mask = kwargs.get("attention_mask")
         if inputs_embeds is not None and past_key_values is None:
             model_inputs = {"inputs_embeds": inputs_embeds}
         else:
@@ -824,7 +824,7 @@ class QWenLMHeadModel(QWenPreTrainedModel):
         max_window_size = kwargs.pop("max_window_size", None) or getattr(
             generation_config, "max_window_size", 6144
         )
-        raw_text, context_tokens = make_context(
+        _, context_tokens = make_context(
             tokenizer, query, history=history, system=system,
             max_window_size=max_window_size, chat_format=chat_format,
         )
@@ -858,7 +858,7 @@ class QWenLMHeadModel(QWenPreTrainedModel):
         assistant_model=None,
         streamer=None,
         **kwargs,
-    ) -> Union[torch.LongTensor, object]:
+    ):
         config_for_stops = generation_config
         if config_for_stops is None:
             config_for_stops = self.generation_config
