@@ -519,7 +519,10 @@ def _run_scenario(python: Path, tmp: Path) -> dict[str, Any]:
     return result
 
 
-@pytest.fixture(scope="module", params=["current", "4.53", "cuda-torch"])
+@pytest.fixture(
+    scope="module",
+    params=[pytest.param(p, marks=pytest.mark.slow) for p in ("current", "4.53", "cuda-torch")],
+)
 def scenario(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Any:
     pythons = {"current": Path(sys.executable), "4.53": VENV453_PYTHON,
                "cuda-torch": VENV_CUDA_PYTHON}
