@@ -126,3 +126,21 @@ def test_revert_without_journal_says_nothing_to_do(tmp_path: Path) -> None:
     res = CliRunner().invoke(cli, ["revert", str(d)])
     assert res.exit_code == 0
     assert "nothing to revert" in res.output
+
+
+def test_dry_run_rendering_diffs_small_files_and_summarises_large_ones(tmp_path: Path) -> None:
+    from qwen_kvprep.commands.fix import render_planned
+    from qwen_kvprep.journal import PlannedWrite
+
+    new_cfg, _ = patch_text(ORIGINAL, tmp_path / "config.json")
+    text = render_planned(
+        [
+            PlannedWrite(tmp_path / "config.json", ORIGINAL.encode(), new_cfg.encode()),
+            PlannedWrite(tmp_path / "cpp_kernels.py", b"old loader\n", b"#" * 8000),
+            PlannedWrite(tmp_path / "k.cu", None, b"x" * 9000),
+        ]
+    )
+    assert '+    "use_cache_quantization": true' in text
+    assert '-    "use_flash_attn": "auto",' in text
+    assert f"would replace {tmp_path / 'cpp_kernels.py'} (11 -> 8000 bytes)" in text
+    assert f"would create {tmp_path / 'k.cu'} (9000 bytes)" in text

@@ -21,8 +21,12 @@ def render_planned(planned: list[PlannedWrite]) -> str:
         except UnicodeDecodeError:
             out.append(f"would write {p.path} ({len(p.new)} bytes, binary)")
             continue
+        # whole generated files (sources, the loader) would drown the config diff
         if p.old is None and len(p.new) > 4096:
             out.append(f"would create {p.path} ({len(p.new)} bytes)")
+            continue
+        if len(p.new) > 4096:
+            out.append(f"would replace {p.path} ({len(p.old or b'')} -> {len(p.new)} bytes)")
             continue
         diff = difflib.unified_diff(
             old.splitlines(keepends=True),
