@@ -10,6 +10,7 @@ rendering) is imported inside the functions that need it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -315,6 +316,68 @@ def _source_mismatch(source: Optional[str], state: dict[str, Any]) -> Optional[s
     return None
 
 
+# What the fast path planted into a fresh modules cache (reported before the hand-over).
+PLANTED_NOW: list[str] = []
+
+
+def _modules_mismatch(state: dict[str, Any], target: str) -> Optional[str]:
+    """Whether the modules cache this process resolves to holds the planted copies.
+
+    A fresh container starts with an empty modules cache (or another HF_HOME) while
+    everything else still matches. The copies are then planted here from the checkpoint's
+    own files, whose hashes were just verified, into the folder transformers will use (the
+    recorded folder, moved to this root; the naming depends only on the checkpoint folder
+    and the transformers version, both checked): a few small file writes instead of
+    importing torch and transformers to run fix. Anything unexpected leaves the work to
+    the slow path.
+    """
+    modules = state.get("modules") or {}
+    planted = modules.get("files") or {}
+    for name in KERNEL_FILES:
+        if name not in planted:
+            return f"the state records no modules-cache copy of {name}"
+    root = modules_root()
+    recorded_root = os.path.abspath(str(modules.get("root")))
+    rel = os.path.relpath(os.path.abspath(str(modules.get("folder"))), recorded_root)
+    if rel.startswith(os.pardir) or os.path.isabs(rel):
+        return f"the recorded modules folder {modules.get('folder')} is outside its root"
+    folders = [os.path.join(root, rel)]
+    hub = modules.get("hub_folder")
+    if hub:
+        hub_rel = os.path.relpath(os.path.abspath(str(hub)), recorded_root)
+        if hub_rel.startswith(os.pardir):
+            return f"the recorded modules folder {hub} is outside its root"
+        folders.append(os.path.join(root, hub_rel))
+    for folder in folders:
+        for name, digest in planted.items():
+            if sha256_small(os.path.join(folder, name)) == digest:
+                continue
+            source = os.path.join(target, name)
+            if sha256_small(source) != digest:
+                return f"{name} is missing or different in the modules cache {folder}"
+            try:
+                _copy_atomically(source, os.path.join(folder, name))
+            except OSError as exc:
+                return f"cannot plant {name} into the modules cache {folder}: {exc}"
+            if sha256_small(os.path.join(folder, name)) != digest:
+                return f"{name} did not arrive intact in the modules cache {folder}"
+            PLANTED_NOW.append(os.path.join(folder, name))
+    return None
+
+
+def _copy_atomically(source: str, dest: str) -> None:
+    os.makedirs(os.path.dirname(dest), exist_ok=True)
+    tmp = f"{dest}.{os.getpid()}.tmp"
+    try:
+        with open(source, "rb") as src, open(tmp, "wb") as out:
+            out.write(src.read())
+        os.replace(tmp, dest)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
 def state_mismatch(request: Request) -> Optional[str]:
     """Why the recorded state does not hold any more (None: it all still matches).
 
@@ -372,18 +435,9 @@ def state_mismatch(request: Request) -> Optional[str]:
     if request.arch and build.get("cuda") and not _same_arch(request.arch, build["arch_list"]):
         return f"--arch {request.arch} differs from the build's {build.get('arch_list')}"
 
-    modules = state.get("modules") or {}
-    root = modules_root()
-    if not modules.get("root") or os.path.abspath(str(modules["root"])) != root:
-        return f"the modules cache is {root}, fix planted into {modules.get('root')}"
-    folder = str(modules.get("folder"))
-    planted = modules.get("files") or {}
-    for name in KERNEL_FILES:
-        if name not in planted:
-            return f"the state records no modules-cache copy of {name}"
-    for name, digest in planted.items():
-        if sha256_small(os.path.join(folder, name)) != digest:
-            return f"{name} is missing or different in the modules cache {folder}"
+    reason = _modules_mismatch(state, target)
+    if reason:
+        return reason
 
     reason = _source_mismatch(request.source, state)
     if reason:
@@ -438,6 +492,9 @@ def fast(args: Sequence[str]) -> None:
     except Exception:  # anything odd: the slow path looks again and reports properly
         return
     if reason is None:
+        if PLANTED_NOW:
+            folders = sorted({os.path.dirname(p) for p in PLANTED_NOW})
+            say(request, f"planted the kernel sources and loader into {', '.join(folders)}")
         say(request, f"{request.target} is ready (recorded state matches)")
         hand_over(request.command)
 
@@ -531,6 +588,9 @@ def run(request: Request) -> NoReturn:
 
     reason = state_mismatch(request)
     if reason is None:
+        if PLANTED_NOW:
+            folders = sorted({os.path.dirname(p) for p in PLANTED_NOW})
+            say(request, f"planted the kernel sources and loader into {', '.join(folders)}")
         say(request, f"{request.target} is ready (recorded state matches)")
         hand_over(request.command)
     say(request, f"preparing: {reason}")

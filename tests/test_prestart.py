@@ -179,6 +179,25 @@ def test_a_matching_state_is_recognised(fake: Path) -> None:
     assert state_mismatch(Request(str(fake))) is None
 
 
+@pytest.mark.parametrize("change", ["planted", "modules-root"])
+def test_modules_copies_are_planted_without_torch(
+    fake: Path, change: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A fresh container (empty or other modules cache) gets the copies from the checkpoint's
+    verified files on the fast path, in the folder transformers will use."""
+    state = json.loads((fake / ".qwen-kvprep" / "state.json").read_text())
+    folder = Path(state["modules"]["folder"])
+    if change == "planted":
+        (folder / "cache_autogptq_cuda_256.cpp").unlink()
+    else:
+        folder = tmp_path / "fresh-modules" / "transformers_modules" / "Fake-Chat"
+        monkeypatch.setenv("HF_MODULES_CACHE", str(tmp_path / "fresh-modules"))
+    assert state_mismatch(Request(str(fake))) is None
+    for name, digest in state["modules"]["files"].items():
+        assert sha(folder / name) == digest
+    assert not [p for p in folder.iterdir() if p.name.endswith(".tmp")]
+
+
 @pytest.mark.parametrize(
     ("change", "expected"),
     [
@@ -190,8 +209,8 @@ def test_a_matching_state_is_recognised(fake: Path) -> None:
         ("so", "build"),
         ("manifest", "manifest"),
         ("python", "this Python"),
-        ("planted", "modules cache"),
-        ("modules-root", "the modules cache is"),
+        ("planted-foreign", "modules cache"),
+        ("modules-readonly", "cannot plant"),
         ("no-state", "no state"),
         ("tool", "recorded by qwen-kvprep"),
         ("moved", "recorded for"),
@@ -221,10 +240,16 @@ def test_each_change_is_noticed(
         (build / "manifest.json").unlink()
     elif change == "python":
         (build / "manifest.json").write_text(json.dumps({"inputs": {"python_tag": "cp27"}}))
-    elif change == "planted":
-        (Path(state["modules"]["folder"]) / "cache_autogptq_cuda_256.cpp").unlink()
-    elif change == "modules-root":
-        monkeypatch.setenv("HF_MODULES_CACHE", str(tmp_path / "fresh-modules"))
+    elif change == "planted-foreign":
+        # a different copy in the modules cache, and the recorded one is not at hand in
+        # the checkpoint either: nothing trustworthy to plant from
+        (Path(state["modules"]["folder"]) / "cache_autogptq_cuda_256.cpp").write_text("x")
+        edit_state(fake, modules={**state["modules"], "files": {
+            **state["modules"]["files"], "cache_autogptq_cuda_256.cpp": "0" * 64}})
+    elif change == "modules-readonly":
+        blocker = tmp_path / "not-a-folder"
+        blocker.write_text("a file where the modules cache should be")
+        monkeypatch.setenv("HF_MODULES_CACHE", str(blocker))
     elif change == "no-state":
         (fake / ".qwen-kvprep" / "state.json").unlink()
     elif change == "tool":
@@ -443,12 +468,16 @@ def test_fresh_modules_cache_is_planted_and_the_kernel_runs(
     assert res.returncode == 0 and "is ready" in res.stderr, res.stderr
     assert not imported_top_level(dump) & set(HEAVY)
 
-    # a new container: empty modules cache -> the sources are planted there, and a load
-    # from that cache runs the kernel
-    fresh = {**model_env, "HF_MODULES_CACHE": str(tmp_path / "fresh-modules")}
+    # a new container: empty modules cache -> the sources are planted there on the fast
+    # path (no torch), and a load from that cache runs the kernel
+    dump.unlink()
+    fresh = {**model_env, "HF_MODULES_CACHE": str(tmp_path / "fresh-modules"),
+             "QWEN_KVPREP_DEBUG_IMPORTS": str(dump)}
     res = run_prestart(str(ckpt), *check, env=fresh)
     assert res.returncode == 0, res.stderr[-3000:]
-    assert "the modules cache is" in res.stderr  # why it was not the fast path
+    assert "planted the kernel sources and loader" in res.stderr
+    assert "is ready" in res.stderr
+    assert not imported_top_level(dump) & set(HEAVY)
     assert "KERNEL-OK" in res.stdout
     planted = list((tmp_path / "fresh-modules").rglob("cache_autogptq_cuda_kernel_256.cu"))
     assert len(planted) == 1
