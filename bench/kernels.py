@@ -15,15 +15,24 @@ counts the bytes the operation must move at least (quantized: uint8 cache + fp16
 and zeros + fp16 input + fp16 output; fp16 mm: fp16 cache + input + output) and is
 compared with a measured device-to-device (or RAM) copy.
 
+On CUDA each op has two kernels: CUDA cores (decoding, short query blocks) and tensor
+cores (long query blocks), chosen by the query length. `--sweep` times both on a grid of
+query lengths and prints the crossover the extension's default threshold comes from.
+`--targets` checks the performance targets (decode: >= 4x the fallback and >= 60% of the
+copy bandwidth at B = 32, L >= 2048; prefill: >= 1.0x the fallback everywhere).
+
     python bench/kernels.py                 # GPU if there is one, else CPU; full set
     python bench/kernels.py --quick         # a few shapes
+    python bench/kernels.py --sweep         # CUDA: crossover between the two kernels
     python bench/kernels.py --floors        # byte counts and bandwidth floors only
+    python bench/kernels.py --json FILE     # also write every row as JSON
 """
 
 from __future__ import annotations
 
 import argparse
 import hashlib
+import json
 import math
 import os
 import statistics
@@ -154,6 +163,12 @@ class Inputs:
     out_pv: torch.Tensor  # [B,H,Q,D] fp16
 
 
+def input_bytes(s: Shape) -> int:
+    """Device memory of one `make_inputs` set (cache three times, fp16 copies, I/O)."""
+    cache = s.b * H * s.seq * D
+    return 3 * cache + 4 * cache + 8 * s.b * H * s.seq + 2 * s.b * H * s.q * (2 * s.seq + 2 * D)
+
+
 def make_inputs(s: Shape, device: str, seed: int, with_fp16: bool = True) -> Inputs:
     g = torch.Generator(device=device).manual_seed(seed)
     b, q, n = s.b, s.q, s.seq
@@ -172,7 +187,9 @@ def make_inputs(s: Shape, device: str, seed: int, with_fp16: bool = True) -> Inp
     k_q = u8(b, H, n, D)
     k_s, k_z = sz()
     v_s, v_z = sz()
-    probs = torch.softmax(torch.randn(b, H, q, n, generator=g, device=device), dim=-1).half()
+    # Timing only needs probability-like values; a real softmax (check() below) would need
+    # an fp32 copy of the whole [B, H, Q, L] tensor.
+    probs = torch.rand(b, H, q, n, generator=g, device=device, dtype=torch.float16).mul_(2.0 / n)
     empty = torch.empty(0, device=device, dtype=torch.float16)
     return Inputs(
         query=rnd(b, H, q, D),
@@ -191,26 +208,64 @@ def make_inputs(s: Shape, device: str, seed: int, with_fp16: bool = True) -> Inp
     )
 
 
-def check(ext: ModuleType, s: Shape, device: str) -> float:
-    """Worst error / tolerance over both ops on fresh inputs (must be <= 1)."""
+# Error allowed per unit of sum |term|: fp32-level paths (CUDA-core and tensor-core
+# kernels), and the GEMM path, which rounds each dequantized value to fp16 once and
+# multiplies with cuBLAS (the fallback rounds each value twice: the bound of two roundings).
+EXACT = 2e-5
+ROUNDED = 2.0**-10
+
+
+def error_ratio(
+    out: torch.Tensor, ref: torch.Tensor, mag: torch.Tensor, mag_rel: float = EXACT
+) -> float:
+    """Worst |out - ref| / tolerance; the tolerance is one fp16 rounding of the result plus
+    `mag_rel` of the sum of |terms|. inf if anything is NaN."""
+    if torch.isnan(out).any():
+        return math.inf
+    tol = ref.abs() * 2.0**-10 + mag * mag_rel + 1e-6
+    return ((out.double() - ref).abs() / tol).max().item()
+
+
+def cuda_path(tuning: dict[str, int], op: str, q: int) -> str:
+    """The kernel the extension's CUDA dispatch picks for a query block of q rows."""
+    if q >= tuning[f"gemm_min_q_{op}"]:
+        return "gemm"
+    return "tensor-cores" if q >= tuning[f"tensor_core_min_q_{op}"] else "cuda-cores"
+
+
+def tolerance_for(path: str) -> float:
+    return ROUNDED if path == "gemm" else EXACT
+
+
+def check(ext: ModuleType, s: Shape, device: str) -> tuple[float, float]:
+    """Worst error / tolerance over both ops on fresh inputs, for the extension (must be
+    <= 1) and, for comparison, for the fallback the model uses without it."""
     x = make_inputs(s, device, seed=1234 + s.seq + s.q, with_fp16=False)
+    x.probs.copy_(torch.softmax(x.probs.float() * 50, dim=-1))
     x.out_qk.fill_(float("nan"))
     x.out_pv.fill_(float("nan"))
     getattr(ext, QK)(x.query, x.k_t, x.out_qk, x.k_s, x.k_z)
     getattr(ext, PV)(x.probs, x.v_q, x.out_pv, x.v_s, x.v_z)
-    worst = 0.0
-    for out, vec, dq in (
-        (x.out_qk, x.query, ((x.k_t.double() - x.k_z.double().mT) * x.k_s.double().mT)),
-        (x.out_pv, x.probs, ((x.v_q.double() - x.v_z.double()) * x.v_s.double())),
+    fb_qk = torch.matmul(x.query, (x.k_s * (x.k_q - x.k_z)).transpose(-1, -2))
+    fb_pv = torch.matmul(x.probs, x.v_s * (x.v_q - x.v_z))
+    tuning = ext.cuda_tuning() if device == "cuda" else None
+    worst, worst_fb = 0.0, 0.0
+    for op, out, fb, vec, dq in (
+        (
+            "qk",
+            x.out_qk,
+            fb_qk,
+            x.query,
+            ((x.k_t.double() - x.k_z.double().mT) * x.k_s.double().mT),
+        ),
+        ("pv", x.out_pv, fb_pv, x.probs, ((x.v_q.double() - x.v_z.double()) * x.v_s.double())),
     ):
         ref = vec.double() @ dq
         mag = vec.double().abs() @ dq.abs()
-        if torch.isnan(out).any():
-            return math.inf
-        err = (out.double() - ref).abs()
-        tol = ref.abs() * 2.0**-10 + mag * 2e-5 + 1e-6
-        worst = max(worst, (err / tol).max().item())
-    return worst
+        rel = tolerance_for(cuda_path(tuning, op, s.q)) if tuning else EXACT
+        worst = max(worst, error_ratio(out, ref, mag, rel))
+        worst_fb = max(worst_fb, error_ratio(fb, ref, mag, rel))
+    return worst, worst_fb
 
 
 # ---- timing -----------------------------------------------------------------------------
@@ -295,12 +350,28 @@ def methods(ext: ModuleType, x: Inputs, op: str) -> dict[str, Callable[[], objec
     }
 
 
-def run(args: argparse.Namespace) -> int:
-    device = args.device
+def resolve_device(requested: str) -> str:
+    device = requested
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda" and not torch.cuda.is_available():
         sys.exit("--device cuda: torch sees no GPU")
+    return device
+
+
+def n_copies(s: Shape, device: str, l2: int) -> int:
+    """Input sets to rotate through so that L2 does not flatter, within device memory."""
+    if device == "cpu":
+        return 1
+    one = s.quant_bytes("qk") + s.fp16_bytes("qk") * 2
+    want = max(2, min(8, math.ceil(3 * l2 / one)))
+    free, _ = torch.cuda.mem_get_info()
+    fit = int(0.45 * free) // max(1, input_bytes(s))
+    return max(1, min(want, fit))
+
+
+def run(args: argparse.Namespace) -> int:
+    device = resolve_device(args.device)
     shapes = shape_set(args.quick)
     ext = build(device, args.build_dir)
     if device == "cpu" and args.cpu_timer == "thread":
@@ -317,19 +388,22 @@ def run(args: argparse.Namespace) -> int:
         l2 = 64 << 20
     bw = copy_bandwidth(device)
     print(f"# device: {name}; torch {torch.__version__}; copy bandwidth {bw / 1e9:.0f} GB/s")
+    if device == "cuda":
+        print(f"# CUDA dispatch settings: {ext.cuda_tuning()}")
     print("| op | phase | B | Q | L | method | time | GB/s | % copy bw | speed-up vs deq+mm |")
     print("|---|---|---:|---:|---:|---|---:|---:|---:|---:|")
     failed = False
+    rows: list[dict[str, object]] = []
+    checks: list[dict[str, object]] = []
     for s in shapes:
         small = Shape(s.phase, 1, s.q, s.seq + 3)  # fresh inputs, misaligned L too
         for c in (small, Shape(s.phase, 1, s.q, s.seq)):
-            worst = check(ext, c, device)
+            worst, worst_fb = check(ext, c, device)
+            checks.append({"b": c.b, "q": c.q, "seq": c.seq, "ext": worst, "fallback": worst_fb})
             if not worst <= 1.0:
                 print(f"# CHECK FAILED B={c.b} Q={c.q} L={c.seq}: error/tolerance {worst:.3g}")
                 failed = True
-        one = s.quant_bytes("qk") + s.fp16_bytes("qk") * 2
-        copies = 1 if device == "cpu" else max(2, min(8, math.ceil(3 * l2 / one)))
-        xs = [make_inputs(s, device, seed=i) for i in range(copies)]
+        xs = [make_inputs(s, device, seed=i) for i in range(n_copies(s, device, l2))]
         for op in ("qk", "pv"):
             per: dict[str, float] = {}
             for meth in methods(ext, xs[0], op):
@@ -341,6 +415,20 @@ def run(args: argparse.Namespace) -> int:
             for meth, t in per.items():
                 nbytes = s.fp16_bytes(op) if meth == "fp16 mm" else s.quant_bytes(op)
                 gbs = nbytes / t / 1e9
+                rows.append(
+                    {
+                        "op": op,
+                        "phase": s.phase,
+                        "b": s.b,
+                        "q": s.q,
+                        "seq": s.seq,
+                        "method": meth,
+                        "seconds": t,
+                        "gb_per_s": gbs,
+                        "copy_bw_fraction": gbs * 1e9 / bw,
+                        "speedup_vs_fallback": per["deq+mm"] / t,
+                    }
+                )
                 print(
                     f"| {op} | {s.phase} | {s.b} | {s.q} | {s.seq} | {meth} | {fmt_time(t)} "
                     f"| {gbs:.1f} | {100 * gbs * 1e9 / bw:.0f}% | {per['deq+mm'] / t:.2f}× |",
@@ -349,10 +437,164 @@ def run(args: argparse.Namespace) -> int:
         del xs
         if device == "cuda":
             torch.cuda.empty_cache()
+    worst_ext = max(float(c["ext"]) for c in checks)  # type: ignore[arg-type]
+    worst_fb = max(float(c["fallback"]) for c in checks)  # type: ignore[arg-type]
+    print(
+        f"# accuracy (worst error / tolerance, float64 reference): extension {worst_ext:.3g}, "
+        f"fallback (dequantize + matmul) {worst_fb:.3g}"
+    )
+    verdicts = targets(rows) if device == "cuda" else []
+    for v in verdicts:
+        print(f"# target {v['name']}: {'met' if v['met'] else 'NOT MET'} ({v['detail']})")
+    if args.json:
+        Path(args.json).write_text(
+            json.dumps(
+                {
+                    "device": name,
+                    "torch": torch.__version__,
+                    "copy_bandwidth": bw,
+                    "rows": rows,
+                    "checks": checks,
+                    "targets": verdicts,
+                    "tuning": ext.cuda_tuning() if device == "cuda" else None,
+                },
+                indent=1,
+            )
+        )
     if failed:
         print("# correctness check FAILED (see above)")
         return 1
     print("# correctness: every shape matched the float64 reference within tolerance")
+    return 0
+
+
+def targets(rows: list[dict[str, object]]) -> list[dict[str, object]]:
+    """The performance targets, judged from the measured rows (CUDA only)."""
+    out: list[dict[str, object]] = []
+    for op in ("qk", "pv"):
+        ext = [r for r in rows if r["op"] == op and r["method"] == "ext"]
+        dec = [r for r in ext if r["phase"] == "decode" and r["b"] == 32 and r["seq"] >= 2048]  # type: ignore[operator]
+        if dec:
+            sp = min(float(r["speedup_vs_fallback"]) for r in dec)  # type: ignore[arg-type]
+            bwf = min(float(r["copy_bw_fraction"]) for r in dec)  # type: ignore[arg-type]
+            out.append(
+                {
+                    "name": f"{op} decode B=32 L>=2048 speed-up >= 4x",
+                    "met": sp >= 4.0,
+                    "detail": f"worst {sp:.2f}x",
+                    "value": sp,
+                }
+            )
+            out.append(
+                {
+                    "name": f"{op} decode B=32 L>=2048 >= 60% of copy bandwidth",
+                    "met": bwf >= 0.6,
+                    "detail": f"worst {100 * bwf:.0f}%",
+                    "value": bwf,
+                }
+            )
+        pre = [r for r in ext if r["phase"] == "prefill"]
+        if pre:
+            worst = min(pre, key=lambda r: float(r["speedup_vs_fallback"]))  # type: ignore[arg-type]
+            sp = float(worst["speedup_vs_fallback"])  # type: ignore[arg-type]
+            out.append(
+                {
+                    "name": f"{op} prefill >= 1.0x the fallback on every shape",
+                    "met": sp >= 1.0,
+                    "value": sp,
+                    "detail": f"worst {sp:.2f}x at B={worst['b']} Q={worst['q']} L={worst['seq']}",
+                }
+            )
+    return out
+
+
+SWEEP_Q = (2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+SWEEP_BL = ((1, 1024), (1, 4096), (32, 1024), (32, 4096))
+NEVER = 1 << 40
+TUNING_KEYS = (
+    "tensor_core_min_q_qk",
+    "tensor_core_min_q_pv",
+    "pv_split_fp16",
+    "gemm_min_q_qk",
+    "gemm_min_q_pv",
+)
+# cuda_tuning settings (tensor-core min Q for QK, PV, PV hi/lo, GEMM min Q for QK, PV)
+FORCE = {
+    "cuda-cores": (NEVER, NEVER, -1, NEVER, NEVER),
+    "tensor-cores": (1, 1, -1, NEVER, NEVER),
+    "gemm": (NEVER, NEVER, -1, 1, 1),
+}
+
+
+def crossover(pairs: dict[int, list[tuple[float, float]]]) -> Optional[int]:
+    """Smallest Q from which the new kernel is faster than the old one in geometric mean
+    over the measured (B, L), at that Q and every longer one. pairs: Q -> [(old, new)]."""
+    qs = sorted(pairs)
+
+    def wins(q: int) -> bool:
+        logs = [math.log(new / old) for old, new in pairs[q]]
+        return sum(logs) <= 0
+
+    return next((q for q in qs if all(wins(r) for r in qs if r >= q)), None)
+
+
+def sweep(args: argparse.Namespace) -> int:
+    """Times the CUDA-core, tensor-core and GEMM paths of each op over query lengths and
+    prints where each takes over from the previous one."""
+    if resolve_device(args.device) != "cuda":
+        sys.exit("--sweep needs a GPU: it compares the CUDA kernels")
+    ext = build("cuda", args.build_dir)
+    saved = ext.cuda_tuning()
+    l2 = int(getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 50 << 20))
+    print(f"# device: {torch.cuda.get_device_name()}; torch {torch.__version__}")
+    print("| op | B | L | Q | CUDA cores | tensor cores | GEMM | deq+mm | best vs deq+mm |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    rows: list[dict[str, object]] = []
+    pairs: dict[str, dict[str, dict[int, list[tuple[float, float]]]]] = {
+        op: {"tc": {}, "gemm": {}} for op in ("qk", "pv")
+    }
+    try:
+        for b, seq in SWEEP_BL:
+            for q in SWEEP_Q:
+                s = Shape("sweep", b, q, seq)
+                xs = [
+                    make_inputs(s, "cuda", seed=i, with_fp16=False)
+                    for i in range(n_copies(s, "cuda", l2))
+                ]
+                for op in ("qk", "pv"):
+                    t: dict[str, float] = {}
+                    for label, setting in FORCE.items():
+                        ext.cuda_tuning(*setting)
+                        fns = [methods(ext, x, op)["ext"] for x in xs]
+                        t[label] = time_gpu(fns, args.reps, budget_s=0.15)
+                    fns = [methods(ext, x, op)["deq+mm"] for x in xs]
+                    t["fallback"] = time_gpu(fns, args.reps, budget_s=0.15)
+                    pairs[op]["tc"].setdefault(q, []).append((t["cuda-cores"], t["tensor-cores"]))
+                    pairs[op]["gemm"].setdefault(q, []).append((t["tensor-cores"], t["gemm"]))
+                    rows.append({"op": op, "b": b, "seq": seq, "q": q, **t})
+                    best = min(t["cuda-cores"], t["tensor-cores"], t["gemm"])
+                    print(
+                        f"| {op} | {b} | {seq} | {q} | {fmt_time(t['cuda-cores'])} "
+                        f"| {fmt_time(t['tensor-cores'])} | {fmt_time(t['gemm'])} "
+                        f"| {fmt_time(t['fallback'])} | {t['fallback'] / best:.2f}× |",
+                        flush=True,
+                    )
+                del xs
+                torch.cuda.empty_cache()
+    finally:
+        ext.cuda_tuning(*(saved[k] for k in TUNING_KEYS))
+    result: dict[str, object] = {"rows": rows, "settings": saved}
+    for op in ("qk", "pv"):
+        for kind, label in (
+            ("tc", "tensor cores over CUDA cores"),
+            ("gemm", "GEMM over tensor cores"),
+        ):
+            q0 = crossover(pairs[op][kind])
+            result[f"{kind}_min_q_{op}"] = q0
+            print(f"# {op}: {label} from Q = {q0} on (measured Q: {list(SWEEP_Q)})")
+    print(f"# settings during the default run: {saved}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
     return 0
 
 
@@ -390,12 +632,16 @@ def main(argv: Optional[list[str]] = None) -> int:
     )
     p.add_argument("--build-dir", default=None, help="where to build the extension")
     p.add_argument("--floors", action="store_true", help="print byte counts and floors only")
+    p.add_argument("--sweep", action="store_true", help="CUDA: crossover of the two kernels")
+    p.add_argument("--json", default=None, help="also write the results to this JSON file")
     p.add_argument("--bw-tbs", type=float, default=3.35, help="bandwidth for --floors, TB/s")
     p.add_argument(
         "--fp32-tflops", type=float, default=67.0, help="fp32 FMA rate for --floors, TFLOP/s"
     )
     args = p.parse_args(argv)
-    return floors(args) if args.floors else run(args)
+    if args.floors:
+        return floors(args)
+    return sweep(args) if args.sweep else run(args)
 
 
 if __name__ == "__main__":

@@ -11,8 +11,11 @@
 //     vec [B,H,Q,L] fp16, mat [B,H,L,D] uint8, mul [B,H,Q,D] fp16, scales/zeros [B,H,L,1] fp16
 //     mul[b,h,q,d] = Σ_l vec[b,h,q,l] · scales[b,h,l] · (mat[b,h,l,d] − zeros[b,h,l])
 //
-// Both overwrite every element of `mul` (fp32 accumulation, one fp16 rounding) and return
-// None. Inputs are checked; a bad call raises TypeError / ValueError / RuntimeError.
+// Both overwrite every element of `mul` and return None. Inputs are checked; a bad call
+// raises TypeError / ValueError / RuntimeError. Accuracy: fp32 accumulation and one fp16
+// rounding of the result, except on CUDA for long query blocks (prefill; see
+// cuda_tuning), where the cache is dequantized into fp16 once (each value rounded once,
+// as the model's own fallback does twice) and multiplied by torch's matmul.
 //
 // Two builds from the same sources, with no extra defines:
 //   * this file alone: a CPU-only extension (CUDA tensors are refused with a clear error);
@@ -51,6 +54,10 @@ void kvprep_v1_pv_cuda(int device, const void* vec, const uint8_t* mat, void* mu
                        const void* scales, const void* zeros, float* workspace,
                        int64_t workspace_floats, int64_t BH, int64_t Q, int64_t L,
                        int64_t D) KVPREP_WEAK_CUDA_ENTRY;
+void kvprep_v1_tuning(int64_t* settings) KVPREP_WEAK_CUDA_ENTRY;
+void kvprep_v1_dequant_cuda(int device, int per_col, const uint8_t* mat, const void* scales,
+                            const void* zeros, void* out, int64_t BH, int64_t R,
+                            int64_t C) KVPREP_WEAK_CUDA_ENTRY;
 }
 
 #if defined(_MSC_VER) && !defined(__clang__)
@@ -61,7 +68,12 @@ void kvprep_v1_pv_cuda(int device, const void* vec, const uint8_t* mat, void* mu
 #pragma comment(linker, \
                 "/alternatename:kvprep_v1_pv_workspace_floats=kvprep_v1_pv_workspace_missing")
 #pragma comment(linker, "/alternatename:kvprep_v1_pv_cuda=kvprep_v1_pv_cuda_missing")
+#pragma comment(linker, "/alternatename:kvprep_v1_tuning=kvprep_v1_tuning_missing")
+#pragma comment(linker, "/alternatename:kvprep_v1_dequant_cuda=kvprep_v1_dequant_missing")
 extern "C" {
+void kvprep_v1_tuning_missing(int64_t*) {}
+void kvprep_v1_dequant_missing(int, int, const uint8_t*, const void*, const void*, void*,
+                               int64_t, int64_t, int64_t) {}
 void kvprep_v1_qk_cuda_missing(int, const void*, const uint8_t*, void*, const void*,
                                const void*, int64_t, int64_t, int64_t, int64_t) {}
 int64_t kvprep_v1_pv_workspace_missing(int, int64_t, int64_t, int64_t, int64_t) { return 0; }
@@ -78,7 +90,8 @@ static bool cuda_entries_present() {
 #else
 static bool cuda_entries_present() {
   return &kvprep_v1_qk_cuda != nullptr && &kvprep_v1_pv_workspace_floats != nullptr &&
-         &kvprep_v1_pv_cuda != nullptr;
+         &kvprep_v1_pv_cuda != nullptr && &kvprep_v1_tuning != nullptr &&
+         &kvprep_v1_dequant_cuda != nullptr;
 }
 #endif
 
@@ -194,6 +207,41 @@ void check_layout(const char* fn, const at::Tensor& vec, const at::Tensor& mat,
 // CPU implementation. Parallel over independent output tiles; fp32 accumulation; the uint8
 // rows are dequantized (minus zero) into a small fp32 buffer once per tile of queries, and
 // the inner loops run over contiguous memory so the compiler vectorizes them.
+
+// CUDA, long query blocks: expand the cache into an fp16 workspace with our kernel, then
+// multiply with torch's matmul (cuBLAS on tensor cores), on the current stream.
+struct CudaSettings {
+  int64_t gemm_min_q_qk;
+  int64_t gemm_min_q_pv;
+};
+
+CudaSettings cuda_settings() {
+  int64_t t[5] = {-1, -1, -1, -1, -1};
+  kvprep_v1_tuning(t);
+  return {t[3], t[4]};
+}
+
+void qk_cuda_gemm(const at::Tensor& vec, const at::Tensor& mat, const at::Tensor& mul,
+                  const at::Tensor& scales, const at::Tensor& zeros, int64_t BH, int64_t Q,
+                  int64_t D, int64_t L) {
+  at::Tensor w = at::empty({BH, D, L}, vec.options());
+  kvprep_v1_dequant_cuda(static_cast<int>(vec.get_device()), 1, mat.data_ptr<uint8_t>(),
+                         scales.data_ptr<at::Half>(), zeros.data_ptr<at::Half>(),
+                         w.data_ptr<at::Half>(), BH, D, L);
+  at::Tensor out = mul.view({BH, Q, L});
+  at::bmm_out(out, vec.view({BH, Q, D}), w);
+}
+
+void pv_cuda_gemm(const at::Tensor& vec, const at::Tensor& mat, const at::Tensor& mul,
+                  const at::Tensor& scales, const at::Tensor& zeros, int64_t BH, int64_t Q,
+                  int64_t L, int64_t D) {
+  at::Tensor w = at::empty({BH, L, D}, vec.options());
+  kvprep_v1_dequant_cuda(static_cast<int>(vec.get_device()), 0, mat.data_ptr<uint8_t>(),
+                         scales.data_ptr<at::Half>(), zeros.data_ptr<at::Half>(),
+                         w.data_ptr<at::Half>(), BH, L, D);
+  at::Tensor out = mul.view({BH, Q, D});
+  at::bmm_out(out, vec.view({BH, Q, L}), w);
+}
 
 constexpr int64_t kCpuTileL = 256;  // QK: cached tokens per task
 constexpr int64_t kCpuTileQ = 16;   // queries sharing one dequantized row
@@ -361,6 +409,10 @@ void vecquant8matmul_batched_faster_old(const at::Tensor& vec, const at::Tensor&
   }
   const int64_t BH = B * H;
   if (where == Where::kCuda) {
+    if (Q >= cuda_settings().gemm_min_q_qk) {
+      qk_cuda_gemm(vec, mat, mul, scales, zeros, BH, Q, D, L);
+      return;
+    }
     kvprep_v1_qk_cuda(static_cast<int>(vec.get_device()), vec.data_ptr<at::Half>(),
                       mat.data_ptr<uint8_t>(), mul.data_ptr<at::Half>(),
                       scales.data_ptr<at::Half>(), zeros.data_ptr<at::Half>(), BH, Q, D, L);
@@ -394,6 +446,10 @@ void vecquant8matmul_batched_column_compression_faster_old(const at::Tensor& vec
   }
   const int64_t BH = B * H;
   if (where == Where::kCuda) {
+    if (Q >= cuda_settings().gemm_min_q_pv) {
+      pv_cuda_gemm(vec, mat, mul, scales, zeros, BH, Q, L, D);
+      return;
+    }
     const int device = static_cast<int>(vec.get_device());
     const int64_t n = kvprep_v1_pv_workspace_floats(device, BH, Q, L, D);
     at::Tensor workspace;
@@ -410,6 +466,23 @@ void vecquant8matmul_batched_column_compression_faster_old(const at::Tensor& vec
   }
   pv_cpu(vec.data_ptr<at::Half>(), mat.data_ptr<uint8_t>(), mul.data_ptr<at::Half>(),
          scales.data_ptr<at::Half>(), zeros.data_ptr<at::Half>(), BH, Q, L, D);
+}
+
+// For benchmarks and tests; the model never calls it.
+constexpr const char* kTuningNames[5] = {"tensor_core_min_q_qk", "tensor_core_min_q_pv",
+                                         "pv_split_fp16", "gemm_min_q_qk", "gemm_min_q_pv"};
+
+py::dict cuda_tuning(int64_t tensor_core_min_q_qk, int64_t tensor_core_min_q_pv,
+                     int64_t pv_split_fp16, int64_t gemm_min_q_qk, int64_t gemm_min_q_pv) {
+  TORCH_CHECK(cuda_entries_present(),
+              "cuda_tuning: this extension was built without CUDA (only "
+              "cache_autogptq_cuda_256.cpp was compiled)");
+  int64_t settings[5] = {tensor_core_min_q_qk, tensor_core_min_q_pv, pv_split_fp16,
+                         gemm_min_q_qk, gemm_min_q_pv};
+  kvprep_v1_tuning(settings);
+  py::dict previous;
+  for (int i = 0; i < 5; ++i) previous[kTuningNames[i]] = settings[i];
+  return previous;
 }
 
 }  // namespace
@@ -431,6 +504,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "scales/zeros [B,H,L,1] fp16",
         py::arg("vec"), py::arg("mat"), py::arg("mul"), py::arg("scales"), py::arg("zeros"),
         py::call_guard<py::gil_scoped_release>());
+  m.def("cuda_tuning", &cuda_tuning,
+        "Benchmarks only: set (values >= 0) or read (-1) the CUDA dispatch settings: the query "
+        "length from which QK and PV use their tensor-core kernels, whether the tensor-core "
+        "PV splits the dequantized cache into two fp16 parts (1) or rounds it once (0), and "
+        "the query length from which they dequantize into a workspace and use torch's "
+        "matmul. Returns the previous settings.",
+        py::arg("tensor_core_min_q_qk") = -1, py::arg("tensor_core_min_q_pv") = -1,
+        py::arg("pv_split_fp16") = -1, py::arg("gemm_min_q_qk") = -1,
+        py::arg("gemm_min_q_pv") = -1);
   m.def("built_with_cuda", &cuda_entries_present,
         "True when the CUDA kernels were compiled into this extension");
 }

@@ -17,6 +17,7 @@
 
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
+#include <mma.h>
 
 #include <cstdint>
 
@@ -355,6 +356,533 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+
+// ---- tensor-core path for long query blocks (prefill, chunked prefill) ----------------
+//
+// With many queries per cached token the work is arithmetic, not bytes: the CUDA-core
+// kernels above reach only the fp32 FMA rate, and the fallback (dequantize, then an fp16
+// matmul on tensor cores) wins. Here a block dequantizes a tile of the cache into fp16 in
+// shared memory and multiplies it on tensor cores (WMMA, sm_70 and newer), fp32
+// accumulation. Both keep the CUDA-core path's accuracy:
+//
+//   QK  acc[q,l] = sum_d vec[q,d] * mat[d,l]   (the uint8 codes are exact in fp16)
+//       mul[q,l] = scales[l] * (acc[q,l] - zeros[l] * sum_d vec[q,d])     in fp32
+//   PV  B[l,d]  = f * scales[l] * (mat[l,d] - zeros[l])  in fp32, split into two fp16
+//       operands hi + lo (hi = fp16(B), lo = fp16(B - hi)), so the product keeps about
+//       22 bits; f is a power of two that puts the block's largest |B| near 2^13, so
+//       neither part falls into fp16's subnormal range. mul[q,d] = (vec x (hi + lo))[q,d] / f.
+//       With `hilo` off, B is rounded to fp16 once (like the fallback's dequantize).
+//
+// Tiles: 64 queries x BN columns per block, 8 warps as 2 (rows) x 4 (columns), the
+// reduction dimension staged 32 at a time, double-buffered through registers.
+
+constexpr int kTcBM = 64;
+constexpr int kTcK = 32;
+constexpr int kTcLdA = kTcK + 8;  // padded rows: fewer shared-memory bank conflicts
+constexpr int kTcEpiLd = 20;      // per-warp 16x16 fp32 staging tile, padded
+constexpr int kTcQkBN = 256;      // QK: cached tokens per block
+constexpr int kTcPvBN = 128;      // PV: head dims per block
+constexpr int kTcFlush = 16;      // PV: chunks (512 tokens) per tensor-core partial sum
+
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 700
+#define KVPREP_HAVE_WMMA 1
+#else
+#define KVPREP_HAVE_WMMA 0
+#endif
+
+// 8 fp16 of row `r` of a row-major matrix, columns [k, k+8); zeros outside [0, k_end).
+__device__ __forceinline__ uint4 tc_load_a8(const __half* __restrict__ row, int64_t k,
+                                            int64_t k_end, bool vec_ok, float* rowsum) {
+  uint4 out;
+  __half* h = reinterpret_cast<__half*>(&out);
+  if (vec_ok && k + 8 <= k_end) {
+    out = *reinterpret_cast<const uint4*>(row + k);
+  } else {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) h[i] = k + i < k_end ? row[k + i] : __float2half_rn(0.0f);
+  }
+  if (rowsum != nullptr) {
+    float s = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) s += __half2float(h[i]);
+    *rowsum += s;
+  }
+  return out;
+}
+
+// Shared memory of one tensor-core block: two stages of the A and B tiles, later reused
+// as the per-warp epilogue staging tiles.
+template <int BN, bool HILO>
+struct TcSmem {
+  static constexpr int kLdB = BN + 8;
+  static constexpr int kA = kTcBM * kTcLdA;          // halves per A stage
+  static constexpr int kB = kTcK * kLdB;             // halves per B stage (per part)
+  static constexpr int kStage = kA + kB * (HILO ? 2 : 1);
+  static constexpr int kBytes = 2 * kStage * 2;
+  static constexpr int kEpiBytes = kWarps * 16 * kTcEpiLd * 4;
+  static constexpr int kTotal = kBytes > kEpiBytes ? kBytes : kEpiBytes;
+};
+
+#if KVPREP_HAVE_WMMA
+// One staged K-chunk of the block's product: warp (wm, wn) multiplies its 32 rows of A by
+// its BN/4 columns of B (and of B's low part).
+template <int BN, bool HILO>
+__device__ __forceinline__ void tc_mma_chunk(
+    const __half* As, const __half* Bs, const __half* Bs_lo, int wm, int wn,
+    nvcuda::wmma::fragment<nvcuda::wmma::accumulator, 16, 16, 16, float> (&acc)[2][BN / 64]) {
+  using namespace nvcuda;
+  constexpr int FN = BN / 64;
+  constexpr int kLdB = TcSmem<BN, HILO>::kLdB;
+#pragma unroll
+  for (int kk = 0; kk < kTcK; kk += 16) {
+    wmma::fragment<wmma::matrix_a, 16, 16, 16, __half, wmma::row_major> a[2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      wmma::load_matrix_sync(a[i], As + (wm * 32 + i * 16) * kTcLdA + kk, kTcLdA);
+    }
+#pragma unroll
+    for (int j = 0; j < FN; ++j) {
+      wmma::fragment<wmma::matrix_b, 16, 16, 16, __half, wmma::row_major> b;
+      wmma::load_matrix_sync(b, Bs + kk * kLdB + wn * (BN / 4) + j * 16, kLdB);
+#pragma unroll
+      for (int i = 0; i < 2; ++i) wmma::mma_sync(acc[i][j], a[i], b, acc[i][j]);
+      if (HILO) {
+        wmma::load_matrix_sync(b, Bs_lo + kk * kLdB + wn * (BN / 4) + j * 16, kLdB);
+#pragma unroll
+        for (int i = 0; i < 2; ++i) wmma::mma_sync(acc[i][j], a[i], b, acc[i][j]);
+      }
+    }
+  }
+}
+#endif
+
+// QK on tensor cores. Block = (b·h, tile of kTcQkBN tokens, tile of kTcBM queries).
+__device__ __forceinline__ void tc_qk_body(const __half* __restrict__ vec,
+                                           const uint8_t* __restrict__ mat,
+                                           __half* __restrict__ out,
+                                           const __half* __restrict__ scales,
+                                           const __half* __restrict__ zeros, int64_t Q,
+                                           int64_t D, int64_t L, int64_t n_ltiles,
+                                           int64_t n_qtiles, bool vec_ok, bool out_ok,
+                                           const uint8_t* mat_end) {
+#if KVPREP_HAVE_WMMA
+  using namespace nvcuda;
+  constexpr int BN = kTcQkBN;
+  using S = TcSmem<BN, false>;
+  constexpr int FN = BN / 64;
+  constexpr int kVecPerThread = BN / 128;  // 16-byte cache loads per thread per chunk
+  __shared__ __align__(128) unsigned char smem[S::kTotal];
+  __shared__ float s_scale[BN];
+  __shared__ float s_zero[BN];
+  __shared__ float s_rowsum[kTcBM * 4];
+
+  const int tid = threadIdx.x;
+  const int warp = tid >> 5;
+  const int lane = tid & 31;
+  const int wm = warp >> 2;
+  const int wn = warp & 3;
+  int64_t blk = blockIdx.x;
+  const int64_t qt = blk % n_qtiles;
+  blk /= n_qtiles;
+  const int64_t lt = blk % n_ltiles;
+  const int64_t bh = blk / n_ltiles;
+  const int64_t q0 = qt * kTcBM;
+  const int64_t l0 = lt * BN;
+  const uint8_t* mbh = mat + bh * D * L;
+
+  for (int i = tid; i < BN; i += kThreads) {
+    const int64_t l = l0 + i;
+    s_scale[i] = l < L ? __half2float(scales[bh * L + l]) : 0.0f;
+    s_zero[i] = l < L ? __half2float(zeros[bh * L + l]) : 0.0f;
+  }
+
+  // Thread t stages 8 query values of row t/4 and 16-byte cache segments of the chunk.
+  const int a_row = tid >> 2;
+  const int a_col = (tid & 3) * 8;
+  const bool a_valid = q0 + a_row < Q;
+  const __half* a_src = vec + (bh * Q + q0 + (a_valid ? a_row : 0)) * D;
+  float rowsum = 0.0f;
+
+  uint4 a_reg;
+  uint32_t b_reg[kVecPerThread][4];
+  auto fetch = [&](int64_t k0) {
+    a_reg = a_valid ? tc_load_a8(a_src, k0 + a_col, D, vec_ok, &rowsum) : make_uint4(0, 0, 0, 0);
+#pragma unroll
+    for (int v = 0; v < kVecPerThread; ++v) {
+      const int idx = tid + v * kThreads;
+      const int r = idx / (BN / 16);
+      const int c = (idx % (BN / 16)) * 16;
+      const int64_t d = k0 + r;
+      const int64_t n_valid = L - (l0 + c);
+      if (d < D && n_valid > 0) {
+        load16(mbh + d * L + l0 + c, n_valid, mat, mat_end, b_reg[v]);
+      } else {
+        b_reg[v][0] = b_reg[v][1] = b_reg[v][2] = b_reg[v][3] = 0;
+      }
+    }
+  };
+  auto stash = [&](int stage) {
+    __half* As = reinterpret_cast<__half*>(smem) + stage * S::kStage;
+    __half* Bs = As + S::kA;
+    *reinterpret_cast<uint4*>(As + a_row * kTcLdA + a_col) = a_reg;
+#pragma unroll
+    for (int v = 0; v < kVecPerThread; ++v) {
+      const int idx = tid + v * kThreads;
+      const int r = idx / (BN / 16);
+      const int c = (idx % (BN / 16)) * 16;
+      uint4 h[2];
+      __half* hh = reinterpret_cast<__half*>(h);
+#pragma unroll
+      for (int k = 0; k < 16; ++k) hh[k] = __float2half_rn(byte_as_float(b_reg[v][k >> 2], k & 3));
+      uint4* dst = reinterpret_cast<uint4*>(Bs + r * S::kLdB + c);
+      dst[0] = h[0];
+      dst[1] = h[1];
+    }
+  };
+
+  wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[2][FN];
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+#pragma unroll
+    for (int j = 0; j < FN; ++j) wmma::fill_fragment(acc[i][j], 0.0f);
+  }
+
+  const int64_t n_chunks = (D + kTcK - 1) / kTcK;
+  fetch(0);
+  stash(0);
+  __syncthreads();
+  for (int64_t c = 0; c < n_chunks; ++c) {
+    const int stage = static_cast<int>(c & 1);
+    if (c + 1 < n_chunks) fetch((c + 1) * kTcK);  // global loads in flight during the MMAs
+    const __half* As = reinterpret_cast<const __half*>(smem) + stage * S::kStage;
+    tc_mma_chunk<BN, false>(As, As + S::kA, nullptr, wm, wn, acc);
+    if (c + 1 < n_chunks) stash(stage ^ 1);
+    __syncthreads();
+  }
+
+  s_rowsum[tid] = rowsum;  // 4 partial sums per query row (thread t: row t/4)
+  __syncthreads();
+  float* stage_buf = reinterpret_cast<float*>(smem) + warp * 16 * kTcEpiLd;
+  const int er = lane >> 1;
+  const int ec = (lane & 1) * 8;
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int row = wm * 32 + i * 16 + er;
+    const int64_t q = q0 + row;
+    const float rs = s_rowsum[row * 4] + s_rowsum[row * 4 + 1] + s_rowsum[row * 4 + 2] +
+                     s_rowsum[row * 4 + 3];
+#pragma unroll
+    for (int j = 0; j < FN; ++j) {
+      wmma::store_matrix_sync(stage_buf, acc[i][j], kTcEpiLd, wmma::mem_row_major);
+      __syncwarp();
+      const int col = wn * (BN / 4) + j * 16 + ec;
+      const int64_t l = l0 + col;
+      if (q < Q && l < L) {
+        uint4 o;
+        __half* oh = reinterpret_cast<__half*>(&o);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+          const float v = stage_buf[er * kTcEpiLd + ec + e];
+          oh[e] = __float2half_rn(s_scale[col + e] * (v - s_zero[col + e] * rs));
+        }
+        __half* dst = out + (bh * Q + q) * L + l;
+        if (out_ok && l + 8 <= L) {
+          *reinterpret_cast<uint4*>(dst) = o;
+        } else {
+          for (int e = 0; e < 8 && l + e < L; ++e) dst[e] = oh[e];
+        }
+      }
+      __syncwarp();
+    }
+  }
+#endif
+}
+
+// PV on tensor cores. Block = (b·h, split of the tokens, tile of kTcBM queries, tile of
+// kTcPvBN head dims). With several splits the block writes fp32 partials (pv_finalize).
+template <bool HILO>
+__device__ __forceinline__ void tc_pv_body(const __half* __restrict__ vec,
+                                           const uint8_t* __restrict__ mat,
+                                           __half* __restrict__ out, float* __restrict__ part,
+                                           const __half* __restrict__ scales,
+                                           const __half* __restrict__ zeros, int64_t Q,
+                                           int64_t L, int64_t D, int64_t n_split,
+                                           int64_t rows_per_split, int64_t n_qtiles,
+                                           int64_t n_dtiles, bool vec_ok, bool out_ok,
+                                           const uint8_t* mat_end) {
+#if KVPREP_HAVE_WMMA
+  using namespace nvcuda;
+  constexpr int BN = kTcPvBN;
+  using S = TcSmem<BN, HILO>;
+  constexpr int FN = BN / 64;
+  constexpr int kVecPerThread = BN / 128;
+  __shared__ __align__(128) unsigned char smem[S::kTotal];
+  __shared__ float s_max[kThreads];
+
+  const int tid = threadIdx.x;
+  const int warp = tid >> 5;
+  const int lane = tid & 31;
+  const int wm = warp >> 2;
+  const int wn = warp & 3;
+  int64_t blk = blockIdx.x;
+  const int64_t dt = blk % n_dtiles;
+  blk /= n_dtiles;
+  const int64_t qt = blk % n_qtiles;
+  blk /= n_qtiles;
+  const int64_t sp = blk % n_split;
+  const int64_t bh = blk / n_split;
+  const int64_t q0 = qt * kTcBM;
+  const int64_t d0 = dt * BN;
+  const int64_t l_begin = sp * rows_per_split;
+  const int64_t l_end = L - l_begin < rows_per_split ? L : l_begin + rows_per_split;
+  const uint8_t* mbh = mat + bh * L * D;
+  const __half* sbh = scales + bh * L;
+  const __half* zbh = zeros + bh * L;
+
+  // f: the power of two that brings the largest |scale * (code - zero)| of this block's
+  // tokens near 2^13 (codes are 0..255).
+  float m = 0.0f;
+  for (int64_t l = l_begin + tid; l < l_end; l += kThreads) {
+    const float z = __half2float(zbh[l]);
+    const float b = fabsf(__half2float(sbh[l])) * fmaxf(fabsf(z), fabsf(255.0f - z));
+    m = b > m ? b : m;  // NaN and inf are left to the products (as in the fallback)
+  }
+  s_max[tid] = m;
+  __syncthreads();
+  for (int w = kThreads / 2; w > 0; w >>= 1) {
+    if (tid < w) s_max[tid] = fmaxf(s_max[tid], s_max[tid + w]);
+    __syncthreads();
+  }
+  const float mx = s_max[0];
+  int e = 0;
+  float f = 1.0f;
+  if (mx > 0.0f && mx < 3.0e38f) {
+    frexpf(mx, &e);  // mx = m * 2^e, m in [0.5, 1)
+    f = ldexpf(1.0f, 13 - e);
+  }
+  const float inv_f = 1.0f / f;
+
+  const int a_row = tid >> 2;
+  const int a_col = (tid & 3) * 8;
+  const bool a_valid = q0 + a_row < Q;
+  const __half* a_src = vec + (bh * Q + q0 + (a_valid ? a_row : 0)) * L;
+
+  uint4 a_reg;
+  uint32_t b_reg[kVecPerThread][4];
+  float b_z[kVecPerThread];
+  float b_s[kVecPerThread];
+  auto fetch = [&](int64_t k0) {
+    a_reg = a_valid ? tc_load_a8(a_src, k0 + a_col, l_end, vec_ok, nullptr)
+                    : make_uint4(0, 0, 0, 0);
+#pragma unroll
+    for (int v = 0; v < kVecPerThread; ++v) {
+      const int idx = tid + v * kThreads;
+      const int r = idx / (BN / 16);
+      const int c = (idx % (BN / 16)) * 16;
+      const int64_t l = k0 + r;
+      const int64_t n_valid = D - (d0 + c);
+      if (l < l_end && n_valid > 0) {
+        load16(mbh + l * D + d0 + c, n_valid, mat, mat_end, b_reg[v]);
+        b_z[v] = __half2float(zbh[l]);
+        b_s[v] = __half2float(sbh[l]) * f;
+      } else {
+        b_reg[v][0] = b_reg[v][1] = b_reg[v][2] = b_reg[v][3] = 0;
+        b_z[v] = 0.0f;
+        b_s[v] = 0.0f;
+      }
+    }
+  };
+  auto stash = [&](int stage) {
+    __half* As = reinterpret_cast<__half*>(smem) + stage * S::kStage;
+    __half* Bs = As + S::kA;
+    *reinterpret_cast<uint4*>(As + a_row * kTcLdA + a_col) = a_reg;
+#pragma unroll
+    for (int v = 0; v < kVecPerThread; ++v) {
+      const int idx = tid + v * kThreads;
+      const int r = idx / (BN / 16);
+      const int c = (idx % (BN / 16)) * 16;
+      uint4 hi[2];
+      uint4 lo[2];
+      __half* hh = reinterpret_cast<__half*>(hi);
+      __half* lh = reinterpret_cast<__half*>(lo);
+#pragma unroll
+      for (int k = 0; k < 16; ++k) {
+        const float x = (byte_as_float(b_reg[v][k >> 2], k & 3) - b_z[v]) * b_s[v];
+        hh[k] = __float2half_rn(x);
+        if (HILO) lh[k] = __float2half_rn(x - __half2float(hh[k]));
+      }
+      uint4* dst = reinterpret_cast<uint4*>(Bs + r * S::kLdB + c);
+      dst[0] = hi[0];
+      dst[1] = hi[1];
+      if (HILO) {
+        uint4* dlo = reinterpret_cast<uint4*>(Bs + S::kB + r * S::kLdB + c);
+        dlo[0] = lo[0];
+        dlo[1] = lo[1];
+      }
+    }
+  };
+
+  wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[2][FN];
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+#pragma unroll
+    for (int j = 0; j < FN; ++j) wmma::fill_fragment(acc[i][j], 0.0f);
+  }
+
+  // Tensor cores round their fp32 sums less carefully than FMA units; over tens of
+  // thousands of tokens that drifts past fp32 accuracy. So every kTcFlush chunks the
+  // fragments are added into plain fp32 totals and restarted from zero.
+  wmma::fragment<wmma::accumulator, 16, 16, 16, float> total[2][FN];
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+#pragma unroll
+    for (int j = 0; j < FN; ++j) wmma::fill_fragment(total[i][j], 0.0f);
+  }
+  const int64_t n_chunks = (l_end - l_begin + kTcK - 1) / kTcK;
+  fetch(l_begin);
+  stash(0);
+  __syncthreads();
+  for (int64_t c = 0; c < n_chunks; ++c) {
+    const int stage = static_cast<int>(c & 1);
+    if (c + 1 < n_chunks) fetch(l_begin + (c + 1) * kTcK);
+    const __half* As = reinterpret_cast<const __half*>(smem) + stage * S::kStage;
+    tc_mma_chunk<BN, HILO>(As, As + S::kA, As + S::kA + S::kB, wm, wn, acc);
+    if (c + 1 < n_chunks) stash(stage ^ 1);
+    if ((c + 1) % kTcFlush == 0 || c + 1 == n_chunks) {
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+#pragma unroll
+        for (int j = 0; j < FN; ++j) {
+#pragma unroll
+          for (int t = 0; t < acc[i][j].num_elements; ++t) total[i][j].x[t] += acc[i][j].x[t];
+          wmma::fill_fragment(acc[i][j], 0.0f);
+        }
+      }
+    }
+    __syncthreads();
+  }
+
+  float* stage_buf = reinterpret_cast<float*>(smem) + warp * 16 * kTcEpiLd;
+  const int er = lane >> 1;
+  const int ec = (lane & 1) * 8;
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int64_t q = q0 + wm * 32 + i * 16 + er;
+#pragma unroll
+    for (int j = 0; j < FN; ++j) {
+      wmma::store_matrix_sync(stage_buf, total[i][j], kTcEpiLd, wmma::mem_row_major);
+      __syncwarp();
+      const int64_t d = d0 + wn * (BN / 4) + j * 16 + ec;
+      if (q < Q && d < D) {
+        const float* src = stage_buf + er * kTcEpiLd + ec;
+        if (part != nullptr) {
+          float* dst = part + ((bh * n_split + sp) * Q + q) * D + d;
+          for (int k = 0; k < 8 && d + k < D; ++k) dst[k] = src[k] * inv_f;
+        } else {
+          uint4 o;
+          __half* oh = reinterpret_cast<__half*>(&o);
+#pragma unroll
+          for (int k = 0; k < 8; ++k) oh[k] = __float2half_rn(src[k] * inv_f);
+          __half* dst = out + (bh * Q + q) * D + d;
+          if (out_ok && d + 8 <= D) {
+            *reinterpret_cast<uint4*>(dst) = o;
+          } else {
+            for (int k = 0; k < 8 && d + k < D; ++k) dst[k] = oh[k];
+          }
+        }
+      }
+      __syncwarp();
+    }
+  }
+#endif
+}
+
+__global__ void __launch_bounds__(kThreads)
+    tc_qk(const __half* vec, const uint8_t* mat, __half* out, const __half* scales,
+          const __half* zeros, int64_t Q, int64_t D, int64_t L, int64_t n_ltiles,
+          int64_t n_qtiles, bool vec_ok, bool out_ok, const uint8_t* mat_end) {
+  tc_qk_body(vec, mat, out, scales, zeros, Q, D, L, n_ltiles, n_qtiles, vec_ok, out_ok,
+             mat_end);
+}
+
+__global__ void __launch_bounds__(kThreads)
+    tc_pv_hilo(const __half* vec, const uint8_t* mat, __half* out, float* part,
+               const __half* scales, const __half* zeros, int64_t Q, int64_t L, int64_t D,
+               int64_t n_split, int64_t rows_per_split, int64_t n_qtiles, int64_t n_dtiles,
+               bool vec_ok, bool out_ok, const uint8_t* mat_end) {
+  tc_pv_body<true>(vec, mat, out, part, scales, zeros, Q, L, D, n_split, rows_per_split,
+                   n_qtiles, n_dtiles, vec_ok, out_ok, mat_end);
+}
+
+__global__ void __launch_bounds__(kThreads)
+    tc_pv_single(const __half* vec, const uint8_t* mat, __half* out, float* part,
+                 const __half* scales, const __half* zeros, int64_t Q, int64_t L, int64_t D,
+                 int64_t n_split, int64_t rows_per_split, int64_t n_qtiles, int64_t n_dtiles,
+                 bool vec_ok, bool out_ok, const uint8_t* mat_end) {
+  tc_pv_body<false>(vec, mat, out, part, scales, zeros, Q, L, D, n_split, rows_per_split,
+                    n_qtiles, n_dtiles, vec_ok, out_ok, mat_end);
+}
+
+// ---- dequantize-to-workspace path for long query blocks --------------------------------
+//
+// From some query length on, cuBLAS's own tensor-core GEMM beats any kernel that must
+// dequantize as it goes. The cache is then expanded once into an fp16 workspace,
+// W = fp16(scales * (mat - zeros)) (each value rounded once, as the fallback's dequantize
+// does, which rounds twice), and the caller multiplies with torch's matmul. `per_col`:
+// the scale belongs to the column (QK's [D, L] layout) rather than the row (PV's [L, D]).
+__device__ __forceinline__ void dequant_body(const uint8_t* __restrict__ mat,
+                                             const __half* __restrict__ scales,
+                                             const __half* __restrict__ zeros,
+                                             __half* __restrict__ out, int64_t BH, int64_t R,
+                                             int64_t C, bool per_col, bool out_ok,
+                                             const uint8_t* mat_end) {
+  const int64_t segs = (C + 15) / 16;  // 16-byte segments per row
+  const int64_t total = BH * R * segs;
+  const int64_t step = static_cast<int64_t>(gridDim.x) * kThreads;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; i < total;
+       i += step) {
+    const int64_t seg = i % segs;
+    const int64_t row = i / segs;  // bh * R + r
+    const int64_t bh = row / R;
+    const int64_t c0 = seg * 16;
+    const int64_t n_valid = C - c0;
+    uint32_t w[4];
+    load16(mat + row * C + c0, n_valid, mat, mat_end, w);
+    uint4 o[2];
+    __half* oh = reinterpret_cast<__half*>(o);
+    if (per_col) {
+#pragma unroll
+      for (int k = 0; k < 16; ++k) {
+        const int64_t c = c0 + k < C ? c0 + k : C - 1;
+        const float sc = __half2float(scales[bh * C + c]);
+        const float z = __half2float(zeros[bh * C + c]);
+        oh[k] = __float2half_rn(sc * (byte_as_float(w[k >> 2], k & 3) - z));
+      }
+    } else {
+      const float sc = __half2float(scales[row]);
+      const float z = __half2float(zeros[row]);
+#pragma unroll
+      for (int k = 0; k < 16; ++k) {
+        oh[k] = __float2half_rn(sc * (byte_as_float(w[k >> 2], k & 3) - z));
+      }
+    }
+    __half* dst = out + row * C + c0;
+    if (out_ok && n_valid >= 16) {
+      reinterpret_cast<uint4*>(dst)[0] = o[0];
+      reinterpret_cast<uint4*>(dst)[1] = o[1];
+    } else {
+      for (int k = 0; k < 16 && k < n_valid; ++k) dst[k] = oh[k];
+    }
+  }
+}
+
+__global__ void __launch_bounds__(kThreads)
+    dequant(const uint8_t* mat, const __half* scales, const __half* zeros, __half* out,
+            int64_t BH, int64_t R, int64_t C, bool per_col, bool out_ok,
+            const uint8_t* mat_end) {
+  dequant_body(mat, scales, zeros, out, BH, R, C, per_col, out_ok, mat_end);
+}
+
 // ---- launch plans: plain host arithmetic, kept apart from the CUDA/torch glue below ----
 
 constexpr int kMaxTpr = 32;  // PV: at most one warp per cache row (512 bytes)
@@ -409,6 +937,58 @@ inline PvPlan pv_plan(int sms, int64_t BH, int64_t Q, int64_t L, int64_t D) {
   return p;
 }
 
+// Tensor-core plans.
+struct TcQkPlan {
+  int64_t n_ltiles;
+  int64_t n_qtiles;
+  int64_t blocks;
+};
+
+inline TcQkPlan tc_qk_plan(int64_t BH, int64_t Q, int64_t L) {
+  TcQkPlan p{};
+  p.n_ltiles = ceil_div(L, kTcQkBN);
+  p.n_qtiles = ceil_div(Q, kTcBM);
+  p.blocks = BH * p.n_ltiles * p.n_qtiles;
+  return p;
+}
+
+struct TcPvPlan {
+  int64_t n_qtiles;
+  int64_t n_dtiles;
+  int64_t n_split;
+  int64_t rows_per_split;  // a multiple of kTcK
+  int64_t blocks;
+  int64_t part_floats;
+};
+
+// Splits the tokens over blocks until about two blocks per multiprocessor are in flight.
+inline TcPvPlan tc_pv_plan(int sms, int64_t BH, int64_t Q, int64_t L, int64_t D) {
+  TcPvPlan p{};
+  p.n_qtiles = ceil_div(Q, kTcBM);
+  p.n_dtiles = ceil_div(D, kTcPvBN);
+  const int64_t base = BH * p.n_qtiles * p.n_dtiles;
+  const int64_t n_chunks = ceil_div(L, kTcK);
+  const int64_t target = 2 * static_cast<int64_t>(sms > 0 ? sms : 1);
+  int64_t split = base >= target ? 1 : ceil_div(target, base);
+  // Each split keeps at least 8 chunks (256 tokens) so partials stay a small extra cost.
+  const int64_t max_split = ceil_div(n_chunks, 8);
+  if (split > max_split) split = max_split;
+  if (split < 1) split = 1;
+  p.rows_per_split = ceil_div(n_chunks, split) * kTcK;
+  p.n_split = ceil_div(L, p.rows_per_split);
+  p.blocks = base * p.n_split;
+  p.part_floats = p.n_split > 1 ? BH * p.n_split * Q * D : 0;
+  return p;
+}
+
+inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+
+inline int64_t dequant_blocks(int64_t BH, int64_t R, int64_t C, int sms) {
+  const int64_t b = ceil_div(BH * R * ceil_div(C, 16), kThreads);
+  const int64_t cap = 16 * static_cast<int64_t>(sms > 0 ? sms : 1);
+  return b < cap ? b : cap;
+}
+
 inline int64_t finalize_blocks(int64_t total) {
   const int64_t b = ceil_div(total, kThreads);
   return b < 65535 ? b : 65535;
@@ -429,6 +1009,8 @@ inline int64_t finalize_blocks(int64_t total) {
 #define KVPREP_CUDA_ENTRY
 #endif
 
+#include <atomic>
+
 namespace kvprep_v1 {
 constexpr int64_t kMaxGrid = 2147483647;  // gridDim.x limit
 
@@ -437,7 +1019,50 @@ inline int sm_count(int device) {
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
   return sms;
 }
+
+inline bool has_tensor_cores(int device) {
+  int major = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  return major >= 7;
+}
+
+// From which query length each op takes its tensor-core kernel, and from which its
+// dequantize + cuBLAS path: the crossovers that `bench/kernels.py --sweep` measured on an
+// H100 (bench/RESULTS.md): the shortest query block from which the newer path is faster in
+// geometric mean over batch 1 and 32 at 1024 and 4096 cached tokens, at every longer block.
+constexpr int64_t kTcMinQQk = 2;
+constexpr int64_t kTcMinQPv = 16;
+constexpr int64_t kGemmMinQQk = 256;
+constexpr int64_t kGemmMinQPv = 128;
+
+// Run-time settings, for benchmarks: the thresholds above, and whether the tensor-core
+// P·V splits the dequantized cache into two fp16 parts.
+static std::atomic<int64_t> g_tc_min_q_qk{kTcMinQQk};
+static std::atomic<int64_t> g_tc_min_q_pv{kTcMinQPv};
+static std::atomic<int64_t> g_pv_hilo{1};
+static std::atomic<int64_t> g_gemm_min_q_qk{kGemmMinQQk};
+static std::atomic<int64_t> g_gemm_min_q_pv{kGemmMinQPv};
+
+inline bool use_tc_qk(int device, int64_t Q) {
+  return Q >= g_tc_min_q_qk.load() && has_tensor_cores(device);
+}
+inline bool use_tc_pv(int device, int64_t Q) {
+  return Q >= g_tc_min_q_pv.load() && has_tensor_cores(device);
+}
 }  // namespace kvprep_v1
+
+// settings[0..4]: tensor-core minimum Q for QK, for PV, PV hi/lo split (0/1), GEMM-path
+// minimum Q for QK, for PV. A negative entry leaves the setting alone; the previous
+// values are written back.
+extern "C" KVPREP_CUDA_ENTRY void kvprep_v1_tuning(int64_t* settings) {
+  std::atomic<int64_t>* all[5] = {&kvprep_v1::g_tc_min_q_qk, &kvprep_v1::g_tc_min_q_pv,
+                                  &kvprep_v1::g_pv_hilo, &kvprep_v1::g_gemm_min_q_qk,
+                                  &kvprep_v1::g_gemm_min_q_pv};
+  for (int i = 0; i < 5; ++i) {
+    const int64_t want = settings[i];
+    settings[i] = want >= 0 ? all[i]->exchange(want) : all[i]->load();
+  }
+}
 
 // Entry points called by cache_autogptq_cuda_256.cpp, which has checked devices, dtypes,
 // contiguity and shapes, and handles empty sizes (all of BH, Q, D, L are >= 1 here).
@@ -452,14 +1077,26 @@ extern "C" KVPREP_CUDA_ENTRY void kvprep_v1_qk_cuda(int device, const void* vec,
   const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
   const cudaStream_t stream =
       c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device)).stream();
-  const QkPlan p = qk_plan(BH, Q, L);
-  TORCH_CHECK(p.blocks <= kMaxGrid, "vecquant8matmul_batched_faster_old: problem too large (",
-              p.blocks, " thread blocks)");
   const uint8_t* mat_end = mat + BH * D * L;
   const auto* v = reinterpret_cast<const __half*>(vec);
   auto* o = reinterpret_cast<__half*>(mul);
   const auto* s = reinterpret_cast<const __half*>(scales);
   const auto* z = reinterpret_cast<const __half*>(zeros);
+  if (use_tc_qk(device, Q)) {
+    const TcQkPlan t = tc_qk_plan(BH, Q, L);
+    TORCH_CHECK(t.blocks <= kMaxGrid,
+                "vecquant8matmul_batched_faster_old: problem too large (", t.blocks,
+                " thread blocks)");
+    const bool vec_ok = aligned16(vec) && D % 8 == 0;
+    const bool out_ok = aligned16(mul) && L % 8 == 0;
+    tc_qk<<<dim3(static_cast<unsigned>(t.blocks)), kThreads, 0, stream>>>(
+        v, mat, o, s, z, Q, D, L, t.n_ltiles, t.n_qtiles, vec_ok, out_ok, mat_end);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    return;
+  }
+  const QkPlan p = qk_plan(BH, Q, L);
+  TORCH_CHECK(p.blocks <= kMaxGrid, "vecquant8matmul_batched_faster_old: problem too large (",
+              p.blocks, " thread blocks)");
   const dim3 grid(static_cast<unsigned>(p.blocks));
   if (p.qt == 1) {
     qk_q1<<<grid, kThreads, 0, stream>>>(v, mat, o, s, z, Q, D, L, p.n_ltiles, p.n_qtiles,
@@ -471,11 +1108,53 @@ extern "C" KVPREP_CUDA_ENTRY void kvprep_v1_qk_cuda(int device, const void* vec,
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+namespace kvprep_v1 {
+inline void pv_tc_launch(cudaStream_t stream, int sms, const void* vec, const uint8_t* mat,
+                         void* mul, const void* scales, const void* zeros, float* workspace,
+                         int64_t workspace_floats, int64_t BH, int64_t Q, int64_t L,
+                         int64_t D) {
+  const TcPvPlan t = tc_pv_plan(sms, BH, Q, L, D);
+  TORCH_CHECK(t.blocks <= kMaxGrid,
+              "vecquant8matmul_batched_column_compression_faster_old: problem too large (",
+              t.blocks, " thread blocks)");
+  TORCH_CHECK(t.part_floats <= workspace_floats && (t.part_floats == 0 || workspace),
+              "vecquant8matmul_batched_column_compression_faster_old: workspace of ",
+              workspace_floats, " floats is smaller than the ", t.part_floats, " needed");
+  float* part = t.part_floats > 0 ? workspace : nullptr;
+  const auto* v = reinterpret_cast<const __half*>(vec);
+  auto* o = reinterpret_cast<__half*>(mul);
+  const auto* s = reinterpret_cast<const __half*>(scales);
+  const auto* z = reinterpret_cast<const __half*>(zeros);
+  const bool vec_ok = aligned16(vec) && L % 8 == 0;
+  const bool out_ok = aligned16(mul) && D % 8 == 0;
+  const uint8_t* mat_end = mat + BH * L * D;
+  const dim3 grid(static_cast<unsigned>(t.blocks));
+  if (g_pv_hilo.load() != 0) {
+    tc_pv_hilo<<<grid, kThreads, 0, stream>>>(v, mat, o, part, s, z, Q, L, D, t.n_split,
+                                              t.rows_per_split, t.n_qtiles, t.n_dtiles,
+                                              vec_ok, out_ok, mat_end);
+  } else {
+    tc_pv_single<<<grid, kThreads, 0, stream>>>(v, mat, o, part, s, z, Q, L, D, t.n_split,
+                                                t.rows_per_split, t.n_qtiles, t.n_dtiles,
+                                                vec_ok, out_ok, mat_end);
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  if (part != nullptr) {
+    const int64_t total = BH * Q * D;
+    pv_finalize<<<static_cast<unsigned>(finalize_blocks(total)), kThreads, 0, stream>>>(
+        part, o, total, Q, D, t.n_split);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+}
+}  // namespace kvprep_v1
+
 extern "C" KVPREP_CUDA_ENTRY int64_t kvprep_v1_pv_workspace_floats(int device, int64_t BH,
                                                                    int64_t Q, int64_t L,
                                                                    int64_t D) {
+  using namespace kvprep_v1;
   const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
-  return kvprep_v1::pv_plan(kvprep_v1::sm_count(device), BH, Q, L, D).part_floats;
+  if (use_tc_pv(device, Q)) return tc_pv_plan(sm_count(device), BH, Q, L, D).part_floats;
+  return pv_plan(sm_count(device), BH, Q, L, D).part_floats;
 }
 
 extern "C" KVPREP_CUDA_ENTRY void kvprep_v1_pv_cuda(int device, const void* vec,
@@ -488,6 +1167,11 @@ extern "C" KVPREP_CUDA_ENTRY void kvprep_v1_pv_cuda(int device, const void* vec,
   const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
   const cudaStream_t stream =
       c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device)).stream();
+  if (use_tc_pv(device, Q)) {
+    pv_tc_launch(stream, sm_count(device), vec, mat, mul, scales, zeros, workspace,
+                 workspace_floats, BH, Q, L, D);
+    return;
+  }
   const PvPlan p = pv_plan(sm_count(device), BH, Q, L, D);
   TORCH_CHECK(p.blocks <= kMaxGrid,
               "vecquant8matmul_batched_column_compression_faster_old: problem too large (",
@@ -516,5 +1200,22 @@ extern "C" KVPREP_CUDA_ENTRY void kvprep_v1_pv_cuda(int device, const void* vec,
         part, o, total, Q, D, p.n_split);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
+}
+// Fills `out` (fp16, the layout of `mat`) with scales * (mat - zeros) for the GEMM path.
+// per_col: QK's [BH, D, L] cache (scale per column); else PV's [BH, L, D] (per row).
+extern "C" KVPREP_CUDA_ENTRY void kvprep_v1_dequant_cuda(int device, int per_col,
+                                                        const uint8_t* mat, const void* scales,
+                                                        const void* zeros, void* out,
+                                                        int64_t BH, int64_t R, int64_t C) {
+  using namespace kvprep_v1;
+  const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
+  const cudaStream_t stream =
+      c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device)).stream();
+  const int64_t blocks = dequant_blocks(BH, R, C, sm_count(device));
+  dequant<<<dim3(static_cast<unsigned>(blocks)), kThreads, 0, stream>>>(
+      mat, reinterpret_cast<const __half*>(scales), reinterpret_cast<const __half*>(zeros),
+      reinterpret_cast<__half*>(out), BH, R, C, per_col != 0, aligned16(out) && C % 8 == 0,
+      mat + BH * R * C);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 #endif  // !defined(__CUDA_ARCH__)

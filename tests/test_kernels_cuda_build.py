@@ -184,7 +184,13 @@ def test_full_extension_links_and_imports(cuda_ext: ModuleType) -> None:
         defined = subprocess.run(
             [nm, cuda_ext.__file__], capture_output=True, text=True, check=True
         ).stdout
-        for entry in ("kvprep_v1_qk_cuda", "kvprep_v1_pv_cuda", "kvprep_v1_pv_workspace_floats"):
+        for entry in (
+            "kvprep_v1_qk_cuda",
+            "kvprep_v1_pv_cuda",
+            "kvprep_v1_pv_workspace_floats",
+            "kvprep_v1_tuning",
+            "kvprep_v1_dequant_cuda",
+        ):
             assert re.search(rf" [tT] {entry}$", defined, re.M), f"{entry} not defined"
 
 
@@ -208,10 +214,10 @@ def _reference(args: list[torch.Tensor], pv: bool) -> tuple[torch.Tensor, torch.
     return vec @ dq, vec.abs() @ dq.abs()
 
 
-def _check(out: torch.Tensor, ref: torch.Tensor, mag: torch.Tensor) -> None:
+def _check(out: torch.Tensor, ref: torch.Tensor, mag: torch.Tensor, rel: float = 2e-5) -> None:
     out = out.cpu()
     assert not torch.isnan(out).any(), "output not fully written"
-    tol = ref.abs() * 2.0**-10 + mag * 2e-5 + 1e-6
+    tol = ref.abs() * 2.0**-10 + mag * rel + 1e-6
     worst = ((out.double() - ref).abs() - tol).max().item()
     assert worst <= 0, f"error exceeds tolerance by {worst:.3g}"
 
@@ -238,16 +244,72 @@ GPU_SHAPES = [
     (1, 2, 3, 600, 40),
     (1, 1, 2, 72, 2050),
     (8, 32, 17, 128, 300),
+    (1, 4, 130, 128, 263),  # tensor-core tiles with tails
+    (1, 2, 300, 72, 1000),  # the GEMM path by default
 ]
 
 
+NEVER = 1 << 40
+# cuda_tuning settings that force one CUDA path: tensor-core min Q (QK, PV), PV hi/lo split,
+# GEMM-path min Q (QK, PV). The GEMM path rounds each dequantized value to fp16 once.
+PATHS = {
+    "default": None,
+    "cuda-cores": (NEVER, NEVER, -1, NEVER, NEVER),
+    "tensor-cores": (1, 1, -1, NEVER, NEVER),
+    "gemm": (NEVER, NEVER, -1, 1, 1),
+}
+
+
+def test_cuda_tuning_reads_and_restores(cuda_ext: ModuleType) -> None:
+    before = cuda_ext.cuda_tuning()
+    assert set(before) == {
+        "tensor_core_min_q_qk",
+        "tensor_core_min_q_pv",
+        "pv_split_fp16",
+        "gemm_min_q_qk",
+        "gemm_min_q_pv",
+    }
+    assert before["pv_split_fp16"] == 1
+    assert 1 <= before["tensor_core_min_q_qk"] <= before["gemm_min_q_qk"]
+    assert 1 <= before["tensor_core_min_q_pv"] <= before["gemm_min_q_pv"]
+    prev = cuda_ext.cuda_tuning(7, 8, 0, 9, 10)
+    assert prev == before
+    assert cuda_ext.cuda_tuning() == {
+        "tensor_core_min_q_qk": 7,
+        "tensor_core_min_q_pv": 8,
+        "pv_split_fp16": 0,
+        "gemm_min_q_qk": 9,
+        "gemm_min_q_pv": 10,
+    }
+    cuda_ext.cuda_tuning(*before.values())
+    assert cuda_ext.cuda_tuning() == before
+
+
+@pytest.mark.parametrize("path", list(PATHS))
 @pytest.mark.parametrize("pv", (False, True), ids=("qk", "pv"))
 @pytest.mark.parametrize(("b", "h", "q", "d", "seq"), GPU_SHAPES)
 def test_gpu_matches_reference(
-    cuda_ext: ModuleType, pv: bool, b: int, h: int, q: int, d: int, seq: int
+    cuda_ext: ModuleType, pv: bool, b: int, h: int, q: int, d: int, seq: int, path: str
 ) -> None:
     if not torch.cuda.is_available():
         pytest.skip("no GPU here: only the build is checked")
+    saved = cuda_ext.cuda_tuning()
+    setting = PATHS[path]
+    if setting is not None:
+        cuda_ext.cuda_tuning(*setting)
+    try:
+        _check_on_gpu(cuda_ext, pv, b, h, q, d, seq, gemm=_takes_gemm(cuda_ext, pv, q))
+    finally:
+        cuda_ext.cuda_tuning(*saved.values())
+
+
+def _takes_gemm(cuda_ext: ModuleType, pv: bool, q: int) -> bool:
+    return q >= cuda_ext.cuda_tuning()["gemm_min_q_pv" if pv else "gemm_min_q_qk"]
+
+
+def _check_on_gpu(
+    cuda_ext: ModuleType, pv: bool, b: int, h: int, q: int, d: int, seq: int, gemm: bool
+) -> None:
     name = (
         "vecquant8matmul_batched_column_compression_faster_old"
         if pv
@@ -257,7 +319,8 @@ def test_gpu_matches_reference(
     dev = [t.cuda() for t in args]
     getattr(cuda_ext, name)(*dev)
     torch.cuda.synchronize()
-    _check(dev[2], *_reference(args, pv))
+    rel = 2.0**-10 if gemm else 2e-5
+    _check(dev[2], *_reference(args, pv), rel=rel)
     # A cache that starts at an odd address (a contiguous slice of a bigger buffer).
     flat = torch.empty(args[1].numel() + 1, dtype=torch.uint8, device="cuda")
     shifted = flat[1:].view(args[1].shape)
@@ -265,4 +328,4 @@ def test_gpu_matches_reference(
     dev[2].fill_(float("nan"))
     getattr(cuda_ext, name)(dev[0], shifted, dev[2], dev[3], dev[4])
     torch.cuda.synchronize()
-    _check(dev[2], *_reference(args, pv))
+    _check(dev[2], *_reference(args, pv), rel=rel)

@@ -4,7 +4,9 @@ tests/kernel_emu/ supplies host stand-ins for the few CUDA built-ins the kernels
 OS thread per CUDA thread, a barrier for __syncthreads) and a driver that runs every
 kernel of kernels/cache_autogptq_cuda_kernel_256.cu with the .cu's own launch plans
 against a double-precision reference: misaligned rows and base addresses, odd D, D above
-one tile, several query tiles, tokens split over blocks with the finalize pass. The
+one tile, several query tiles, tokens split over blocks with the finalize pass; the
+tensor-core kernels through a WMMA stand-in (include/mma.h) and the dequantize kernel of the
+GEMM path. The
 stand-ins abort on a misaligned 16-byte load or a cache read outside the tensor, and the
 driver is built with AddressSanitizer where the compiler has it.
 """
@@ -67,3 +69,6 @@ def test_cuda_kernels_match_reference_when_emulated(emulator: Path) -> None:
     # Both kernels, including the split-token path, actually ran.
     assert res.stdout.count("\nqk ") + res.stdout.startswith("qk ") >= 5, report
     assert "splits=3" in res.stdout, report
+    # The tensor-core kernels (exact and single-rounding P·V) and the GEMM path's dequantize.
+    for tag in ("qk[tc]", "pv[tc]", "pv[tc1]", "dequant"):
+        assert res.stdout.count(f"\n{tag} ") >= 1, f"no {tag} case ran:\n{report}"

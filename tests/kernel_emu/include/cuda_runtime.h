@@ -19,6 +19,7 @@
 #define __forceinline__ inline
 #define __launch_bounds__(...)
 #define __shared__ static
+#define __align__(n) __attribute__((aligned(n)))
 
 struct uint3 {
   unsigned x = 0, y = 0, z = 0;
@@ -36,6 +37,7 @@ inline thread_local uint3 thread_idx;
 inline thread_local uint3 block_idx;
 inline dim3 grid_dim;
 inline std::barrier<>* block_barrier = nullptr;
+inline std::barrier<>* warp_barrier[32] = {};  // one per warp of the block
 // The bytes the cache reads (__ldg) may touch: [read_lo, read_hi).
 inline const unsigned char* read_lo = nullptr;
 inline const unsigned char* read_hi = nullptr;
@@ -55,6 +57,8 @@ inline void check_read(const void* p, size_t n) {
 #define gridDim (::kvemu::grid_dim)
 
 inline void __syncthreads() { kvemu::block_barrier->arrive_and_wait(); }
+inline void __syncwarp() { kvemu::warp_barrier[kvemu::thread_idx.x / 32]->arrive_and_wait(); }
+inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) { return {x, y, z, w}; }
 
 inline uint4 __ldg(const uint4* p) {
   if (reinterpret_cast<uintptr_t>(p) & 15u) kvemu::fail("misaligned 16-byte load", p);
