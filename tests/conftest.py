@@ -59,3 +59,21 @@ def isolated_hf(
     monkeypatch.setenv("HF_MODULES_CACHE", str(home / "modules"))
     monkeypatch.setenv("QWEN_KVPREP_CACHE", str(shared_build_cache))
     yield home
+
+
+@pytest.fixture(scope="session")
+def cpu_kernel_ext(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """Our kernels built from the .cpp alone (the CPU extension), once per session."""
+    from torch.utils.cpp_extension import load
+
+    from qwen_kvprep.resources import KERNEL_FILES, kernels_dir
+
+    build = tmp_path_factory.mktemp("kvprep_cpu_ext")
+    # torch's builder honours MAX_JOBS (set above).
+    return load(
+        name="kvprep_test_cpu_ext",
+        sources=[str(kernels_dir() / KERNEL_FILES[0])],
+        build_directory=str(build),
+        extra_cflags=["-O3"],
+        verbose=False,
+    )

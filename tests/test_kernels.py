@@ -13,7 +13,6 @@ from typing import Callable
 
 import pytest
 import torch
-from torch.utils.cpp_extension import load
 
 from qwen_kvprep.resources import KERNEL_FILES, kernels_dir
 
@@ -24,16 +23,8 @@ PV = "vecquant8matmul_batched_column_compression_faster_old"
 
 
 @pytest.fixture(scope="module")
-def ext(tmp_path_factory: pytest.TempPathFactory) -> ModuleType:
-    build = tmp_path_factory.mktemp("kvprep_cpu_ext")
-    # torch's builder honours MAX_JOBS (tests/conftest.py gives it a default).
-    return load(
-        name="kvprep_test_cpu_ext",
-        sources=[str(kernels_dir() / KERNEL_FILES[0])],
-        build_directory=str(build),
-        extra_cflags=["-O3"],
-        verbose=False,
-    )
+def ext(cpu_kernel_ext: ModuleType) -> ModuleType:
+    return cpu_kernel_ext
 
 
 def _scales_zeros(

@@ -1,0 +1,232 @@
+"""Our CUDA kernels against a float64 reference, on every shape class the model produces.
+
+Each case runs both ops (QK: vecquant8matmul_batched_faster_old, PV:
+vecquant8matmul_batched_column_compression_faster_old) on fresh random fp16/uint8 inputs
+with the output pre-filled with NaN, through every CUDA path (CUDA-core kernel,
+tensor-core kernel, dequantize + cuBLAS, each forced by the extension's `cuda_tuning`;
+and the default dispatch), and compares with `vec @ (scale * (code - zero))` in float64.
+Tolerance: one fp16 rounding of the result plus 2e-5 of the sum of |terms| (fp32-level
+accumulation) for the two kernels; for the GEMM path, which rounds each dequantized value
+to fp16, 2^-10 of the sum of |terms| (two such roundings: what the model's own fallback
+does). The fallback (dequantize to fp16, then torch.matmul) is measured against the
+default path's tolerance for comparison.
+
+Outputs are checked whole for NaN (an element no block wrote); the float64 comparison
+covers every (b, h) when there are at most 16, else 8 of them, the first and last always
+among them (the tails of the tensor).
+
+    python bench/gpu/correctness.py [--json FILE] [--small] [--build-dir DIR]
+
+`--small` runs a few small cases (for compute-sanitizer). Exit status 1 when a case fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Optional
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import kernels as bench_kernels  # bench/kernels.py: the shared builder
+
+QK = bench_kernels.QK
+PV = bench_kernels.PV
+D = 128
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    b: int
+    h: int
+    q: int
+    seq: int
+    offset: int = 0  # byte offset of the caches inside a bigger buffer (odd addresses)
+
+
+CASES = [
+    Case("decode, one cached token", 1, 16, 1, 1),
+    Case("decode", 4, 32, 1, 511),
+    Case("decode, odd L", 8, 40, 1, 2049),
+    Case("decode, B*H = 64*40", 64, 40, 1, 4097),
+    Case("decode, 32k tokens", 2, 64, 1, 32771),
+    Case("decode, B*H = 64*40 at 32k", 64, 40, 1, 32768),
+    Case("decode, odd base address", 2, 32, 1, 1000, offset=1),
+    Case("short query block", 4, 32, 5, 1000),
+    Case("query block 15", 2, 40, 15, 777),
+    Case("query block 16", 2, 40, 16, 777),
+    Case("query tile tail", 1, 64, 65, 2051),
+    Case("prefill 128", 8, 32, 128, 128),
+    Case("prefill 512, odd L", 2, 40, 512, 1031),
+    Case("prefill 2048", 1, 32, 2048, 2048),
+    Case("chunked prefill with a past", 1, 16, 2048, 4096),
+    Case("prefill at 32k tokens", 1, 64, 1000, 32771),
+    Case("prefill, odd base address", 1, 32, 256, 1000, offset=1),
+]
+
+SMALL = [
+    Case("small decode", 2, 3, 1, 37),
+    Case("small decode, odd base", 1, 2, 1, 1001, offset=1),
+    Case("small block", 2, 2, 5, 263),
+    Case("small prefill", 2, 2, 130, 263),
+    Case("small prefill, odd base", 1, 2, 70, 99, offset=1),
+]
+
+
+def _cache(shape: tuple[int, ...], offset: int, g: torch.Generator, device: str) -> torch.Tensor:
+    n = 1
+    for s in shape:
+        n *= s
+    buf = torch.empty(n + offset, dtype=torch.uint8, device=device)
+    view = buf[offset:].view(shape)
+    view.copy_(torch.randint(0, 256, shape, generator=g, device=device, dtype=torch.uint8))
+    return view
+
+
+def _sample(bh: int, seed: int) -> list[int]:
+    if bh <= 16:
+        return list(range(bh))
+    g = torch.Generator().manual_seed(seed)
+    picks = torch.randperm(bh - 2, generator=g)[:6].add(1).tolist()
+    return sorted({0, bh - 1, *picks})
+
+
+def _ratio(out: torch.Tensor, ref: torch.Tensor, mag: torch.Tensor, rel: float) -> float:
+    return bench_kernels.error_ratio(out, ref, mag, rel)
+
+
+def paths_for(device: str) -> list[tuple[str, Optional[tuple[int, ...]]]]:
+    """(label, cuda_tuning settings to force it) for every path that may serve a case."""
+    if device != "cuda":
+        return [("cpu", None)]
+    return [("default", None), *bench_kernels.FORCE.items()]
+
+
+def check_case(ext: ModuleType, case: Case, device: str, seed: int = 0) -> dict[str, object]:
+    """Runs one case through every path; returns the worst error/tolerance per op and path."""
+    g = torch.Generator(device=device).manual_seed(seed + case.seq * 31 + case.q)
+    b, h, q, n = case.b, case.h, case.q, case.seq
+    query = torch.randn(b, h, q, D, generator=g, device=device).half()
+    probs = torch.softmax(
+        torch.randn(b, h, q, n, generator=g, device=device, dtype=torch.float16) * 4, dim=-1
+    )
+    k_t = _cache((b, h, D, n), case.offset, g, device)
+    v_q = _cache((b, h, n, D), case.offset, g, device)
+
+    def sz() -> tuple[torch.Tensor, torch.Tensor]:
+        sc = (torch.rand(b, h, n, 1, generator=g, device=device) * 0.03 + 0.002).half()
+        ze = (torch.rand(b, h, n, 1, generator=g, device=device) * 255).half()
+        return sc, ze
+
+    k_s, k_z = sz()
+    v_s, v_z = sz()
+    picks = _sample(b * h, seed + n)
+    result: dict[str, object] = {**asdict(case), "sampled_heads": len(picks), "paths": {}}
+    refs = {}
+    for op in ("qk", "pv"):
+        vec = (query if op == "qk" else probs).view(b * h, q, -1)
+        refs[op] = []
+        for i in picks:
+            bi, hi = divmod(i, h)
+            if op == "qk":
+                dq = (k_t[bi, hi].double() - k_z[bi, hi].double().T) * k_s[bi, hi].double().T
+            else:
+                dq = (v_q[bi, hi].double() - v_z[bi, hi].double()) * v_s[bi, hi].double()
+            v64 = vec[i].double()
+            refs[op].append((v64 @ dq, v64.abs() @ dq.abs()))
+    saved = ext.cuda_tuning() if device == "cuda" else None
+
+    def rel(label: str, op: str) -> float:
+        if saved is None:
+            return bench_kernels.EXACT
+        path = bench_kernels.cuda_path(saved, op, q) if label == "default" else label
+        return bench_kernels.tolerance_for(path)
+
+    worst_fb = {"qk": 0.0, "pv": 0.0}
+    for j, i in enumerate(picks):
+        bi, hi = divmod(i, h)
+        fb_qk = query[bi, hi] @ (k_s[bi, hi] * (k_t[bi, hi].T - k_z[bi, hi])).T
+        fb_pv = probs[bi, hi] @ (v_s[bi, hi] * (v_q[bi, hi] - v_z[bi, hi]))
+        worst_fb["qk"] = max(worst_fb["qk"], _ratio(fb_qk, *refs["qk"][j], rel("default", "qk")))
+        worst_fb["pv"] = max(worst_fb["pv"], _ratio(fb_pv, *refs["pv"][j], rel("default", "pv")))
+    result["fallback"] = worst_fb
+    ok = True
+    try:
+        for label, setting in paths_for(device):
+            if setting is not None:
+                ext.cuda_tuning(*setting)
+            per: dict[str, float] = {}
+            for op in ("qk", "pv"):
+                out = torch.full(
+                    (b, h, q, n if op == "qk" else D),
+                    float("nan"),
+                    dtype=torch.float16,
+                    device=device,
+                )
+                if op == "qk":
+                    getattr(ext, QK)(query, k_t, out, k_s, k_z)
+                else:
+                    getattr(ext, PV)(probs, v_q, out, v_s, v_z)
+                if torch.isnan(out).any().item():
+                    per[op] = float("inf")
+                else:
+                    flat = out.view(b * h, q, -1)
+                    per[op] = max(
+                        _ratio(flat[i], *refs[op][j], rel(label, op)) for j, i in enumerate(picks)
+                    )
+                ok = ok and per[op] <= 1.0
+                del out
+            result["paths"][label] = per  # type: ignore[index]
+    finally:
+        if saved is not None:
+            ext.cuda_tuning(*(saved[k] for k in bench_kernels.TUNING_KEYS))
+    result["ok"] = ok
+    return result
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    p.add_argument("--small", action="store_true", help="a few small cases (compute-sanitizer)")
+    p.add_argument("--build-dir", default=None)
+    p.add_argument("--json", default=None, help="write the results to this file")
+    args = p.parse_args(argv)
+    device = bench_kernels.resolve_device(args.device)
+    ext = bench_kernels.build(device, args.build_dir)
+    cases = SMALL if args.small or device == "cpu" else CASES
+    results = []
+    print("| case | B | H | Q | L | path | QK err/tol | PV err/tol | fallback QK | fallback PV |")
+    print("|---|---:|---:|---:|---:|---|---:|---:|---:|---:|")
+    for case in cases:
+        t0 = time.perf_counter()
+        r = check_case(ext, case, device)
+        r["seconds"] = time.perf_counter() - t0
+        results.append(r)
+        fb = r["fallback"]
+        for label, per in r["paths"].items():  # type: ignore[attr-defined]
+            print(
+                f"| {case.name} | {case.b} | {case.h} | {case.q} | {case.seq} | {label} "
+                f"| {per['qk']:.3g} | {per['pv']:.3g} | {fb['qk']:.3g} | {fb['pv']:.3g} |",  # type: ignore[index]
+                flush=True,
+            )
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    failed = [r["name"] for r in results if not r["ok"]]
+    if args.json:
+        Path(args.json).write_text(json.dumps({"device": device, "cases": results}, indent=1))
+    if failed:
+        print(f"# FAILED: {', '.join(map(str, failed))}")
+        return 1
+    print(f"# all {len(results)} cases within tolerance on every path")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
