@@ -16,7 +16,7 @@ import resource
 import sys
 import warnings
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Optional
 
 FLAG = "use_cache_quantization"
 
@@ -162,3 +162,53 @@ def legacy_cache(past: Any) -> Any:
     # newer transformers may hand back a Cache object; the remote code itself uses tuples
     to_legacy = getattr(past, "to_legacy_cache", None)
     return to_legacy() if callable(to_legacy) else past
+
+
+class KernelCounter:
+    """Counts, per attention layer, the calls into the compiled extension from now on.
+
+    qwen-kvprep's own model code counts them itself (`kernel_calls`); Qwen's real
+    modeling_qwen.py does not, so there the layer's extension module is wrapped in a
+    CountingKernels proxy. A layer without a loaded extension counts 0.
+    """
+
+    def __init__(self, layers: list[tuple[str, Any]]) -> None:
+        self.modules = [m for _, m in layers]
+        self.proxies: list[Optional[CountingKernels]] = []
+        for mod in self.modules:
+            proxy = None
+            if hasattr(mod, "kernel_calls"):
+                mod.kernel_calls = 0
+            elif getattr(mod, "cache_kernels", None) is not None:
+                proxy = CountingKernels(mod.cache_kernels)
+                mod.cache_kernels = proxy
+            self.proxies.append(proxy)
+
+    def calls(self) -> list[int]:
+        return [
+            p.calls if p is not None else int(getattr(m, "kernel_calls", 0) or 0)
+            for m, p in zip(self.modules, self.proxies)
+        ]
+
+    def kernel_layers(self) -> int:
+        return sum(1 for c in self.calls() if c > 0)
+
+
+def cache_nbytes(past: Any) -> int:
+    """Bytes of every tensor the model returned as its cache (codes, scales and zero
+    points for the quantized one). numel * element_size, not storage size: key/value may
+    be views of one projection output, but what a cache holds is their logical size."""
+    return sum(t.numel() * t.element_size() for t in tensors_in(legacy_cache(past)))
+
+
+def cache_length(past: Any) -> Optional[int]:
+    """Tokens in the cache: ((q, scale, zero), ...) is [b, h, s, d]; (key, value) plain is
+    [b, s, h, d] (the layouts of Qwen's remote code)."""
+    layers = legacy_cache(past)
+    try:
+        first = layers[0][0]
+        if isinstance(first, (tuple, list)):
+            return int(first[0].shape[2])
+        return int(first.shape[1])
+    except (IndexError, TypeError, AttributeError):
+        return None
