@@ -4,10 +4,12 @@ device's capacity marked. Needs matplotlib (the optional `plot` extra)."""
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 from typing import Any
 
 from qwen_kvprep.errors import UsageError
+from qwen_kvprep.fsutil import atomic_write_bytes
 
 FORMATS = (".svg", ".png")
 INSTALL = "pip install 'qwen-kvprep[plot]'"
@@ -69,11 +71,17 @@ def write_plot(profile: dict[str, Any], path: Path) -> Path:
         fontsize=9,
     )
     ax.set_xlabel("batch size")
+    ax.set_xticks(sorted({r["batch"] for r in rows}))
     ax.set_ylabel("peak memory (GiB)")
-    ax.set_ylim(bottom=0)
+    values = [v for r in rows for v in (r["peak_bytes"], r["predicted_bytes"]) if v]
+    top = max([*values, capacity or 0, 1]) / _GIB
+    ax.set_ylim(0, top * 1.12)  # room above the capacity line for its label
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path)
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format=path.suffix.lower().lstrip("."))
     plt.close(fig)
+    # like every file qwen-kvprep writes: whole or not at all
+    atomic_write_bytes(path, buffer.getvalue())
     return path
