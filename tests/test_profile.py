@@ -236,6 +236,8 @@ def test_is_oom_knows_every_allocator() -> None:
             raise ValueError("loading failed") from inner
     except ValueError as outer:
         assert is_oom(outer, torch)
+    assert is_oom(RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling "
+                               "`cublasCreate(handle)`"), torch)
     assert not is_oom(RuntimeError("expected scalar type Half"), torch)
 
 

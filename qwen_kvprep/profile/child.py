@@ -172,8 +172,12 @@ def is_oom(exc: BaseException, torch: Any) -> bool:
         if isinstance(current, oom_types(torch)):
             return True
         text = str(current)
+        # CUDA's and HIP's "... out of memory", torch's CPU allocator, and cuBLAS failing
+        # to allocate its workspace on a full GPU
         if isinstance(current, RuntimeError) and (
-            "out of memory" in text.lower() or "can't allocate memory" in text
+            "out of memory" in text.lower()
+            or "can't allocate memory" in text
+            or "CUBLAS_STATUS_ALLOC_FAILED" in text
         ):
             return True
         current = current.__cause__ or current.__context__
