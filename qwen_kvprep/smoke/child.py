@@ -17,192 +17,64 @@ loop of plain forwards gives exactly N tokens and raw logits on every version.
 from __future__ import annotations
 
 import argparse
-import importlib.machinery
-import json
-import logging
-import os
-import resource
 import statistics
 import sys
 import time
-import traceback
-import warnings
-from typing import IO, Any, Callable, Optional
+from typing import Any, Callable, Optional
 
+from qwen_kvprep.childproc import Events, child_main
+from qwen_kvprep.runtime import (
+    FLAG,
+    CountingKernels,
+    attention_layers,
+    captured_warnings,
+    kernel_info,
+    resolve_device,
+    restore,
+    set_cache_quantization,
+)
+from qwen_kvprep.runtime import has_accelerate as _has_accelerate
+from qwen_kvprep.runtime import legacy_cache as _legacy
+from qwen_kvprep.runtime import rss_peak_bytes as _rss_peak_bytes
+from qwen_kvprep.runtime import tensors_in as _tensors
 from qwen_kvprep.smoke.protocol import (
     DEFAULT_MAX_NEW_TOKENS,
     DEFAULT_PROMPT,
     DEVICES,
-    PHASE_DONE,
     PHASE_INSPECT,
     PHASE_LOAD,
     PHASE_QUANTIZED,
-    PHASE_START,
     PHASE_UNQUANTIZED,
     PHASE_WARMUP,
     RESULT_VERSION,
 )
 
-FLAG = "use_cache_quantization"
 # Logits are compared only while both runs share a prefix, i.e. up to the first
 # divergence; keeping more steps than this costs memory (vocab x 4 bytes each) for nothing.
 KEEP_LOGITS_STEPS = 64
 WARMUP_TOKENS = 3
 
 
-class Events:
-    """Line-delimited JSON on the dedicated descriptor; flushed per line so that the
-    parent still has everything up to a crash."""
-
-    def __init__(self, stream: IO[str]) -> None:
-        self.stream = stream
-        self.phase = PHASE_START
-
-    def send(self, obj: dict[str, Any]) -> None:
-        self.stream.write(json.dumps(obj, default=str) + "\n")
-        self.stream.flush()
-
-    def start(self, phase: str) -> None:
-        self.phase = phase
-        self.send({"event": "phase", "phase": phase, "t": time.time()})
-
-
-class _Capture(logging.Handler):
-    def __init__(self, sink: list[str]) -> None:
-        super().__init__(logging.WARNING)
-        self.sink = sink
-
-    def emit(self, record: logging.LogRecord) -> None:
-        try:
-            self.sink.append(record.getMessage())
-        except Exception:  # a bad format string in model code must not kill the smoke
-            self.sink.append(str(record.msg))
-
-
-def _rss_peak_bytes() -> int:
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    # Linux reports KiB, macOS bytes
-    return int(peak if sys.platform == "darwin" else peak * 1024)
-
-
-def resolve_device(requested: str, torch: Any) -> str:
-    if requested == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if requested == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError(
-            f"--device cuda, but torch {torch.__version__} sees no GPU "
-            f"(torch.version.cuda={torch.version.cuda})"
-        )
-    return requested
-
-
 def load_model(directory: str, device: str) -> tuple[Any, Any, float, list[str]]:
     """Tokenizer and model as a server loads them; also the warnings printed meanwhile."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    captured: list[str] = []
-    handler = _Capture(captured)
-    # transformers' own loggers do not propagate to the root logger; remote code
-    # (transformers_modules.*) does. Listen on both.
-    loggers = [logging.getLogger(), logging.getLogger("transformers")]
-    for lg in loggers:
-        lg.addHandler(handler)
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")  # one warning per layer, not one per site
-            t0 = time.perf_counter()
-            tokenizer = AutoTokenizer.from_pretrained(directory, trust_remote_code=True)
-            kwargs: dict[str, Any] = {}
-            if device == "cuda" and _has_accelerate():
-                kwargs["device_map"] = "auto"  # what Qwen's own instructions use
-            model = AutoModelForCausalLM.from_pretrained(
-                directory, trust_remote_code=True, **kwargs
-            )
-            if device == "cuda" and "device_map" not in kwargs:
-                model = model.to("cuda")
-            model.eval()
-            if device == "cuda":
-                import torch
+    with captured_warnings() as messages:
+        t0 = time.perf_counter()
+        tokenizer = AutoTokenizer.from_pretrained(directory, trust_remote_code=True)
+        kwargs: dict[str, Any] = {}
+        if device == "cuda" and _has_accelerate():
+            kwargs["device_map"] = "auto"  # what Qwen's own instructions use
+        model = AutoModelForCausalLM.from_pretrained(directory, trust_remote_code=True, **kwargs)
+        if device == "cuda" and "device_map" not in kwargs:
+            model = model.to("cuda")
+        model.eval()
+        if device == "cuda":
+            import torch
 
-                torch.cuda.synchronize()
-            load_s = time.perf_counter() - t0
-    finally:
-        for lg in loggers:
-            lg.removeHandler(handler)
-    messages = [str(w.message) for w in caught] + captured
-    for m in messages:  # recorded instead of printed: keep them in the log too
-        print(f"warning during load: {m}", file=sys.stderr)
+            torch.cuda.synchronize()
+        load_s = time.perf_counter() - t0
     return tokenizer, model, load_s, messages
-
-
-def _has_accelerate() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("accelerate") is not None
-
-
-def flagged_modules(model: Any) -> list[tuple[str, Any]]:
-    return [(n, m) for n, m in model.named_modules() if hasattr(m, FLAG)]
-
-
-def attention_layers(model: Any) -> list[tuple[str, Any]]:
-    """The leaf-most modules carrying the quantization flag: the attention layers (the
-    model-level module carries the flag too, to read the cache length)."""
-    flagged = flagged_modules(model)
-    names = [n for n, _ in flagged]
-    return [
-        (n, m) for n, m in flagged if not any(o != n and o.startswith(n + ".") for o in names)
-    ]
-
-
-def kernel_info(module: Any) -> dict[str, Any]:
-    kernels = getattr(module, "cache_kernels", None)
-    if kernels is None:
-        return {"loaded": False, "module": None, "file": None, "compiled": False}
-    path = getattr(kernels, "__file__", None)
-    compiled = bool(path) and str(path).endswith(tuple(importlib.machinery.EXTENSION_SUFFIXES))
-    return {
-        "loaded": True,
-        "module": getattr(kernels, "__name__", type(kernels).__name__),
-        "file": str(path) if path else None,
-        "compiled": compiled,
-    }
-
-
-class CountingKernels:
-    """Stands in for a layer's `cache_kernels` and counts calls into the extension, so
-    "the kernel ran" is observed rather than inferred from the attribute being set."""
-
-    def __init__(self, inner: Any) -> None:
-        self._inner = inner
-        self.calls = 0
-
-    def __getattr__(self, name: str) -> Any:
-        attr = getattr(self._inner, name)
-        if not callable(attr):
-            return attr
-
-        def counted(*args: Any, **kwargs: Any) -> Any:
-            self.calls += 1
-            return attr(*args, **kwargs)
-
-        return counted
-
-
-def _tensors(obj: Any) -> list[Any]:
-    import torch
-
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, (tuple, list)):
-        return [t for item in obj for t in _tensors(item)]
-    return []
-
-
-def _legacy(past: Any) -> Any:
-    # newer transformers may hand back a Cache object; the remote code itself uses tuples
-    to_legacy = getattr(past, "to_legacy_cache", None)
-    return to_legacy() if callable(to_legacy) else past
 
 
 def cache_layout(layer_past: Any, batch: int, tokens: int) -> dict[str, Any]:
@@ -323,15 +195,7 @@ def run_mode(
     model: Any, input_ids: Any, new_tokens: int, device: str, quantized: bool
 ) -> dict[str, Any]:
     """One greedy run with every flagged module's quantization flag set to `quantized`."""
-    # the layers read their own attribute; the config is switched too in case some code
-    # path reads it at run time
-    targets = [m for _, m in flagged_modules(model)]
-    config = getattr(model, "config", None)
-    if config is not None and hasattr(config, FLAG):
-        targets.append(config)
-    saved = [(m, getattr(m, FLAG)) for m in targets]
-    for m in targets:
-        setattr(m, FLAG, quantized)
+    saved = set_cache_quantization(model, quantized)
     cache: dict[str, Any] = {}
     batch, tokens = int(input_ids.shape[0]), int(input_ids.shape[1])
     _reset_peak(device)
@@ -344,8 +208,7 @@ def run_mode(
             device,
         )
     finally:
-        for m, value in saved:
-            setattr(m, FLAG, value)
+        restore(saved)
     run["cache"] = cache
     run["peak_memory"] = _peak(device)
     return run
@@ -492,31 +355,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--prompt", default=DEFAULT_PROMPT)
     parser.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS)
     args = parser.parse_args(argv)
-
-    stream = os.fdopen(args.fd, "w", encoding="utf-8") if args.fd is not None else sys.stdout
-    if args.fd is not None:
-        # model code, transformers and compilers print freely: send their stdout to our
-        # stderr (the parent's log) so nothing can corrupt the event stream
-        os.dup2(2, 1)
-    ev = Events(stream)
-    ev.start(PHASE_START)
-    try:
-        result = smoke(args.directory, args.device, args.prompt, args.max_new_tokens, ev)
-    except BaseException as exc:  # report everything, even SystemExit from model code
-        traceback.print_exc()
-        ev.send(
-            {
-                "event": "error",
-                "phase": ev.phase,
-                "type": type(exc).__name__,
-                "message": str(exc),
-                "traceback": traceback.format_exc(),
-            }
-        )
-        return 1
-    ev.send({"event": "result", "result": result})
-    ev.start(PHASE_DONE)
-    return 0
+    return child_main(
+        args.fd,
+        lambda ev: smoke(args.directory, args.device, args.prompt, args.max_new_tokens, ev),
+    )
 
 
 if __name__ == "__main__":

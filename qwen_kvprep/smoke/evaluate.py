@@ -78,7 +78,8 @@ def _quote(lines: list[str], n: int = 8) -> str:
     return "\n".join("        | " + line for line in lines[-n:])
 
 
-def _hint(text: str, directory: str) -> Optional[str]:
+def known_cause(text: str, directory: str) -> Optional[str]:
+    """The fix for a known failure named in an error message or log (also used by profile)."""
     for needle, fix in _HINTS:
         if needle in text:
             return fix.format(dir=directory)
@@ -119,18 +120,18 @@ def _failure(outcome: ChildOutcome, options: SmokeOptions, directory: str) -> Fi
         message = f"{err.get('type')} while {doing}: {err.get('message')}"
         details["exception"] = {"type": err.get("type"), "message": err.get("message")}
         details["traceback"] = err.get("traceback")
-        fix = _hint(f"{err.get('message')}\n" + "\n".join(outcome.log_tail), directory)
+        fix = known_cause(f"{err.get('message')}\n" + "\n".join(outcome.log_tail), directory)
     elif outcome.returncode is not None and outcome.returncode < 0:
         message = (
             f"the child process died of {_signal_name(outcome.returncode)} while {doing}"
         )
-        fix = _hint("\n".join(outcome.log_tail), directory)
+        fix = known_cause("\n".join(outcome.log_tail), directory)
     else:
         message = (
             f"the child process exited with status {outcome.returncode} while {doing}, "
             "without a result"
         )
-        fix = _hint("\n".join(outcome.log_tail), directory)
+        fix = known_cause("\n".join(outcome.log_tail), directory)
     if outcome.log_tail:
         message += "\n      last lines of its output:\n" + _quote(outcome.log_tail)
     return fail(

@@ -1,0 +1,256 @@
+"""Both ends of the child processes that load models (smoke, profile).
+
+A model is only ever loaded in a child process, so that whatever the model code does
+(crash in a CUDA kernel, hang in a JIT build lock, call os._exit, run out of memory)
+cannot take the CLI with it, and so that one run's memory peak cannot leak into the next.
+
+Parent side (`run_events_child`): the child runs in its own session (process group), so a
+timeout or Ctrl-C kills it and everything it started (ninja, nvcc, a hung CUDA context) in
+one signal. Its stdout and stderr go to a log file (a pipe could fill up and stall it; a
+file cannot), of which the last lines are quoted when it fails.
+
+Child side (`Events`, `child_main`): one JSON object per line on a dedicated file
+descriptor, never on stdout or stderr, where model code and compilers print whatever they
+like:
+
+    {"event": "phase", "phase": "load"}            a phase starts
+    {"event": "progress", ...}                      anything else a display may show
+    {"event": "error", "phase": ..., "type": ..., "message": ..., "traceback": ...}
+    {"event": "result", "result": {...}}            everything measured
+
+Light imports only: the CLI imports this module without torch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any, Callable, Optional
+
+PHASE_START = "start"
+PHASE_DONE = "done"
+
+EventCallback = Callable[[dict[str, Any]], None]
+CommandFactory = Callable[[int], list[str]]  # the event descriptor -> argv
+
+# How long a child gets to exit after SIGTERM before SIGKILL: enough for Python to run
+# its exit handlers, short enough that a wedged CUDA context does not stall the CLI.
+TERM_GRACE_S = 3.0
+LOG_TAIL_LINES = 20
+_LOG_TAIL_BYTES = 64 * 1024
+
+
+@dataclass
+class ChildOutcome:
+    """What the child said and how it ended."""
+
+    pid: Optional[int] = None  # also the id of its process group
+    returncode: Optional[int] = None
+    timed_out: bool = False
+    elapsed: float = 0.0
+    phase: str = PHASE_START
+    result: Optional[dict[str, Any]] = None
+    error: Optional[dict[str, Any]] = None
+    log_tail: list[str] = field(default_factory=list)
+    bad_lines: int = 0  # lines on the event pipe that were not JSON
+
+
+# -- parent side -----------------------------------------------------------------------------
+
+
+def child_env(extra: Optional[dict[str, str]] = None) -> dict[str, str]:
+    env = dict(os.environ)
+    # The child must import this very qwen_kvprep, also when it runs from a checkout (the
+    # child's working directory is elsewhere). An installed one is found anyway, and a
+    # site-packages folder on PYTHONPATH would go ahead of the standard library.
+    pkg_parent = Path(__file__).resolve().parents[1]
+    if not pkg_parent.name.endswith("-packages"):
+        env["PYTHONPATH"] = os.pathsep.join(
+            p for p in (str(pkg_parent), env.get("PYTHONPATH")) if p
+        )
+    # Flush prints as they happen: after a crash the log must hold the last words.
+    env["PYTHONUNBUFFERED"] = "1"
+    # A local directory needs no network; without this, a tokenizer or config lookup on an
+    # air-gapped host can sit in connection timeouts for minutes before the real error.
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    env.setdefault("TRANSFORMERS_OFFLINE", "1")
+    env.update(extra or {})
+    return env
+
+
+def _read_events(
+    fd: int, outcome: ChildOutcome, lock: threading.Lock, on_event: Optional[EventCallback]
+) -> None:
+    with os.fdopen(fd, "r", encoding="utf-8", errors="replace") as stream:
+        for line in stream:
+            try:
+                event = json.loads(line)
+            except ValueError:
+                with lock:
+                    outcome.bad_lines += 1
+                continue
+            if not isinstance(event, dict):
+                continue
+            kind = event.get("event")
+            with lock:
+                if kind == "phase":
+                    outcome.phase = str(event.get("phase"))
+                elif kind == "result":
+                    outcome.result = event.get("result")
+                elif kind == "error":
+                    outcome.error = event
+            if kind not in ("result", "error") and on_event is not None:
+                with contextlib.suppress(Exception):  # progress display must not break a run
+                    on_event(event)
+
+
+def kill_group(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM the child's whole process group, SIGKILL whatever is left after a grace."""
+    for sig, wait in ((signal.SIGTERM, TERM_GRACE_S), (signal.SIGKILL, None)):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, sig)
+        if wait is None:
+            break
+        try:
+            proc.wait(timeout=wait)
+            break
+        except subprocess.TimeoutExpired:
+            continue
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)  # grandchildren that ignored SIGTERM
+    proc.wait()
+
+
+def tail_lines(path: Path, n: int = LOG_TAIL_LINES) -> list[str]:
+    """Last `n` non-empty lines; progress bars (\\r-rewritten lines) reduced to their end."""
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(0, os.SEEK_END)
+            size = fh.tell()
+            fh.seek(max(0, size - _LOG_TAIL_BYTES))
+            data = fh.read()
+    except OSError:
+        return []
+    lines = []
+    for raw in data.decode("utf-8", errors="replace").split("\n"):
+        line = raw.rstrip("\r").rsplit("\r", 1)[-1].rstrip()
+        if line:
+            lines.append(line)
+    return lines[-n:]
+
+
+def run_events_child(
+    command: CommandFactory,
+    timeout: float,
+    on_event: Optional[EventCallback] = None,
+    env: Optional[dict[str, str]] = None,
+    prefix: str = "qwen-kvprep-child-",
+) -> ChildOutcome:
+    """Run `command(fd)` in its own session, bounded by `timeout` seconds, and collect the
+    events it writes to descriptor `fd`. Never raises for what the child does."""
+    outcome = ChildOutcome()
+    lock = threading.Lock()
+    with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
+        log_path = Path(tmp) / "child.log"
+        read_fd, write_fd = os.pipe()
+        try:
+            with open(log_path, "wb") as log:
+                t0 = time.monotonic()
+                proc = subprocess.Popen(
+                    command(write_fd),
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=log,
+                    pass_fds=(write_fd,),
+                    # a neutral working directory: a server's is arbitrary, and the
+                    # original cpp_kernels.py only works from one particular folder
+                    cwd=tmp,
+                    env=env if env is not None else child_env(),
+                    start_new_session=True,
+                )
+        except BaseException:
+            os.close(read_fd)
+            os.close(write_fd)
+            raise
+        outcome.pid = proc.pid
+        os.close(write_fd)  # only the child holds the write end now: EOF when it dies
+        reader = threading.Thread(
+            target=_read_events, args=(read_fd, outcome, lock, on_event), daemon=True
+        )
+        reader.start()
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            outcome.timed_out = True
+            kill_group(proc)
+        except BaseException:  # Ctrl-C: the child is in its own session and gets no SIGINT
+            kill_group(proc)
+            raise
+        else:
+            # the child is gone; anything it left running in its group goes with it
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)
+        outcome.elapsed = time.monotonic() - t0
+        outcome.returncode = proc.returncode
+        reader.join(timeout=5.0)
+        outcome.log_tail = tail_lines(log_path)
+    return outcome
+
+
+# -- child side ------------------------------------------------------------------------------
+
+
+class Events:
+    """Line-delimited JSON on the dedicated descriptor; flushed per line so that the
+    parent still has everything up to a crash."""
+
+    def __init__(self, stream: IO[str]) -> None:
+        self.stream = stream
+        self.phase = PHASE_START
+
+    def send(self, obj: dict[str, Any]) -> None:
+        self.stream.write(json.dumps(obj, default=str) + "\n")
+        self.stream.flush()
+
+    def start(self, phase: str) -> None:
+        self.phase = phase
+        self.send({"event": "phase", "phase": phase, "t": time.time()})
+
+
+def child_main(fd: Optional[int], work: Callable[[Events], dict[str, Any]]) -> int:
+    """Run `work` in a child: its result, or the exception it raised, as events on `fd`
+    (stdout when None, for running a child by hand)."""
+    stream = os.fdopen(fd, "w", encoding="utf-8") if fd is not None else sys.stdout
+    if fd is not None:
+        # model code, transformers and compilers print freely: send their stdout to our
+        # stderr (the parent's log) so nothing can corrupt the event stream
+        os.dup2(2, 1)
+    ev = Events(stream)
+    ev.start(PHASE_START)
+    try:
+        result = work(ev)
+    except BaseException as exc:  # report everything, even SystemExit from model code
+        traceback.print_exc()
+        ev.send(
+            {
+                "event": "error",
+                "phase": ev.phase,
+                "type": type(exc).__name__,
+                "message": str(exc),
+                "traceback": traceback.format_exc(),
+            }
+        )
+        return 1
+    ev.send({"event": "result", "result": result})
+    ev.start(PHASE_DONE)
+    return 0

@@ -1,0 +1,120 @@
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Optional
+
+import click
+
+from qwen_kvprep.profile.protocol import DEFAULT_PROMPT_TOKENS, DEFAULT_TIMEOUT_S, DEVICES, DTYPES
+
+_BUILTIN = "\0builtin"  # --quality without a file
+
+
+def parse_batches(value: Optional[str]) -> Optional[tuple[int, ...]]:
+    from qwen_kvprep.errors import UsageError
+
+    if value is None:
+        return None
+    try:
+        batches = tuple(int(part) for part in value.replace(" ", "").split(",") if part)
+    except ValueError:
+        raise UsageError(f"--batch {value!r}: give batch sizes like 1,4,16") from None
+    if not batches or min(batches) < 1:
+        raise UsageError(f"--batch {value!r}: give one or more batch sizes >= 1")
+    return batches
+
+
+@click.command()
+@click.argument("directory")
+@click.option("--device", type=click.Choice(DEVICES), default="auto", show_default=True,
+              help="Where to run; auto = the GPU when torch sees one.")
+@click.option("--batch", "batch", metavar="LIST",
+              help="Batch sizes, e.g. 1,4,16 (default: 1,4,16,32,64,100 on a GPU, 1,2 on a "
+              "CPU).")
+@click.option("--tokens", type=click.IntRange(min=1), metavar="N",
+              help="New tokens generated per run (default: 1024 on a GPU, 16 on a CPU).")
+@click.option("--prompt-tokens", type=click.IntRange(min=1), default=DEFAULT_PROMPT_TOKENS,
+              show_default=True, metavar="P", help="Prompt length in tokens.")
+@click.option("--prefill-chunk", type=click.IntRange(min=1), metavar="C",
+              help="Feed the prompt in chunks of C tokens (default: all at once).")
+@click.option("--random-weights", is_flag=True,
+              help="Build the architecture from config.json with random weights on the "
+              "device: no weights needed.")
+@click.option("--dtype", type=click.Choice(DTYPES),
+              help="Model dtype (default: as config.json says).")
+@click.option("--quality", is_flag=False, flag_value=_BUILTIN, default=None,
+              metavar="[TEXTFILE]",
+              help="Also compare the two caches teacher-forced over a text (the built-in "
+              "passage, or TEXTFILE).")
+@click.option("--timeout", type=click.FloatRange(min=1.0), default=DEFAULT_TIMEOUT_S,
+              show_default=True, metavar="S", help="Seconds one run may take before it is "
+              "killed.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON document.")
+@click.option("--plot", type=click.Path(dir_okay=False, path_type=Path), metavar="FILE",
+              help="Draw memory against batch into FILE (.svg or .png; needs the plot "
+              "extra).")
+def profile(
+    directory: str,
+    device: str,
+    batch: Optional[str],
+    tokens: Optional[int],
+    prompt_tokens: int,
+    prefill_chunk: Optional[int],
+    random_weights: bool,
+    dtype: Optional[str],
+    quality: Optional[str],
+    timeout: float,
+    as_json: bool,
+    plot: Optional[Path],
+) -> None:
+    """Measure DIRECTORY's memory, speed and quality with the unquantized and the Int8
+    KV cache, one child process per batch size and mode, beside plan's prediction."""
+    from qwen_kvprep.cli import existing_dir, output_findings
+    from qwen_kvprep.errors import UsageError
+    from qwen_kvprep.findings import info
+    from qwen_kvprep.profile import ProfileOptions, run_profile
+    from qwen_kvprep.profile.plot import check_plot_target, write_plot
+    from qwen_kvprep.profile.progress import progress_bar
+    from qwen_kvprep.profile.render import render_text
+    from qwen_kvprep.report import emit
+
+    path = existing_dir(directory)
+    assert path is not None
+    text_file: Optional[Path] = None
+    if quality not in (None, _BUILTIN):
+        text_file = Path(str(quality)).absolute()
+        if not text_file.is_file():
+            raise UsageError(f"--quality {quality}: no such file")
+    if plot is not None:
+        check_plot_target(plot)
+    options = ProfileOptions(
+        device=device,
+        batches=parse_batches(batch),
+        new_tokens=tokens,
+        prompt_tokens=prompt_tokens,
+        prefill_chunk=prefill_chunk,
+        random_weights=random_weights,
+        dtype=dtype,
+        quality=quality is not None,
+        quality_text=text_file,
+        timeout=timeout,
+    )
+    bar = progress_bar(as_json, total=1)
+    try:
+        report = run_profile(path, options, bar)
+    finally:
+        if bar is not None:
+            bar.close()
+    findings = list(report.findings)
+    if plot is not None:
+        written = write_plot(report.profile, plot)
+        findings.append(info("profile.plot", f"wrote the plot to {written}", paths=[written]))
+    if not as_json:
+        emit(render_text(report.profile))
+        emit("")
+    sys.exit(output_findings(findings, as_json, profile=report.profile))
+
+
+def register(group: click.Group) -> None:
+    group.add_command(profile)

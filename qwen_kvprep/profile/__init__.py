@@ -1,0 +1,90 @@
+"""`profile`: measure what the Int8 KV cache saves on the user's own model and device.
+
+For each batch size and each mode (unquantized, int8) one child process loads the model,
+prefills a prompt and decodes N tokens (the procedure `plan` predicts), and reports the
+cache bytes, the memory peak, the speed and how many layers ran the compiled kernel.
+`--quality` adds a teacher-forced comparison of the two modes over a text.
+
+Parent side: source.py (what to load), runner.py (the children, the rows), predict.py
+(plan's figures beside them), evaluate.py (findings), render.py and plot.py (output).
+Child side: child.py and quality.py. Light imports only: the CLI imports this package
+without torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+from qwen_kvprep.findings import Finding
+from qwen_kvprep.profile.progress import ProgressBar
+from qwen_kvprep.profile.protocol import RANDOM_SEED
+from qwen_kvprep.profile.runner import Measurements, ProfileError, ProfileOptions
+
+__all__ = ["ProfileError", "ProfileOptions", "ProfileReport", "run_profile"]
+
+
+@dataclass(frozen=True)
+class ProfileReport:
+    findings: list[Finding]
+    profile: dict[str, Any]  # the "profile" object of --json
+    measurements: Measurements
+
+
+def max_batch(rows: list[dict[str, Any]]) -> dict[str, Optional[int]]:
+    """Per mode, the largest batch that ran to the end (no OOM, no error)."""
+    out: dict[str, Optional[int]] = {}
+    for mode in ("unquantized", "int8"):
+        fit = [r["batch"] for r in rows if r["mode"] == mode and not r["oom"] and not r["error"]]
+        out[mode] = max(fit) if fit else None
+    return out
+
+
+def run_profile(
+    directory: Path, options: ProfileOptions, bar: Optional[ProgressBar] = None
+) -> ProfileReport:
+    """Measure; never raises for what a child does (crashes, hangs and OOMs come back in
+    the rows and findings). Raises KvprepError subclasses when it cannot start: a folder
+    without weights (and no --random-weights), an unreadable config.json, no torch."""
+    from qwen_kvprep.profile.evaluate import evaluate
+    from qwen_kvprep.profile.predict import fill_predictions, per_token, shape_of
+    from qwen_kvprep.profile.runner import measure
+    from qwen_kvprep.profile.source import model_source
+
+    with model_source(directory, options.random_weights) as source:
+        found = measure(source, options, bar)
+    rows = [r.row for r in found.runs]
+    shape, plan_problem = shape_of(source.directory, found.dtype or options.dtype)
+    fill_predictions(rows, shape, options.prefill_chunk)
+    units = per_token(shape)
+    layers = next((r.outcome.result.get("layers") for r in found.runs
+                   if r.outcome is not None and r.outcome.result is not None
+                   and r.outcome.result.get("layers") is not None), None)
+    findings = evaluate(found, source, units, layers, options.timeout, plan_problem)
+    profile: dict[str, Any] = {
+        "directory": str(source.directory),
+        "source": source.to_json(),
+        "device": found.device,
+        "versions": found.versions,
+        "batches": list(found.batches),
+        "prompt_tokens": options.prompt_tokens,
+        "new_tokens": found.new_tokens,
+        "prefill_chunk": options.prefill_chunk,
+        "dtype": found.dtype or options.dtype,
+        "random_weights": options.random_weights,
+        "seed": RANDOM_SEED if options.random_weights else None,
+        "timeout": options.timeout,
+        "use_flash_attn": False,
+        "model": {
+            "layers": layers,
+            "heads": shape.heads if shape else None,
+            "head_dim": shape.head_dim if shape else None,
+            "weights_bytes": shape.weights_bytes if shape else None,
+            "kv_bytes_per_token": units,
+        },
+        "rows": rows,
+        "max_batch": max_batch(rows),
+        "quality": (found.quality.row or None) if found.quality is not None else None,
+    }
+    return ProfileReport(findings, profile, found)

@@ -1,0 +1,185 @@
+"""Judge a profile: findings out of the measured rows. Pure functions of the rows and the
+children's outcomes, testable without a model.
+
+- A run that crashed, hung or errored is a failing finding quoting the child's last
+  output lines; a run that ran out of memory is not a failure, it is the measurement.
+- Int8 runs that did not run the compiled kernel in every layer are a warning: their
+  speed (and, on the real model code, their memory) is the pure-torch fallback's.
+- The cache bytes of every finished run must equal batch x cached tokens x bytes per
+  token exactly; a difference means the cache is not in the format plan assumes.
+"""
+
+from __future__ import annotations
+
+import shlex
+from collections.abc import Sequence
+from typing import Any, Optional
+
+from qwen_kvprep.findings import Finding, fail, info, ok, skip, warn
+from qwen_kvprep.profile.predict import expected_kv_bytes
+from qwen_kvprep.profile.protocol import MODES
+from qwen_kvprep.profile.runner import Measurements, RunRecord, failure_text
+from qwen_kvprep.profile.source import ModelSource
+from qwen_kvprep.smoke.evaluate import known_cause
+
+
+def _quote(lines: Sequence[str], n: int = 8) -> str:
+    return "\n".join("        | " + line for line in list(lines)[-n:])
+
+
+def human_bytes(n: Optional[float]) -> str:
+    if n is None:
+        return "-"
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.3g} {unit}"
+        value /= 1024
+    return f"{value:.3g} TiB"
+
+
+def run_failures(m: Measurements, source: ModelSource, timeout: float) -> list[Finding]:
+    out: list[Finding] = []
+    records = [*m.runs, *([m.quality] if m.quality is not None else [])]
+    for rec in records:
+        outcome = rec.outcome
+        if outcome is None or outcome.result is not None or rec.row.get("oom"):
+            continue
+        what = "quality run" if rec.spec.task == "quality" else (
+            f"{rec.spec.mode} run at batch {rec.spec.batch}")
+        message = f"the {what} failed: {failure_text(outcome, timeout)}"
+        if outcome.log_tail:
+            message += "\n      last lines of its output:\n" + _quote(outcome.log_tail)
+        error_text = str((outcome.error or {}).get("message") or "")
+        fix = known_cause(error_text + "\n" + "\n".join(outcome.log_tail),
+                          shlex.quote(str(source.directory)))
+        if fix is None and outcome.timed_out:
+            fix = "give it more time with --timeout S, or profile fewer batches with --batch"
+        out.append(fail(
+            "profile.run", message,
+            fix=fix or f"run `qwen-kvprep smoke {shlex.quote(str(source.directory))}` to see "
+            "whether the model loads and generates at all",
+            paths=[source.directory],
+            mode=rec.spec.mode, batch=rec.spec.batch, phase=outcome.phase,
+            timed_out=outcome.timed_out, returncode=outcome.returncode,
+            log_tail=outcome.log_tail,
+            traceback=(outcome.error or {}).get("traceback"),
+        ))
+    return out
+
+
+def oom_finding(rows: list[dict[str, Any]]) -> Optional[Finding]:
+    parts = []
+    for mode in MODES:
+        hit = [r["batch"] for r in rows if r["mode"] == mode and r["oom"]]
+        if hit:
+            parts.append(f"{mode} from batch {min(hit)}")
+    if not parts:
+        return None
+    return info("profile.oom", "out of memory (not an error: the limit measured): "
+                + "; ".join(parts))
+
+
+def kernel_finding(
+    rows: list[dict[str, Any]], layers: Optional[int], source: ModelSource
+) -> Finding:
+    ran = [r for r in rows if r["mode"] == "int8" and r.get("kernel_layers") is not None
+           and not r["oom"] and not r["error"]]
+    if not ran:
+        return skip("profile.kernel", "no Int8 run finished, so kernel use is unknown")
+    short = [r for r in ran if layers is None or r["kernel_layers"] < layers]
+    if not short:
+        return ok("profile.kernel",
+                  f"every Int8 run used the compiled kernel in all {layers} layers")
+    worst = min(r["kernel_layers"] for r in short)
+    if source.random_weights:
+        fix = ("build the extension for this torch: `qwen-kvprep build` (then run profile "
+               "again)")
+    else:
+        fix = f"qwen-kvprep fix {shlex.quote(str(source.directory))}"
+    return warn(
+        "profile.kernel",
+        f"Int8 runs used the compiled kernel in only {worst} of {layers} layers: the rest "
+        "fell back to the model's pure-torch path, so the Int8 speed measured is the "
+        "fallback's, not the kernel's",
+        fix=fix,
+        paths=[source.directory],
+        kernel_layers=[r["kernel_layers"] for r in short],
+    )
+
+
+def kv_finding(rows: list[dict[str, Any]], per_token: dict[str, Optional[int]]) -> Finding:
+    checked = [r for r in rows if r.get("kv_bytes") is not None]
+    if not checked or per_token.get("int8") is None:
+        return skip("profile.kv_bytes", "no finished run (or no model shape) to check")
+    wrong = [r for r in checked if r["kv_bytes"] != expected_kv_bytes(r, per_token)]
+    u, q = per_token["unquantized"], per_token["int8"]
+    if wrong:
+        r = wrong[0]
+        return warn(
+            "profile.kv_bytes",
+            f"the {r['mode']} cache at batch {r['batch']} holds {r['kv_bytes']:,} bytes, not "
+            f"batch x {r['cached_tokens']} tokens x {per_token[r['mode']]:,} bytes "
+            f"= {expected_kv_bytes(r, per_token):,}: the cache is not in the format the "
+            "prediction assumes",
+            mismatches=[{"mode": w["mode"], "batch": w["batch"], "kv_bytes": w["kv_bytes"],
+                         "expected": expected_kv_bytes(w, per_token)} for w in wrong],
+        )
+    ratio = f" ({q / u:.3f}x)" if u and q else ""
+    return ok(
+        "profile.kv_bytes",
+        f"every cache holds exactly batch x cached tokens x {u:,} bytes unquantized, "
+        f"{q:,} bytes Int8{ratio}",
+    )
+
+
+def quality_finding(rec: Optional[RunRecord]) -> Optional[Finding]:
+    if rec is None or not rec.row:
+        return None  # not asked for, or it failed (run_failures says why)
+    q = rec.row
+    ppl_u, ppl_q = q.get("ppl_unquantized"), q.get("ppl_int8")
+    ppl = (f"perplexity {ppl_u:.4g} unquantized, {ppl_q:.4g} Int8"
+           if ppl_u is not None and ppl_q is not None else "perplexity out of range")
+    return info(
+        "profile.quality",
+        f"teacher-forced over {q['tokens']} tokens ({q['text']}): top-1 agreement "
+        f"{100 * q['top1_agreement']:.1f}%, {ppl}, |logit difference| mean "
+        f"{q['mean_abs_logit_diff']:.3g}, max {q['max_abs_logit_diff']:.3g}",
+    )
+
+
+def evaluate(
+    m: Measurements,
+    source: ModelSource,
+    per_token: dict[str, Optional[int]],
+    layers: Optional[int],
+    timeout: float,
+    plan_problem: Optional[str] = None,
+) -> list[Finding]:
+    rows = [r.row for r in m.runs]
+    device = m.device
+    findings = [info(
+        "profile.device",
+        f"{device.get('kind')}: {device.get('name')} ({human_bytes(device.get('total_bytes'))}), "
+        f"torch {m.versions.get('torch')}, transformers {m.versions.get('transformers')}",
+    )]
+    if source.random_weights:
+        code = ("the checkpoint's model code" if source.remote_code == "checkpoint"
+                else "qwen-kvprep's own model code (the folder has none)")
+        findings.append(info(
+            "profile.source",
+            f"random weights built from config.json on the device, {code}, "
+            "qwen-kvprep's loader and kernel sources",
+        ))
+    findings += run_failures(m, source, timeout)
+    oom = oom_finding(rows)
+    if oom is not None:
+        findings.append(oom)
+    findings.append(kernel_finding(rows, layers, source))
+    findings.append(kv_finding(rows, per_token))
+    if plan_problem:
+        findings.append(warn("profile.plan", f"no prediction: {plan_problem}"))
+    quality = quality_finding(m.quality)
+    if quality is not None:
+        findings.append(quality)
+    return findings

@@ -1,0 +1,45 @@
+"""The bridge to `plan`: its prediction beside every measured row, and the exact cache
+size per token that the measured cache bytes are checked against."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Optional
+
+from qwen_kvprep.errors import KvprepError
+from qwen_kvprep.plan import ModelShape, kv_bytes_per_token, model_shape, predict_peak_bytes
+from qwen_kvprep.profile.protocol import MODES
+
+
+def shape_of(directory: Path, dtype: Optional[str]) -> tuple[Optional[ModelShape], Optional[str]]:
+    """plan's view of the model, or why there is none (a refusal of plan's own)."""
+    try:
+        return model_shape(directory, dtype), None
+    except KvprepError as exc:
+        return None, exc.message
+    except OSError as exc:
+        return None, str(exc)
+
+
+def per_token(shape: Optional[ModelShape]) -> dict[str, Optional[int]]:
+    return {m: (kv_bytes_per_token(shape, m) if shape is not None else None) for m in MODES}
+
+
+def fill_predictions(
+    rows: list[dict[str, Any]], shape: Optional[ModelShape], prefill_chunk: Optional[int]
+) -> None:
+    for row in rows:
+        row["predicted_bytes"] = (
+            predict_peak_bytes(shape, row["batch"], row["prompt_tokens"], row["new_tokens"],
+                               row["mode"], prefill_chunk)
+            if shape is not None
+            else None
+        )
+
+
+def expected_kv_bytes(row: dict[str, Any], per_token: dict[str, Optional[int]]) -> Optional[int]:
+    """batch x cached tokens x bytes per token: what the cache must hold, exactly."""
+    unit = per_token.get(row["mode"])
+    if unit is None or row.get("cached_tokens") is None:
+        return None
+    return int(row["batch"]) * int(row["cached_tokens"]) * unit

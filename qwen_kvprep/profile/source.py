@@ -1,0 +1,169 @@
+"""What a profile's children load: the checkpoint itself, or, with random weights, a
+temporary folder assembled from its config.json.
+
+The assembled folder holds config.json, the model code (the checkpoint's own remote code
+when it has one, else qwen-kvprep's re-implementation), qwen-kvprep's loader and kernel
+sources. Its children get a private modules cache, into which they plant the loader and
+the sources beside the model code, so the Int8 runs use the compiled kernel from the
+build cache whether or not the checkpoint was ever fixed, and nothing of the assembled
+folder reaches the user's modules cache.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from qwen_kvprep.errors import CheckpointError, ConfigError
+from qwen_kvprep.findings import fail
+
+CONFIG = "config.json"
+MODELING = "modeling_qwen.py"
+_AUTO_MAP = {
+    "AutoConfig": "configuration_qwen.QWenConfig",
+    "AutoModelForCausalLM": "modeling_qwen.QWenLMHeadModel",
+}
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    directory: Path  # what the user named
+    load_from: Path  # what the children load
+    random_weights: bool
+    remote_code: str  # "checkpoint" or "qwen-kvprep"
+    plant_kernels: bool
+    child_env: dict[str, str] = field(default_factory=dict)
+    loader_is_ours: bool = False  # the checkpoint's cpp_kernels.py is qwen-kvprep's loader
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "weights": "random" if self.random_weights else "checkpoint",
+            "remote_code": self.remote_code,
+            "loaded_from": str(self.load_from) if not self.random_weights else None,
+        }
+
+
+def read_config(directory: Path) -> dict[str, Any]:
+    path = directory / CONFIG
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        message = f"{directory} has no {CONFIG}"
+        fix = "point profile at a Qwen (v1) checkpoint folder (config.json is the minimum)"
+        raise CheckpointError(message, fix=fix, findings=[fail("profile.source", message,
+                                                                 fix=fix, paths=[path])]) from None
+    except (OSError, ValueError) as exc:
+        message = f"{path} cannot be read as JSON: {exc}"
+        raise ConfigError(message, fix=f"repair or re-download {path}") from exc
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path} is not a JSON object", fix=f"repair or re-download {path}")
+    return data
+
+
+def _weights_problem(directory: Path) -> Optional[str]:
+    """Why transformers cannot load weights from `directory`, or None."""
+    from qwen_kvprep.probe.checkpoint import probe_checkpoint
+
+    cp = probe_checkpoint(directory)
+    if cp.weights_layout == "none":
+        return "has no weights (no model.safetensors, safetensors index with shards, or .bin)"
+    if cp.index is not None and cp.index.missing:
+        missing = ", ".join(cp.index.missing[:3]) + (" …" if len(cp.index.missing) > 3 else "")
+        return f"lacks {len(cp.index.missing)} weight file(s) its index lists ({missing})"
+    bad = [p for p in cp.content_problems if p.name in cp.weight_files]
+    if bad:
+        return f"has weight files that are not weights: {bad[0].name} {bad[0].detail}"
+    return None
+
+
+def _probe_loader(directory: Path) -> bool:
+    from qwen_kvprep.buildcache.loader import is_loader
+
+    try:
+        return is_loader((directory / "cpp_kernels.py").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError):
+        return False
+
+
+@contextmanager
+def model_source(directory: Path, random_weights: bool) -> Iterator[ModelSource]:
+    """The folder to load; a temporary assembled one (removed afterwards) for random
+    weights. Refuses a folder without loadable weights unless random weights are asked."""
+    directory = Path(directory).absolute()
+    config = read_config(directory)
+    has_code = (directory / MODELING).is_file()
+    if not random_weights:
+        problem = _weights_problem(directory)
+        if problem is not None:
+            message = f"{directory} {problem}"
+            fix = (
+                f"profile the architecture alone with random weights: qwen-kvprep profile "
+                f"{directory} --random-weights (or download the weights)"
+            )
+            raise CheckpointError(
+                message, fix=fix, findings=[fail("profile.source", message, fix=fix,
+                                                 paths=[directory])]
+            )
+        yield ModelSource(
+            directory=directory,
+            load_from=directory,
+            random_weights=False,
+            remote_code="checkpoint" if has_code else "none",
+            plant_kernels=False,
+            loader_is_ours=_probe_loader(directory),
+        )
+        return
+    tmp = Path(tempfile.mkdtemp(prefix="qwen-kvprep-profile-"))
+    try:
+        folder = tmp / "model"  # no dot: transformers imports the folder name as a module
+        folder.mkdir()
+        _assemble(directory, folder, config, has_code)
+        yield ModelSource(
+            directory=directory,
+            load_from=folder,
+            random_weights=True,
+            remote_code="checkpoint" if has_code else "qwen-kvprep",
+            plant_kernels=True,
+            child_env={"HF_MODULES_CACHE": str(tmp / "modules")},
+            loader_is_ours=True,
+        )
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _assemble(directory: Path, folder: Path, config: dict[str, Any], has_code: bool) -> None:
+    from qwen_kvprep.buildcache import read_sources, resolve_cache_dir, vendored_sources
+    from qwen_kvprep.buildcache.loader import render_loader, source_hashes
+    from qwen_kvprep.resources import KERNEL_FILES
+    from qwen_kvprep.steps.loader import LOADER_FILE
+    from qwen_kvprep.tiny import REMOTE_CODE_DIR, REMOTE_FILES
+
+    config = dict(config)
+    config.setdefault("auto_map", dict(_AUTO_MAP))
+    if has_code:
+        for path in sorted(directory.glob("*.py")):
+            if path.name != LOADER_FILE:
+                shutil.copyfile(path, folder / path.name)
+    else:
+        for name in REMOTE_FILES:
+            if name != LOADER_FILE:
+                shutil.copyfile(REMOTE_CODE_DIR / name, folder / name)
+        # a bare config (written by hand, or re-saved without remote code) may lack these
+        config.setdefault("model_type", "qwen")
+        config["auto_map"] = dict(_AUTO_MAP)
+    (folder / CONFIG).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    # The checkpoint's own sources when it has both (fix put them there: their build is
+    # the one in the cache), else qwen-kvprep's.
+    sources = read_sources(directory)
+    if set(sources) != set(KERNEL_FILES):
+        sources = vendored_sources()
+    for name, data in sources.items():
+        (folder / name).write_bytes(data)
+    loader = render_loader(folder, [resolve_cache_dir(None)], source_hashes(sources), None)
+    (folder / LOADER_FILE).write_bytes(loader)

@@ -1,0 +1,546 @@
+"""`qwen-kvprep profile`: rows, findings and rendering from made-up outcomes (fast), and the
+real thing on tiny checkpoints on the CPU (slow: each run is a child loading a model).
+
+The Int8 runs use the CPU build of the extension, built once per session into the shared
+build cache by `fix` (as in test_e2e_fix.py).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Optional
+
+import pytest
+
+from qwen_kvprep.childproc import ChildOutcome
+from qwen_kvprep.findings import Severity
+from qwen_kvprep.plan import ModelShape, kv_bytes_per_token
+from qwen_kvprep.profile import max_batch
+from qwen_kvprep.profile import runner as runner_mod
+from qwen_kvprep.profile.evaluate import evaluate, human_bytes
+from qwen_kvprep.profile.progress import ProgressBar, progress_bar
+from qwen_kvprep.profile.protocol import ENV_SIMULATE_OOM, ChildSpec
+from qwen_kvprep.profile.render import render_text, summary, table
+from qwen_kvprep.profile.runner import (
+    ROW_FIELDS,
+    Measurements,
+    ProfileOptions,
+    RunRecord,
+    make_row,
+    measure,
+)
+from qwen_kvprep.profile.source import ModelSource
+
+# The tiny checkpoint: 2 layers x K and V x 2 heads x 128 dims; bf16 unquantized, or
+# 128 one-byte codes + a bf16 scale + a bf16 zero point per token and head.
+TINY_UNQUANTIZED = 2 * 2 * 2 * 128 * 2
+TINY_INT8 = 2 * 2 * 2 * (128 + 2 + 2)
+
+
+# -- made-up outcomes ------------------------------------------------------------------------
+
+
+def _spec(mode: str = "int8", batch: int = 1) -> ChildSpec:
+    return ChildSpec(task="run", source="/ckpt", mode=mode, batch=batch, prompt_tokens=8,
+                     new_tokens=4)
+
+
+def _result(mode: str, batch: int, **over: Any) -> dict[str, Any]:
+    unit = TINY_INT8 if mode == "int8" else TINY_UNQUANTIZED
+    res = {
+        "device": {"kind": "cpu", "name": "x86_64", "total_bytes": 8 << 30},
+        "versions": {"torch": "2.x", "transformers": "4.x"},
+        "dtype": "bf16", "layers": 2, "cached_tokens": 12, "kv_bytes": batch * 12 * unit,
+        "peak_bytes": 300 << 20, "prefill_tokens_per_s": 1000.0,
+        "decode_tokens_per_s": 500.0 / (1.2 if mode == "int8" else 1.0),
+        "kernel_layers": 2 if mode == "int8" else 0, "oom": False, "error": None,
+    }
+    res.update(over)
+    return res
+
+
+def _source(random_weights: bool = False) -> ModelSource:
+    return ModelSource(directory=Path("/ckpt"), load_from=Path("/ckpt"),
+                       random_weights=random_weights, remote_code="checkpoint",
+                       plant_kernels=random_weights)
+
+
+def _record(mode: str, batch: int, **over: Any) -> RunRecord:
+    spec = _spec(mode, batch)
+    outcome = ChildOutcome(returncode=0, elapsed=1.5, result=_result(mode, batch, **over))
+    return RunRecord(spec, outcome, make_row(spec, outcome, 60))
+
+
+def _measurements(*records: RunRecord) -> Measurements:
+    return Measurements(device={"kind": "cpu", "name": "x86_64", "total_bytes": 8 << 30},
+                        versions={"torch": "2.x", "transformers": "4.x"},
+                        batches=tuple(sorted({r.spec.batch for r in records})), new_tokens=4,
+                        runs=list(records))
+
+
+UNITS = {"unquantized": TINY_UNQUANTIZED, "int8": TINY_INT8}
+
+
+def _by_id(findings: list[Any]) -> dict[str, Any]:
+    return {f.id: f for f in findings}
+
+
+def test_row_has_exactly_the_contract_fields() -> None:
+    rec = _record("int8", 2)
+    assert tuple(rec.row) == ROW_FIELDS
+    assert rec.row["kv_bytes"] == 2 * 12 * TINY_INT8 and rec.row["seconds"] == 1.5
+    assert rec.row["oom"] is False and rec.row["error"] is None
+
+
+def test_child_spec_travels_as_json() -> None:
+    spec = ChildSpec(task="quality", source="/x", prefill_chunk=16, text_file="/t.txt")
+    assert ChildSpec.from_json(spec.to_json()) == spec
+
+
+def test_timeout_crash_and_oom_killer_rows() -> None:
+    spec = _spec("unquantized", 4)
+    hung = make_row(spec, ChildOutcome(timed_out=True, returncode=-15, phase="decode"), 30)
+    assert hung["oom"] is False and hung["error"] == "timed out after 30 s while decoding"
+    crashed = make_row(spec, ChildOutcome(returncode=1, phase="load", error={
+        "type": "RuntimeError", "message": "boom\nsecond line"}), 30)
+    assert crashed["error"] == "RuntimeError while loading the model: boom"
+    killed = make_row(spec, ChildOutcome(returncode=-9, phase="prefill"), 30)
+    assert killed["oom"] is True and "SIGKILL" in killed["error"]
+    assert "out-of-memory killer" in killed["error"]
+
+
+def test_findings_of_a_good_profile() -> None:
+    m = _measurements(*(_record(mode, b) for b in (1, 2) for mode in ("unquantized", "int8")))
+    by = _by_id(evaluate(m, _source(), UNITS, 2, 60))
+    assert by["profile.kernel"].severity is Severity.OK
+    assert by["profile.kv_bytes"].severity is Severity.OK
+    assert "0.516x" in by["profile.kv_bytes"].message
+    assert "profile.oom" not in by and "profile.run" not in by
+
+
+def test_fallback_warns_and_names_fix() -> None:
+    m = _measurements(_record("unquantized", 1), _record("int8", 1, kernel_layers=0))
+    f = _by_id(evaluate(m, _source(), UNITS, 2, 60))["profile.kernel"]
+    assert f.severity is Severity.WARN and "0 of 2 layers" in f.message
+    assert f.fix == "qwen-kvprep fix /ckpt"
+    f = _by_id(evaluate(m, _source(random_weights=True), UNITS, 2, 60))["profile.kernel"]
+    assert "qwen-kvprep build" in (f.fix or "")
+
+
+def test_cache_of_the_wrong_size_warns() -> None:
+    m = _measurements(_record("int8", 2, kv_bytes=2 * 12 * TINY_INT8 + 8))
+    f = _by_id(evaluate(m, _source(), UNITS, 2, 60))["profile.kv_bytes"]
+    assert f.severity is Severity.WARN and "not in the format" in f.message
+
+
+def test_crash_is_a_failing_finding_with_the_last_lines_and_oom_is_not() -> None:
+    spec = _spec("int8", 1)
+    crashed = ChildOutcome(returncode=-11, phase="decode",
+                           log_tail=["loading ...", "CUDA error: an illegal memory access"])
+    oom = _record("unquantized", 1, oom=True, error="OutOfMemoryError: CUDA out of memory",
+                  kv_bytes=None, cached_tokens=None)
+    m = _measurements(oom, RunRecord(spec, crashed, make_row(spec, crashed, 60)))
+    findings = evaluate(m, _source(), UNITS, 2, 60)
+    (run,) = [f for f in findings if f.id == "profile.run"]
+    assert run.severity is Severity.FAIL and "SIGSEGV" in run.message
+    assert "illegal memory access" in run.message and run.fix
+    assert _by_id(findings)["profile.oom"].severity is Severity.INFO
+
+
+def test_after_an_oom_larger_batches_of_that_mode_are_skipped(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    ran: list[tuple[str, int]] = []
+
+    def fake_child(spec: ChildSpec, source: Any, timeout: float, bar: Any,
+                   label: str) -> ChildOutcome:
+        if spec.task == "probe":
+            return ChildOutcome(returncode=0, result=_result("unquantized", 1))
+        ran.append((spec.mode, spec.batch))
+        oom = spec.mode == "unquantized" and spec.batch >= 4
+        return ChildOutcome(returncode=0, elapsed=1.0, result=_result(
+            spec.mode, spec.batch, oom=oom, error="OutOfMemoryError: x" if oom else None))
+
+    monkeypatch.setattr(runner_mod, "run_child", fake_child)
+    found = measure(_source(), ProfileOptions(batches=(16, 1, 4, 4)))
+    assert found.batches == (1, 4, 16)
+    assert ran == [("unquantized", 1), ("int8", 1), ("unquantized", 4), ("int8", 4),
+                   ("int8", 16)]
+    skipped = found.runs[4].row
+    assert (skipped["mode"], skipped["batch"], skipped["oom"]) == ("unquantized", 16, True)
+    assert skipped["error"].startswith("skipped: batch 4 already ran out of memory")
+    rows = [r.row for r in found.runs]
+    assert max_batch(rows) == {"unquantized": 1, "int8": 16}
+    line = summary({"rows": rows, "max_batch": max_batch(rows), "batches": [1, 4, 16]})
+    assert "largest batch that fit: unquantized 1, int8 16+ (at least 16x" in line
+    assert "decode at batch 1: int8 416.7 tok/s vs unquantized 500.0 (0.83x)" in line
+
+
+def test_table_and_text() -> None:
+    rows = [_record(mode, b).row for b in (1, 2) for mode in ("unquantized", "int8")]
+    for r in rows:
+        r["predicted_bytes"] = 3 << 20
+    text = table(rows, 2)
+    lines = text.splitlines()
+    assert lines[0].split() == ["mode", "batch", "cached", "KV", "bytes", "peak", "predicted",
+                                "decode", "tok/s", "kernel", "layers", "OOM"]
+    assert lines[2].split()[-2:] == ["2/2", "no"] and "25,344" in lines[4]
+    assert human_bytes(300 << 20) == "300 MiB" and human_bytes(None) == "-"
+    profile = {"directory": "/ckpt", "random_weights": False, "device": {"kind": "cpu",
+               "name": "x86_64"}, "dtype": "bf16", "prompt_tokens": 8, "new_tokens": 4,
+               "prefill_chunk": None, "rows": rows, "model": {"layers": 2},
+               "max_batch": max_batch(rows), "batches": [1, 2], "quality": None}
+    assert "neither ran out of memory" in render_text(profile)
+
+
+def test_progress_bar_only_on_a_terminal() -> None:
+    assert progress_bar(as_json=False, total=3) is None  # pytest's stderr is no terminal
+    stream = io.StringIO()
+    bar = ProgressBar(stream, total=3)
+    bar.start("int8 batch 4")
+    bar.event({"event": "progress", "phase": "decode", "done": 5, "total": 16})
+    bar.finish_step()
+    bar.close()
+    out = stream.getvalue()
+    assert "\r[" in out and "int8 batch 4: decoding 5/16" in out and "1/3" in out
+
+
+def test_stand_in_plan_kv_bytes_per_token() -> None:
+    # Qwen-7B: 32 layers, 32 heads of 128, bf16
+    shape = ModelShape(layers=32, heads=32, head_dim=128, hidden=4096, intermediate=22016,
+                       vocab=151936, dtype_bytes=2, weights_bytes=0)
+    assert kv_bytes_per_token(shape, "unquantized") == 524_288
+    assert kv_bytes_per_token(shape, "int8") == 270_336
+
+
+def test_is_oom_knows_every_allocator() -> None:
+    import torch
+
+    from qwen_kvprep.profile.child import is_oom
+
+    assert is_oom(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2 GiB"), torch)
+    assert is_oom(MemoryError(), torch)
+    assert is_oom(RuntimeError("[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: "
+                               "can't allocate memory: you tried to allocate 8 bytes"), torch)
+    try:
+        try:
+            raise torch.OutOfMemoryError("CUDA out of memory")
+        except torch.OutOfMemoryError as inner:
+            raise ValueError("loading failed") from inner
+    except ValueError as outer:
+        assert is_oom(outer, torch)
+    assert is_oom(RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling "
+                               "`cublasCreate(handle)`"), torch)
+    assert not is_oom(RuntimeError("expected scalar type Half"), torch)
+
+
+def test_kernel_counter_wraps_foreign_model_code() -> None:
+    from qwen_kvprep.runtime import KernelCounter
+
+    class Extension:
+        __file__ = "/cache/cache_autogptq_cuda_256.so"
+
+        def vecquant8matmul_batched_faster_old(self, *args: Any) -> None:
+            return None
+
+        def vecquant8matmul_batched_column_compression_faster_old(self, *args: Any) -> None:
+            return None
+
+    class OwnCode:  # qwen-kvprep's tiny model code counts its own calls
+        kernel_calls = 7
+        cache_kernels = Extension()
+
+    class RealQwen:  # Qwen's code does not: the extension is wrapped
+        def __init__(self) -> None:
+            self.cache_kernels: Any = Extension()
+
+    class Fallback:
+        cache_kernels = None
+
+    own, real, fallback = OwnCode(), RealQwen(), Fallback()
+    counter = KernelCounter([("a", own), ("b", real), ("c", fallback)])
+    assert counter.calls() == [0, 0, 0]
+    own.kernel_calls += 2
+    real.cache_kernels.vecquant8matmul_batched_faster_old(1, 2, 3, 4, 5)
+    real.cache_kernels.vecquant8matmul_batched_column_compression_faster_old(1, 2, 3, 4, 5)
+    assert counter.calls() == [2, 2, 0] and counter.kernel_layers() == 2
+    assert real.cache_kernels.__file__.endswith(".so")  # attributes pass through
+
+
+def test_plot_needs_matplotlib_and_says_how(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from qwen_kvprep.errors import UsageError
+    from qwen_kvprep.profile.plot import check_plot_target
+
+    with pytest.raises(UsageError, match=r"\.svg or \.png"):
+        check_plot_target(tmp_path / "plot.pdf")
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import fails
+    with pytest.raises(UsageError) as caught:
+        check_plot_target(tmp_path / "plot.svg")
+    assert caught.value.fix == "pip install 'qwen-kvprep[plot]'"
+
+
+def test_plot_draws_both_modes(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    from qwen_kvprep.profile.plot import write_plot
+
+    rows = [_record(mode, b).row for b in (1, 2, 4) for mode in ("unquantized", "int8")]
+    rows[4].update(oom=True, peak_bytes=None, error="OutOfMemoryError: x")
+    for r in rows:
+        r["predicted_bytes"] = (300 + 10 * r["batch"]) << 20
+    profile = {"rows": rows, "device": {"kind": "cuda", "name": "GPU", "total_bytes": 1 << 30},
+               "directory": "/m/Qwen-7B-Chat", "prompt_tokens": 8, "new_tokens": 4}
+    out = write_plot(profile, tmp_path / "mem.svg")
+    svg = out.read_text()
+    for label in ("unquantized predicted", "int8 measured", "unquantized out of memory",
+                  "capacity 1.0 GiB"):
+        assert label in svg, label
+
+
+def _cli(*args: str, env: Optional[dict[str, str]] = None,
+         timeout: float = 600) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "qwen_kvprep", *args], capture_output=True,
+                          text=True, env=env, timeout=timeout)
+
+
+def test_folder_without_weights_is_refused_naming_random_weights(tmp_path: Path) -> None:
+    folder = tmp_path / "qwen7b"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": "qwen", "hidden_size": 4096}))
+    res = _cli("profile", str(folder))
+    assert res.returncode == 1 and "Traceback" not in res.stderr
+    assert "has no weights" in res.stderr and "--random-weights" in res.stderr
+    res = _cli("profile", str(folder), "--json")
+    doc = json.loads(res.stdout)
+    assert doc["ok"] is False and "--random-weights" in doc["error"]["fix"]
+
+
+def test_bad_options_are_usage_errors(tmp_path: Path) -> None:
+    for args in (["--batch", "1,x"], ["--batch", "0"], ["--quality", str(tmp_path / "no.txt")],
+                 ["--plot", str(tmp_path / "p.jpg")]):
+        res = _cli("profile", str(tmp_path), *args)
+        assert res.returncode == 2, (args, res.stderr)
+        assert "Traceback" not in res.stderr
+
+
+# -- the real thing on tiny checkpoints (CPU) ------------------------------------------------
+
+
+def _env(tmp: Path, cache: Path, **extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(HF_HOME=str(tmp / "hf-home"), HF_MODULES_CACHE=str(tmp / "hf-home" / "modules"),
+               QWEN_KVPREP_CACHE=str(cache), OMP_NUM_THREADS="1")
+    env.pop(ENV_SIMULATE_OOM, None)
+    env.update(extra)
+    return env
+
+
+@pytest.fixture(scope="module")
+def fixed(tmp_path_factory: pytest.TempPathFactory, shared_build_cache: Path) -> dict[str, Any]:
+    """A tiny checkpoint after `fix` (the CPU extension built into the shared cache)."""
+    from qwen_kvprep.tiny import generate_checkpoint
+
+    tmp = tmp_path_factory.mktemp("profile")
+    ckpt = generate_checkpoint(tmp / "tiny")
+    env = _env(tmp, shared_build_cache)
+    res = _cli("fix", str(ckpt), "--no-smoke", env=env, timeout=1800)
+    assert res.returncode == 0, res.stdout + res.stderr
+    return {"tmp": tmp, "ckpt": ckpt, "env": env}
+
+
+def _json(res: subprocess.CompletedProcess[str]) -> dict[str, Any]:
+    try:
+        doc: dict[str, Any] = json.loads(res.stdout)
+    except ValueError:
+        raise AssertionError(f"no JSON on stdout:\n{res.stdout}\n{res.stderr}") from None
+    return doc
+
+
+def _assert_exact_cache(rows: list[dict[str, Any]], cached: int) -> None:
+    for r in rows:
+        unit = TINY_INT8 if r["mode"] == "int8" else TINY_UNQUANTIZED
+        assert r["cached_tokens"] == cached, r
+        assert r["kv_bytes"] == r["batch"] * cached * unit, r
+
+
+@pytest.mark.slow
+def test_tiny_checkpoint_both_modes_kernel_and_quality(fixed: dict[str, Any]) -> None:
+    res = _cli("profile", str(fixed["ckpt"]), "--json", "--quality", "--batch", "1,2",
+               "--tokens", "6", "--prompt-tokens", "9", env=fixed["env"])
+    doc = _json(res)
+    assert res.returncode == 0, (doc["findings"], res.stderr)
+    assert "\r[" not in res.stderr  # no progress bar on a pipe
+    p = doc["profile"]
+    assert {"rows", "quality", "device", "versions", "batches", "prompt_tokens", "new_tokens",
+            "prefill_chunk", "dtype", "random_weights", "timeout", "model",
+            "max_batch"} <= set(p)
+    assert p["device"]["kind"] == "cpu" and p["versions"]["torch"]
+    assert p["dtype"] == "bf16" and p["model"]["layers"] == 2
+    assert p["model"]["kv_bytes_per_token"] == {"unquantized": TINY_UNQUANTIZED,
+                                                "int8": TINY_INT8}
+    rows = p["rows"]
+    assert [(r["mode"], r["batch"]) for r in rows] == [
+        ("unquantized", 1), ("int8", 1), ("unquantized", 2), ("int8", 2)]
+    _assert_exact_cache(rows, 9 + 6)
+    for r in rows:
+        assert tuple(r) == ROW_FIELDS
+        assert r["oom"] is False and r["error"] is None
+        assert r["kernel_layers"] == (2 if r["mode"] == "int8" else 0)  # every layer
+        assert r["peak_bytes"] > 0 and r["predicted_bytes"] > 0
+        assert r["decode_tokens_per_s"] > 0 and r["prefill_tokens_per_s"] > 0
+    q = p["quality"]
+    assert set(q) >= {"top1_agreement", "ppl_unquantized", "ppl_int8", "mean_abs_logit_diff",
+                      "max_abs_logit_diff", "tokens"}
+    assert q["text"] == "built-in passage" and q["tokens"] >= 300
+    assert q["kernel_layers"] == 2
+    assert 0.95 <= q["top1_agreement"] <= 1.0
+    # the 8-bit cache moves logits a little, never a lot (the tiny model's logits span ~30)
+    assert 0 < q["mean_abs_logit_diff"] < q["max_abs_logit_diff"] < 1.0
+    assert q["ppl_int8"] == pytest.approx(q["ppl_unquantized"], rel=0.05)
+    by = {f["id"]: f for f in doc["findings"]}
+    assert by["profile.kernel"]["severity"] == "ok"
+    assert by["profile.kv_bytes"]["severity"] == "ok"
+    assert by["profile.quality"]["severity"] == "info"
+
+
+def _drain(fd: int, sink: list[bytes]) -> None:
+    while True:
+        try:
+            data = os.read(fd, 4096)
+        except OSError:
+            return
+        if not data:
+            return
+        sink.append(data)
+
+
+@pytest.mark.slow
+def test_out_of_memory_is_a_row_not_a_crash(fixed: dict[str, Any]) -> None:
+    """A simulated allocator failure above batch 1; stderr on a terminal shows the bar."""
+    env = _env(fixed["tmp"], Path(fixed["env"]["QWEN_KVPREP_CACHE"]),
+               **{ENV_SIMULATE_OOM: "1"})
+    master, slave = os.openpty()
+    captured: list[bytes] = []
+    reader = threading.Thread(target=_drain, args=(master, captured), daemon=True)
+    reader.start()
+    try:
+        res = subprocess.run(
+            [sys.executable, "-m", "qwen_kvprep", "profile", str(fixed["ckpt"]), "--batch",
+             "1,2,4", "--tokens", "2"],
+            stdout=subprocess.PIPE, stderr=slave, text=True, env=env, timeout=600)
+    finally:
+        os.close(slave)
+        reader.join(timeout=10)
+        os.close(master)
+    bar = b"".join(captured).decode(errors="replace")
+    assert res.returncode == 0, res.stdout + bar
+    assert "\r[" in bar and "int8 batch 2" in bar and "Traceback" not in bar
+    out = res.stdout
+    lines = {tuple(line.split()[:2]): line for line in out.splitlines()
+             if line.startswith(("unquantized ", "int8 "))}
+    assert lines[("unquantized", "1")].rstrip().endswith("no")
+    assert lines[("int8", "2")].rstrip().endswith("OOM")
+    assert lines[("int8", "4")].rstrip().endswith("OOM (skipped)")
+    assert "largest batch that fit: unquantized 1, int8 1 (1x with the Int8 cache)" in out
+    assert "profile.oom" in out and "FAIL" not in out
+
+
+@pytest.mark.slow
+def test_out_of_memory_in_json(fixed: dict[str, Any]) -> None:
+    env = _env(fixed["tmp"], Path(fixed["env"]["QWEN_KVPREP_CACHE"]),
+               **{ENV_SIMULATE_OOM: "1"})
+    res = _cli("profile", str(fixed["ckpt"]), "--json", "--batch", "2,4", "--tokens", "2",
+               env=env)
+    doc = _json(res)
+    assert res.returncode == 0 and doc["ok"] is True
+    rows = doc["profile"]["rows"]
+    assert all(r["oom"] for r in rows)
+    assert "simulated out of memory" in rows[0]["error"]
+    assert rows[0]["peak_bytes"] > 0 and rows[0]["predicted_bytes"] > 0
+    assert rows[2]["error"].startswith("skipped") and rows[2]["seconds"] == 0
+    assert doc["profile"]["max_batch"] == {"unquantized": None, "int8": None}
+
+
+@pytest.fixture()
+def config_only(tmp_path: Path) -> Iterator[Path]:
+    """A folder with nothing but a bare config.json (no auto_map: no model code to name)."""
+    from qwen_kvprep.tiny import generate_checkpoint
+
+    full = generate_checkpoint(tmp_path / "full", layers=3)
+    folder = tmp_path / "cfg"
+    folder.mkdir()
+    config = json.loads((full / "config.json").read_text())
+    config.pop("auto_map")
+    (folder / "config.json").write_text(json.dumps(config))
+    yield folder
+
+
+@pytest.mark.slow
+def test_random_weights_from_a_config_alone(
+    fixed: dict[str, Any], config_only: Path, tmp_path: Path
+) -> None:
+    env = _env(tmp_path, Path(fixed["env"]["QWEN_KVPREP_CACHE"]))
+    res = _cli("profile", str(config_only), "--random-weights", "--json", "--batch", "3",
+               "--tokens", "4", "--prompt-tokens", "5", "--quality", env=env)
+    doc = _json(res)
+    assert res.returncode == 0, (doc["findings"], res.stderr)
+    p = doc["profile"]
+    assert p["source"]["weights"] == "random" and p["source"]["remote_code"] == "qwen-kvprep"
+    rows = p["rows"]
+    # 3 layers now
+    for r in rows:
+        unit = (TINY_INT8 if r["mode"] == "int8" else TINY_UNQUANTIZED) * 3 // 2
+        assert r["kv_bytes"] == 3 * 9 * unit and r["cached_tokens"] == 9
+    assert [r["kernel_layers"] for r in rows] == [0, 3]
+    assert p["quality"]["text"].startswith("synthetic") and p["quality"]["kernel_layers"] == 3
+    # the assembled folder ran from a private modules cache: the user's stays untouched
+    modules = tmp_path / "hf-home" / "modules" / "transformers_modules"
+    assert not modules.exists() or not any(modules.iterdir())
+
+
+def _patch_modeling(ckpt: Path, statement: str) -> None:
+    path = ckpt / "modeling_qwen.py"
+    text = path.read_text()
+    anchor = "class QWenAttention(nn.Module):\n    def __init__(self, config):\n"
+    assert anchor in text
+    path.write_text(text.replace(anchor, anchor + f"        {statement}\n", 1))
+
+
+@pytest.mark.slow
+def test_unfixed_checkpoint_falls_back_and_names_fix(
+    fixed: dict[str, Any], tmp_path: Path
+) -> None:
+    from qwen_kvprep.tiny import generate_checkpoint
+
+    ckpt = generate_checkpoint(tmp_path / "unfixed")
+    env = _env(tmp_path, Path(fixed["env"]["QWEN_KVPREP_CACHE"]))
+    res = _cli("profile", str(ckpt), "--json", "--batch", "1", "--tokens", "3", env=env)
+    doc = _json(res)
+    assert res.returncode == 0
+    assert [r["kernel_layers"] for r in doc["profile"]["rows"]] == [0, 0]
+    _assert_exact_cache(doc["profile"]["rows"], 32 + 3)
+    f = {f["id"]: f for f in doc["findings"]}["profile.kernel"]
+    assert f["severity"] == "warn" and f["fix"] == f"qwen-kvprep fix {ckpt}"
+
+
+@pytest.mark.slow
+def test_crashing_model_code_is_a_clean_failure(fixed: dict[str, Any], tmp_path: Path) -> None:
+    from qwen_kvprep.tiny import generate_checkpoint
+
+    ckpt = generate_checkpoint(tmp_path / "broken")
+    _patch_modeling(ckpt, 'raise RuntimeError("tiny attention refuses to start (test)")')
+    env = _env(tmp_path, Path(fixed["env"]["QWEN_KVPREP_CACHE"]))
+    res = _cli("profile", str(ckpt), "--batch", "1,2", "--tokens", "2", env=env)
+    assert res.returncode == 1 and "Traceback" not in res.stderr + res.stdout
+    assert "FAIL  profile.run" in res.stdout
+    assert "tiny attention refuses to start (test)" in res.stdout
+    assert "last lines of its output" in res.stdout
+    assert res.stdout.count("skipped") == 2  # batch 2 of each mode is not tried
