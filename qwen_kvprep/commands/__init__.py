@@ -7,7 +7,7 @@ import importlib
 import click
 
 # A command module is added here when it is written.
-_MODULES = ["doctor", "fix", "revert", "prestart", "template", "smoke", "build", "demo"]
+_MODULES = ["doctor", "fix", "revert", "prestart", "template", "smoke", "build", "demo", "plan"]
 
 
 def register(group: click.Group) -> None:
