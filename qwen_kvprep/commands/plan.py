@@ -112,7 +112,7 @@ def plan(
     if as_json:
         emit(render_json([], plan=payload(facts, result, gpu_source)))
     else:
-        emit(render_text(facts, result, gpu_source))
+        emit(render_text(facts, result, gpu_source, shown=directory))
 
 
 def register(group: click.Group) -> None:

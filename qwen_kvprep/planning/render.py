@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 from qwen_kvprep.plan import CUBLAS_WORKSPACE_BYTES, CUDA_CONTEXT_BYTES, kv_bytes_per_token
 from qwen_kvprep.planning.capacity import PlanResult
@@ -117,14 +117,17 @@ def _context_note(facts: ModelFacts) -> str:
     return f"; memory only, the config says {' and '.join(limits)}" if limits else ""
 
 
-def render_text(facts: ModelFacts, plan: PlanResult, gpu_source: str) -> str:
+def render_text(
+    facts: ModelFacts, plan: PlanResult, gpu_source: str, shown: Optional[str] = None
+) -> str:
+    """The text output; `shown` is the directory as the user wrote it."""
     shape, s = plan.shape, plan.scenario
     kv_u = kv_bytes_per_token(shape, "unquantized")
     kv_q = kv_bytes_per_token(shape, "int8")
     gptq = "" if facts.gptq is None else f", GPTQ {facts.gptq.bits}-bit"
     chunk = "in one forward" if s.prefill_chunk is None else f"in chunks of {s.prefill_chunk}"
     lines = [
-        f"model      {facts.path}: {shape.layers} layers, {shape.heads} heads × "
+        f"model      {shown or facts.path}: {shape.layers} layers, {shape.heads} heads × "
         f"{shape.head_dim}, hidden {shape.hidden}, vocab {shape.vocab:,}, "
         f"{facts.dtype}{gptq}",
         f"weights    {gib(shape.weights_bytes, 2)} GiB ({facts.weights_source})",
