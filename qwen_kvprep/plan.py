@@ -13,6 +13,7 @@ modeling_qwen.py reproduces it), not fitted to published figures. A forward's pe
     + the past it was given          (the caller still holds it while the forward runs)
     + the cache it returns           (torch.cat builds new tensors layer by layer, so at
                                       the end of the last layer old and new are both alive)
+    + the previous forward's logits  (the caller holds its last output meanwhile)
     + the largest transient of one layer or of the head
 
 and the run's peak is the largest forward peak. The transients of the last block are the
@@ -218,15 +219,16 @@ class _Forward:
 
 
 def _forward_peak(
-    shape: ModelShape, mode: str, batch: int, fwd: _Forward, first: int, softmax_in_fp32: bool
+    shape: ModelShape, mode: str, batch: int, fwd: _Forward, step: int, softmax_in_fp32: bool
 ) -> int:
+    """Peak of one forward; `step` is the first forward's query length (the prefill chunk)."""
     per_token = batch * kv_bytes_per_token(shape, mode)
     unquantized = mode == "unquantized"
     # The past the caller hands in and holds until the forward returns. An unquantized
     # forward without a past does no torch.cat: its key is the rotated copy and its value
     # a view into c_attn's output, so it keeps 4·proj elements per token and layer, not 2;
     # the forward after it is handed that.
-    old_cache = per_token * fwd.past * (2 if unquantized and fwd.past == first else 1)
+    old_cache = per_token * fwd.past * (2 if unquantized and fwd.past == step else 1)
     new_cache = per_token * (fwd.past + fwd.query) * (2 if unquantized and fwd.past == 0 else 1)
     # the caller's previous output, logits of every position it fed, is alive meanwhile
     old_logits = batch * fwd.before * shape.vocab * shape.dtype_bytes
