@@ -1,62 +1,266 @@
-"""STAND-IN for the plan module (issue 14): replaced at merge by the real
-qwen_kvprep/plan.py of the `plan` branch.
+"""Predicted peak GPU memory of a Qwen (v1) generation run, with and without the Int8 cache.
 
-It has exactly the signatures of /work/notes/plan-contract.md so that `profile` can import
-`predicted_bytes` from it. kv_bytes_per_token is exact; model_shape and predict_peak_bytes
-are deliberately rough (weights from config.json alone, peak = weights + cache at the
-final length + one prefill chunk's fp32 logits). Nothing else belongs here.
+This is the contract `qwen-kvprep profile` measures against (see the names below). A run:
+the model loaded; B identical rows of P prompt tokens fed in chunks of C (one forward
+each, with the past of the chunks before); then N greedy decode steps of one token per
+row, one forward each; T = P + N tokens cached at the end. The peak is what
+`torch.cuda.max_memory_allocated()` reports over the run, weights included.
+
+The number is derived from what the remote code allocates (qwen_kvprep/tiny/remote/
+modeling_qwen.py reproduces it), not fitted to published figures. A forward's peak is
+
+    weights + cuBLAS workspace + rotary tables
+    + the past it was given          (the caller still holds it while the forward runs)
+    + the cache it returns           (torch.cat builds new tensors layer by layer, so at
+                                      the end of the last layer old and new are both alive)
+    + the previous forward's logits  (the caller holds its last output meanwhile)
+    + the largest transient of one layer or of the head
+
+and the run's peak is the largest forward peak. The transients of the last block are the
+ones that count: there the new cache is (nearly) whole.
+
+Not counted here: the CUDA context and the kernels' code, which live outside the caching
+allocator (`fits` accounts for them), allocator block rounding (512 bytes per tensor,
+under a MiB for any Qwen model), and the caching allocator's fragmentation.
+
+Nothing here imports torch.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
-from qwen_kvprep.errors import ConfigError
+if TYPE_CHECKING:
+    from qwen_kvprep.planning.model import ModelFacts
 
-_DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+MODES = ("unquantized", "int8")
+
+# torch's default cuBLAS workspace (CUBLAS_WORKSPACE_CONFIG ":4096:2:16:8" before Hopper:
+# two 4 MiB and eight 16 KiB chunks), taken from the caching allocator at the first matmul.
+CUBLAS_WORKSPACE_BYTES = 2 * 4096 * 1024 + 8 * 16 * 1024
+
+# Memory a CUDA process holds outside the caching allocator: the context and the loaded
+# kernel images. PyTorch's out-of-memory messages on 80 GB A100/A800 cards put this
+# "non-PyTorch memory" at about 0.5 GiB. Not part of the predicted peak (which is the
+# allocator's), but the allocator cannot have it, so `fits` sets it aside.
+CUDA_CONTEXT_BYTES = 512 * 1024**2
 
 
 @dataclass(frozen=True)
 class ModelShape:
-    layers: int
-    heads: int
-    head_dim: int
-    hidden: int
-    intermediate: int
-    vocab: int
-    dtype_bytes: int
-    weights_bytes: int
+    layers: int  # num_hidden_layers
+    heads: int  # num_attention_heads
+    head_dim: int  # kv_channels (hidden_size // heads)
+    hidden: int  # hidden_size
+    intermediate: int  # config intermediate_size (Qwen's MLP width is intermediate // 2)
+    vocab: int  # vocab_size (padded)
+    dtype_bytes: int  # 2 for bf16/fp16, 4 for fp32
+    weights_bytes: int  # bytes of all weight tensors as they sit on the GPU
 
 
 def model_shape(checkpoint: Path, dtype: Optional[str] = None) -> ModelShape:
-    path = Path(checkpoint) / "config.json"
-    try:
-        cfg = json.loads(path.read_text(encoding="utf-8"))
-        hidden = int(cfg["hidden_size"])
-        heads = int(cfg["num_attention_heads"])
-        layers = int(cfg["num_hidden_layers"])
-        intermediate = int(cfg["intermediate_size"])
-        vocab = int(cfg["vocab_size"])
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise ConfigError(f"{path}: {exc}", fix="check config.json") from exc
-    if dtype is None:
-        dtype = next((d for d in ("bf16", "fp16", "fp32") if cfg.get(d)), "bf16")
-    e = _DTYPE_BYTES.get(dtype, 2)
-    head_dim = int(cfg.get("kv_channels", hidden // heads))
-    ff = intermediate // 2
-    per_layer = 4 * hidden * hidden + 3 * hidden + 3 * hidden * ff + 2 * hidden
-    params = 2 * vocab * hidden + layers * per_layer + hidden
-    return ModelShape(layers, heads, head_dim, hidden, intermediate, vocab, e, params * e)
+    """From config.json and the safetensors headers (or the index's metadata.total_size
+    when the shards are absent; or, with neither, counted from config.json). Never reads
+    tensor data. Raises KvprepError subclasses with a fix hint on bad input."""
+    from qwen_kvprep.planning.model import read_model
+
+    return shape_of(read_model(Path(checkpoint), dtype))
+
+
+def shape_of(facts: ModelFacts) -> ModelShape:
+    return ModelShape(
+        layers=facts.layers,
+        heads=facts.heads,
+        head_dim=facts.head_dim,
+        hidden=facts.hidden,
+        intermediate=facts.intermediate,
+        vocab=facts.vocab,
+        dtype_bytes=facts.dtype_bytes,
+        weights_bytes=facts.weights_bytes,
+    )
+
+
+def _check_mode(mode: str) -> None:
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
 
 
 def kv_bytes_per_token(shape: ModelShape, mode: str) -> int:
+    """Cache bytes of one token of one sequence, all layers, keys and values.
+
+    Unquantized: 2·L·H·D·e. Int8: 2·L·H·(D + 2·e) -- a uint8 code per element plus a
+    scale and a zero per token and head, kept in the model's dtype (e bytes each).
+    """
+    _check_mode(mode)
+    per_head = (
+        shape.head_dim * shape.dtype_bytes
+        if mode == "unquantized"
+        else (shape.head_dim + 2 * shape.dtype_bytes)
+    )
+    return 2 * shape.layers * shape.heads * per_head
+
+
+# -- one forward ---------------------------------------------------------------------------
+
+
+def _rotary_bytes(shape: ModelShape, length: int) -> int:
+    # cos and sin tables, fp32 [1, n, 1, head_dim], rebuilt at n = 2 x the length when a
+    # longer sequence arrives: at most 2 x the final length (all Qwen v1 rotate every channel)
+    return 2 * max(2 * length, 16) * shape.head_dim * 4
+
+
+def _int8_scores(
+    shape: ModelShape, batch: int, query: int, length: int, softmax_in_fp32: bool
+) -> int:
+    """Peak of QWenAttention._attn with the quantized cache on the kernel path.
+
+    S is the score tensor [b, h, q, l]. In order: the QK kernel writes into a zeroed fp16 S
+    and is handed fp16 copies of the query (`.to(fp16)` keeps the permuted strides, then
+    `.contiguous()` copies again), of the key scales and zeros, and the key codes
+    transposed by `.transpose(-1, -2).contiguous()`; S is cast to the model's dtype,
+    divided by sqrt(d), masked (a bool causal mask and its negation), softmaxed (through
+    fp32 with softmax_in_fp32) -- each step a new tensor while the old one is alive; the
+    PV kernel gets an fp16 copy of the probabilities, fp16 value scales and zeros and a
+    zeroed fp16 output. The casts to fp16 copy in bf16 and fp32 models and are no-ops in
+    fp16 ones; ModelShape does not tell bf16 from fp16, so the copies are always counted
+    (bf16 is what Qwen configs ask for; in fp16 this overstates by under one S in fp16).
+    """
+    e, h, d = shape.dtype_bytes, shape.heads, shape.head_dim
+    scores = batch * h * query * length
+    s2, se, s4 = 2 * scores, e * scores, 4 * scores
+    scale_zero = 2 * batch * h * length * 2
+    query_copies = 2 * batch * h * query * d * 2
+    key_codes_t = batch * h * d * length
+    out16 = batch * h * query * d * 2
+    mask = 2 * query * length
+    phases = (
+        s2 + query_copies + key_codes_t + scale_zero,  # QK kernel
+        s2 + se,  # .to(model dtype)
+        2 * se + mask,  # / sqrt(d), masked_fill
+        se + 2 * s4 if softmax_in_fp32 else 2 * se,  # softmax
+        se + s2 + out16 + scale_zero,  # PV kernel
+    )
+    return max(phases)
+
+
+def _sdpa_attention(shape: ModelShape, batch: int, query: int, length: int) -> int:
+    """Peak of the unquantized attention: torch's scaled_dot_product_attention, fused on
+    CUDA (torch >= 2.1) and on CPU, so no [b, h, q, l] score tensor exists.
+
+    The remote code builds an additive mask [q, l]: a bool causal mask, its negation, a
+    zero float mask and the masked copy (the zeros die after the fill); torch copies it
+    once more to align its rows when l is not a multiple of 8 (counted always). Then the
+    output [b, q, proj], its merged-heads copy and c_proj's output.
+    """
     e = shape.dtype_bytes
+    proj = shape.heads * shape.head_dim
+    tokens = batch * query
+    build = query * length * (2 + 2 * e)
+    call = query * length * (1 + 2 * e) + tokens * proj * e
+    merge = tokens * (2 * proj * e + shape.hidden * e)
+    return max(build, call, merge)
+
+
+def _layer_transients(
+    shape: ModelShape, mode: str, batch: int, past: int, query: int, softmax_in_fp32: bool
+) -> tuple[int, int]:
+    """The largest transients inside the last block: (before its cache exists, after).
+
+    Before: rotating the key and, for Int8, quantizing it -- the last layer's part of the
+    new cache is not made yet. After: the attention itself and the MLP.
+    """
+    e = shape.dtype_bytes
+    proj = shape.heads * shape.head_dim
+    ff = shape.intermediate // 2
+    tokens = batch * query
+    length = past + query
+    # QWenModel.forward keeps the embedding output (inputs_embeds) for the whole forward;
+    # the block adds the residual stream and ln_1's or ln_2's output
+    stream = tokens * 3 * shape.hidden * e
+    # c_attn's output [b, q, 3·proj] stays alive for the whole attention forward (the
+    # value is a view into it), and so does the rotated query
+    mixed = tokens * 3 * proj * e
+    attn_in = stream + mixed + tokens * proj * e
+    # rotating the key: four fp32 temporaries of [b, q, proj] (float copy, x·cos, the
+    # rotated half, times sin) before their sum
+    before = attn_in + tokens * proj * 16
     if mode == "int8":
-        return 2 * shape.layers * shape.heads * (shape.head_dim + 2 * e)
-    return 2 * shape.layers * shape.heads * shape.head_dim * e
+        # quantize_cache_v on the rotated key: x / scale and + zero in the model's dtype,
+        # then the uint8 codes made contiguous
+        before = max(before, attn_in + tokens * proj * (3 * e + 1))
+        after = attn_in + _int8_scores(shape, batch, query, length, softmax_in_fp32)
+    else:
+        # without a past the unquantized cache keeps c_attn's output: counted there
+        if past == 0:
+            attn_in -= mixed
+        after = attn_in + _sdpa_attention(shape, batch, query, length)
+    # MLP: the stream plus the attention output (the block still holds it), then w1(x),
+    # silu(w2(x)) and their product, each [b, q, intermediate // 2]
+    mlp = stream + tokens * (shape.hidden * e + 3 * ff * e)
+    return before, max(after, mlp)
+
+
+def _head_transient(shape: ModelShape, batch: int, query: int) -> int:
+    """ln_f's output and the logits of every position of the forward, [b, q, vocab] in the
+    model's dtype (lm_head runs on all of them), and the caller's fp32 copy of the last
+    position."""
+    e = shape.dtype_bytes
+    tokens = batch * query
+    return tokens * (shape.hidden * e + shape.vocab * e) + batch * shape.vocab * 4
+
+
+@dataclass(frozen=True)
+class _Forward:
+    past: int  # tokens already cached
+    query: int  # tokens fed
+    before: int  # tokens fed by the forward before (0 for the first)
+
+
+def _forward_peak(
+    shape: ModelShape, mode: str, batch: int, fwd: _Forward, step: int, softmax_in_fp32: bool
+) -> int:
+    """Peak of one forward; `step` is the first forward's query length (the prefill chunk)."""
+    per_token = batch * kv_bytes_per_token(shape, mode)
+    unquantized = mode == "unquantized"
+    # The past the caller hands in and holds until the forward returns. An unquantized
+    # forward without a past does no torch.cat: its key is the rotated copy and its value
+    # a view into c_attn's output, so it keeps 4·proj elements per token and layer, not 2;
+    # the forward after it is handed that.
+    old_cache = per_token * fwd.past * (2 if unquantized and fwd.past == step else 1)
+    new_cache = per_token * (fwd.past + fwd.query) * (2 if unquantized and fwd.past == 0 else 1)
+    # the caller's previous output, logits of every position it fed, is alive meanwhile
+    old_logits = batch * fwd.before * shape.vocab * shape.dtype_bytes
+    before, after = _layer_transients(shape, mode, batch, fwd.past, fwd.query, softmax_in_fp32)
+    last_layer = new_cache // shape.layers
+    during = max(
+        new_cache - last_layer + before,
+        new_cache + max(after, _head_transient(shape, batch, fwd.query)),
+    )
+    length = fwd.past + fwd.query
+    fixed = shape.weights_bytes + CUBLAS_WORKSPACE_BYTES + _rotary_bytes(shape, length)
+    return fixed + old_cache + old_logits + during
+
+
+def _forwards(prompt: int, new: int, step: int) -> list[_Forward]:
+    """The forwards whose peak can be the run's.
+
+    A forward's peak grows with its past when its query and the query before it are fixed,
+    so of the equal prefill chunks only the first, the second (handed the doubled past of
+    _forward_peak) and the last can matter, then the shorter remainder; of the decode
+    steps the first (which still holds the prefill's logits) and the last.
+    """
+    full, rest = divmod(prompt, step)
+    picks = {_Forward(0, step, 0), _Forward(step * (full - 1), step, step if full > 1 else 0)}
+    if full > 1:
+        picks.add(_Forward(step, step, step))
+    if rest:
+        picks.add(_Forward(step * full, rest, step))
+    if new:
+        picks.add(_Forward(prompt, 1, rest or step))
+        picks.add(_Forward(prompt + new - 1, 1, 1 if new > 1 else rest or step))
+    return sorted(picks, key=lambda f: (f.past, f.query))
 
 
 def predict_peak_bytes(
@@ -66,9 +270,27 @@ def predict_peak_bytes(
     new_tokens: int,
     mode: str,
     prefill_chunk: Optional[int] = None,
+    *,
+    softmax_in_fp32: bool = False,
 ) -> int:
-    tokens = prompt_tokens + new_tokens
-    chunk = min(prefill_chunk or prompt_tokens, prompt_tokens)
-    cache = batch * tokens * kv_bytes_per_token(shape, mode)
-    logits = batch * chunk * shape.vocab * 4
-    return shape.weights_bytes + cache + logits
+    """Peak allocator bytes of the run described in the module docstring.
+
+    `softmax_in_fp32` is config.json's flag of that name (default false, as QWenConfig's):
+    it only changes the Int8 path's score temporaries.
+    """
+    _check_mode(mode)
+    if batch < 1 or prompt_tokens < 1 or new_tokens < 0:
+        raise ValueError("batch and prompt_tokens must be >= 1 and new_tokens >= 0")
+    if prefill_chunk is not None and prefill_chunk < 1:
+        raise ValueError("prefill_chunk must be >= 1 or None")
+    step = prompt_tokens if prefill_chunk is None else min(prefill_chunk, prompt_tokens)
+    return max(
+        _forward_peak(shape, mode, batch, fwd, step, softmax_in_fp32)
+        for fwd in _forwards(prompt_tokens, new_tokens, step)
+    )
+
+
+def fits(peak_bytes: int, gpu_memory_bytes: int) -> bool:
+    """Whether a run with this allocator peak fits a GPU of this total memory: the CUDA
+    context takes its share outside the allocator first."""
+    return peak_bytes + CUDA_CONTEXT_BYTES <= gpu_memory_bytes

@@ -7,7 +7,18 @@ import importlib
 import click
 
 # A command module is added here when it is written.
-_MODULES = ["doctor", "fix", "revert", "prestart", "template", "smoke", "build", "demo", "profile"]
+_MODULES = [
+    "doctor",
+    "fix",
+    "revert",
+    "prestart",
+    "template",
+    "smoke",
+    "build",
+    "demo",
+    "plan",
+    "profile",
+]
 
 
 def register(group: click.Group) -> None:

@@ -102,6 +102,9 @@ class ShardFacts:
     header_len: Optional[int] = None
     tensor_names: frozenset[str] = frozenset()
     tensor_bytes: int = 0  # sum over tensors of numel * dtype size
+    # elements per safetensors dtype: `plan` re-prices floating tensors at the dtype the
+    # model is loaded in (a F32 checkpoint loaded in bf16 takes half its file size)
+    dtype_numel: Mapping[str, int] = field(default_factory=dict)
     error: Optional[str] = None  # completes "<name> ..."
     truncated: bool = False  # the file ends before its header says it does
 
@@ -291,6 +294,7 @@ def probe_shard(path: Path, name: str) -> ShardFacts:
         return _shard_error(name, size, "has a header that is not a JSON object", header_len=n)
     spans: list[tuple[int, int, str]] = []
     total = 0
+    numel_by_dtype: dict[str, int] = {}
     for key, meta in header.items():
         if key == "__metadata__":
             continue
@@ -300,6 +304,8 @@ def probe_shard(path: Path, name: str) -> ShardFacts:
         begin, end = meta["data_offsets"]
         spans.append((begin, end, key))
         total += end - begin
+        dtype = meta["dtype"]
+        numel_by_dtype[dtype] = numel_by_dtype.get(dtype, 0) + (end - begin) // DTYPE_SIZES[dtype]
     # safetensors requires the tensors to tile the data area exactly: no gap, no overlap.
     pos = 0
     for begin, end, key in sorted(spans):
@@ -328,7 +334,7 @@ def probe_shard(path: Path, name: str) -> ShardFacts:
         )
     return ShardFacts(
         name, size=size, header_len=n, tensor_names=frozenset(k for _, _, k in spans),
-        tensor_bytes=total,
+        tensor_bytes=total, dtype_numel=numel_by_dtype,
     )
 
 

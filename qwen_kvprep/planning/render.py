@@ -1,0 +1,166 @@
+"""`plan`'s output: the JSON payload under `plan`, and the text tables."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from qwen_kvprep.plan import CUBLAS_WORKSPACE_BYTES, CUDA_CONTEXT_BYTES, kv_bytes_per_token
+from qwen_kvprep.planning.capacity import PlanResult
+from qwen_kvprep.planning.model import ModelFacts
+from qwen_kvprep.planning.sizes import gib, human
+
+MODE_LABEL = {"unquantized": "unquantized cache", "int8": "Int8 cache"}
+
+
+def assumptions(facts: ModelFacts, plan: PlanResult) -> list[str]:
+    s = plan.scenario
+    chunk = "in one forward" if s.prefill_chunk is None else f"in chunks of {s.prefill_chunk}"
+    return [
+        f"each run: batch rows of a {s.prompt_tokens}-token prompt fed {chunk}, then greedy "
+        "decoding one token per step with the cache until `tokens` are cached",
+        "peak = CUDA caching-allocator peak (torch.cuda.max_memory_allocated), weights included",
+        f"a run fits when peak + {human(CUDA_CONTEXT_BYTES)} (CUDA context and kernel "
+        "images, outside the allocator) <= GPU memory; allocator fragmentation is not "
+        "modelled",
+        f"dtype {facts.dtype} ({facts.dtype_source})",
+        f"weights: {facts.weights_source}",
+        "unquantized attention: torch's fused scaled_dot_product_attention (no [b, h, q, l] "
+        "score tensor); the Int8 cache: the eager path with the compiled kernel, whose "
+        "scores and transposed key codes are counted"
+        + (", softmax in fp32" if s.softmax_in_fp32 else ""),
+        "logits: lm_head output for every position of a forward in the model's dtype, plus "
+        "an fp32 copy of the last position",
+        f"cuBLAS workspace {human(CUBLAS_WORKSPACE_BYTES)}; flash-attn off (it cannot take "
+        "the quantized cache); no beam search, no sampling buffers",
+    ]
+
+
+def payload(facts: ModelFacts, plan: PlanResult, gpu_source: str) -> dict[str, Any]:
+    shape = plan.shape
+    return {
+        "directory": str(facts.path),
+        "model": {
+            "layers": shape.layers,
+            "heads": shape.heads,
+            "head_dim": shape.head_dim,
+            "hidden": shape.hidden,
+            "intermediate": shape.intermediate,
+            "vocab": shape.vocab,
+            "dtype": facts.dtype,
+            "gptq": None
+            if facts.gptq is None
+            else {"bits": facts.gptq.bits, "group_size": facts.gptq.group_size},
+            "seq_length": facts.seq_length,
+            "max_position_embeddings": facts.max_position_embeddings,
+        },
+        "weights_bytes": shape.weights_bytes,
+        "weights_source": facts.weights_source,
+        "kv_bytes_per_token": {
+            "unquantized": kv_bytes_per_token(shape, "unquantized"),
+            "int8": kv_bytes_per_token(shape, "int8"),
+        },
+        "gpu_memory_bytes": plan.scenario.gpu_memory_bytes,
+        "gpu_memory_source": gpu_source,
+        "cuda_context_bytes": CUDA_CONTEXT_BYTES,
+        "prompt_tokens": plan.scenario.prompt_tokens,
+        "prefill_chunk": plan.scenario.prefill_chunk,
+        "table": [
+            {
+                "batch": r.batch,
+                "tokens": r.tokens,
+                "unquantized_bytes": r.unquantized_bytes,
+                "int8_bytes": r.int8_bytes,
+                "unquantized_oom": r.unquantized_oom,
+                "int8_oom": r.int8_oom,
+            }
+            for r in plan.rows
+        ],
+        "max_batch": dict(plan.max_batch),
+        "max_batch_at_tokens": plan.tokens[0],
+        "max_tokens": dict(plan.max_tokens),
+        "max_tokens_at_batch": plan.batches[0],
+        "assumptions": assumptions(facts, plan),
+    }
+
+
+def _table(title: str, head: str, keys: list[int], cells: dict[str, list[str]]) -> list[str]:
+    first = max(len(head), *(len(MODE_LABEL[m]) for m in cells))
+    widths = [max(len(f"{k:,}"), *(len(cells[m][i]) for m in cells)) for i, k in enumerate(keys)]
+    lines = [title, ""]
+    lines.append(
+        f"| {head:<{first}} | " + " | ".join(f"{k:>{w},}" for k, w in zip(keys, widths)) + " |"
+    )
+    lines.append(f"|{'-' * (first + 2)}|" + "|".join("-" * (w + 1) + ":" for w in widths) + "|")
+    for mode, values in cells.items():
+        row = " | ".join(f"{v:>{w}}" for v, w in zip(values, widths))
+        lines.append(f"| {MODE_LABEL[mode]:<{first}} | {row} |")
+    return lines
+
+
+def _cell(plan: PlanResult, mode: str, batch: int, tokens: int) -> str:
+    row = plan.row(batch, tokens)
+    return "OOM" if row.oom_of(mode) else gib(row.bytes_of(mode))
+
+
+def _gain(before: int, after: int) -> str:
+    if before == 0:
+        return "(nothing fits without it)" if after else "(nothing fits either way)"
+    return f"({after / before:.2f}×)"
+
+
+def _context_note(facts: ModelFacts) -> str:
+    limits = []
+    if facts.seq_length:
+        limits.append(f"seq_length {facts.seq_length:,}")
+    if facts.max_position_embeddings:
+        limits.append(f"max_position_embeddings {facts.max_position_embeddings:,}")
+    return f"; memory only, the config says {' and '.join(limits)}" if limits else ""
+
+
+def render_text(
+    facts: ModelFacts, plan: PlanResult, gpu_source: str, shown: Optional[str] = None
+) -> str:
+    """The text output; `shown` is the directory as the user wrote it."""
+    shape, s = plan.shape, plan.scenario
+    kv_u = kv_bytes_per_token(shape, "unquantized")
+    kv_q = kv_bytes_per_token(shape, "int8")
+    gptq = "" if facts.gptq is None else f", GPTQ {facts.gptq.bits}-bit"
+    chunk = "in one forward" if s.prefill_chunk is None else f"in chunks of {s.prefill_chunk}"
+    lines = [
+        f"model      {shown or facts.path}: {shape.layers} layers, {shape.heads} heads × "
+        f"{shape.head_dim}, hidden {shape.hidden}, vocab {shape.vocab:,}, "
+        f"{facts.dtype}{gptq}",
+        f"weights    {gib(shape.weights_bytes, 2)} GiB ({facts.weights_source})",
+        f"KV cache   {human(kv_u)} per token unquantized, {human(kv_q)} with Int8 "
+        f"({kv_q / kv_u:.3f}×)",
+        f"GPU        {gib(s.gpu_memory_bytes, 2)} GiB ({gpu_source}); a run fits when its "
+        f"peak + {gib(CUDA_CONTEXT_BYTES)} GiB of CUDA context is within it",
+        f"each run   {s.prompt_tokens}-token prompt {chunk}, then greedy decoding until "
+        "the token count is cached; peak = CUDA allocator peak",
+        "",
+    ]
+    t0, b0 = plan.tokens[0], plan.batches[0]
+    modes = ("unquantized", "int8")
+    lines += _table(
+        f"Peak GPU memory (GiB) by batch, {t0:,} tokens cached",
+        "batch",
+        list(plan.batches),
+        {m: [_cell(plan, m, b, t0) for b in plan.batches] for m in modes},
+    )
+    lines.append("")
+    lines += _table(
+        f"Peak GPU memory (GiB) by tokens cached, batch {b0:,}",
+        "tokens",
+        list(plan.tokens),
+        {m: [_cell(plan, m, b0, t) for t in plan.tokens] for m in modes},
+    )
+    mb, mt = plan.max_batch, plan.max_tokens
+    lines += [
+        "",
+        f"Largest batch at {t0:,} tokens: {mb['unquantized']:,} unquantized, "
+        f"{mb['int8']:,} with the Int8 cache {_gain(mb['unquantized'], mb['int8'])}.",
+        f"Longest context at batch {b0:,}: {mt['unquantized']:,} tokens unquantized, "
+        f"{mt['int8']:,} with the Int8 cache {_gain(mt['unquantized'], mt['int8'])}"
+        f"{_context_note(facts)}.",
+    ]
+    return "\n".join(lines)

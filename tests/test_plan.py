@@ -1,0 +1,454 @@
+"""`qwen-kvprep plan`: the checkpoint's shape and weights, the prediction, the command."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from qwen_kvprep.errors import CheckpointError, ConfigError, UsageError
+from qwen_kvprep.plan import (
+    CUBLAS_WORKSPACE_BYTES,
+    CUDA_CONTEXT_BYTES,
+    MODES,
+    ModelShape,
+    fits,
+    kv_bytes_per_token,
+    model_shape,
+    predict_peak_bytes,
+)
+from qwen_kvprep.planning.capacity import Scenario, make_plan, max_batch, max_tokens, peak
+from qwen_kvprep.planning.model import Gptq, read_model, weights_from_config
+from qwen_kvprep.planning.sizes import parse_int_list, parse_size
+from qwen_kvprep.tiny import generate_checkpoint
+
+DATA = Path(__file__).parent / "data"
+QWEN_7B = DATA / "qwen-7b-chat-config"
+QWEN_7B_INT4 = DATA / "qwen-7b-chat-int4-config"
+QWEN_1_8B = DATA / "qwen-1_8b-chat-config"
+QWEN_72B = DATA / "qwen-72b-chat-config"
+GIB = 1024**3
+MIB = 1024**2
+
+
+def run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "qwen_kvprep", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def config_only(src: Path, dest: Path) -> Path:
+    dest.mkdir()
+    shutil.copyfile(src / "config.json", dest / "config.json")
+    return dest
+
+
+def params(layers: int, hidden: int, ff: int, vocab: int) -> int:
+    """Qwen v1 parameter count, written independently of weights_from_config: per block
+    two norms, QKV with its bias, the output projection and three MLP matrices."""
+    block = 2 * hidden + 3 * hidden * hidden + 3 * hidden + hidden * hidden + 3 * hidden * ff
+    return 2 * vocab * hidden + layers * block + hidden
+
+
+# -- shape and weights ----------------------------------------------------------------------
+
+
+def test_kv_bytes_per_token_is_the_readme_formula() -> None:
+    shape = model_shape(QWEN_7B)
+    assert kv_bytes_per_token(shape, "unquantized") == 524_288 == 2 * 32 * 32 * 128 * 2
+    assert kv_bytes_per_token(shape, "int8") == 270_336 == 2 * 32 * 32 * (128 + 2 * 2)
+    fp32 = ModelShape(2, 2, 128, 256, 512, 1000, 4, 0)
+    assert kv_bytes_per_token(fp32, "int8") == 2 * 2 * 2 * (128 + 2 * 4)
+    with pytest.raises(ValueError):
+        kv_bytes_per_token(shape, "int4")
+
+
+def test_7b_from_index_total_size_without_shards() -> None:
+    facts = read_model(QWEN_7B)
+    assert facts.weights_bytes == 15_442_649_088
+    assert "metadata.total_size" in facts.weights_source
+    assert "8 of 8 shards absent" in facts.weights_source
+    index = json.loads((QWEN_7B / "model.safetensors.index.json").read_text())
+    assert len(index["weight_map"]) == 259
+    assert len(set(index["weight_map"].values())) == 8
+    shape = model_shape(QWEN_7B)
+    assert (shape.layers, shape.heads, shape.head_dim, shape.hidden) == (32, 32, 128, 4096)
+    assert (shape.intermediate, shape.vocab, shape.dtype_bytes) == (22016, 151936, 2)
+    assert facts.dtype == "bf16" and facts.seq_length == 8192
+
+
+def test_7b_config_alone_counts_the_same_bytes_as_the_index(tmp_path: Path) -> None:
+    facts = read_model(config_only(QWEN_7B, tmp_path / "c"))
+    assert facts.weights_bytes == 15_442_649_088 == 2 * params(32, 4096, 11008, 151936)
+    assert "counted from config.json" in facts.weights_source
+
+
+@pytest.mark.parametrize(
+    ("folder", "layers", "hidden", "ff", "vocab"),
+    [(QWEN_1_8B, 24, 2048, 5504, 151936), (QWEN_72B, 80, 8192, 24576, 152064)],
+)
+def test_other_sizes_from_config(
+    folder: Path, layers: int, hidden: int, ff: int, vocab: int
+) -> None:
+    facts = read_model(folder)
+    assert facts.weights_bytes == 2 * params(layers, hidden, ff, vocab)
+    assert facts.head_dim == 128 and facts.layers == layers
+
+
+def test_dtype_override_and_resolution(tmp_path: Path) -> None:
+    assert read_model(QWEN_7B, "fp16").dtype == "fp16"
+    d = config_only(QWEN_7B, tmp_path / "none")
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["bf16"] = False
+    (d / "config.json").write_text(json.dumps(cfg))
+    assert read_model(d).dtype == "bf16"  # none set: what the remote code picks on Ampere+
+    cfg["fp32"] = True
+    (d / "config.json").write_text(json.dumps(cfg))
+    facts = read_model(d)
+    assert facts.dtype == "fp32" and facts.weights_bytes == 4 * params(32, 4096, 11008, 151936)
+    cfg["bf16"] = True
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match="allows one"):
+        read_model(d)
+    with pytest.raises(UsageError):
+        read_model(QWEN_7B, "int3")
+
+
+def test_tiny_checkpoint_from_headers(tmp_path: Path) -> None:
+    d = generate_checkpoint(tmp_path / "tiny", shards=2)
+    facts = read_model(d)
+    index = json.loads((d / "model.safetensors.index.json").read_text())
+    assert facts.weights_bytes == index["metadata"]["total_size"]
+    assert facts.weights_source == "safetensors headers of 2 files"
+    single = generate_checkpoint(tmp_path / "single", shards=1)
+    assert read_model(single).weights_source == "model.safetensors header"
+    assert read_model(single).weights_bytes == facts.weights_bytes
+
+
+def test_floating_tensors_are_priced_at_the_load_dtype(tmp_path: Path) -> None:
+    d = generate_checkpoint(tmp_path / "fp32", dtype="fp32", shards=1)
+    as_stored = read_model(d).weights_bytes
+    assert read_model(d, "bf16").weights_bytes * 2 == as_stored
+
+
+def test_lfs_pointer_shard_falls_back_to_the_index(tmp_path: Path) -> None:
+    d = generate_checkpoint(tmp_path / "lfs", shards=2)
+    total = json.loads((d / "model.safetensors.index.json").read_text())["metadata"]["total_size"]
+    shard = d / "model-00001-of-00002.safetensors"
+    size = shard.stat().st_size
+    shard.write_text(
+        f"version https://git-lfs.github.com/spec/v1\noid sha256:{'0' * 64}\nsize {size}\n"
+    )
+    facts = read_model(d)
+    assert facts.weights_bytes == total
+    assert "1 of 2 shards absent" in facts.weights_source
+
+
+def test_unreadable_header_is_a_clean_error(tmp_path: Path) -> None:
+    d = generate_checkpoint(tmp_path / "bad", shards=1)
+    (d / "model.safetensors").write_bytes(struct.pack("<Q", 10**12) + b"{}")
+    with pytest.raises(CheckpointError, match="not a safetensors file") as info:
+        read_model(d)
+    assert info.value.fix is not None and "qwen-kvprep doctor" in info.value.fix
+
+
+def _gptq_tensors(
+    layers: int, hidden: int, ff: int, vocab: int, bits: int, group: int
+) -> dict[str, Any]:
+    """Tensors laid out as AutoGPTQ saves a Qwen checkpoint (zeros: only sizes matter)."""
+    import torch
+
+    t: dict[str, Any] = {
+        "transformer.wte.weight": torch.zeros(vocab, hidden, dtype=torch.float16),
+        "lm_head.weight": torch.zeros(vocab, hidden, dtype=torch.float16),
+        "transformer.ln_f.weight": torch.zeros(hidden, dtype=torch.float16),
+    }
+    for i in range(layers):
+        p = f"transformer.h.{i}."
+        t[p + "ln_1.weight"] = torch.zeros(hidden, dtype=torch.float16)
+        t[p + "ln_2.weight"] = torch.zeros(hidden, dtype=torch.float16)
+        for name, n_in, n_out in (
+            ("attn.c_attn", hidden, 3 * hidden),
+            ("attn.c_proj", hidden, hidden),
+            ("mlp.w1", hidden, ff),
+            ("mlp.w2", hidden, ff),
+            ("mlp.c_proj", ff, hidden),
+        ):
+            groups = -(-n_in // group)
+            t[f"{p}{name}.qweight"] = torch.zeros(n_in // 32 * bits, n_out, dtype=torch.int32)
+            t[f"{p}{name}.qzeros"] = torch.zeros(groups, n_out // 32 * bits, dtype=torch.int32)
+            t[f"{p}{name}.scales"] = torch.zeros(groups, n_out, dtype=torch.float16)
+            t[f"{p}{name}.g_idx"] = torch.zeros(n_in, dtype=torch.int32)
+        t[p + "attn.c_attn.bias"] = torch.zeros(3 * hidden, dtype=torch.float16)
+    return t
+
+
+def test_gptq_headers_and_config_agree(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    layers, hidden, ff, vocab = 2, 256, 320, 512  # 320 = 2.5 groups: a partial last group
+    d = tmp_path / "gptq"
+    d.mkdir()
+    cfg = json.loads((QWEN_7B_INT4 / "config.json").read_text())
+    cfg.update(
+        num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=2,
+        intermediate_size=2 * ff, vocab_size=vocab,
+    )  # fmt: skip
+    (d / "config.json").write_text(json.dumps(cfg))
+    counted = read_model(d)
+    save_file(_gptq_tensors(layers, hidden, ff, vocab, 4, 128), str(d / "model.safetensors"))
+    from_headers = read_model(d)
+    assert from_headers.weights_source == "model.safetensors header"
+    assert counted.weights_bytes == from_headers.weights_bytes
+    assert from_headers.dtype == "fp16" and from_headers.gptq == Gptq(4, 128)
+
+
+def test_int4_7b_weights_from_config() -> None:
+    facts = read_model(QWEN_7B_INT4)
+    assert facts.gptq == Gptq(bits=4, group_size=128) and facts.dtype == "fp16"
+    dense = 2 * params(32, 4096, 11008, 151936)
+    # the embeddings stay 16-bit; the block projections shrink to about a quarter
+    assert 0.35 * dense < facts.weights_bytes < 0.40 * dense
+    assert facts.weights_bytes == weights_from_config(
+        layers=32, heads=32, head_dim=128, hidden=4096, intermediate=22016, vocab=151936,
+        dtype_bytes=2, no_bias=True, gptq=Gptq(4, 128),
+    )  # fmt: skip
+
+
+def test_not_qwen_v1_is_refused(tmp_path: Path) -> None:
+    d = config_only(QWEN_7B, tmp_path / "q2")
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["model_type"] = "qwen2"
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match="Qwen \\(v1\\)"):
+        read_model(d)
+    cfg["model_type"] = "qwen"
+    cfg["num_hidden_layers"] = "32"
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match="num_hidden_layers"):
+        read_model(d)
+
+
+# -- the prediction ---------------------------------------------------------------------------
+
+
+def test_decode_peak_is_weights_plus_old_and_new_cache() -> None:
+    shape = model_shape(QWEN_7B)
+    for mode in MODES:
+        got = predict_peak_bytes(shape, 64, 1, 1023, mode)
+        # the last step: 1023 cached tokens handed in, 1024 returned, both alive
+        core = shape.weights_bytes + 64 * (1023 + 1024) * kv_bytes_per_token(shape, mode)
+        extra = got - core
+        # what is left: cuBLAS workspace, rotary tables, this step's and the previous
+        # step's logits and the fp32 copy (about 77 MiB at batch 64); for Int8 also one
+        # layer's transposed key codes (64·32·128·1024 bytes = 256 MiB)
+        limit = (360 if mode == "int8" else 100) * MIB
+        assert CUBLAS_WORKSPACE_BYTES < extra < limit, (mode, extra)
+
+
+def test_monotone_in_batch_and_tokens_and_int8_smaller() -> None:
+    shape = model_shape(QWEN_7B)
+    for mode in MODES:
+        by_batch = [predict_peak_bytes(shape, b, 1, 1023, mode) for b in (1, 2, 4, 16, 64)]
+        by_tokens = [predict_peak_bytes(shape, 4, 1, n, mode) for n in (0, 1, 511, 4095)]
+        assert by_batch == sorted(by_batch) and len(set(by_batch)) == 5
+        assert by_tokens == sorted(by_tokens) and len(set(by_tokens)) == 4
+    for b in (1, 16, 100):
+        assert predict_peak_bytes(shape, b, 1, 2047, "int8") < predict_peak_bytes(
+            shape, b, 1, 2047, "unquantized"
+        )
+
+
+def test_long_prompt_prefill_and_chunks() -> None:
+    shape = model_shape(QWEN_7B)
+    whole = predict_peak_bytes(shape, 1, 8192, 0, "int8")
+    chunked = predict_peak_bytes(shape, 1, 8192, 0, "int8", prefill_chunk=512)
+    # the Int8 path is eager attention: 32 heads x 8192² scores of 2 bytes, 4 GiB a copy,
+    # two copies alive at once
+    assert whole - shape.weights_bytes > 8 * GIB
+    assert chunked - shape.weights_bytes < (whole - shape.weights_bytes) / 2
+    # unquantized attention is fused: no score tensor; the logits of 8192 positions remain
+    unq = predict_peak_bytes(shape, 1, 8192, 0, "unquantized")
+    assert unq - shape.weights_bytes > 8192 * 151936 * 2
+    assert unq < whole
+    with pytest.raises(ValueError):
+        predict_peak_bytes(shape, 0, 1, 1, "int8")
+    with pytest.raises(ValueError):
+        predict_peak_bytes(shape, 1, 1, 1, "int8", prefill_chunk=0)
+
+
+def test_softmax_in_fp32_costs_more_only_in_int8_prefill() -> None:
+    shape = model_shape(QWEN_7B)
+    base = predict_peak_bytes(shape, 1, 2048, 0, "int8")
+    assert predict_peak_bytes(shape, 1, 2048, 0, "int8", softmax_in_fp32=True) > base
+    assert predict_peak_bytes(
+        shape, 1, 2048, 0, "unquantized", softmax_in_fp32=True
+    ) == predict_peak_bytes(shape, 1, 2048, 0, "unquantized")
+
+
+def test_fits_sets_the_cuda_context_aside() -> None:
+    assert fits(10 * GIB, 10 * GIB + CUDA_CONTEXT_BYTES)
+    assert not fits(10 * GIB, 10 * GIB + CUDA_CONTEXT_BYTES - 1)
+
+
+def test_max_batch_and_max_tokens_are_the_fit_boundary() -> None:
+    shape = model_shape(QWEN_7B)
+    scenario = Scenario(prompt_tokens=1, prefill_chunk=None, gpu_memory_bytes=80 * GIB)
+    for mode in MODES:
+        b = max_batch(shape, scenario, mode, 1024)
+        assert fits(peak(shape, scenario, mode, b, 1024), 80 * GIB)
+        assert not fits(peak(shape, scenario, mode, b + 1, 1024), 80 * GIB)
+        t = max_tokens(shape, scenario, mode, 1)
+        assert fits(peak(shape, scenario, mode, 1, t), 80 * GIB)
+        assert not fits(peak(shape, scenario, mode, 1, t + 1), 80 * GIB)
+    assert max_batch(shape, scenario, "int8", 1024) > 1.8 * max_batch(
+        shape, scenario, "unquantized", 1024
+    )
+    small = Scenario(prompt_tokens=1, prefill_chunk=None, gpu_memory_bytes=8 * GIB)
+    assert max_batch(shape, small, "int8", 1024) == 0
+    assert max_tokens(shape, small, "unquantized", 1) == 0
+
+
+def test_oom_flags_follow_gpu_memory() -> None:
+    shape = model_shape(QWEN_7B)
+    result = make_plan(
+        shape, Scenario(1, None, 80 * GIB), batches=(1, 64, 100), tokens=(1024, 8192)
+    )
+    row = result.row(100, 1024)
+    assert row.unquantized_oom and not row.int8_oom
+    assert (
+        result.row(1, 8192)
+        == make_plan(shape, Scenario(1, None, 80 * GIB), batches=(1,), tokens=(8192,)).rows[0]
+    )
+    tiny_gpu = make_plan(
+        shape, Scenario(1, None, int(15.25 * GIB)), batches=(1,), tokens=(512, 8192)
+    )
+    assert [r.int8_oom for r in tiny_gpu.rows] == [False, True]
+    assert all(r.unquantized_oom for r in tiny_gpu.rows)
+
+
+def test_sizes_and_lists() -> None:
+    assert parse_size("80GiB") == 80 * GIB
+    assert parse_size("24GB") == 24 * 10**9
+    assert parse_size("81920MiB") == 80 * GIB
+    assert parse_size("85899345920") == 80 * GIB
+    assert parse_size("79.5 gib") == int(79.5 * GIB)
+    for bad in ("80G", "lots", "-1GB", "0", "GiB"):
+        with pytest.raises(UsageError):
+            parse_size(bad)
+    assert parse_int_list("1, 4,16,4", "--batch") == (1, 4, 16)
+    for bad in ("", "1,,2", "0", "1.5", "a"):
+        with pytest.raises(UsageError):
+            parse_int_list(bad, "--batch")
+
+
+# -- the prediction against the tiny model's real allocations ---------------------------------
+
+
+@pytest.mark.slow
+def test_prediction_matches_live_tensors_of_the_tiny_model(
+    tmp_path: Path, isolated_hf: Path
+) -> None:
+    """The derivation, checked on the remote code itself: the peak bytes of live tensors
+    (what the CUDA allocator would count) of the contract's run on CPU, against plan."""
+    pytest.importorskip("transformers")
+    from tests.live_tensors import load, measure
+
+    d = generate_checkpoint(tmp_path / "tiny", layers=2, heads=4, head_dim=128, intermediate=2048)
+    shape = model_shape(d)
+    cases = [(16, 1, 127, None), (8, 256, 16, None), (8, 256, 16, 64)]
+    for mode in MODES:
+        model = load(str(d), int8=mode == "int8")
+        for batch, prompt, new, chunk in cases:
+            measured = measure(model, batch, prompt, new, chunk) - shape.weights_bytes
+            # no cuBLAS on CPU
+            predicted = (
+                predict_peak_bytes(shape, batch, prompt, new, mode, chunk)
+                - shape.weights_bytes
+                - CUBLAS_WORKSPACE_BYTES
+            )
+            assert abs(predicted - measured) <= 0.05 * measured, (mode, batch, prompt, new)
+
+
+# -- the command --------------------------------------------------------------------------------
+
+
+def test_cli_json(tmp_path: Path) -> None:
+    res = run("plan", str(QWEN_7B), "--gpu-memory", "80GiB", "--json")
+    assert res.returncode == 0, res.stderr
+    doc = json.loads(res.stdout)
+    assert doc["ok"] is True and doc["schema_version"] == 1
+    plan = doc["plan"]
+    assert plan["weights_bytes"] == 15_442_649_088
+    assert plan["kv_bytes_per_token"] == {"unquantized": 524_288, "int8": 270_336}
+    assert plan["gpu_memory_bytes"] == 80 * GIB
+    assert len(plan["table"]) == 6 * 5
+    assert set(plan["table"][0]) == {
+        "batch", "tokens", "unquantized_bytes", "int8_bytes", "unquantized_oom", "int8_oom",
+    }  # fmt: skip
+    assert set(plan["max_batch"]) == set(plan["max_tokens"]) == {"unquantized", "int8"}
+    assert plan["max_batch_at_tokens"] == 512 and plan["max_tokens_at_batch"] == 1
+    assert plan["prompt_tokens"] == 1 and plan["prefill_chunk"] is None
+    assert plan["assumptions"] and all(isinstance(a, str) for a in plan["assumptions"])
+    by_key = {(r["batch"], r["tokens"]): r for r in plan["table"]}
+    assert by_key[(100, 8192)]["unquantized_oom"] is True
+    assert by_key[(1, 512)]["int8_oom"] is False
+
+
+def test_cli_text_tables() -> None:
+    res = run("plan", str(QWEN_7B), "--gpu-memory", "80GiB", "--tokens", "1024,512,8192")
+    assert res.returncode == 0, res.stderr
+    out = res.stdout
+    assert "Peak GPU memory (GiB) by batch, 1,024 tokens cached" in out
+    assert "Peak GPU memory (GiB) by tokens cached, batch 1" in out
+    assert "| Int8 cache" in out and "OOM" in out  # batch 100 unquantized
+    assert "Largest batch at 1,024 tokens:" in out and "Longest context at batch 1:" in out
+
+
+def test_cli_on_a_tiny_checkpoint(tmp_path: Path) -> None:
+    d = generate_checkpoint(tmp_path / "tiny")
+    res = run("plan", str(d), "--gpu-memory", "1GiB", "--batch", "1,2", "--tokens", "64,128")
+    assert res.returncode == 0, res.stderr
+    assert "safetensors headers of 2 files" in res.stdout
+
+
+def test_cli_needs_gpu_memory_without_a_gpu() -> None:
+    res = run("plan", str(QWEN_7B), env={"CUDA_VISIBLE_DEVICES": ""})
+    assert res.returncode == 2
+    assert "--gpu-memory" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_cli_errors(tmp_path: Path) -> None:
+    res = run("plan", str(QWEN_7B), "--gpu-memory", "80G")
+    assert res.returncode == 2 and "GiB" in res.stderr and "Traceback" not in res.stderr
+    res = run("plan", str(QWEN_7B), "--gpu-memory", "80GiB", "--batch", "0")
+    assert res.returncode == 2 and "--batch" in res.stderr
+    res = run(
+        "plan", str(QWEN_7B), "--gpu-memory", "80GiB", "--tokens", "8", "--prompt-tokens", "9"
+    )
+    assert res.returncode == 2 and "--prompt-tokens" in res.stderr
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    res = run("plan", str(empty), "--gpu-memory", "80GiB")
+    assert res.returncode == 1 and "no config.json" in res.stderr
+    assert "hf download" in res.stderr and "Traceback" not in res.stderr
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "config.json").write_text('{"model_type": "qwen",\n oops}\n')
+    res = run("plan", str(bad), "--gpu-memory", "80GiB", "--json")
+    assert res.returncode == 1 and "Traceback" not in res.stderr
+    doc = json.loads(res.stdout)
+    assert doc["ok"] is False and "line 2" in doc["error"]["message"]
+    res = run("plan", str(tmp_path / "nope"), "--gpu-memory", "80GiB")
+    assert res.returncode == 2 and "no such directory" in res.stderr
