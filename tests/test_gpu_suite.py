@@ -39,11 +39,21 @@ def runner() -> ModuleType:
 
 def test_without_gpu_cuda_steps_are_skipped_and_the_rest_runs(tmp_path: Path) -> None:
     out = tmp_path / "out"
-    only = ["kernels-correctness", "kernels-bench", "tiny-smoke-cuda", "profile-7b", "doctor"]
+    only = ["kernels-correctness", "kernels-bench", "tiny-smoke-cuda", "profile-7b-speed", "doctor"]
     res = subprocess.run(
-        [sys.executable, str(GPU / "run"), "--out", str(out), "--bundle", str(tmp_path / "none"),
-         "--only", *only],
-        capture_output=True, text=True, timeout=600,
+        [
+            sys.executable,
+            str(GPU / "run"),
+            "--out",
+            str(out),
+            "--bundle",
+            str(tmp_path / "none"),
+            "--only",
+            *only,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     doc = json.loads((out / "gpu-results.json").read_text())
     steps = {s["name"]: s for s in doc["steps"]}
@@ -51,7 +61,7 @@ def test_without_gpu_cuda_steps_are_skipped_and_the_rest_runs(tmp_path: Path) ->
     for s in doc["steps"]:
         assert set(s) == {"name", "status", "reason", "seconds"}
         assert s["status"] in ("passed", "failed", "skipped")
-    for name in ("kernels-correctness", "kernels-bench", "tiny-smoke-cuda", "profile-7b"):
+    for name in ("kernels-correctness", "kernels-bench", "tiny-smoke-cuda", "profile-7b-speed"):
         assert steps[name]["status"] == "skipped"
         assert "no GPU" in steps[name]["reason"]
     assert steps["doctor"]["status"] == "passed", steps["doctor"]
@@ -67,7 +77,8 @@ def test_without_gpu_cuda_steps_are_skipped_and_the_rest_runs(tmp_path: Path) ->
 def test_unknown_step_is_a_usage_error(tmp_path: Path) -> None:
     res = subprocess.run(
         [sys.executable, str(GPU / "run"), "--out", str(tmp_path), "--only", "nope"],
-        capture_output=True, text=True,
+        capture_output=True,
+        text=True,
     )
     assert res.returncode == 2
     assert "unknown step" in res.stderr and "kernels-bench" in res.stderr
@@ -92,13 +103,24 @@ def test_a_failing_step_gives_exit_3_and_the_others_still_run(tmp_path: Path) ->
 
 def test_profile_checks_judge_the_end_to_end_targets(runner: ModuleType) -> None:
     def row(mode: str, batch: int, oom: bool = False, new: int = 8, tps: float = 0.0) -> dict:
-        return {"mode": mode, "batch": batch, "cached_tokens": 1024, "new_tokens": new,
-                "oom": oom, "decode_tokens_per_s": tps}
+        return {
+            "mode": mode,
+            "batch": batch,
+            "cached_tokens": 1024,
+            "new_tokens": new,
+            "oom": oom,
+            "decode_tokens_per_s": tps,
+        }
 
     rows = [
-        row("unquantized", 1), row("unquantized", 16), row("unquantized", 32, oom=True),
-        row("int8", 1), row("int8", 16), row("int8", 32),
-        row("unquantized", 1, new=1024, tps=30.0), row("int8", 1, new=1024, tps=28.0),
+        row("unquantized", 1),
+        row("unquantized", 16),
+        row("unquantized", 32, oom=True),
+        row("int8", 1),
+        row("int8", 16),
+        row("int8", 32),
+        row("unquantized", 1, new=1024, tps=30.0),
+        row("int8", 1, new=1024, tps=28.0),
     ]
     checks = {c["name"]: c for c in runner.profile_checks(rows)}
     speed = checks["decode tokens/s at batch 1: int8 >= 0.9x unquantized"]
@@ -114,15 +136,35 @@ def test_profile_checks_judge_the_end_to_end_targets(runner: ModuleType) -> None
 
 def test_markdown_names_the_machine_and_every_step(runner: ModuleType) -> None:
     doc = {
-        "date": "2026-01-01T00:00:00+00:00", "quick": False,
-        "machine": {"gpu": "NVIDIA H100 80GB HBM3, 580.1, 81559 MiB", "torch": "2.11.0+cu130",
-                    "cuda": "13.0", "python": "3.12.3", "transformers": "4.53.3", "cpus": 16},
+        "date": "2026-01-01T00:00:00+00:00",
+        "quick": False,
+        "machine": {
+            "gpu": "NVIDIA H100 80GB HBM3, 580.1, 81559 MiB",
+            "torch": "2.11.0+cu130",
+            "cuda": "13.0",
+            "python": "3.12.3",
+            "transformers": "4.53.3",
+            "cpus": 16,
+        },
         "steps": [{"name": "kernels-bench", "status": "failed", "reason": "a | b", "seconds": 1.0}],
-        "measurements": {"profile-7b": {"rows": [
-            {"mode": "int8", "batch": 4, "cached_tokens": 1024, "peak_bytes": 2**30 * 17.5,
-             "predicted_bytes": 2**30 * 17.0, "kv_bytes": 2**30, "oom": False,
-             "kernel_layers": 32, "decode_tokens_per_s": 100.0, "prefill_tokens_per_s": 5e3},
-        ], "checks": []}},
+        "measurements": {
+            "profile-7b-batch": {
+                "rows": [
+                    {
+                        "mode": "int8",
+                        "batch": 4,
+                        "cached_tokens": 1024,
+                        "peak_bytes": 2**30 * 17.5,
+                        "predicted_bytes": 2**30 * 17.0,
+                        "kv_bytes": 2**30,
+                        "oom": False,
+                        "kernel_layers": 32,
+                        "decode_tokens_per_s": 100.0,
+                        "prefill_tokens_per_s": 5e3,
+                    },
+                ]
+            }
+        },
     }
     md = runner.markdown(doc)
     assert "NVIDIA H100 80GB HBM3" in md and "torch 2.11.0+cu130" in md
