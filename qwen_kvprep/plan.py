@@ -111,6 +111,13 @@ def _rotary_bytes(shape: ModelShape, length: int) -> int:
     return 2 * max(2 * length, 16) * shape.head_dim * 4
 
 
+# From these query lengths on, the CUDA kernels dequantize the whole K (resp. V) cache of
+# the layer into an fp16 workspace and multiply with cuBLAS (the extension's defaults,
+# kGemmMinQQk and kGemmMinQPv in kernels/cache_autogptq_cuda_kernel_256.cu).
+KERNEL_GEMM_MIN_Q_QK = 256
+KERNEL_GEMM_MIN_Q_PV = 128
+
+
 def _int8_scores(
     shape: ModelShape, batch: int, query: int, length: int, softmax_in_fp32: bool
 ) -> int:
@@ -126,6 +133,8 @@ def _int8_scores(
     zeroed fp16 output. The casts to fp16 copy in bf16 and fp32 models and are no-ops in
     fp16 ones; ModelShape does not tell bf16 from fp16, so the copies are always counted
     (bf16 is what Qwen configs ask for; in fp16 this overstates by under one S in fp16).
+    For long query blocks each kernel call also holds its fp16 dequantized cache
+    [b, h, l, d]; the tensor-core P·V's split partials (a few MiB) are not counted.
     """
     e, h, d = shape.dtype_bytes, shape.heads, shape.head_dim
     scores = batch * h * query * length
@@ -135,12 +144,15 @@ def _int8_scores(
     key_codes_t = batch * h * d * length
     out16 = batch * h * query * d * 2
     mask = 2 * query * length
+    workspace = 2 * batch * h * length * d
+    qk_ws = workspace if query >= KERNEL_GEMM_MIN_Q_QK else 0
+    pv_ws = workspace if query >= KERNEL_GEMM_MIN_Q_PV else 0
     phases = (
-        s2 + query_copies + key_codes_t + scale_zero,  # QK kernel
+        s2 + query_copies + key_codes_t + scale_zero + qk_ws,  # QK kernel
         s2 + se,  # .to(model dtype)
         2 * se + mask,  # / sqrt(d), masked_fill
         se + 2 * s4 if softmax_in_fp32 else 2 * se,  # softmax
-        se + s2 + out16 + scale_zero,  # PV kernel
+        se + s2 + out16 + scale_zero + pv_ws,  # PV kernel
     )
     return max(phases)
 

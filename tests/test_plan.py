@@ -452,3 +452,20 @@ def test_cli_errors(tmp_path: Path) -> None:
     assert doc["ok"] is False and "line 2" in doc["error"]["message"]
     res = run("plan", str(tmp_path / "nope"), "--gpu-memory", "80GiB")
     assert res.returncode == 2 and "no such directory" in res.stderr
+
+
+def test_kernel_gemm_thresholds_match_the_kernel_sources() -> None:
+    """plan counts the GEMM path's workspace from the query lengths the .cu dispatches at."""
+    import re
+
+    from qwen_kvprep import plan
+    from qwen_kvprep.resources import KERNEL_FILES, kernels_dir
+
+    cu = (kernels_dir() / KERNEL_FILES[1]).read_text()
+    found = dict(re.findall(r"constexpr int64_t (kGemmMinQ\w+) = (\d+);", cu))
+    assert int(found["kGemmMinQQk"]) == plan.KERNEL_GEMM_MIN_Q_QK
+    assert int(found["kGemmMinQPv"]) == plan.KERNEL_GEMM_MIN_Q_PV
+    shape = plan.model_shape(Path(__file__).parent / "data" / "qwen-7b-chat-config")
+    below = plan.predict_peak_bytes(shape, 1, 2048, 8, "int8", prefill_chunk=127)
+    at = plan.predict_peak_bytes(shape, 1, 2048, 8, "int8", prefill_chunk=128)
+    assert at - below >= 2 * 32 * 2048 * 128  # one layer's fp16 values, dequantized
