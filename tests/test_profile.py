@@ -125,6 +125,18 @@ def test_findings_of_a_good_profile() -> None:
     assert "profile.oom" not in by and "profile.run" not in by
 
 
+def test_cudnn_attention_baseline_is_named_with_the_option_that_avoids_it() -> None:
+    m = _measurements(_record("unquantized", 1), _record("int8", 1))
+    assert "profile.baseline" not in _by_id(evaluate(m, _source(), UNITS, 2, 60))
+    m.device = {"kind": "cuda", "name": "H100", "total_bytes": 80 << 30, "cudnn_attention": True}
+    f = _by_id(evaluate(m, _source(), UNITS, 2, 60))["profile.baseline"]
+    assert "cuDNN" in f.message and "--no-cudnn-attention" in (f.fix or "")
+    m.device["cudnn_attention"] = False
+    assert "profile.baseline" not in _by_id(evaluate(m, _source(), UNITS, 2, 60))
+    spec = ChildSpec(task="run", source="/x", cudnn_attention=False)
+    assert ChildSpec.from_json(spec.to_json()).cudnn_attention is False
+
+
 def test_fallback_warns_and_names_fix() -> None:
     m = _measurements(_record("unquantized", 1), _record("int8", 1, kernel_layers=0))
     f = _by_id(evaluate(m, _source(), UNITS, 2, 60))["profile.kernel"]

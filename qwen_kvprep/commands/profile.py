@@ -50,6 +50,9 @@ def parse_batches(value: Optional[str]) -> Optional[tuple[int, ...]]:
 @click.option("--timeout", type=click.FloatRange(min=1.0), default=DEFAULT_TIMEOUT_S,
               show_default=True, metavar="S", help="Seconds one run may take before it is "
               "killed.")
+@click.option("--no-cudnn-attention", "no_cudnn_attention", is_flag=True,
+              help="Turn torch's cuDNN attention backend off in every run (a fairer "
+              "unquantized baseline where cuDNN re-plans for every new cached length).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document.")
 @click.option("--plot", type=click.Path(dir_okay=False, path_type=Path), metavar="FILE",
               help="Draw memory against batch into FILE (.svg or .png; needs the plot "
@@ -65,6 +68,7 @@ def profile(
     dtype: Optional[str],
     quality: Optional[str],
     timeout: float,
+    no_cudnn_attention: bool,
     as_json: bool,
     plot: Optional[Path],
 ) -> None:
@@ -99,6 +103,7 @@ def profile(
         quality=quality is not None,
         quality_text=text_file,
         timeout=timeout,
+        cudnn_attention=not no_cudnn_attention,
     )
     bar = progress_bar(as_json, total=1)
     try:

@@ -287,11 +287,14 @@ def device_info(device: str, torch: Any) -> dict[str, Any]:
     info: dict[str, Any] = {"kind": device}
     if device == "cuda":
         props = torch.cuda.get_device_properties(0)
+        enabled = getattr(torch.backends.cuda, "cudnn_sdp_enabled", None)
         info.update(
             name=props.name,
             total_bytes=int(props.total_memory),
             capability=f"{props.major}.{props.minor}",
             count=torch.cuda.device_count(),
+            # None: a torch without a cuDNN attention backend
+            cudnn_attention=bool(enabled()) if enabled is not None else None,
         )
     else:
         try:
@@ -314,6 +317,10 @@ def work(spec: ChildSpec, ev: Events) -> dict[str, Any]:
     import torch
 
     device = resolve_device(spec.device, torch)
+    if not spec.cudnn_attention:
+        switch = getattr(torch.backends.cuda, "enable_cudnn_sdp", None)
+        if switch is not None:
+            switch(False)
     result = device_info(device, torch)
     if spec.task == TASK_PROBE:
         return result

@@ -163,6 +163,17 @@ def evaluate(
         f"{device.get('kind')}: {device.get('name')} ({human_bytes(device.get('total_bytes'))}), "
         f"torch {m.versions.get('torch')}, transformers {m.versions.get('transformers')}",
     )]
+    if device.get("cudnn_attention"):
+        # Measured with torch 2.11 on an H100: cuDNN's attention builds a new plan for every
+        # new key length, i.e. every decode step of the unquantized cache (tens of ms each).
+        findings.append(info(
+            "profile.baseline",
+            "the unquantized cache's attention (torch SDPA with a mask) may run on cuDNN here, "
+            "which some torch releases re-plan for every new cached length; its decode speed "
+            "can then be far below a server's that uses flash-attn or turns cuDNN attention "
+            "off",
+            fix="compare against that baseline: rerun with --no-cudnn-attention",
+        ))
     if source.random_weights:
         code = ("the checkpoint's model code" if source.remote_code == "checkpoint"
                 else "qwen-kvprep's own model code (the folder has none)")

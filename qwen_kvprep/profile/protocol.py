@@ -66,6 +66,9 @@ class ChildSpec:
     plant_kernels: bool = False
     text_file: Optional[str] = None  # quality: None for the built-in passage
     seed: int = RANDOM_SEED
+    # False: switch torch's cuDNN attention backend off before loading (the unquantized
+    # cache's SDPA call; the Int8 cache's attention does not use SDPA)
+    cudnn_attention: bool = True
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)

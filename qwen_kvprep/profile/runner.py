@@ -73,6 +73,7 @@ class ProfileOptions:
     quality: bool = False
     quality_text: Optional[Path] = None  # None with quality: the built-in passage
     timeout: float = DEFAULT_TIMEOUT_S
+    cudnn_attention: bool = True  # False: torch's cuDNN SDPA backend off in every child
 
 
 @dataclass
@@ -174,7 +175,8 @@ def skipped_row(spec: ChildSpec, reason: str, oom: bool) -> dict[str, Any]:
 def probe(
     source: ModelSource, options: ProfileOptions, bar: Optional[ProgressBar]
 ) -> dict[str, Any]:
-    spec = ChildSpec(task=TASK_PROBE, source=str(source.load_from), device=options.device)
+    spec = ChildSpec(task=TASK_PROBE, source=str(source.load_from), device=options.device,
+                     cudnn_attention=options.cudnn_attention)
     outcome = run_child(spec, source, min(options.timeout, _PROBE_TIMEOUT_S), bar,
                         "checking torch and the device")
     if outcome.result is None:
@@ -215,6 +217,7 @@ def measure(
         random_weights=source.random_weights,
         plant_kernels=source.plant_kernels,
         seed=RANDOM_SEED,
+        cudnn_attention=options.cudnn_attention,
     )
     stopped: dict[str, tuple[str, bool]] = {}  # mode -> (reason, oom)
     for batch in batches:
