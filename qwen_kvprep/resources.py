@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import os
 from pathlib import Path
 
 _PKG = Path(__file__).resolve().parent
@@ -32,10 +33,17 @@ def sha256_bytes(data: bytes) -> str:
 
 
 def sha256_file(path: Path) -> str:
+    """sha256 of a regular file (symlinks followed); OSError for anything else, without
+    blocking on a FIFO (untrusted.NotRegularFile)."""
+    from qwen_kvprep.untrusted import open_regular
+
     h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
+    fd = open_regular(path)
+    try:
+        for chunk in iter(lambda: os.read(fd, 1 << 20), b""):
             h.update(chunk)
+    finally:
+        os.close(fd)
     return h.hexdigest()
 
 
