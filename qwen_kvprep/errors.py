@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import errno
+import os
+import shlex
 from collections.abc import Sequence
-from typing import Optional
+from typing import Optional, Union
 
 from qwen_kvprep.findings import Finding
 
@@ -66,3 +69,66 @@ class CacheError(KvprepError):
 
 class SmokeError(KvprepError):
     """The smoke generation failed or proved the kernel is not used."""
+
+
+class StateError(RefusedError):
+    """What an earlier run recorded (.qwen-kvprep/journal.json, originals/, state.json) is
+    damaged, tampered with, or does not match the folder: nothing is changed."""
+
+
+class FileSystemError(KvprepError):
+    """The file system refused a read or write (read-only, full, not permitted)."""
+
+
+def current_user() -> str:
+    """`name (uid N)` of the user this process runs as, for permission messages."""
+    uid = os.geteuid() if hasattr(os, "geteuid") else -1
+    try:
+        import pwd
+
+        name = pwd.getpwuid(uid).pw_name
+    except (ImportError, KeyError, OSError):
+        name = os.environ.get("USER") or "?"
+    return f"{name} (uid {uid})"
+
+
+_NO_SPACE = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)}
+
+
+def os_failure(
+    exc: OSError,
+    folder: Union[str, os.PathLike[str], None] = None,
+    output_option: bool = True,
+) -> KvprepError:
+    """An OSError as something the user can act on (the caller raises it `from exc`).
+
+    `folder` is the folder being prepared (DIR, or OUT with --output); `output_option`
+    says whether `--output OUT` would help (fix and prestart) or not (revert)."""
+    path = exc.filename if exc.filename is not None else folder
+    shown = os.fspath(path) if path is not None else "a file"
+    where = os.fspath(folder) if folder is not None else os.path.dirname(os.fspath(shown))
+    q = shlex.quote
+    code = exc.errno
+    if code == errno.EROFS:
+        fix = (
+            f"prepare a writable view instead and serve from it: `qwen-kvprep fix {q(where)} "
+            "--output OUT` (prestart takes --output too; OUT on a writable disk)"
+            if output_option
+            else "remount it writable (or run this where the folder is writable)"
+        )
+        return FileSystemError(f"{shown} is on a read-only file system", fix=fix)
+    if code in _NO_SPACE:
+        return FileSystemError(
+            f"no space left on the device holding {where} (writing {shown})",
+            fix=f"free some space there (`df -h {q(where)}` shows it) and run the command "
+            "again; what was written so far is recorded and kept",
+        )
+    if code in (errno.EACCES, errno.EPERM):
+        return FileSystemError(
+            f"permission denied on {shown} for user {current_user()}",
+            fix=f"run as the owner of {q(where)} (`ls -ld {q(shown)}` shows it), or give this "
+            "user access to it"
+            + (", or prepare a writable view with `--output OUT`" if output_option else ""),
+        )
+    detail = exc.strerror or str(exc)
+    return FileSystemError(f"{shown}: {detail}", fix=None)
