@@ -31,6 +31,7 @@ from qwen_kvprep.probe.checkpoint import (
     ContentProblem,
 )
 from qwen_kvprep.probe.facts import Facts
+from qwen_kvprep.resources import KERNEL_FILES
 from qwen_kvprep.steps.config_patch import CONFIG
 
 # Used in fix commands when the checkpoint's repo is unknown; the fix says to replace it.
@@ -139,8 +140,24 @@ def files(facts: Facts) -> CheckResult:
         )
     out: list[Finding] = []
     present = set(cp.files)
+    special = dict(cp.special)
     required = [CONFIG, *(f for f in REMOTE_CODE_FILES if f != LOADER), *TOKENIZER_FILES]
-    missing = [f for f in required if f not in present and f not in cp.dangling]
+    if special:
+        # a FIFO, socket or device under a file's name: never opened (a FIFO blocks a read)
+        read = {*required, LOADER, *KERNEL_FILES, *cp.weight_files}
+        for name, what in sorted(special.items()):
+            make = fail if name in read else warn
+            out.append(make(
+                id,
+                f"{name} is {what}, not a regular file: qwen-kvprep does not open it, and "
+                "loading the model would fail or wait on it forever",
+                f"replace it with the real file: `rm {shlex.quote(str(cp.path / name))}`, then "
+                + redownload(cp, [name]),
+                paths=[cp.path / name], what=what,
+            ))
+    missing = [
+        f for f in required if f not in present and f not in cp.dangling and f not in special
+    ]
     if missing:
         out.append(fail(
             id,
@@ -157,7 +174,7 @@ def files(facts: Facts) -> CheckResult:
             "`FileNotFoundError`",
             redownload(cp, list(cp.dangling)), paths=[cp.path / f for f in cp.dangling],
         ))
-    if LOADER not in present and LOADER not in cp.dangling:
+    if LOADER not in present and LOADER not in cp.dangling and LOADER not in special:
         # The relative import in modeling_qwen.py makes transformers copy it even when the
         # KV flags are off; `fix` installs qwen-kvprep's loader under this name anyway.
         out.append(warn(
@@ -310,10 +327,19 @@ def content(facts: Facts) -> CheckResult:
         # One file: its own detail ("is a Git LFS pointer of 134 bytes (the real file ...)").
         what = problems[0].detail if len(problems) == 1 else f"are {many}"
         because = f": {cause}, so" if cause else ", so"
+        if kind == "unreadable":
+            # a permission problem, not a bad download: re-downloading would not help
+            quoted = " ".join(shlex.quote(str(cp.path / n)) for n in names)
+            fix = (
+                f"make {'it' if len(names) == 1 else 'them'} readable for this user "
+                f"(`ls -l {quoted}` shows the owner; `chmod a+r {quoted}`), or run as the owner"
+            )
+        else:
+            fix = refetch(cp, names, lfs=kind == "lfs-pointer")
         out.append(fail(
             id,
             f"{', '.join(names)} {what}{because} loading fails with {_symptom(kind, suffix)}",
-            refetch(cp, names, lfs=kind == "lfs-pointer"),
+            fix,
             paths=[cp.path / n for n in names], kind=kind,
             files={p.name: p.detail for p in problems},
         ))

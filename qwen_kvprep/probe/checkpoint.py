@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import base64
 import binascii
-import hashlib
 import importlib.util
 import json
 import os
@@ -24,9 +23,10 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any, Optional
 
-from qwen_kvprep.errors import ConfigError
-from qwen_kvprep.resources import KERNEL_FILES
-from qwen_kvprep.steps.config_patch import CONFIG, parse_config
+from qwen_kvprep.errors import ConfigError, current_user
+from qwen_kvprep.resources import KERNEL_FILES, sha256_file
+from qwen_kvprep.steps.config_patch import CONFIG, parse_config_bytes, read_config_bytes
+from qwen_kvprep.untrusted import kind_of, open_regular, read_prefix
 
 REMOTE_CODE_FILES = (
     "configuration_qwen.py",
@@ -129,6 +129,7 @@ class CheckpointFacts:
     listing_error: Optional[str] = None
     files: tuple[str, ...] = ()  # top-level regular files (symlinks followed), sorted
     dangling: tuple[str, ...] = ()  # top-level symlinks whose target is gone
+    special: tuple[tuple[str, str], ...] = ()  # (name, what): FIFOs, sockets, devices
     config: Optional[dict[str, Any]] = None
     config_error: Optional[str] = None
     config_error_line: Optional[int] = None  # where the JSON parser stopped
@@ -171,23 +172,27 @@ class CheckpointFacts:
 # -- small readers that never raise --------------------------------------------------------
 
 
+# Remote code and tokenizer configs are tens of KiB; a text file is never read past this.
+TEXT_LIMIT = 16 << 20
+# qwen.tiktoken is 2.5 MB; its check reads at most this much of it.
+TIKTOKEN_PREFIX = 8 << 20
+
+
 def _read_head(path: Path, size: int) -> bytes:
-    with open(path, "rb") as fh:
-        return fh.read(size)
+    return read_prefix(path, size)[0]
 
 
 def _sha256(path: Path) -> Optional[str]:
     try:
-        with open(path, "rb") as fh:
-            return hashlib.sha256(fh.read()).hexdigest()
+        return sha256_file(path)
     except OSError:
         return None
 
 
 def _read_text(path: Path) -> Optional[str]:
+    """The text of a regular file (at most TEXT_LIMIT bytes of it), None when unreadable."""
     try:
-        with open(path, "rb") as fh:
-            return fh.read().decode("utf-8", errors="replace")
+        return read_prefix(path, TEXT_LIMIT)[0].decode("utf-8", errors="replace")
     except OSError:
         return None
 
@@ -250,8 +255,8 @@ def _shard_error(
 def probe_shard(path: Path, name: str) -> ShardFacts:
     """Validate one safetensors file from its header only (never reads tensor data)."""
     try:
-        size = os.stat(path).st_size
-        with open(path, "rb") as fh:
+        with os.fdopen(open_regular(path), "rb") as fh:  # a FIFO is refused, never waited on
+            size = os.fstat(fh.fileno()).st_size
             prefix = fh.read(8)
             if len(prefix) < 8:
                 return _shard_error(
@@ -427,13 +432,19 @@ def probe_index(root: Path, name: str) -> IndexFacts:
 # -- tokenizer ------------------------------------------------------------------------------
 
 
-def probe_tiktoken(path: Path) -> tuple[Optional[int], Optional[str], Optional[int]]:
-    """(ranks, error, first bad line number) for a `base64-token rank` per line file."""
+def probe_tiktoken(
+    path: Path, limit: int = TIKTOKEN_PREFIX
+) -> tuple[Optional[int], Optional[str], Optional[int]]:
+    """(ranks, error, first bad line number) for a `base64-token rank` per line file.
+
+    Only the first `limit` bytes are read (whole lines of them): Qwen's file is 2.5 MB, and
+    a file hundreds of times that size must not cost seconds and gigabytes to judge."""
     try:
-        with open(path, "rb") as fh:
-            data = fh.read()
+        data, size = read_prefix(path, limit)
     except OSError as exc:
         return None, f"cannot be read: {exc.strerror or exc}", None
+    if size > len(data):
+        data = data[: data.rfind(b"\n") + 1]  # a line cut at the limit is not judged
     ranks = 0
     for lineno, line in enumerate(data.splitlines(), 1):
         if not line:  # the tokenizer skips empty lines, so they are harmless
@@ -550,9 +561,13 @@ def _mentions(text: Optional[str], word: str) -> Optional[bool]:
     return None if text is None else word in text
 
 
-def _list_dir(path: Path) -> tuple[list[str], list[str], Optional[str]]:
+def _list_dir(
+    path: Path,
+) -> tuple[list[str], list[str], list[tuple[str, str]], Optional[str]]:
+    """(regular files, dangling links, (name, what) of other non-folder entries, error)."""
     files: list[str] = []
     dangling: list[str] = []
+    special: list[tuple[str, str]] = []
     try:
         with os.scandir(path) as it:
             for entry in it:
@@ -563,17 +578,24 @@ def _list_dir(path: Path) -> tuple[list[str], list[str], Optional[str]]:
                         files.append(entry.name)
                     elif entry.is_symlink() and not os.path.exists(entry.path):
                         dangling.append(entry.name)
+                    elif not entry.is_dir(follow_symlinks=True):
+                        # a FIFO, socket or device: never opened (a FIFO would block)
+                        special.append((entry.name, kind_of(os.stat(entry.path).st_mode)))
                 except OSError:
                     dangling.append(entry.name)
     except OSError as exc:
-        return [], [], exc.strerror or str(exc)
-    return sorted(files), sorted(dangling), None
+        return [], [], [], exc.strerror or str(exc)
+    return sorted(files), sorted(dangling), sorted(special), None
 
 
 def _sniff_file(root: Path, name: str) -> Optional[ContentProblem]:
     try:
-        size = os.stat(root / name).st_size
-        head = _read_head(root / name, _SNIFF_BYTES)
+        head, size = read_prefix(root / name, _SNIFF_BYTES)
+    except PermissionError as exc:
+        return ContentProblem(
+            name, "unreadable",
+            f"cannot be read by user {current_user()} ({exc.strerror or exc})",
+        )
     except OSError as exc:
         return ContentProblem(name, "unreadable", f"cannot be read ({exc.strerror or exc})")
     return sniff(name, head, size)
@@ -626,7 +648,8 @@ def probe_checkpoint(path: Path) -> CheckpointFacts:
         "path": path, "name": name, "repo_id": repo_id, "revision": revision,
         "hub_cache_dir": hub_root, "is_git_checkout": os.path.exists(path / ".git"),
     }
-    listing, dangling, listing_error = _list_dir(path)
+    listing, dangling, special, listing_error = _list_dir(path)
+    base["special"] = tuple(special)
     if listing_error is not None:
         return CheckpointFacts(listing_error=listing_error, **base)
     files = set(listing)
@@ -649,19 +672,14 @@ def probe_checkpoint(path: Path) -> CheckpointFacts:
     config_error_line: Optional[int] = None
     config_path = path / CONFIG
     if CONFIG in files:
-        text = _read_text(config_path)
-        if text is None:
-            config_error = f"{config_path} cannot be read"
-        else:
-            try:
-                config = dict(parse_config(text, config_path))
-            except ConfigError as exc:
-                config_error = exc.message
-                cause = exc.__cause__
-                if isinstance(cause, json.JSONDecodeError):
-                    config_error_line = cause.lineno
-            except (ValueError, RecursionError) as exc:  # what parse_config lets through
-                config_error = f"{config_path} is not valid JSON ({type(exc).__name__}: {exc})"
+        # the same reader and rules as fix: strict UTF-8, unique keys, a size limit
+        try:
+            config = dict(parse_config_bytes(read_config_bytes(config_path), config_path))
+        except ConfigError as exc:
+            config_error = exc.message
+            cause = exc.__cause__
+            if isinstance(cause, json.JSONDecodeError):
+                config_error_line = cause.lineno
     is_link = config_path.is_symlink()
     link_target: Optional[str] = None
     if is_link:

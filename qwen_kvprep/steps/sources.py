@@ -9,14 +9,16 @@ the checkpoint through the journal, only after they were verified.
 
 from __future__ import annotations
 
+import shlex
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
 from qwen_kvprep import hub, resources
-from qwen_kvprep.errors import SourceError, UsageError
+from qwen_kvprep.errors import SourceError, UsageError, current_user
 from qwen_kvprep.findings import Finding, fail, info, ok, warn
+from qwen_kvprep.untrusted import NotRegularFile, read_regular
 
 SOURCES = ("auto", "vendored", "hub")
 
@@ -77,15 +79,23 @@ def run(ctx: Any) -> None:
 def _read_present(directory: Path) -> dict[str, Optional[bytes]]:
     out: dict[str, Optional[bytes]] = {}
     for name in resources.KERNEL_FILES:
+        path = directory / name
         try:
             # Follows a symlink into a huggingface_hub blob: what matters is the content.
-            out[name] = (directory / name).read_bytes()
+            out[name] = read_regular(path, 64 << 20)
         except FileNotFoundError:
             out[name] = None
+        except NotRegularFile as exc:
+            raise SourceError(
+                f"{path} {exc.strerror}",
+                fix=f"remove it (`rm {shlex.quote(str(path))}`); fix then puts the kernel "
+                "source there",
+            ) from exc
         except OSError as exc:
             raise SourceError(
-                f"cannot read {directory / name}: {exc}",
-                fix=f"check the permissions of {directory}",
+                f"cannot read {path}: {exc.strerror or exc}",
+                fix=f"check the permissions of {shlex.quote(str(path))} (running as user "
+                f"{current_user()})",
             ) from exc
     return out
 

@@ -1,29 +1,45 @@
-"""First step of `fix`: refuse a checkpoint that cannot work, before changing anything."""
+"""First step of `fix`: refuse a checkpoint that cannot work, before changing anything.
+
+Runs every `checkpoint.*` check and `config.parse` (config.json is strict UTF-8 JSON with
+unique keys, an object, a Qwen config: doctor and fix judge it by the same rules)."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from qwen_kvprep.checks import load_all, run_one
-from qwen_kvprep.errors import CheckpointError
-from qwen_kvprep.findings import Severity
+from qwen_kvprep.errors import CheckpointError, ConfigError
+from qwen_kvprep.findings import Finding, Severity
 from qwen_kvprep.probe.facts import Facts
+
+_ALSO = ("config.parse",)
+
+
+def check(directory: Path) -> tuple[Facts, list[Finding]]:
+    """(facts, findings that are not ok); raises CheckpointError/ConfigError on a failure."""
+    from qwen_kvprep.probe.checkpoint import probe_checkpoint
+
+    facts = Facts(checkpoint=probe_checkpoint(directory))
+    findings: list[Finding] = []
+    for chk in load_all().values():
+        if chk.area == "checkpoint" or chk.id in _ALSO:
+            findings.extend(run_one(chk, facts))
+    bad = [f for f in findings if f.severity is Severity.FAIL]
+    shown = [f for f in findings if f.severity is not Severity.OK]
+    if bad:
+        config_only = all(f.id.startswith("config.") for f in bad)
+        error = ConfigError if config_only else CheckpointError
+        message = (
+            bad[0].message
+            if config_only and len(bad) == 1
+            else f"{directory} is not a usable Qwen (v1) checkpoint: {len(bad)} problem(s)"
+        )
+        raise error(message, fix=bad[0].fix, findings=shown)
+    return facts, shown
 
 
 def run(ctx: Any) -> None:
-    from qwen_kvprep.probe.checkpoint import probe_checkpoint
-
-    facts = Facts(checkpoint=probe_checkpoint(ctx.directory))
-    findings = []
-    for chk in load_all().values():
-        if chk.area == "checkpoint":
-            findings.extend(run_one(chk, facts))
-    bad = [f for f in findings if f.severity is Severity.FAIL]
-    ctx.add(*[f for f in findings if f.severity is not Severity.OK])
-    if bad:
-        raise CheckpointError(
-            f"{ctx.directory} is not a usable Qwen (v1) checkpoint: {len(bad)} problem(s)",
-            fix=bad[0].fix,
-            findings=bad,
-        )
+    facts, findings = check(ctx.directory)
+    ctx.add(*findings)
     ctx.facts = facts
