@@ -22,11 +22,9 @@ from typing import Any, Optional
 
 from qwen_kvprep import __version__
 from qwen_kvprep.journal import STATE_DIRNAME, Journal
-from qwen_kvprep.resources import KERNEL_FILES, sha256_file
+from qwen_kvprep.resources import sha256_file
+from qwen_kvprep.statefile import STATE_FILE, STATE_VERSION, TRACKED_FILES, read_state
 
-STATE_FILE = "state.json"
-STATE_VERSION = 1
-TRACKED_FILES = ("config.json", "cpp_kernels.py", *KERNEL_FILES)
 # Fields that change on every run without meaning anything changed.
 _VOLATILE = ("updated",)
 
@@ -36,14 +34,14 @@ def state_path(directory: Path) -> Path:
 
 
 def load_state(directory: Path) -> Optional[dict[str, Any]]:
-    """The recorded state, or None if absent, unreadable or of another version."""
-    try:
-        data = json.loads(state_path(directory).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    if not isinstance(data, dict) or data.get("state_version") != STATE_VERSION:
-        return None
-    return data
+    """The recorded state, or None if absent or unusable (damaged, of another version,
+    against the schema: statefile.read_state, as prestart reads it)."""
+    return read_state(str(directory))[0]
+
+
+def state_problem(directory: Path) -> Optional[str]:
+    """Why the recorded state cannot be used (None: it can, or there is none)."""
+    return read_state(str(directory))[1]
 
 
 def file_hashes(
