@@ -33,6 +33,14 @@ def modules_cache_root() -> Path:
     return base / "huggingface" / "modules"
 
 
+def transformers_root() -> Path:
+    """The modules-cache root transformers itself uses (it read the environment when it was
+    imported); the root planted files are recorded relative to."""
+    from transformers import dynamic_module_utils as dmu
+
+    return Path(getattr(dmu, "HF_MODULES_CACHE", None) or modules_cache_root())
+
+
 def module_folder(checkpoint_dir: Path, materialize: bool = True) -> Path:
     """The folder the checkpoint's remote code is imported from.
 

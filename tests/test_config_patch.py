@@ -90,9 +90,12 @@ def test_journal_write_replaces_symlink_and_never_touches_blob(tmp_path: Path) -
     assert not (d / ".qwen-kvprep").exists()
 
 
-def test_journal_revert_is_byte_identical(tmp_path: Path) -> None:
+def test_journal_revert_is_byte_identical(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from qwen_kvprep.journal import Journal
 
+    monkeypatch.setenv("HF_MODULES_CACHE", str(tmp_path / "modules"))
     d = _minimal_checkpoint(tmp_path)
     os.chmod(d / "config.json", 0o640)
     outside = tmp_path / "modules" / "x" / "planted.cpp"
@@ -108,14 +111,15 @@ def test_journal_revert_is_byte_identical(tmp_path: Path) -> None:
     assert not outside.exists()
 
 
-def test_journal_dry_run_writes_nothing(tmp_path: Path) -> None:
+def test_journal_dry_run_writes_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from qwen_kvprep.journal import Journal
 
+    monkeypatch.setenv("HF_MODULES_CACHE", str(tmp_path / "elsewhere"))
     d = _minimal_checkpoint(tmp_path)
     before = snapshot(d)
     j = Journal(d, dry_run=True)
     assert j.write("config.json", b"{}\n")
-    assert j.plant(tmp_path / "elsewhere" / "f", b"x")
+    assert j.plant(tmp_path / "elsewhere" / "x" / "f", b"x")
     assert [p.path.name for p in j.planned] == ["config.json", "f"]
     assert snapshot(d) == before
     assert not (tmp_path / "elsewhere").exists()

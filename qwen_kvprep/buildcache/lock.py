@@ -10,14 +10,12 @@ lock is really held.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import os
 import socket
 import time
 from collections.abc import Iterator
 from datetime import datetime
-from pathlib import Path
 from typing import Any, Callable, Optional
 
 import filelock
@@ -66,53 +64,6 @@ def describe_owner(owner: Optional[dict[str, Any]]) -> str:
         else "?"
     )
     return f"held by pid {owner.get('pid', '?')} on {owner.get('host', '?')} since {when}"
-
-
-@contextlib.contextmanager
-def directory_lock(
-    directory: Path, timeout: float, notify: Callable[[str], None], what: str
-) -> Iterator[None]:
-    """Exclusive flock on the directory itself, so two `fix` runs on one checkpoint do not
-    interleave their journal writes, without creating any file in it (a refused checkpoint
-    must stay untouched). Where directories cannot be locked (some network file systems)
-    it runs unlocked: the journal's own writes are still atomic."""
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        yield
-        return
-    try:
-        deadline = time.monotonic() + timeout
-        told = False
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                pass
-            except OSError:
-                break  # not lockable here: go on without
-            if not told:
-                notify(
-                    f"waiting for another {what} (giving up after {timeout:.0f} s, "
-                    f"see {ENV_LOCK_TIMEOUT})"
-                )
-                told = True
-            if time.monotonic() >= deadline:
-                message = f"another {what} kept running for more than {timeout:.0f} s"
-                fix = (
-                    f"wait for it (`fuser {directory}` shows it), or allow a longer wait with "
-                    f"{ENV_LOCK_TIMEOUT}=SECONDS"
-                )
-                raise LockTimeout(
-                    message,
-                    fix=fix,
-                    findings=[fail("build.lock", message, fix=fix, paths=[directory])],
-                )
-            time.sleep(0.1)
-        yield
-    finally:
-        os.close(fd)  # closing the only descriptor releases the flock
 
 
 @contextlib.contextmanager

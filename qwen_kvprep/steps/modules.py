@@ -20,10 +20,17 @@ from qwen_kvprep.resources import sha256_bytes, sha256_file
 
 
 def _plant_all(ctx: Any, folder: Path, files: dict[str, bytes]) -> list[str]:
+    from qwen_kvprep.dirlock import remove_leftover_temps
+    from qwen_kvprep.modcache import transformers_root
+
+    root = transformers_root()
     changed = []
+    if not ctx.options.dry_run:
+        # a killed write of ours (or of prestart) a while ago; never one in progress
+        remove_leftover_temps(folder, set(files), older_than=60.0)
     for name, data in files.items():
         try:
-            if ctx.journal.plant(folder / name, data):
+            if ctx.journal.plant(folder / name, data, root):
                 changed.append(name)
         except OSError as exc:
             message = f"cannot write {folder / name}: {exc.strerror or exc}"
@@ -33,6 +40,13 @@ def _plant_all(ctx: Any, folder: Path, files: dict[str, bytes]) -> list[str]:
             raise CacheError(
                 message, fix=fix, findings=[fail("modules.plant", message, fix=fix, paths=[folder])]
             ) from exc
+    try:
+        # so that reverting another folder of the same name leaves these files alone
+        ctx.journal.register_user(folder)
+    except OSError as exc:
+        message = f"cannot write {folder}: {exc.strerror or exc}"
+        finding = fail("modules.plant", message, paths=[folder])
+        raise CacheError(message, findings=[finding]) from exc
     return changed
 
 

@@ -1,14 +1,45 @@
-"""`revert`: undo every change `fix` recorded in the checkpoint's journal."""
+"""`revert`: undo every change `fix` recorded in the checkpoint's journal.
+
+Under the folder's lock (so a concurrent fix or prestart never interleaves), the journal
+is read and every entry checked before any file is changed; see journal.Journal.revert.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from qwen_kvprep.journal import Journal
+from qwen_kvprep.journal import STATE_DIRNAME, Journal
 
 
-def revert_checkpoint(directory: Path) -> list[str]:
-    journal = Journal(directory)
-    if not journal.exists:
-        return []
-    return journal.revert()
+@dataclass
+class RevertResult:
+    done: list[str] = field(default_factory=list)  # restored or removed
+    notes: list[str] = field(default_factory=list)  # left alone, and why
+    temps: list[str] = field(default_factory=list)  # leftover temporary files removed
+
+
+def revert_checkpoint(directory: Path) -> RevertResult:
+    from qwen_kvprep.buildcache.builder import stderr_notify
+    from qwen_kvprep.buildcache.lock import lock_timeout
+    from qwen_kvprep.dirlock import folder_lock, release_if_unused, remove_leftover_temps
+    from qwen_kvprep.errors import os_failure
+
+    directory = Path(directory)
+    result = RevertResult()
+    if not (directory / STATE_DIRNAME).is_dir():
+        return result  # nothing recorded: nothing to lock, nothing to do
+    try:
+        with folder_lock(directory, "qwen-kvprep command", lock_timeout(), stderr_notify):
+            result.temps = remove_leftover_temps(directory) + remove_leftover_temps(
+                directory / STATE_DIRNAME
+            )
+            journal = Journal(directory)
+            if not journal.exists:
+                release_if_unused(directory)
+                return result
+            result.done = journal.revert()
+            result.notes = journal.notes
+    except OSError as exc:
+        raise os_failure(exc, directory, output_option=False) from exc
+    return result

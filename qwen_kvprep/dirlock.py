@@ -1,0 +1,232 @@
+"""One lock per prepared folder, taken by `fix`, `prestart` (slow path) and `revert`.
+
+`<DIR>/.qwen-kvprep/lock`, an OS lock through filelock (flock: the kernel drops it when its
+holder dies, so a killed run never blocks the next one). `revert` removes `.qwen-kvprep/`,
+lock file included, and a failed first `fix` removes the folder it created, both while
+holding the lock; a waiter that then gets the lock on the removed file notices (the file
+it locked is no longer the one at the path) and takes the lock again on the new one. The
+lock is re-entrant within a process (prestart's slow path holds it around fix).
+
+The folder is created only when the command is about to write: a refused command leaves
+the model folder as it found it (`release_if_unused` removes a `.qwen-kvprep/` that holds
+nothing but the lock). Where the folder cannot be created (a read-only DIR) the command
+runs without the lock: it can write nothing there anyway, and says why.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import filelock
+
+from qwen_kvprep.errors import LockTimeout
+from qwen_kvprep.findings import fail
+
+STATE_DIRNAME = ".qwen-kvprep"
+LOCK_FILE = "lock"
+ENV_LOCK_TIMEOUT = "QWEN_KVPREP_LOCK_TIMEOUT"
+
+# (thread, realpath of the state folder) -> [lock, depth]: the locks this process holds.
+# Per thread: another thread of this process waits like another process would.
+_HELD: dict[tuple[int, str], list[Any]] = {}
+
+
+def lock_path(directory: Path) -> Path:
+    return Path(directory) / STATE_DIRNAME / LOCK_FILE
+
+
+def _locked_fd(lock: filelock.BaseFileLock) -> Optional[int]:
+    """The descriptor filelock holds the flock on (its attribute moved between versions)."""
+    for holder in (getattr(lock, "_context", None), lock):
+        for name in ("lock_file_fd", "_lock_file_fd"):
+            fd = getattr(holder, name, None)
+            if isinstance(fd, int):
+                return fd
+    return None
+
+
+def _still_at_path(lock: filelock.BaseFileLock, path: Path) -> bool:
+    """Whether the file we hold the flock on is still the one at `path` (a holder before
+    us may have removed it, and someone else may have created a new one)."""
+    fd = _locked_fd(lock)
+    if fd is None:
+        return path.exists()
+    try:
+        held = os.fstat(fd)
+        now = os.stat(path, follow_symlinks=False)
+    except OSError:
+        return False
+    return held.st_nlink > 0 and (held.st_dev, held.st_ino) == (now.st_dev, now.st_ino)
+
+
+@contextlib.contextmanager
+def folder_lock(
+    directory: Path,
+    what: str,
+    timeout: float,
+    notify: Callable[[str], None],
+) -> Iterator[bool]:
+    """Hold DIR's lock; yields whether a lock is really held (False: DIR is read-only)."""
+    directory = Path(os.path.abspath(directory))
+    state = directory / STATE_DIRNAME
+    key = (threading.get_ident(), os.path.realpath(state))
+    held = _HELD.get(key)
+    if held is not None:
+        held[1] += 1
+        try:
+            yield True
+        finally:
+            held[1] -= 1
+        return
+    path = state / LOCK_FILE
+    deadline = time.monotonic() + timeout
+    told = False
+    while True:
+        try:
+            state.mkdir(exist_ok=True)
+        except OSError:
+            # read-only (or otherwise unwritable): nothing can be written there, so there
+            # is nothing to serialise; the command's first write reports why
+            yield False
+            return
+        _refuse_links(state, path)
+        lock = filelock.FileLock(str(path))
+        try:
+            lock.acquire(timeout=0)
+        except filelock.Timeout:
+            if not told:
+                notify(
+                    f"waiting for another {what} of {directory} (giving up after "
+                    f"{timeout:.0f} s, see {ENV_LOCK_TIMEOUT})"
+                )
+                told = True
+            left = deadline - time.monotonic()
+            try:
+                lock.acquire(timeout=max(0.0, left), poll_interval=0.05)
+            except filelock.Timeout:
+                message = f"another qwen-kvprep kept {path} locked for more than {timeout:.0f} s"
+                fix = (
+                    f"wait for it (`fuser {_q(path)}` shows it), or allow a longer wait with "
+                    f"{ENV_LOCK_TIMEOUT}=SECONDS"
+                )
+                raise LockTimeout(
+                    message,
+                    fix=fix,
+                    findings=[fail("build.lock", message, fix=fix, paths=[path])],
+                ) from None
+        except OSError:
+            yield False
+            return
+        if not _still_at_path(lock, path):
+            lock.release()
+            continue  # removed under us by revert or a failed fix: lock the new one
+        break
+    _HELD[key] = [lock, 1]
+    try:
+        yield True
+    finally:
+        del _HELD[key]
+        lock.release()
+
+
+def _refuse_links(state: Path, path: Path) -> None:
+    """Our state folder and its lock file must be what they seem: a link there would make
+    every write of ours land wherever it points."""
+    import stat
+
+    from qwen_kvprep.errors import StateError
+
+    for item, want in ((state, stat.S_ISDIR), (path, stat.S_ISREG)):
+        try:
+            mode = os.lstat(item).st_mode
+        except FileNotFoundError:
+            continue
+        if not want(mode):
+            from qwen_kvprep.untrusted import kind_of
+
+            raise StateError(
+                f"{item} is {kind_of(mode)}, where qwen-kvprep keeps its own "
+                f"{'folder' if item == state else 'lock file'}: refusing to write through it",
+                fix=f"remove it (`rm {_q(item)}`) if you did not put it there, then run the "
+                "command again",
+            )
+
+
+def _q(path: Any) -> str:
+    import shlex
+
+    return shlex.quote(str(path))
+
+
+# Temporary files our atomic writes create: `.<name>.<8 random>.tmp` (fsutil, journal),
+# `.<name>.<pid>.lnk` (fsutil.atomic_symlink), `.<name>.revert` (revert before 0.2).
+_OUR_TEMP = re.compile(r"^\.(.+)\.(?:[a-z0-9_]{8}\.tmp|\d+\.lnk|revert)$")
+
+
+def remove_leftover_temps(
+    folder: Path, names: Optional[set[str]] = None, older_than: float = 0.0
+) -> list[str]:
+    """Remove temporary files a killed write of ours left in `folder` (only those naming
+    one of `names`, when given; only those older than `older_than` seconds, in a folder
+    others may be writing to). Call it holding the folder's lock. Returns their names."""
+    removed: list[str] = []
+    now = time.time()
+    try:
+        entries = os.listdir(folder)
+    except OSError:
+        return removed
+    for entry in entries:
+        m = _OUR_TEMP.match(entry)
+        if not m or (names is not None and m.group(1) not in names):
+            continue
+        path = Path(folder) / entry
+        try:
+            st = os.lstat(path)
+            if older_than and now - st.st_mtime < older_than:
+                continue
+            if path.is_symlink() or path.is_file():
+                path.unlink()
+                removed.append(entry)
+        except OSError:
+            continue
+    return removed
+
+
+def release_if_unused(directory: Path) -> bool:
+    """Remove DIR/.qwen-kvprep/ when it holds nothing of value (only the lock, an empty
+    originals/ and temporary files): what a refused or failed first run created. Call it
+    holding the lock; returns whether it was removed."""
+    state = Path(directory) / STATE_DIRNAME
+    try:
+        entries = set(os.listdir(state))
+    except OSError:
+        return False
+    originals = state / "originals"
+    extra = entries - {LOCK_FILE, "originals"}
+    if any(not _OUR_TEMP.match(e) for e in extra):
+        return False
+    if "originals" in entries:
+        try:
+            if os.listdir(originals):
+                return False
+        except OSError:
+            return False
+    for entry in extra:
+        with contextlib.suppress(OSError):
+            (state / entry).unlink()
+    with contextlib.suppress(OSError):
+        originals.rmdir()
+    with contextlib.suppress(OSError):
+        (state / LOCK_FILE).unlink()
+    try:
+        state.rmdir()
+    except OSError:
+        return False
+    return True
