@@ -64,8 +64,18 @@ def record_smoke(
         return None
     if not isinstance(state_mod.load_state(Path(directory)), dict):
         return None
-    journal = journal or Journal(Path(directory))
-    if journal.dry_run:
-        return None
-    state_mod.update_state(journal, smoke=state_entry(summary))
+    if journal is not None:
+        if journal.dry_run:
+            return None
+        state_mod.update_state(journal, smoke=state_entry(summary))
+        return Path(state_mod.state_path(Path(directory)))
+    # `qwen-kvprep smoke DIR` on its own: take the folder's lock, as fix and revert do
+    from qwen_kvprep.buildcache.builder import stderr_notify
+    from qwen_kvprep.buildcache.lock import lock_timeout
+    from qwen_kvprep.dirlock import folder_lock
+
+    with folder_lock(Path(directory), "qwen-kvprep command", lock_timeout(), stderr_notify):
+        if not isinstance(state_mod.load_state(Path(directory)), dict):
+            return None  # reverted meanwhile: nothing to record the verdict in
+        state_mod.update_state(Journal(Path(directory)), smoke=state_entry(summary))
     return Path(state_mod.state_path(Path(directory)))

@@ -3,15 +3,16 @@ state → smoke. Each step reads and extends one FixContext."""
 
 from __future__ import annotations
 
-import contextlib
 import importlib
+import os
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 from qwen_kvprep.errors import KvprepError
 from qwen_kvprep.findings import Finding
-from qwen_kvprep.journal import Journal, PlannedWrite
+from qwen_kvprep.journal import STATE_DIRNAME, Journal, PlannedWrite
 
 
 @dataclass(frozen=True)
@@ -67,33 +68,167 @@ _STEPS: list[tuple[str, Callable[[FixOptions], bool]]] = [
 ]
 
 
-def run_fix(directory: Path, options: FixOptions) -> FixResult:
+def run_fix(
+    directory: Path, options: FixOptions, skip_if: Optional[Callable[[], bool]] = None
+) -> FixResult:
+    """Run fix on DIR (or on a view of it in `options.output`).
+
+    Every input is validated before the first write (the checkpoint, config.json, what an
+    earlier run recorded), so a refused fix leaves the folder byte for byte as it was. The
+    writes happen under the folder's lock (shared with prestart and revert); `skip_if`,
+    called once the lock is held, may say the work is no longer needed (another replica
+    did it). A run that fails before recording anything removes what it created (an empty
+    `.qwen-kvprep/`, a new OUT); OS errors become messages that say what to do.
+    """
+    from qwen_kvprep.errors import os_failure
+
+    source = Path(os.path.abspath(directory))
+    target = source
+    if options.output is not None:
+        from qwen_kvprep.view import check_output_dir
+
+        target = Path(os.path.abspath(options.output))
+        check_output_dir(source, target)
+    try:
+        early = _preflight(source, target, options)
+        if options.dry_run:
+            return _run_steps(source, target, options, early)
+        return _run_locked(source, target, options, early, skip_if)
+    except OSError as exc:
+        raise os_failure(exc, target, output_option=options.output is None) from exc
+
+
+@dataclass
+class _Early:
+    """What the read-only checks before the first write found."""
+
+    facts: Any = None  # the validated checkpoint (DIR itself; None for a view)
+    findings: list[Finding] = field(default_factory=list)
+
+
+def _preflight(source: Path, target: Path, options: FixOptions) -> _Early:
+    """Read-only checks of every input, before anything is written anywhere: the
+    checkpoint and its config.json (CheckpointError/ConfigError), the journal of an
+    earlier run (StateError). A damaged state.json is only noted: fix writes it anew."""
+    from qwen_kvprep.findings import info
+    from qwen_kvprep.state import state_problem
+    from qwen_kvprep.steps import validate
+
+    early = _Early()
+    facts, findings = validate.check(source)
+    if target == source:
+        early.facts, early.findings = facts, findings
+    if not os.path.isdir(target):
+        return early
+    Journal(target, dry_run=True)
+    problem = state_problem(target)
+    if problem is not None:
+        early.findings.append(
+            info(
+                "state.record",
+                f"{problem}: fix records the state anew",
+                paths=[target / STATE_DIRNAME],
+            )
+        )
+    return early
+
+
+def _run_locked(
+    source: Path,
+    target: Path,
+    options: FixOptions,
+    early: _Early,
+    skip_if: Optional[Callable[[], bool]],
+) -> FixResult:
+    from qwen_kvprep.buildcache.builder import stderr_notify
+    from qwen_kvprep.buildcache.lock import lock_timeout
+    from qwen_kvprep.dirlock import folder_lock, release_if_unused
+
+    new_top = None  # the outermost folder this run creates for --output
+    if target != source:
+        new_top = _first_missing(target)
+        target.mkdir(parents=True, exist_ok=True)
+    what = "qwen-kvprep command"
+    try:
+        with folder_lock(target, what, lock_timeout(), stderr_notify):
+            if skip_if is not None and skip_if():
+                if new_top is not None:
+                    shutil.rmtree(new_top, ignore_errors=True)
+                else:
+                    release_if_unused(target)
+                return FixResult([], [], {})
+            try:
+                return _run_steps(source, target, options, early)
+            except BaseException:
+                if new_top is not None:
+                    shutil.rmtree(new_top, ignore_errors=True)
+                else:
+                    release_if_unused(target)
+                raise
+    except BaseException:
+        if new_top is not None:
+            shutil.rmtree(new_top, ignore_errors=True)
+        raise
+
+
+def _first_missing(path: Path) -> Optional[Path]:
+    top = None
+    for p in (path, *path.parents):
+        if os.path.lexists(p):
+            break
+        top = p
+    return top
+
+
+def _run_steps(
+    source: Path, target: Path, options: FixOptions, early: _Early
+) -> FixResult:
+    from qwen_kvprep.dirlock import remove_leftover_temps
+
     view_findings: list[Finding] = []
+    directory = source
     if options.output is not None:
         from qwen_kvprep.view import fix_target
 
-        directory, view_findings = fix_target(directory, options.output, options.dry_run)
-    # Concurrent fixes of one directory (replicas starting together) take turns: each
-    # loads the journal only once it holds the lock, so no original is recorded twice.
-    # A dry run writes nothing and needs no turn.
-    with contextlib.ExitStack() as stack:
-        if not options.dry_run:
-            from qwen_kvprep.buildcache.builder import stderr_notify
-            from qwen_kvprep.buildcache.lock import directory_lock, lock_timeout
+        directory, view_findings = fix_target(source, target, options.dry_run)
+    if not options.dry_run:
+        remove_leftover_temps(directory, set(_OURS))
+        remove_leftover_temps(directory / STATE_DIRNAME)
+    ctx = FixContext(directory, options, Journal(directory, dry_run=options.dry_run))
+    ctx.add(*early.findings, *view_findings)
+    ctx.facts = early.facts
+    for name, wanted in _STEPS:
+        if name == "validate" and early.facts is not None:
+            continue  # done before the first write
+        if wanted(options):
+            try:
+                importlib.import_module(f"qwen_kvprep.steps.{name}").run(ctx)
+            except KvprepError as exc:
+                # what the earlier steps found (a warning about replaced files, say)
+                # belongs in the refusal too, before the reason itself
+                seen = {id(f) for f in exc.findings}
+                earlier = [f for f in ctx.findings if id(f) not in seen]
+                exc.findings = (*earlier, *exc.findings)
+                raise
+    for path in ctx.journal.retaken:
+        from qwen_kvprep.findings import info
 
-            what = f"qwen-kvprep fix of {directory}"
-            stack.enter_context(directory_lock(directory, lock_timeout(), stderr_notify, what))
-        ctx = FixContext(directory, options, Journal(directory, dry_run=options.dry_run))
-        ctx.add(*view_findings)
-        for name, wanted in _STEPS:
-            if wanted(options):
-                try:
-                    importlib.import_module(f"qwen_kvprep.steps.{name}").run(ctx)
-                except KvprepError as exc:
-                    # what the earlier steps found (a warning about replaced files, say)
-                    # belongs in the refusal too, before the reason itself
-                    seen = {id(f) for f in exc.findings}
-                    earlier = [f for f in ctx.findings if id(f) not in seen]
-                    exc.findings = (*earlier, *exc.findings)
-                    raise
+        ctx.add(
+            info(
+                "checkpoint.changed",
+                f"{path} changed since fix last wrote it (a new revision?): kept as the new "
+                "original for revert",
+                paths=[path],
+            )
+        )
     return FixResult(ctx.findings, ctx.journal.planned, ctx.extra)
+
+
+# The files fix writes in a checkpoint, and its own records: a killed write leaves a
+# `.<name>.XXXXXXXX.tmp` that the next run removes.
+_OURS = (
+    "config.json",
+    "cpp_kernels.py",
+    "cache_autogptq_cuda_256.cpp",
+    "cache_autogptq_cuda_kernel_256.cu",
+)
