@@ -11,9 +11,20 @@ rendering) is imported inside the functions that need it.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import sys
+
+from qwen_kvprep.statefile import (
+    KERNEL_FILES,
+    STATE_DIRNAME,
+    STATE_FILE,
+    TRACKED_FILES,
+    inside,
+    read_state,
+)
+from qwen_kvprep.untrusted import open_dir_under, read_record, read_regular
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # typing/pathlib cost milliseconds at import; only mypy needs them
@@ -33,11 +44,7 @@ ENV_LOCK_TIMEOUT = "QWEN_KVPREP_LOCK_TIMEOUT"
 # Test/bench hook: where to write the names of the imported modules just before exec.
 ENV_DEBUG_IMPORTS = "QWEN_KVPREP_DEBUG_IMPORTS"
 
-STATE_DIRNAME = ".qwen-kvprep"  # journal.STATE_DIRNAME; not imported (fast path)
-STATE_FILE = "state.json"
-LOCK_FILE = "prestart.lock"
-KERNEL_FILES = ("cache_autogptq_cuda_256.cpp", "cache_autogptq_cuda_kernel_256.cu")
-TRACKED_FILES = ("config.json", "cpp_kernels.py", *KERNEL_FILES)
+__all__ = ["KERNEL_FILES", "STATE_DIRNAME", "STATE_FILE", "TRACKED_FILES"]
 PACKAGES = ("torch", "transformers")
 SOURCES = ("auto", "vendored", "hub")  # steps.sources.SOURCES
 # The files the state tracks are a few KiB; never hash anything big (weights).
@@ -182,13 +189,11 @@ _sha256 = _sha256_constructor()
 
 
 def sha256_small(path: str) -> Optional[str]:
-    """sha256 of a small file; None when it is missing, unreadable or not small."""
+    """sha256 of a small regular file; None when it is missing, unreadable, not small or
+    not a regular file (a FIFO is refused without waiting for a writer)."""
     try:
-        with open(path, "rb") as fh:
-            data = fh.read(_SMALL + 1)
+        data = read_regular(path, _SMALL)
     except OSError:
-        return None
-    if len(data) > _SMALL:
         return None
     return str(_sha256(data).hexdigest())
 
@@ -279,14 +284,9 @@ def modules_root() -> str:
 
 
 def load_state(target: str) -> Optional[dict[str, Any]]:
-    # state.load_state reads the same file, but state.py imports importlib.metadata and
-    # the journal (shutil, tempfile...) at the top: too slow to import here.
-    try:
-        with open(os.path.join(target, STATE_DIRNAME, STATE_FILE), encoding="utf-8") as fh:
-            data = json.load(fh)
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
+    """The recorded state when it is usable (statefile.read_state: size, depth and schema
+    checked, as fix and doctor read it), else None."""
+    return read_state(target)[0]
 
 
 def _same_arch(asked: str, recorded: Sequence[str]) -> bool:
@@ -328,8 +328,10 @@ def _modules_mismatch(state: dict[str, Any], target: str) -> Optional[str]:
     own files, whose hashes were just verified, into the folder transformers will use (the
     recorded folder, moved to this root; the naming depends only on the checkpoint folder
     and the transformers version, both checked): a few small file writes instead of
-    importing torch and transformers to run fix. Anything unexpected leaves the work to
-    the slow path.
+    importing torch and transformers to run fix. Only inside this root, and never through
+    a symlink (statefile checked that the recorded folders lie inside the recorded root and
+    that only the sources and the loader are planted). Anything unexpected leaves the work
+    to the slow path.
     """
     modules = state.get("modules") or {}
     planted = modules.get("files") or {}
@@ -337,18 +339,18 @@ def _modules_mismatch(state: dict[str, Any], target: str) -> Optional[str]:
         if name not in planted:
             return f"the state records no modules-cache copy of {name}"
     root = modules_root()
-    recorded_root = os.path.abspath(str(modules.get("root")))
-    rel = os.path.relpath(os.path.abspath(str(modules.get("folder"))), recorded_root)
-    if rel.startswith(os.pardir) or os.path.isabs(rel):
-        return f"the recorded modules folder {modules.get('folder')} is outside its root"
-    folders = [os.path.join(root, rel)]
-    hub = modules.get("hub_folder")
-    if hub:
-        hub_rel = os.path.relpath(os.path.abspath(str(hub)), recorded_root)
-        if hub_rel.startswith(os.pardir):
-            return f"the recorded modules folder {hub} is outside its root"
-        folders.append(os.path.join(root, hub_rel))
-    for folder in folders:
+    recorded_root = str(modules.get("root"))
+    rels = []
+    for key in ("folder", "hub_folder"):
+        recorded = modules.get(key)
+        if not recorded:
+            continue
+        rel = inside(recorded_root, str(recorded))
+        if rel in (None, "."):
+            return f"the recorded modules folder {recorded} is outside its root"
+        rels.append(rel)
+    for rel in rels:
+        folder = os.path.join(root, rel)
         for name, digest in planted.items():
             if sha256_small(os.path.join(folder, name)) == digest:
                 continue
@@ -356,7 +358,7 @@ def _modules_mismatch(state: dict[str, Any], target: str) -> Optional[str]:
             if sha256_small(source) != digest:
                 return f"{name} is missing or different in the modules cache {folder}"
             try:
-                _copy_atomically(source, os.path.join(folder, name))
+                _plant(source, root, rel, name)
             except OSError as exc:
                 return f"cannot plant {name} into the modules cache {folder}: {exc}"
             if sha256_small(os.path.join(folder, name)) != digest:
@@ -365,17 +367,68 @@ def _modules_mismatch(state: dict[str, Any], target: str) -> Optional[str]:
     return None
 
 
-def _copy_atomically(source: str, dest: str) -> None:
-    os.makedirs(os.path.dirname(dest), exist_ok=True)
-    tmp = f"{dest}.{os.getpid()}.tmp"
+def _plant(source: str, root: str, rel: str, name: str) -> None:
+    """Copy `source` to root/rel/name atomically, reaching the folder without following a
+    symlink below `root` (a link planted there cannot redirect the write elsewhere)."""
+    os.makedirs(root, exist_ok=True)
+    data = read_regular(source, _SMALL)
+    fd = open_dir_under(root, rel.split("/"), create=True)
     try:
-        with open(source, "rb") as src, open(tmp, "wb") as out:
-            out.write(src.read())
-        os.replace(tmp, dest)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+        # the temporary-name pattern fix's cleanup knows: .<name>.<8 chars>.tmp
+        tmp = f".{name}.{os.getpid() % 10**8:08d}.tmp"
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0)
+        out = os.open(tmp, flags, 0o644, dir_fd=fd)
+        try:
+            try:
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(out, view) :]
+            finally:
+                os.close(out)
+            os.replace(tmp, name, src_dir_fd=fd, dst_dir_fd=fd)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp, dir_fd=fd)
+            raise
+        _register(fd)
+    finally:
+        os.close(fd)
+
+
+def _register(fd: int) -> None:
+    """Mark the folder as used by the checkpoint being started (journal.register_user),
+    so that reverting another folder of the same name leaves these copies alone."""
+    target = _TARGET[0] if _TARGET else None
+    if target is None:
+        return
+    with contextlib.suppress(OSError):
+        import hashlib  # only when planting: loads OpenSSL, a few ms
+
+        users = ".qwen-kvprep-users"
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(users, 0o755, dir_fd=fd)
+        ufd = os.open(
+            users,
+            os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_DIRECTORY", 0),
+            dir_fd=fd,
+        )
+        try:
+            name = hashlib.sha256(target.encode("utf-8", "surrogateescape")).hexdigest()[:16]
+            text = '{"path": ' + json.dumps(target) + "}\n"
+            tmp = f".{name}.json.{os.getpid() % 10**8:08d}.tmp"
+            flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0)
+            out = os.open(tmp, flags, 0o644, dir_fd=ufd)
+            try:
+                os.write(out, text.encode("utf-8", "surrogateescape"))
+            finally:
+                os.close(out)
+            os.replace(tmp, f"{name}.json", src_dir_fd=ufd, dst_dir_fd=ufd)
+        finally:
+            os.close(ufd)
+
+
+# The checkpoint whose state is being checked (for _register).
+_TARGET: list[str] = []
 
 
 def state_mismatch(request: Request) -> Optional[str]:
@@ -393,11 +446,12 @@ def state_mismatch(request: Request) -> Optional[str]:
         reason = view_mismatch(request.directory, target)
         if reason:
             return reason
-    state = load_state(target)
+    state, problem = read_state(target)
+    if problem is not None:
+        return f"the recorded state cannot be used: {problem}"
     if state is None:
         return f"no state recorded in {target} (fix has not completed there)"
-    if state.get("state_version") != 1:
-        return f"the recorded state has version {state.get('state_version')}, not 1"
+    _TARGET[:] = [target]
     if state.get("tool_version") != __version__:
         return f"recorded by qwen-kvprep {state.get('tool_version')}, this is {__version__}"
     if os.path.abspath(str(state.get("checkpoint"))) != target:
@@ -425,11 +479,12 @@ def state_mismatch(request: Request) -> Optional[str]:
     if not os.path.isfile(os.path.join(build_dir, str(build.get("so")))):
         return f"the recorded build {build_dir} is gone"
     try:
-        with open(os.path.join(build_dir, "manifest.json"), encoding="utf-8") as fh:
-            manifest = json.load(fh)
+        manifest = read_record(os.path.join(build_dir, "manifest.json"))
     except (OSError, ValueError):
         return f"the build manifest in {build_dir} is missing or unreadable"
-    inputs = manifest.get("inputs") or {}
+    inputs = (manifest.get("inputs") if isinstance(manifest, dict) else None) or {}
+    if not isinstance(inputs, dict):
+        inputs = {}
     if inputs.get("python_tag") not in (None, python_tag()):
         return f"the build is for {inputs.get('python_tag')}, this Python is {python_tag()}"
     if request.arch and build.get("cuda") and not _same_arch(request.arch, build["arch_list"]):
@@ -456,7 +511,9 @@ def state_mismatch(request: Request) -> Optional[str]:
 def say(request: Request, text: str) -> None:
     # stderr: stdout belongs to CMD (a server's logs, a test's output).
     if not request.quiet:
-        sys.stderr.write(f"qwen-kvprep prestart: {text}\n")
+        from qwen_kvprep.redact import scrub
+
+        sys.stderr.write(f"qwen-kvprep prestart: {scrub(text)}\n")
 
 
 def _dump_imports() -> None:
@@ -467,18 +524,37 @@ def _dump_imports() -> None:
 
 
 def hand_over(command: Sequence[str]) -> NoReturn:
-    """exec CMD (its pid, signals and exit code become the container's), or exit 0."""
+    """exec CMD (its pid, signals and exit code become the container's), or exit 0.
+
+    As a shell does: 127 when CMD cannot be found (or is empty), 126 when it is found but
+    cannot be run (not executable, a folder, not a program), each with one line on stderr."""
     _dump_imports()
     sys.stdout.flush()
     sys.stderr.flush()
     if not command:
         raise SystemExit(0)
+    name = command[0]
+    if not name.strip() or "\x00" in name:
+        _cannot_run(name, "command not found (empty name)" if not name.strip() else
+                    "a command name cannot contain a NUL byte", EXIT_NOT_FOUND)
     try:
-        os.execvp(command[0], list(command))
-    except OSError as exc:
-        sys.stderr.write(f"qwen-kvprep prestart: cannot run {command[0]!r}: {exc.strerror}\n")
-        code = EXIT_NOT_FOUND if isinstance(exc, FileNotFoundError) else EXIT_NOT_EXECUTABLE
-        raise SystemExit(code) from None
+        os.execvp(name, list(command))
+    except (OSError, ValueError) as exc:
+        if isinstance(exc, (FileNotFoundError, NotADirectoryError, ValueError)):
+            why, code = "command not found", EXIT_NOT_FOUND
+        elif isinstance(exc, PermissionError) or exc.errno == errno.EISDIR:
+            why, code = "permission denied (not an executable file)", EXIT_NOT_EXECUTABLE
+        elif exc.errno == errno.ENOEXEC:
+            why, code = "not a program this system can run (no #! line?)", EXIT_NOT_EXECUTABLE
+        else:
+            why, code = exc.strerror or str(exc), EXIT_NOT_EXECUTABLE
+        _cannot_run(name, why, code)
+
+
+def _cannot_run(name: str, why: str, code: int) -> NoReturn:
+    sys.stderr.write(f"qwen-kvprep prestart: cannot run {name!r}: {why}\n")
+    sys.stderr.flush()
+    raise SystemExit(code)
 
 
 def fast(args: Sequence[str]) -> None:
@@ -502,46 +578,13 @@ def fast(args: Sequence[str]) -> None:
 # ------------------------------------------------------------------ slow path
 
 
-def _locked(request: Request, work: Callable[[], None]) -> None:
-    """Run `work` holding the per-checkpoint lock, so that replicas starting together on
-    one directory do the work once: the others wait, then find the state matching."""
-    from filelock import FileLock, Timeout
-
-    from qwen_kvprep.buildcache.lock import lock_timeout
-    from qwen_kvprep.errors import LockTimeout
-
-    # A file of our own, not buildcache.lock.directory_lock: fix takes that flock on the
-    # directory inside, and a second flock on the same directory from this process (another
-    # descriptor) would wait for ourselves.
-    timeout = lock_timeout()
-    folder = os.path.join(request.target, STATE_DIRNAME)
-    try:
-        os.makedirs(folder, exist_ok=True)
-        lock = FileLock(os.path.join(folder, LOCK_FILE))
-        lock.acquire(timeout=0)
-    except Timeout:
-        say(request, f"waiting for another qwen-kvprep preparing {request.target}")
-        try:
-            lock.acquire(timeout=timeout)
-        except Timeout:
-            raise LockTimeout(
-                f"another process kept {lock.lock_file} for more than {timeout:.0f} s",
-                fix=f"see which process holds it (`fuser {lock.lock_file}`), or raise "
-                f"{ENV_LOCK_TIMEOUT}",
-            ) from None
-    except OSError:
-        # A read-only directory: no lock, and fix itself reports why it cannot write.
-        work()
-        return
-    try:
-        work()
-    finally:
-        lock.release()
-
-
 def prepare(request: Request) -> list[Any]:
     """Do what the state says is missing, by running fix (idempotent steps: what is
-    already right costs a hash). Returns fix's findings; raises KvprepError on failure."""
+    already right costs a hash). Returns fix's findings; raises KvprepError on failure.
+
+    fix validates every input first, then takes the folder's lock (the one fix and revert
+    take), so replicas starting together on one directory do the work once: the others
+    wait, then find the state matching and skip it."""
     from pathlib import Path
 
     from qwen_kvprep.errors import KvprepError
@@ -557,29 +600,16 @@ def prepare(request: Request) -> list[Any]:
         arch=request.arch,
         output=Path(os.path.abspath(request.output)) if request.output else None,
     )
-    if options.output is not None:
-        from qwen_kvprep.view import check_output_dir
-
-        # before the lock below creates OUT/.qwen-kvprep: refuse a foreign OUT untouched
-        check_output_dir(directory, options.output)
-    findings: list[Any] = []
-
-    def work() -> None:
-        # Another replica may have finished while we waited for the lock.
-        if state_mismatch(request) is None:
-            return
-        result = run_fix(directory, options)
-        findings.extend(result.findings)
-        if failed(result.findings):
-            bad = [f for f in result.findings if f.severity.value == "fail"]
-            raise KvprepError(
-                f"fix reported {len(bad)} failure(s) while preparing {request.target}",
-                fix=bad[0].fix,
-                findings=result.findings,
-            )
-
-    _locked(request, work)
-    return findings
+    # Another replica may have finished while we waited for the lock.
+    result = run_fix(directory, options, skip_if=lambda: state_mismatch(request) is None)
+    if failed(result.findings):
+        bad = [f for f in result.findings if f.severity.value == "fail"]
+        raise KvprepError(
+            f"fix reported {len(bad)} failure(s) while preparing {request.target}",
+            fix=bad[0].fix,
+            findings=result.findings,
+        )
+    return list(result.findings)
 
 
 def run(request: Request) -> NoReturn:

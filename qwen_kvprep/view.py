@@ -16,6 +16,7 @@ import json
 import os
 
 from qwen_kvprep.prestart import sha256_small
+from qwen_kvprep.untrusted import read_record
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # typing costs milliseconds at import; the fast path does not need it
@@ -41,8 +42,7 @@ def marker_path(out: str) -> str:
 
 def read_marker(out: str) -> Optional[dict[str, Any]]:
     try:
-        with open(marker_path(out), encoding="utf-8") as fh:
-            data = json.load(fh)
+        data = read_record(marker_path(out))  # a regular file, size and depth limited
     except (OSError, ValueError):
         return None
     return data if isinstance(data, dict) else None
