@@ -35,6 +35,7 @@ _AREA_TITLE = {
     "kernels": "Kernel sources",
     "build": "Build",
     "modules": "Modules cache",
+    "state": "Recorded state (.qwen-kvprep)",
     "smoke": "Smoke test",
 }
 

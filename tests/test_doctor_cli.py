@@ -32,7 +32,7 @@ FINDING_SCHEMA: dict[str, Any] = {
         "id": {
             "type": "string",
             "pattern": (
-                r"^(env|checkpoint|config|kernels|build|modules|smoke)"
+                r"^(env|checkpoint|config|kernels|build|modules|state|smoke)"
                 r"\.[a-z0-9_]+(\.[a-z0-9_]+)*$"
             ),
         },
@@ -244,9 +244,17 @@ def test_strict_makes_warnings_fail(tiny: Path, tmp_path: Path) -> None:
     # fix planted the sources under another HF_HOME than this environment's: a warning
     copy = tmp_path / "Qwen-tiny"
     shutil.copytree(tiny, copy)
-    state = {
+    state = {  # a complete state, as fix writes it (a partial one is a damaged state)
         "state_version": 1,
-        "modules": {"folder": "/build-time/hf/modules/transformers_modules/Qwen-tiny"},
+        "tool_version": "0.1.0",
+        "checkpoint": str(copy),
+        "files": {},
+        "packages": {},
+        "modules": {
+            "root": "/build-time/hf/modules",
+            "folder": "/build-time/hf/modules/transformers_modules/Qwen-tiny",
+            "files": {},
+        },
     }
     (copy / ".qwen-kvprep").mkdir()
     (copy / ".qwen-kvprep" / "state.json").write_text(json.dumps(state))

@@ -17,7 +17,7 @@ from qwen_kvprep.probe.facts import Facts
 
 CheckFunc = Callable[[Facts], FindingsLike]
 
-AREAS = ("env", "checkpoint", "config", "kernels", "build", "modules", "smoke")
+AREAS = ("env", "checkpoint", "config", "kernels", "build", "modules", "state", "smoke")
 
 
 @dataclass(frozen=True)

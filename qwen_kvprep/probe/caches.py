@@ -10,7 +10,6 @@ transformers < 4.54 names it (the versions that run Qwen v1).
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import re
 import time
@@ -21,6 +20,7 @@ from typing import Any, Optional
 
 from qwen_kvprep.probe.binary import BinaryArchs, read_archs
 from qwen_kvprep.resources import KERNEL_FILES, sha256_file
+from qwen_kvprep.untrusted import read_record
 
 LOADER = "cpp_kernels.py"
 MODELING = "modeling_qwen.py"
@@ -97,6 +97,11 @@ class CacheFacts:
     locks_scanned: bool = False
     state: Optional[Mapping[str, Any]] = None  # <checkpoint>/.qwen-kvprep/state.json
     state_error: Optional[str] = None
+    state_dir: Optional[str] = None  # <checkpoint>/.qwen-kvprep, when given a checkpoint
+    journal_present: bool = False
+    journal_error: Optional[str] = None  # why the journal cannot be read
+    revert_problems: tuple[str, ...] = ()  # why revert would refuse (checked read-only)
+    revert_notes: tuple[str, ...] = ()  # what revert would leave alone
     python_tag: str = ""
     machine: str = ""
 
@@ -235,7 +240,7 @@ def _read_builds(cache: Path) -> tuple[BuildRecord, ...]:
     out = []
     for entry in entries:
         try:
-            manifest = json.loads((entry / "manifest.json").read_text(encoding="utf-8"))
+            manifest = read_record(entry / "manifest.json")
         except (OSError, ValueError):
             continue
         if not isinstance(manifest, dict):
@@ -258,20 +263,37 @@ def _read_builds(cache: Path) -> tuple[BuildRecord, ...]:
 
 
 def _read_state(directory: Path) -> tuple[Optional[Mapping[str, Any]], Optional[str]]:
-    path = directory / STATE_FILE
+    """The recorded state, read as prestart and fix read it (size, depth, schema)."""
+    from qwen_kvprep.statefile import read_state
+
     try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        return None, None
-    except OSError as exc:
-        return None, f"{path}: {exc.strerror or exc}"
+        return read_state(str(directory))
+    except Exception as exc:  # never abort doctor over what a folder holds
+        return None, f"{directory / STATE_FILE} cannot be read: {type(exc).__name__}: {exc}"
+
+
+def _read_journal(directory: Path) -> dict[str, Any]:
+    """Whether DIR has a journal, whether it is sound, and whether revert would succeed:
+    revert's own checks, run read-only."""
+    from qwen_kvprep.errors import KvprepError
+    from qwen_kvprep.journal import JOURNAL_FILE, STATE_DIRNAME, Journal
+
+    out: dict[str, Any] = {"state_dir": str(directory / STATE_DIRNAME)}
+    out["journal_present"] = os.path.lexists(directory / STATE_DIRNAME / JOURNAL_FILE)
+    if not out["journal_present"]:
+        return out
     try:
-        data = json.loads(text)
-    except ValueError as exc:
-        return None, f"{path} is not valid JSON: {exc}"
-    if not isinstance(data, dict):
-        return None, f"{path} does not hold a JSON object"
-    return data, None
+        journal = Journal(directory, dry_run=True)
+        plan = journal.plan_revert()
+    except KvprepError as exc:
+        out["journal_error"] = exc.message
+        return out
+    except Exception as exc:  # never abort doctor over what a folder holds
+        out["journal_error"] = f"the journal cannot be read: {type(exc).__name__}: {exc}"
+        return out
+    out["revert_problems"] = tuple(plan.problems)
+    out["revert_notes"] = tuple(plan.notes)
+    return out
 
 
 # ---------------------------------------------------------------------------------------
@@ -380,11 +402,13 @@ def probe_caches(
     folders: tuple[ModuleFolder, ...] = ()
     state: Optional[Mapping[str, Any]] = None
     state_error: Optional[str] = None
+    journal: dict[str, Any] = {}
     if directory is not None:
         folders = tuple(
             _probe_module_folder(p, how) for p, how in module_folder_candidates(directory, root)
         )
         state, state_error = _read_state(Path(directory))
+        journal = _read_journal(Path(directory))
     return CacheFacts(
         build_cache=folder_access(cache, cache_source),
         builds=_read_builds(cache),
@@ -394,6 +418,7 @@ def probe_caches(
         locks_scanned=True,
         state=state,
         state_error=state_error,
+        **journal,
         python_tag=tag,
         machine=mach,
     )

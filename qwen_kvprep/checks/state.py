@@ -1,0 +1,84 @@
+"""Checks of what `fix` recorded in the checkpoint (`.qwen-kvprep/`): the state prestart
+trusts on every start, and the journal `revert` restores from.
+
+Both are data in a folder anyone with write access may have changed (or copied without
+its originals): they are read with size and depth limits and checked against their
+schema, and revert's own checks run here read-only, so a damaged record is a finding with
+a fix, never a crash of doctor.
+"""
+
+from __future__ import annotations
+
+import shlex
+from typing import Any
+
+from qwen_kvprep.checks import check
+from qwen_kvprep.findings import FindingsLike, fail, info, ok, skip, warn
+from qwen_kvprep.probe.facts import Facts
+
+
+def _caches(facts: Facts, id: str) -> Any:
+    if facts.checkpoint is None:
+        return None, skip(id, "no checkpoint directory given")
+    if facts.caches is None:
+        return None, skip(id, "the caches were not probed")
+    return facts.caches, None
+
+
+@check("state.record", "The state fix recorded (for prestart) is readable and sound")
+def record(facts: Facts) -> FindingsLike:
+    id = "state.record"
+    caches, s = _caches(facts, id)
+    if caches is None:
+        return s
+    directory = getattr(facts.checkpoint, "path", "")
+    if caches.state_error is not None:
+        return fail(
+            id,
+            f"{caches.state_error}: prestart cannot trust it, so every start prepares the "
+            "folder again (importing torch), and doctor cannot tell what fix did",
+            f"qwen-kvprep fix {shlex.quote(str(directory))}  (records the state anew; the "
+            "journal keeps the originals for revert)",
+            paths=[caches.state_dir or directory],
+        )
+    if caches.state is None:
+        return skip(id, "fix has not recorded a state here")
+    return ok(id, "the recorded state is readable and sound")
+
+
+@check("state.journal", "The journal can restore every file fix changed (revert)")
+def journal(facts: Facts) -> FindingsLike:
+    id = "state.journal"
+    caches, s = _caches(facts, id)
+    if caches is None:
+        return s
+    directory = getattr(facts.checkpoint, "path", "")
+    state_dir = caches.state_dir or str(directory)
+    recover = (
+        f"revert changes nothing while this is so; restore by hand what you need from "
+        f"{shlex.quote(state_dir + '/originals')} (files named by their sha256, listed in "
+        f"{shlex.quote(state_dir + '/journal.json')}), then remove {shlex.quote(state_dir)}"
+    )
+    if caches.journal_error is not None:
+        return fail(id, caches.journal_error, recover, paths=[state_dir])
+    if not caches.journal_present:
+        return skip(id, "fix has not changed this folder (no journal)")
+    if caches.revert_problems:
+        return [
+            fail(id, f"`qwen-kvprep revert` would refuse: {p}", recover, paths=[state_dir])
+            for p in caches.revert_problems
+        ]
+    out = [ok(id, "the journal is sound: `qwen-kvprep revert` can restore what fix changed")]
+    for note in caches.revert_notes:
+        if "changed since fix wrote it" in note:
+            out.append(
+                warn(
+                    id,
+                    f"{note}; a new fix takes it as the original",
+                    f"qwen-kvprep fix {shlex.quote(str(directory))}",
+                    paths=[state_dir],
+                )
+            )
+        elif "already as it was" not in note:
+            out.append(info(id, f"revert would leave: {note}", paths=[state_dir]))
+    return out
