@@ -67,9 +67,18 @@ from qwen_kvprep import commands as _commands  # noqa: E402
 _commands.register(cli)
 
 
+def own_args(args: Sequence[str]) -> list[str]:
+    """The arguments that are ours: everything before the first `--` (after it comes
+    prestart's CMD, whose `--json` or `--debug` are its own business)."""
+    args = list(args)
+    return args[: args.index("--")] if "--" in args else args
+
+
 def main(argv: Optional[Sequence[str]] = None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
-    debug = "--debug" in args
+    ours = own_args(args)
+    debug = "--debug" in ours
+    as_json = "--json" in ours
     try:
         code = cli.main(args=args, prog_name="qwen-kvprep", standalone_mode=False)
     except click.exceptions.Exit as exc:
@@ -78,19 +87,30 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         click.echo("Aborted.", err=True)
         code = EXIT_FAILED
     except click.ClickException as exc:
-        exc.show()
+        if scrub(exc.format_message()) != exc.format_message():
+            click.echo(f"Error: {scrub(exc.format_message())}", err=True)
+        else:
+            exc.show()
         code = EXIT_USAGE
     except KvprepError as exc:
         if debug:
             raise
-        code = report_error(exc, as_json="--json" in args)
+        code = report_error(exc, as_json=as_json)
     except KeyboardInterrupt:
         click.echo("Interrupted.", err=True)
         code = 130
+    except OSError as exc:
+        # a file-system refusal no command mapped itself: still something to act on
+        if debug:
+            raise
+        from qwen_kvprep.errors import os_failure
+
+        code = report_error(os_failure(exc), as_json=as_json)
     except Exception as exc:  # a bug, not an expected failure: short message unless --debug
         if debug:
             raise
-        click.echo(f"qwen-kvprep: internal error: {type(exc).__name__}: {exc}", err=True)
+        text = scrub(f"{type(exc).__name__}: {exc}")
+        click.echo(f"qwen-kvprep: internal error: {text}", err=True)
         click.echo("  this is a bug: rerun with --debug and report the traceback", err=True)
         code = EXIT_FAILED
     sys.exit(code if isinstance(code, int) else EXIT_OK)

@@ -1,29 +1,64 @@
 """Keep secrets out of every output, and the Markdown block of `doctor --report`.
 
-Two kinds of secret never appear in what qwen-kvprep prints:
+The one place that redacts: every report (human, --json, --report), every error message
+and fix hint, every log excerpt shown to the user (build and smoke logs) and prestart's
+messages go through `scrub`. What never appears:
 - the values of environment variables whose NAMES contain TOKEN, KEY, SECRET or PASSWORD
   (HF_TOKEN, AWS_SECRET_ACCESS_KEY, WANDB_API_KEY, ...), wherever they occur: in a path, a
   command line found in /proc, an error message;
 - anything shaped like a Hugging Face token (`hf_` and 30+ letters/digits), whatever
-  variable (if any) it came from.
+  variable (if any) it came from;
+- the user and password of a URL (`https://user:password@mirror/` is shown as
+  `https://***@mirror/`), and the password of such a URL found in any environment variable
+  (HF_ENDPOINT, HTTPS_PROXY...) wherever it appears alone;
+- the credentials of an `Authorization` header (`Authorization: Bearer ...`, also in the
+  dict repr an HTTP library puts in its errors) and of a bare `Bearer ...`.
 
 Values shorter than 4 characters and plain booleans are not treated as secrets: redacting
 "1" from every version number would make the output useless and protect nothing.
+
+prestart's fast path imports this module to print its two lines: standard library only
+at the top (findings and facts are imported where they are used).
 """
 
 from __future__ import annotations
 
 import os
 import re
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import replace
-from typing import Any, Optional
 
-from qwen_kvprep.findings import Finding
-from qwen_kvprep.probe.facts import Facts
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from collections.abc import Iterable, Mapping, Sequence
+    from typing import Any, Optional
 
-SENSITIVE_NAME = re.compile(r"TOKEN|KEY|SECRET|PASSWORD", re.IGNORECASE)
-HF_TOKEN = re.compile(r"hf_[A-Za-z0-9]{30,}")
+    from qwen_kvprep.findings import Finding
+    from qwen_kvprep.probe.facts import Facts
+
+_WORDS = ("TOKEN", "KEY", "SECRET", "PASSWORD")
+_PATTERNS = {
+    "hf_token": r"hf_[A-Za-z0-9]{30,}",
+    # scheme://userinfo@host: userinfo is what lies between "//" and "@" before any "/"
+    "userinfo": r"(?i)\b([a-z][a-z0-9+.-]*://)([^\s/@?#]+)@",
+    "auth_header": r"(?i)(\bauthorization\b['\"]?\s*[:=]\s*['\"]?)"
+    r"((?:bearer|basic|token|digest)\s+)?[^\s'\",;}]+",
+    "bearer": r"(?i)\b(bearer\s+)[A-Za-z0-9._~+/=-]{8,}",
+}
+# Compiled on first use: prestart's fast path prints through scrub and must stay cheap.
+_COMPILED: dict[str, re.Pattern[str]] = {}
+
+
+def _rx(name: str) -> re.Pattern[str]:
+    rx = _COMPILED.get(name)
+    if rx is None:
+        rx = _COMPILED[name] = re.compile(_PATTERNS[name])
+    return rx
+
+
+def _sensitive(name: str) -> bool:
+    upper = name.upper()
+    return any(w in upper for w in _WORDS)
+
+
 MASK = "***"
 _MIN_SECRET_LEN = 4
 _NOT_SECRET = {"true", "false", "yes", "no", "on", "off", "none", "null"}
@@ -31,32 +66,56 @@ _NOT_SECRET = {"true", "false", "yes", "no", "on", "off", "none", "null"}
 
 def sensitive_names(environ: Optional[Mapping[str, str]] = None) -> list[str]:
     env = os.environ if environ is None else environ
-    return sorted(n for n in env if SENSITIVE_NAME.search(n))
+    return sorted(n for n in env if _sensitive(n))
+
+
+def _worth_masking(value: str) -> bool:
+    return len(value.strip()) >= _MIN_SECRET_LEN and value.strip().lower() not in _NOT_SECRET
 
 
 def secret_values(environ: Optional[Mapping[str, str]] = None) -> list[str]:
-    """Values to mask, longest first (so a secret containing another is masked whole)."""
+    """Values to mask, longest first (so a secret containing another is masked whole):
+    those of sensitive variables, and the user:password of a URL in any variable."""
     env = os.environ if environ is None else environ
-    values = {
-        v
-        for n, v in env.items()
-        if SENSITIVE_NAME.search(n)
-        and len(v.strip()) >= _MIN_SECRET_LEN
-        and v.strip().lower() not in _NOT_SECRET
-    }
+    values = {v for n, v in env.items() if _sensitive(n) and _worth_masking(v)}
+    for value in env.values():
+        if "://" not in value or "@" not in value:
+            continue
+        for m in _rx("userinfo").finditer(value):
+            userinfo = m.group(2)
+            from urllib.parse import unquote
+
+            password = userinfo.partition(":")[2]
+            for part in {userinfo, password, unquote(userinfo), unquote(password)}:
+                if _worth_masking(part):
+                    values.add(part)
     return sorted(values, key=len, reverse=True)
 
 
 def scrub(text: str, environ: Optional[Mapping[str, str]] = None) -> str:
+    """`text` with every secret replaced by ***."""
+    if not text:
+        return text
+    if "://" in text and "@" in text:
+        text = _rx("userinfo").sub(lambda m: f"{m.group(1)}{MASK}@", text)
+    lower = text.lower()
+    if "authorization" in lower:
+        text = _rx("auth_header").sub(lambda m: f"{m.group(1)}{m.group(2) or ''}{MASK}", text)
+    if "bearer" in lower:
+        text = _rx("bearer").sub(lambda m: f"{m.group(1)}{MASK}", text)
     for value in secret_values(environ):
         text = text.replace(value, MASK)
-    return HF_TOKEN.sub("hf_" + MASK, text)
+    if "hf_" in text:
+        text = _rx("hf_token").sub("hf_" + MASK, text)
+    return text
 
 
 def scrub_obj(obj: Any, environ: Optional[Mapping[str, str]] = None) -> Any:
     """Scrub every string inside dicts, lists and tuples (keys too)."""
     if isinstance(obj, str):
         return scrub(obj, environ)
+    from collections.abc import Mapping
+
     if isinstance(obj, Mapping):
         return {scrub_obj(k, environ): scrub_obj(v, environ) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
@@ -65,6 +124,8 @@ def scrub_obj(obj: Any, environ: Optional[Mapping[str, str]] = None) -> Any:
 
 
 def scrub_finding(f: Finding, environ: Optional[Mapping[str, str]] = None) -> Finding:
+    from dataclasses import replace
+
     return replace(
         f,
         message=scrub(f.message, environ),

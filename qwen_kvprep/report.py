@@ -116,4 +116,8 @@ def render_markdown(
 
 
 def emit(text: str, stream: Optional[IO[str]] = None) -> None:
-    print(text, file=stream or sys.stdout)
+    """Print a report or message. Everything qwen-kvprep prints goes through here or
+    through the CLI's error reporting, so secrets are removed here as a last net."""
+    from qwen_kvprep.redact import scrub
+
+    print(scrub(text), file=stream or sys.stdout)

@@ -72,7 +72,9 @@ Notify = Callable[[str], None]
 
 
 def stderr_notify(message: str) -> None:
-    print(f"qwen-kvprep: {message}", file=sys.stderr, flush=True)
+    from qwen_kvprep.redact import scrub
+
+    print(f"qwen-kvprep: {scrub(message)}", file=sys.stderr, flush=True)
 
 
 @dataclass(frozen=True)
