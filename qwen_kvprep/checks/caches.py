@@ -392,7 +392,7 @@ def modules_folder(facts: Facts) -> FindingsLike:
                 f"modules cache points at {primary.path} (HF_HOME/HF_MODULES_CACHE differ): the "
                 f"first load creates it without them, warns `{FALLBACK_WARNING}` and silently "
                 "falls back to the slow path",
-                f"run `qwen-kvprep prestart {facts.checkpoint.path} -- CMD` or "
+                f"run `qwen-kvprep prestart {shlex.quote(str(facts.checkpoint.path))} -- CMD` or "
                 f"{_fix_cmd(facts)} with this environment",
                 paths=[primary.path],
                 **details,

@@ -8,6 +8,7 @@ a toolchain problem is a warning (the next rebuild would fail), not a failure.
 
 from __future__ import annotations
 
+import shlex
 from typing import Any, Optional
 
 from qwen_kvprep.checks import check
@@ -849,7 +850,7 @@ def flash_attn(facts: Facts) -> FindingsLike:
             "flash-attn is installed but the model runs in fp32, so it stays off",
             **details,
         )
-    fix = f"qwen-kvprep fix {facts.checkpoint.path} (sets use_flash_attn false)"
+    fix = f"qwen-kvprep fix {shlex.quote(str(facts.checkpoint.path))} (sets use_flash_attn false)"
     if not quant:
         return info(
             "env.flash_attn",

@@ -3,6 +3,7 @@ its code) holds, and whether Qwen's own sources can compile with this torch."""
 
 from __future__ import annotations
 
+import shlex
 from collections.abc import Mapping
 from typing import Any, Optional
 
@@ -68,7 +69,7 @@ def kernel_sources(facts: Facts) -> FindingsLike:
     if cp is None:
         return skip("kernels.sources", "no checkpoint given")
     ours = hub.ours_hashes()
-    fix_cmd = f"qwen-kvprep fix {cp.path}"
+    fix_cmd = f"qwen-kvprep fix {shlex.quote(str(cp.path))}"
     out = [_judge("checkpoint", getattr(cp, "kernel_sources", None) or {}, ours, fix_cmd)]
     # The model looks for the sources next to the modules-cache copy of its code (facts
     # §4): that copy matters as much as the checkpoint's own. A folder that does not exist
@@ -109,7 +110,7 @@ def official_compat(facts: Facts) -> FindingsLike:
             return fail(
                 "kernels.official_compat",
                 f"the official kernel sources here cannot compile: {compat.reason}",
-                f"qwen-kvprep fix {cp.path} --source vendored",
+                f"qwen-kvprep fix {shlex.quote(str(cp.path))} --source vendored",
                 **details,
             )
         return ok("kernels.official_compat", f"official sources: {compat.reason}", **details)

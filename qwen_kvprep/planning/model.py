@@ -10,6 +10,7 @@ remote code creates them.
 from __future__ import annotations
 
 import os
+import shlex
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -75,12 +76,14 @@ class ModelFacts:
 
 def _fix_config(path: Path) -> str:
     repo, _, _ = hub_snapshot(path)
-    return f"hf download {repo or '<repo, e.g. Qwen/Qwen-7B-Chat>'} {CONFIG} --local-dir {path}"
+    where = shlex.quote(str(path))
+    return f"hf download {repo or '<repo, e.g. Qwen/Qwen-7B-Chat>'} {CONFIG} --local-dir {where}"
 
 
 def _doctor(path: Path) -> str:
     return (
-        f"qwen-kvprep doctor {path}  (names the broken files and the command that re-fetches them)"
+        f"qwen-kvprep doctor {shlex.quote(str(path))}  (names the broken files and the command "
+        "that re-fetches them)"
     )
 
 

@@ -25,6 +25,7 @@ Thresholds (why these):
 
 from __future__ import annotations
 
+import shlex
 import signal
 from typing import Any, Optional
 
@@ -33,6 +34,10 @@ from qwen_kvprep.smoke.protocol import FALLBACK_WARNINGS, LOAD_PHASES, PHASE_WOR
 from qwen_kvprep.smoke.runner import ChildOutcome, SmokeOptions
 
 MAX_REL_LOGIT_DIFF = 0.05
+
+
+def _q(path: object) -> str:
+    return shlex.quote(str(path))
 
 # Known causes, matched in the error text or the log tail (qwen-v1-facts.md §4).
 _HINTS = (
@@ -82,7 +87,7 @@ def known_cause(text: str, directory: str) -> Optional[str]:
     """The fix for a known failure named in an error message or log (also used by profile)."""
     for needle, fix in _HINTS:
         if needle in text:
-            return fix.format(dir=directory)
+            return fix.format(dir=_q(directory))
     return None
 
 
@@ -112,7 +117,7 @@ def _failure(outcome: ChildOutcome, options: SmokeOptions, directory: str) -> Fi
         )
         fix = (
             "a stale torch JIT `lock` file in the modules cache makes every load wait "
-            f"forever: run `qwen-kvprep doctor {directory}`; a very large model may just "
+            f"forever: run `qwen-kvprep doctor {_q(directory)}`; a very large model may just "
             "need a longer --timeout"
         )
     elif outcome.error is not None:
@@ -135,7 +140,7 @@ def _failure(outcome: ChildOutcome, options: SmokeOptions, directory: str) -> Fi
     if outcome.log_tail:
         message += "\n      last lines of its output:\n" + _quote(outcome.log_tail)
     return fail(
-        fid, message, fix=fix or f"run `qwen-kvprep doctor {directory}`", paths=[directory],
+        fid, message, fix=fix or f"run `qwen-kvprep doctor {_q(directory)}`", paths=[directory],
         **details,
     )
 
@@ -156,7 +161,7 @@ def _quantization(result: dict[str, Any], directory: str) -> Finding:
             "smoke.quantization",
             f"the quantized KV cache is off in {len(off)} of {len(layers)} layers "
             f"({', '.join(off[:3])}{', ...' if len(off) > 3 else ''})",
-            fix=f"run `qwen-kvprep fix {directory}` (sets use_cache_quantization in "
+            fix=f"run `qwen-kvprep fix {_q(directory)}` (sets use_cache_quantization in "
             "config.json)",
             paths=[directory],
             layers_off=off,
@@ -233,11 +238,11 @@ def _kernel(result: dict[str, Any], log_tail: list[str], directory: str) -> Find
     if problems:
         if any("source files" in w for w in said):
             fix = (
-                f"run `qwen-kvprep fix {directory}`: it puts the kernel sources beside the "
+                f"run `qwen-kvprep fix {_q(directory)}`: it puts the kernel sources beside the "
                 "modules-cache copy of modeling_qwen.py, where the model looks for them"
             )
         else:
-            fix = f"run `qwen-kvprep doctor {directory}` to see why the extension is not used"
+            fix = f"run `qwen-kvprep doctor {_q(directory)}` to see why the extension is not used"
         return fail(
             "smoke.kernel",
             "the KV-cache kernel is not used: " + "; ".join(problems[:4]),
@@ -301,7 +306,7 @@ def _agreement(result: dict[str, Any], directory: str) -> Finding:
         )
     fix = (
         "the kernel computes something else than the format it is given: rebuild it with "
-        f"`qwen-kvprep fix {directory}` and report the numbers in details"
+        f"`qwen-kvprep fix {_q(directory)}` and report the numbers in details"
     )
     if problems:
         return fail(

@@ -4,6 +4,7 @@ it (under the key's lock) only when no build for this ABI exists yet."""
 from __future__ import annotations
 
 import os
+import shlex
 from typing import Any, Optional
 
 from qwen_kvprep.errors import KvprepError
@@ -67,7 +68,7 @@ def run(ctx: Any) -> None:
                 "build.build",
                 "not building (--no-build): the loader builds on the first model load where "
                 "qwen-kvprep is installed; elsewhere the model falls back to pure torch",
-                fix=f"qwen-kvprep build --cache-dir {layout.root}",
+                fix=f"qwen-kvprep build --cache-dir {shlex.quote(str(layout.root))}",
             )
         )
         return
