@@ -79,6 +79,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     ours = own_args(args)
     debug = "--debug" in ours
     as_json = "--json" in ours
+    from qwen_kvprep.redact import install_log_filter
+
+    install_log_filter()  # what libraries log goes through the same redaction
     try:
         code = cli.main(args=args, prog_name="qwen-kvprep", standalone_mode=False)
     except click.exceptions.Exit as exc:

@@ -387,6 +387,9 @@ def fetch_official(
     from huggingface_hub import constants, hf_hub_download
     from huggingface_hub.utils import HFValidationError, validate_repo_id
 
+    from qwen_kvprep.redact import install_log_filter
+
+    install_log_filter()  # its retry warnings print the URL, HF_ENDPOINT credentials and all
     try:
         validate_repo_id(repo_id)
     except HFValidationError as exc:

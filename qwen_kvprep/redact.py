@@ -205,3 +205,32 @@ def report_markdown(facts: Facts, findings: Sequence[Finding]) -> str:
     ordered = sorted(findings, key=lambda f: order.get(f.area, len(order)))
     text = render_markdown(scrub_findings(ordered), facts_table(facts))
     return scrub(text)
+
+
+# ---------------------------------------------------------------------------------------
+# what libraries log
+
+
+def _scrub_record(record: Any) -> bool:
+    try:
+        message = record.getMessage()
+    except Exception:  # a record that cannot be formatted is the library's problem
+        return True
+    clean = scrub(message)
+    if clean != message:
+        record.msg, record.args = clean, ()
+    return True
+
+
+def install_log_filter() -> None:
+    """Scrub what libraries log through `logging` (huggingface_hub's retry warnings print
+    the request URL, HF_ENDPOINT's user and password included): a filter on every handler
+    of the loggers qwen-kvprep's dependencies write to, and on logging's last resort."""
+    import logging
+
+    handlers = [logging.lastResort] if logging.lastResort is not None else []
+    for name in ("", "huggingface_hub", "transformers", "urllib3", "filelock", "torch"):
+        handlers.extend(logging.getLogger(name).handlers)
+    for handler in handlers:
+        if _scrub_record not in handler.filters:
+            handler.addFilter(_scrub_record)
