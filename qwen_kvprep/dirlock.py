@@ -22,7 +22,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, NoReturn, Optional
 
 import filelock
 
@@ -107,25 +107,21 @@ def folder_lock(
                     f"{timeout:.0f} s, see {ENV_LOCK_TIMEOUT})"
                 )
                 told = True
-            left = deadline - time.monotonic()
             try:
-                lock.acquire(timeout=max(0.0, left), poll_interval=0.05)
+                lock.acquire(timeout=max(0.0, deadline - time.monotonic()), poll_interval=0.05)
             except filelock.Timeout:
-                message = f"another qwen-kvprep kept {path} locked for more than {timeout:.0f} s"
-                fix = (
-                    f"wait for it (`fuser {_q(path)}` shows it), or allow a longer wait with "
-                    f"{ENV_LOCK_TIMEOUT}=SECONDS"
-                )
-                raise LockTimeout(
-                    message,
-                    fix=fix,
-                    findings=[fail("build.lock", message, fix=fix, paths=[path])],
-                ) from None
+                _timed_out(path, timeout)
+            except FileNotFoundError:
+                continue  # the holder removed the folder (revert): make it again and retry
+        except FileNotFoundError:
+            continue
         except OSError:
             yield False
             return
         if not _still_at_path(lock, path):
             lock.release()
+            if time.monotonic() > deadline:
+                _timed_out(path, timeout)
             continue  # removed under us by revert or a failed fix: lock the new one
         break
     _HELD[key] = [lock, 1]
@@ -134,6 +130,17 @@ def folder_lock(
     finally:
         del _HELD[key]
         lock.release()
+
+
+def _timed_out(path: Path, timeout: float) -> NoReturn:
+    message = f"another qwen-kvprep kept {path} locked for more than {timeout:.0f} s"
+    fix = (
+        f"wait for it (`fuser {_q(path)}` shows it), or allow a longer wait with "
+        f"{ENV_LOCK_TIMEOUT}=SECONDS"
+    )
+    raise LockTimeout(
+        message, fix=fix, findings=[fail("build.lock", message, fix=fix, paths=[path])]
+    )
 
 
 def _refuse_links(state: Path, path: Path) -> None:

@@ -124,9 +124,12 @@ def os_failure(
             "again; what was written so far is recorded and kept",
         )
     if code in (errno.EACCES, errno.EPERM):
+        existing = shown
+        while not os.path.lexists(existing) and os.path.dirname(existing) != existing:
+            existing = os.path.dirname(existing)
         return FileSystemError(
             f"permission denied on {shown} for user {current_user()}",
-            fix=f"run as the owner of {q(where)} (`ls -ld {q(shown)}` shows it), or give this "
+            fix=f"run as the owner of {q(where)} (`ls -ld {q(existing)}` shows it), or give this "
             "user access to it"
             + (", or prepare a writable view with `--output OUT`" if output_option else ""),
         )

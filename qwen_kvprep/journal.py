@@ -49,6 +49,8 @@ from qwen_kvprep.untrusted import (
     describe_json_error,
     lstat_at,
     open_dir_under,
+    open_regular,
+    read_fd,
     read_record,
     read_regular,
     relpath_problem,
@@ -669,9 +671,12 @@ class Journal:
         try:
             sfd = open_dir_under(self.state_dir, [ORIGINALS])
             try:
-                data = read_regular(
-                    store.split("/")[1], ORIGINAL_LIMIT, follow=False, dir_fd=sfd
-                )
+                ofd = open_regular(store.split("/")[1], follow=False, dir_fd=sfd)
+                try:
+                    store_mode = os.fstat(ofd).st_mode & 0o777
+                    data = read_fd(ofd, ORIGINAL_LIMIT, store_path)
+                finally:
+                    os.close(ofd)
             finally:
                 os.close(sfd)
         except FileNotFoundError:
@@ -696,9 +701,9 @@ class Journal:
                 f"{sha256(data)[:16]}…, recorded {digest[:16]}…), so it is not restored"
             )
             return
-        mode = entry.get("mode")
+        mode = entry.get("mode")  # version 1 kept it on the stored copy instead
         plan.actions.append(
-            (shown, _Restore(base, parts, data, 0o644 if mode is None else mode & 0o777))
+            (shown, _Restore(base, parts, data, store_mode if mode is None else mode & 0o777))
         )
 
     def revert(self) -> list[str]:

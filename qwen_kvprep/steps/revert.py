@@ -6,6 +6,8 @@ is read and every entry checked before any file is changed; see journal.Journal.
 
 from __future__ import annotations
 
+import contextlib
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,22 +24,38 @@ class RevertResult:
 def revert_checkpoint(directory: Path) -> RevertResult:
     from qwen_kvprep.buildcache.builder import stderr_notify
     from qwen_kvprep.buildcache.lock import lock_timeout
-    from qwen_kvprep.dirlock import folder_lock, release_if_unused, remove_leftover_temps
-    from qwen_kvprep.errors import os_failure
+    from qwen_kvprep.dirlock import (
+        folder_lock,
+        lock_path,
+        release_if_unused,
+        remove_leftover_temps,
+    )
+    from qwen_kvprep.errors import StateError, os_failure
 
     directory = Path(directory)
     result = RevertResult()
     if not (directory / STATE_DIRNAME).is_dir():
         return result  # nothing recorded: nothing to lock, nothing to do
+    lock_existed = os.path.lexists(lock_path(directory))
     try:
         with folder_lock(directory, "qwen-kvprep command", lock_timeout(), stderr_notify):
-            result.temps = remove_leftover_temps(directory) + remove_leftover_temps(
-                directory / STATE_DIRNAME
-            )
+            try:
+                journal = Journal(directory)
+                if not journal.exists:
+                    release_if_unused(directory)
+                    return result
+                plan_ok = not journal.plan_revert().problems
+            except StateError:
+                plan_ok = False
+            if not plan_ok and not lock_existed:
+                # a refused revert changes nothing: not even a lock file of its own
+                with contextlib.suppress(OSError):
+                    os.unlink(lock_path(directory))
+            if plan_ok:
+                result.temps = remove_leftover_temps(directory) + remove_leftover_temps(
+                    directory / STATE_DIRNAME
+                )
             journal = Journal(directory)
-            if not journal.exists:
-                release_if_unused(directory)
-                return result
             result.done = journal.revert()
             result.notes = journal.notes
     except OSError as exc:
