@@ -1,0 +1,647 @@
+"""Issue 12, the records: revert, the journal and the state hold against races, tampering,
+copies and damaged files. Nothing outside DIR and the modules cache is ever touched, no
+user file is lost, and no traceback reaches the user."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+
+from qwen_kvprep.errors import KvprepError, StateError
+from qwen_kvprep.journal import USERS_DIRNAME, Journal
+from qwen_kvprep.resources import KERNEL_FILES
+from qwen_kvprep.steps.revert import revert_checkpoint
+from tests.safety_kit import (
+    MODULE_FILES,
+    OFFICIAL_LOADER,
+    journal_data,
+    kvprep,
+    prepare,
+    save_journal,
+    sha,
+    tree,
+    write_state,
+)
+
+
+@pytest.fixture()
+def modules_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
+    monkeypatch.setenv("HF_MODULES_CACHE", str(tmp_path / "modules"))
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
+    return dict(os.environ)
+
+
+def _assert_untouched(p: Any, before_dir: dict[str, Any], before_modules: dict[str, Any],
+                      before_outside: dict[str, Any]) -> None:
+    assert tree(p.directory) == before_dir
+    assert tree(p.modules) == before_modules
+    assert tree(p.outside) == before_outside
+
+
+# ------------------------------------------------------------------ the journal as it should be
+
+
+def test_revert_restores_everything_and_leaves_nothing(tmp_path: Path, modules_env: Any) -> None:
+    p = prepare(tmp_path)
+    outside = tree(p.outside)
+    res = kvprep("revert", str(p.directory), env=modules_env)
+    assert res.returncode == 0, res.stderr
+    assert tree(p.directory) == p.pristine  # byte for byte, modes too, no .qwen-kvprep
+    assert (p.folder / "cpp_kernels.py").read_bytes() == OFFICIAL_LOADER  # its original
+    assert not any((p.folder / n).exists() for n in KERNEL_FILES)
+    assert not (p.folder / USERS_DIRNAME).exists()
+    assert tree(p.outside) == outside
+    again = kvprep("revert", str(p.directory), env=modules_env)
+    assert again.returncode == 0 and "nothing to revert" in again.stdout
+
+
+def test_journal_records_relative_paths_hashes_and_the_owner(
+    tmp_path: Path, modules_env: Any
+) -> None:
+    p = prepare(tmp_path)
+    data = journal_data(p.directory)
+    assert data["version"] == 2
+    config = data["files"]["config.json"]
+    assert config["store"] == f"originals/{config['sha256']}"
+    assert sha((p.directory / ".qwen-kvprep" / config["store"]).read_bytes()) == config["sha256"]
+    (group,) = data["planted"]
+    assert group["root"] == str(p.modules)
+    assert group["owner"]["path"] == str(p.directory)
+    assert group["owner"]["ino"] == os.stat(p.directory).st_ino
+    assert set(group["files"]) == {f"transformers_modules/Tiny-Chat/{n}" for n in MODULE_FILES}
+    assert all(not os.path.isabs(k) for k in group["files"])
+
+
+# ------------------------------------------------------------------ 1. races
+
+
+RACE_WORKER = textwrap.dedent(
+    """
+    import random, sys
+    from pathlib import Path
+    from qwen_kvprep.errors import KvprepError
+    from qwen_kvprep.steps.fix import FixOptions, run_fix
+    from qwen_kvprep.steps.revert import revert_checkpoint
+
+    directory, rounds, seed = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+    rng = random.Random(seed)
+    options = FixOptions(build=False, smoke=False, progress=False)
+    for i in range(rounds):
+        if rng.random() < 0.5:
+            run_fix(directory, options)
+        else:
+            revert_checkpoint(directory)
+    print("DONE")
+    """
+)
+
+
+@pytest.mark.slow
+def test_fix_and_revert_racing_never_lose_an_original(
+    tmp_path: Path, shared_build_cache: Path
+) -> None:
+    """fix and revert on one folder at the same time, many times over, in separate
+    processes: the lock serialises them, so the originals survive every interleaving and a
+    final revert gives back the folder byte for byte (and empties the modules folder)."""
+    from qwen_kvprep.tiny import generate_checkpoint
+
+    ckpt = generate_checkpoint(tmp_path / "Race-Chat")
+    pristine = tree(ckpt)
+    env = {**os.environ, "HF_HOME": str(tmp_path / "hf"),
+           "HF_MODULES_CACHE": str(tmp_path / "hf" / "modules"),
+           "QWEN_KVPREP_CACHE": str(shared_build_cache), "HF_HUB_OFFLINE": "1"}
+    workers = [
+        subprocess.Popen([sys.executable, "-c", RACE_WORKER, str(ckpt), "12", str(seed)],
+                         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for seed in (1, 2, 3)
+    ]
+    for w in workers:
+        out, err = w.communicate(timeout=600)
+        assert w.returncode == 0 and "DONE" in out, err[-3000:]
+        assert "Traceback" not in err
+    res = kvprep("revert", str(ckpt), env=env)
+    assert res.returncode == 0, res.stderr
+    assert tree(ckpt) == pristine
+    folder = tmp_path / "hf" / "modules" / "transformers_modules" / "Race-Chat"
+    assert not any((folder / n).exists() for n in KERNEL_FILES)
+
+
+def test_a_waiting_fix_or_revert_takes_the_lock_again_after_revert_removed_it(
+    tmp_path: Path, modules_env: Any
+) -> None:
+    """revert removes .qwen-kvprep/ (lock file included) while holding the lock: a process
+    waiting on the removed file must not think it holds the lock."""
+    from qwen_kvprep.dirlock import folder_lock, lock_path
+
+    p = prepare(tmp_path)
+    holder = textwrap.dedent(
+        """
+        import sys, time
+        from pathlib import Path
+        from qwen_kvprep.dirlock import folder_lock
+        from qwen_kvprep.journal import remove_state_dir
+        d = Path(sys.argv[1])
+        with folder_lock(d, "test", 10, print):
+            print("held", flush=True)
+            time.sleep(1.0)
+            remove_state_dir(d / ".qwen-kvprep")
+        """
+    )
+    proc = subprocess.Popen([sys.executable, "-c", holder, str(p.directory)],
+                            stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "held"
+    said: list[str] = []
+    with folder_lock(p.directory, "fix", 10, said.append) as locked:
+        assert locked and said and "waiting for another fix" in said[0]
+        assert proc.wait(timeout=10) == 0
+        # we hold the lock on the file that is at the path now, not on the removed one
+        held = os.stat(lock_path(p.directory))
+        other = subprocess.run(
+            [sys.executable, "-c",
+             "import sys; from pathlib import Path; from qwen_kvprep.dirlock import folder_lock\n"
+             "from qwen_kvprep.errors import LockTimeout\n"
+             "try:\n"
+             "    with folder_lock(Path(sys.argv[1]), 'x', 0.3, lambda m: None): print('GOT')\n"
+             "except LockTimeout: print('BLOCKED')",
+             str(p.directory)], capture_output=True, text=True, timeout=30)
+        assert other.stdout.strip() == "BLOCKED", other.stderr
+        assert os.stat(lock_path(p.directory)).st_ino == held.st_ino
+
+
+def test_lock_serialises_and_creates_nothing_when_refused(tmp_path: Path) -> None:
+    """The lock lives in DIR/.qwen-kvprep/, created only when a command is about to write."""
+    from qwen_kvprep.dirlock import folder_lock, release_if_unused
+
+    d = tmp_path / "m"
+    d.mkdir()
+    with folder_lock(d, "fix", 1, print):
+        assert (d / ".qwen-kvprep" / "lock").exists()
+        assert release_if_unused(d)
+    assert list(d.iterdir()) == []
+
+
+# ------------------------------------------------------------------ 2. originals gone
+
+
+@pytest.mark.parametrize("how", ["deleted", "copy-without-state"])
+def test_revert_without_the_originals_changes_nothing_and_says_how_to_recover(
+    tmp_path: Path, modules_env: Any, how: str
+) -> None:
+    p = prepare(tmp_path)
+    target = p.directory
+    if how == "deleted":
+        shutil.rmtree(p.directory / ".qwen-kvprep" / "originals")
+    else:  # a copy that carried the journal but not originals/ (rsync --exclude, say)
+        target = tmp_path / "models" / "Copy-Chat"
+        shutil.copytree(p.directory, target, symlinks=True,
+                        ignore=shutil.ignore_patterns("originals"))
+    before = tree(target), tree(p.modules), tree(p.outside)
+    res = kvprep("revert", str(target), env=modules_env)
+    assert res.returncode == 1
+    assert "Traceback" not in res.stderr and "internal error" not in res.stderr
+    assert "config.json" in res.stderr and "missing" in res.stderr
+    assert "nothing was changed" in res.stderr and "by hand" in res.stderr
+    assert (tree(target), tree(p.modules), tree(p.outside)) == before
+    assert (target / "config.json").exists()
+
+
+# ------------------------------------------------------------------ 3. a tampered journal
+
+
+def _tamper(p: Any, how: str) -> None:
+    data = journal_data(p.directory)
+    files = data["files"]
+    group = data["planted"][0]
+    victim = str(p.outside / "victim.txt")
+    if how == "dotdot":
+        files["../outside/victim.txt"] = {"kind": "absent", "written": None}
+    elif how == "absolute":
+        files[victim] = {"kind": "absent", "written": None}
+    elif how == "store-outside":
+        files["config.json"]["store"] = "originals/../../outside/victim.txt"
+    elif how == "planted-dotdot":
+        group["files"]["../../outside/victim.txt"] = {"kind": "absent", "written": None}
+    elif how == "planted-absolute":
+        group["files"][victim] = {"kind": "absent", "written": None}
+    elif how == "root-elsewhere":  # the recorded root is never used to resolve a path
+        group["root"] = str(p.outside)
+        group["files"] = {"victim.txt": {"kind": "absent", "written": None}}
+    save_journal(p.directory, data)
+
+
+@pytest.mark.parametrize(
+    "how", ["dotdot", "absolute", "store-outside", "planted-dotdot", "planted-absolute",
+            "root-elsewhere"],
+)
+def test_a_journal_pointing_outside_is_refused_or_confined(
+    tmp_path: Path, modules_env: Any, how: str
+) -> None:
+    p = prepare(tmp_path)
+    _tamper(p, how)
+    outside = tree(p.outside)
+    before = tree(p.directory), tree(p.modules)
+    res = kvprep("revert", str(p.directory), env=modules_env)
+    assert "Traceback" not in res.stderr
+    assert tree(p.outside) == outside
+    if how == "root-elsewhere":
+        # a group for another modules root: its absent originals are listed, never removed
+        assert res.returncode == 0, res.stderr
+        assert "left" in res.stdout and str(p.outside) in res.stdout
+    else:
+        assert res.returncode == 1, res.stdout + res.stderr
+        assert "nothing was changed" in res.stderr
+        assert (tree(p.directory), tree(p.modules)) == before
+
+
+@pytest.mark.parametrize("what", ["original", "originals-folder", "target-folder"])
+def test_symlinks_in_the_way_are_never_followed(
+    tmp_path: Path, modules_env: Any, what: str
+) -> None:
+    p = prepare(tmp_path)
+    data = journal_data(p.directory)
+    store = p.directory / ".qwen-kvprep" / data["files"]["config.json"]["store"]
+    if what == "original":  # the stored original replaced by a link to a file outside
+        store.unlink()
+        store.symlink_to(p.outside / "victim.txt")
+    elif what == "originals-folder":
+        originals = p.directory / ".qwen-kvprep" / "originals"
+        shutil.rmtree(originals)
+        originals.symlink_to(p.outside / "dir")
+    else:  # the modules folder replaced by a link out: revert would delete through it
+        for name in MODULE_FILES:
+            shutil.copy(p.folder / name, p.outside / "dir" / name)
+        shutil.rmtree(p.folder)
+        p.folder.symlink_to(p.outside / "dir")
+    outside = tree(p.outside)
+    res = kvprep("revert", str(p.directory), env=modules_env)
+    assert res.returncode == 1, res.stdout + res.stderr
+    assert "Traceback" not in res.stderr
+    assert tree(p.outside) == outside  # the link's target is neither deleted nor read
+    assert "nothing was changed" in res.stderr
+
+
+def test_a_changed_original_is_not_restored(tmp_path: Path, modules_env: Any) -> None:
+    p = prepare(tmp_path)
+    data = journal_data(p.directory)
+    store = p.directory / ".qwen-kvprep" / data["files"]["config.json"]["store"]
+    store.write_text('{"model_type": "not what was there"}')
+    before = tree(p.directory), tree(p.modules)
+    res = kvprep("revert", str(p.directory), env=modules_env)
+    assert res.returncode == 1
+    assert "config.json" in res.stderr and "changed since fix kept it" in res.stderr
+    assert (tree(p.directory), tree(p.modules)) == before
+
+
+# ------------------------------------------------------------------ 4. copies
+
+
+def test_reverting_a_copy_leaves_what_the_original_folder_uses(
+    tmp_path: Path, modules_env: Any
+) -> None:
+    p = prepare(tmp_path)
+    copy = tmp_path / "models" / "Tiny-Copy"
+    subprocess.run(["cp", "-a", str(p.directory), str(copy)], check=True)
+    planted = {n: (p.folder / n).read_bytes() for n in MODULE_FILES}
+    res = kvprep("revert", str(copy), env=modules_env)
+    assert res.returncode == 0, res.stderr
+    assert "still prepared" in res.stdout
+    assert {n: (p.folder / n).read_bytes() for n in MODULE_FILES} == planted
+    assert tree(copy) == p.pristine  # the copy itself is restored
+    # the original folder still reverts completely
+    res = kvprep("revert", str(p.directory), env=modules_env)
+    assert res.returncode == 0, res.stderr
+    assert not any((p.folder / n).exists() for n in KERNEL_FILES)
+
+
+def test_a_copy_whose_original_is_gone_reverts_the_planted_files(
+    tmp_path: Path, modules_env: Any
+) -> None:
+    """mv across file systems is a copy and a delete: the copy is then the owner."""
+    p = prepare(tmp_path)
+    moved = tmp_path / "elsewhere" / "Tiny-Chat"
+    moved.parent.mkdir()
+    subprocess.run(["cp", "-a", str(p.directory), str(moved)], check=True)
+    shutil.rmtree(p.directory)
+    res = kvprep("revert", str(moved), env=modules_env)
+    assert res.returncode == 0, res.stderr
+    assert not any((p.folder / n).exists() for n in KERNEL_FILES)
+    assert (p.folder / "cpp_kernels.py").read_bytes() == OFFICIAL_LOADER
+
+
+def test_another_folder_of_the_same_name_keeps_the_planted_files(
+    tmp_path: Path, modules_env: Any
+) -> None:
+    """/a/Tiny-Chat and /b/Tiny-Chat share transformers_modules/Tiny-Chat/."""
+    a = prepare(tmp_path)
+    b_root = tmp_path / "b"
+    b = b_root / "Tiny-Chat"
+    b.mkdir(parents=True)
+    for name in ("modeling_qwen.py", "config.json", "cpp_kernels.py", *KERNEL_FILES):
+        shutil.copy(a.directory / name, b / name)
+    j = Journal(b)
+    for name, data in MODULE_FILES.items():
+        assert not j.plant(a.folder / name, data, a.modules)  # already there, identical
+    j.register_user(a.folder)
+    write_state(b, a.modules, a.folder)
+    res = kvprep("revert", str(a.directory), env=modules_env)
+    assert res.returncode == 0, res.stderr
+    assert "still uses them" in res.stdout
+    assert all((a.folder / n).exists() for n in KERNEL_FILES)
+    res = kvprep("revert", str(b), env=modules_env)  # the last one using them
+    assert res.returncode == 0, res.stderr
+    assert not any((a.folder / n).exists() for n in KERNEL_FILES)
+
+
+@pytest.mark.slow
+def test_cp_a_of_a_fixed_tiny_checkpoint(tmp_path: Path, shared_build_cache: Path) -> None:
+    """The issue's case on a real fix: revert of a copy must not make DIR's model fall
+    back (its modules-cache folder keeps the sources and the loader)."""
+    from qwen_kvprep.tiny import generate_checkpoint
+
+    ckpt = generate_checkpoint(tmp_path / "models" / "Tiny-Chat")
+    env = {**os.environ, "HF_HOME": str(tmp_path / "hf"),
+           "HF_MODULES_CACHE": str(tmp_path / "hf" / "modules"),
+           "QWEN_KVPREP_CACHE": str(shared_build_cache), "HF_HUB_OFFLINE": "1"}
+    res = kvprep("fix", str(ckpt), "--no-build", "--no-smoke", env=env, timeout=600)
+    assert res.returncode == 0, res.stderr
+    folder = tmp_path / "hf" / "modules" / "transformers_modules" / "Tiny-Chat"
+    planted = {n: (folder / n).read_bytes() for n in (*KERNEL_FILES, "cpp_kernels.py")}
+    copy = tmp_path / "copies" / "Tiny-Chat"  # same name: the same modules folder
+    copy.parent.mkdir()
+    subprocess.run(["cp", "-a", str(ckpt), str(copy)], check=True)
+    res = kvprep("revert", str(copy), env=env)
+    assert res.returncode == 0, res.stderr
+    assert {n: (folder / n).read_bytes() for n in planted} == planted
+    state = json.loads((ckpt / ".qwen-kvprep" / "state.json").read_text())
+    assert state["modules"]["folder"] == str(folder)
+    assert {n: sha(d) for n, d in planted.items()} == state["modules"]["files"]
+
+
+# ------------------------------------------------------------------ 5. the user's own changes
+
+
+def test_a_file_changed_after_fix_is_left_by_revert_and_said(
+    tmp_path: Path, modules_env: Any
+) -> None:
+    p = prepare(tmp_path)
+    upstream = b'{"model_type": "qwen", "new": "upstream revision"}\n'
+    (p.directory / "config.json").write_bytes(upstream)
+    res = kvprep("revert", str(p.directory), env=modules_env)
+    assert res.returncode == 0, res.stderr
+    assert (p.directory / "config.json").read_bytes() == upstream
+    assert "config.json changed since fix wrote it: left as it is" in res.stdout
+    assert (p.directory / "cpp_kernels.py").read_bytes() == OFFICIAL_LOADER  # the rest
+
+
+def test_a_new_fix_takes_the_changed_file_as_the_original(
+    tmp_path: Path, modules_env: Any
+) -> None:
+    p = prepare(tmp_path)
+    upstream = b'{"model_type": "qwen", "new": "upstream revision"}\n'
+    (p.directory / "config.json").write_bytes(upstream)
+    j = Journal(p.directory)
+    assert j.write("config.json", b'{"patched": "again"}\n')
+    assert j.retaken == [str(p.directory / "config.json")]
+    assert kvprep("revert", str(p.directory), env=modules_env).returncode == 0
+    assert (p.directory / "config.json").read_bytes() == upstream
+
+
+def test_a_write_fix_itself_made_is_not_taken_for_the_users(
+    tmp_path: Path, modules_env: Any
+) -> None:
+    """The loader fix wrote last time is replaced by a newer one: the original stays
+    Qwen's, through any number of fixes (and a crash between journal and file)."""
+    p = prepare(tmp_path)
+    for i in range(10):
+        Journal(p.directory).write("cpp_kernels.py", f"# loader v{i}\n".encode())
+    assert kvprep("revert", str(p.directory), env=modules_env).returncode == 0
+    assert (p.directory / "cpp_kernels.py").read_bytes() == OFFICIAL_LOADER
+
+
+# ------------------------------------------------------------------ 7. damaged records
+
+
+def _deep(n: int) -> str:
+    return "[" * n + "]" * n
+
+
+DAMAGE: dict[str, Callable[[Path], None]] = {
+    "truncated": lambda f: f.write_bytes(f.read_bytes()[: len(f.read_bytes()) // 2]),
+    "empty": lambda f: f.write_bytes(b""),
+    "list": lambda f: f.write_text("[1, 2, 3]"),
+    "wrong-types": lambda f: f.write_text(
+        json.dumps({"version": 2, "files": [], "planted": "x", "state_version": 1,
+                    "files_": 3, "modules": 7})),
+    "deep": lambda f: f.write_text(_deep(100_000)),
+    "huge": lambda f: f.write_bytes(b" " * (3 << 20) + b"{}"),
+    "not-utf8": lambda f: f.write_bytes(b'{"version": "\xff\xfe"}'),
+    "fifo": lambda f: (f.unlink(), os.mkfifo(f)),  # type: ignore[func-returns-value]
+}
+
+
+def _doctor_json(directory: Path, capsys: pytest.CaptureFixture[str]) -> dict[str, Any]:
+    """`qwen-kvprep doctor DIR --json` through the real entry point, in this process (the
+    environment probe imports torch once, not once per case)."""
+    from qwen_kvprep.cli import main
+
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        main(["doctor", str(directory), "--json"])
+    out = capsys.readouterr()
+    assert "Traceback" not in out.err and "internal error" not in out.err, out.err
+    return dict(json.loads(out.out))
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGE))
+@pytest.mark.parametrize("record", ["journal.json", "state.json"])
+def test_damaged_records_are_findings_and_refusals_never_tracebacks(
+    tmp_path: Path, modules_env: Any, record: str, damage: str,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    p = prepare(tmp_path)
+    DAMAGE[damage](p.directory / ".qwen-kvprep" / record)
+    before = tree(p.directory), tree(p.modules), tree(p.outside)
+    doc = _doctor_json(p.directory, capsys)
+    ids = {f["id"]: f for f in doc["findings"]}
+    assert "env.python" in ids and "checkpoint.files" in ids  # doctor finished
+    finding = ids["state.journal" if record == "journal.json" else "state.record"]
+    assert finding["severity"] == "fail" and finding["fix"], finding
+    assert (tree(p.directory), tree(p.modules), tree(p.outside)) == before
+    res = kvprep("revert", str(p.directory), env=modules_env)
+    assert "Traceback" not in res.stderr and "internal error" not in res.stderr
+    if record == "journal.json":
+        assert res.returncode == 1 and "nothing was changed" in res.stderr, res.stderr
+        assert (tree(p.directory), tree(p.modules), tree(p.outside)) == before
+    else:  # the state is not needed to revert
+        assert res.returncode == 0, res.stderr
+        assert tree(p.directory) == p.pristine
+
+
+def test_prestart_treats_a_damaged_state_as_not_prepared(tmp_path: Path, modules_env: Any) -> None:
+    from qwen_kvprep.prestart import Request, state_mismatch
+
+    p = prepare(tmp_path)
+    for damage in ("truncated", "deep", "wrong-types", "fifo", "huge"):
+        state = p.directory / ".qwen-kvprep" / "state.json"
+        if state.exists() or state.is_symlink():
+            state.unlink()
+        write_state(p.directory, p.modules, p.folder)
+        DAMAGE[damage](state)
+        reason = state_mismatch(Request(str(p.directory)))
+        assert reason is not None and "state" in reason, (damage, reason)
+
+
+# ------------------------------------------------------------------ the randomised test
+
+HOSTILE: list[Any] = [
+    "../../outside/victim.txt", "/etc/passwd", "originals/../../../outside/victim.txt",
+    "originals/" + "a" * 64, "", ".", "a//b", "..", "x\x00y", "C:\\x", "transformers_modules",
+    "transformers_modules/Tiny-Chat/../../../outside/dir/f", 0, -1, 10**30, 1.5, True, None,
+    [], {}, {"kind": "file"}, {"kind": "symlink", "target": "/"}, {"kind": "absent"},
+    "x" * 5000, json.loads(_deep(200)),
+]
+
+
+def _paths(node: Any, prefix: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+    out = [prefix]
+    if isinstance(node, dict):
+        for k, v in node.items():
+            out += _paths(v, (*prefix, k))
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            out += _paths(v, (*prefix, i))
+    return out
+
+
+def _mutate(data: Any, rng: random.Random, outside: Path) -> Any:
+    hostile = [*HOSTILE, str(outside / "victim.txt"), str(outside / "dir"), str(outside)]
+    for _ in range(rng.randint(1, 4)):
+        path = rng.choice(_paths(data))
+        if not path:
+            continue
+        parent = data
+        for key in path[:-1]:
+            parent = parent[key]
+        key = path[-1]
+        op = rng.random()
+        if op < 0.5:
+            parent[key] = rng.choice(hostile)
+        elif op < 0.65 and isinstance(parent, dict):
+            del parent[key]
+        elif op < 0.85 and isinstance(parent, dict):
+            new = rng.choice([h for h in hostile if isinstance(h, str)])
+            parent[new] = parent.pop(key)
+        elif isinstance(parent, dict):
+            parent[rng.choice(["extra", "kind", "store", "written", "root", "owner"])] = (
+                rng.choice(hostile)
+            )
+    return data
+
+
+def _mutate_file(p: Any, rng: random.Random) -> str:
+    state_dir = p.directory / ".qwen-kvprep"
+    choice = rng.randrange(10)
+    if choice < 6:
+        name = rng.choice(["journal.json", "state.json"])
+        f = state_dir / name
+        data = json.loads(f.read_text())
+        f.write_text(json.dumps(_mutate(data, rng, p.outside)))
+        return f"{name} values"
+    if choice == 6:
+        f = state_dir / rng.choice(["journal.json", "state.json"])
+        text = f.read_bytes()
+        f.write_bytes(text[: rng.randrange(len(text))])
+        return f"{f.name} truncated"
+    if choice == 7:
+        originals = sorted((state_dir / "originals").iterdir())
+        victim = rng.choice(originals)
+        victim.unlink()
+        victim.symlink_to(rng.choice([p.outside / "victim.txt", p.outside / "dir"]))
+        return "original -> link out"
+    if choice == 8:
+        shutil.rmtree(p.folder)
+        p.folder.symlink_to(p.outside / "dir")
+        return "modules folder -> link out"
+    f = state_dir / rng.choice(["journal.json", "state.json"])
+    f.write_text(_deep(rng.choice([20, 1000, 50_000])))
+    return f"{f.name} nested"
+
+
+def test_randomised_tampering_never_escapes_and_never_crashes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Journal and state mutated at random (paths, types, sizes, nesting, links): revert,
+    prestart's state check (which may plant files) and doctor's record checks run on each.
+    Nothing outside DIR and the modules cache changes, and nothing raises but the one
+    expected-failure hierarchy (what the CLI prints as a message, never a traceback)."""
+    from qwen_kvprep.checks import load_all, run_one
+    from qwen_kvprep.prestart import Request, state_mismatch
+    from qwen_kvprep.probe.caches import probe_caches
+    from qwen_kvprep.probe.facts import Facts
+
+    state_checks = [c for c in load_all().values() if c.area == "state"]
+    rng = random.Random(12)
+    for i in range(60):
+        root = tmp_path / f"r{i}"
+        root.mkdir()
+        monkeypatch.setenv("HF_MODULES_CACHE", str(root / "modules"))
+        p = prepare(root, build=True)
+        what = _mutate_file(p, rng)
+        outside = tree(p.outside)
+        around = sorted(os.listdir(root)), sorted(os.listdir(root / "models"))
+        try:
+            reason = state_mismatch(Request(str(p.directory)))
+            assert reason is None or isinstance(reason, str)
+            facts = Facts(checkpoint=type("CP", (), {"path": p.directory})(),
+                          caches=probe_caches(p.directory))
+            for chk in state_checks:
+                for finding in run_one(chk, facts):
+                    assert "crashed" not in finding.message, (what, finding.message)
+            with contextlib.suppress(KvprepError):
+                revert_checkpoint(p.directory)
+        except Exception as exc:  # pragma: no cover - the failure being looked for
+            raise AssertionError(f"round {i} ({what}): {type(exc).__name__}: {exc}") from exc
+        assert tree(p.outside) == outside, (i, what)
+        assert (sorted(os.listdir(root)), sorted(os.listdir(root / "models"))) == around, what
+
+
+def test_version_1_journals_still_revert(tmp_path: Path, modules_env: Any) -> None:
+    """Folders fixed by the previous release keep working: planted paths were absolute."""
+    p = prepare(tmp_path)
+    data = journal_data(p.directory)
+    v1: dict[str, Any] = {"version": 1, "files": {}, "planted": {}}
+    for rel, entry in data["files"].items():
+        v1["files"][rel] = {k: v for k, v in entry.items() if k in ("kind", "store")}
+        if entry["kind"] == "file":  # version 1 kept the mode on the stored copy (copy2)
+            os.chmod(p.directory / ".qwen-kvprep" / entry["store"], entry["mode"])
+    for rel, entry in data["planted"][0]["files"].items():
+        v1["planted"][str(p.modules / rel)] = {
+            k: v for k, v in entry.items() if k in ("kind", "store")}
+    save_journal(p.directory, v1)
+    res = kvprep("revert", str(p.directory), env=modules_env)
+    assert res.returncode == 0, res.stderr
+    assert tree(p.directory) == p.pristine
+    assert (p.folder / "cpp_kernels.py").read_bytes() == OFFICIAL_LOADER
+
+
+def test_refusal_names_every_problem_for_json(tmp_path: Path, modules_env: Any) -> None:
+    p = prepare(tmp_path)
+    shutil.rmtree(p.directory / ".qwen-kvprep" / "originals")
+    with pytest.raises(StateError) as err:
+        Journal(p.directory).revert()
+    assert {f.id for f in err.value.findings} == {"state.journal"}
+    # config.json, cpp_kernels.py, and Qwen's cpp_kernels.py copy in the modules cache
+    assert len(err.value.findings) == 3
+    res = kvprep("revert", str(p.directory), "--json", env=modules_env)
+    assert res.returncode == 2  # revert has no --json: a usage error, not a traceback
+    assert "Traceback" not in res.stderr
