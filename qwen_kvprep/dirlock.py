@@ -172,6 +172,16 @@ def _q(path: Any) -> str:
     return shlex.quote(str(path))
 
 
+# The files fix writes in a model folder: only temporary files named after them are ours.
+OUR_FILES = frozenset(
+    (
+        "config.json",
+        "cpp_kernels.py",
+        "cache_autogptq_cuda_256.cpp",
+        "cache_autogptq_cuda_kernel_256.cu",
+    )
+)
+
 # Temporary files our atomic writes create: `.<name>.<8 random>.tmp` (fsutil, journal),
 # `.<name>.<pid>.lnk` (fsutil.atomic_symlink), `.<name>.revert` (revert before 0.2).
 _OUR_TEMP = re.compile(r"^\.(.+)\.(?:[a-z0-9_]{8}\.tmp|\d+\.lnk|revert)$")
@@ -221,10 +231,14 @@ def release_if_unused(directory: Path) -> bool:
         return False
     if "originals" in entries:
         try:
-            if os.listdir(originals):
-                return False
+            stored = os.listdir(originals)
         except OSError:
             return False
+        if any(not _OUR_TEMP.match(e) for e in stored):
+            return False
+        for entry in stored:
+            with contextlib.suppress(OSError):
+                (originals / entry).unlink()
     for entry in extra:
         with contextlib.suppress(OSError):
             (state / entry).unlink()

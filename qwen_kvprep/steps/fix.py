@@ -183,7 +183,7 @@ def _first_missing(path: Path) -> Optional[Path]:
 def _run_steps(
     source: Path, target: Path, options: FixOptions, early: _Early
 ) -> FixResult:
-    from qwen_kvprep.dirlock import remove_leftover_temps
+    from qwen_kvprep.dirlock import OUR_FILES, remove_leftover_temps
 
     view_findings: list[Finding] = []
     directory = source
@@ -192,8 +192,9 @@ def _run_steps(
 
         directory, view_findings = fix_target(source, target, options.dry_run)
     if not options.dry_run:
-        remove_leftover_temps(directory, set(_OURS))
+        remove_leftover_temps(directory, set(OUR_FILES))
         remove_leftover_temps(directory / STATE_DIRNAME)
+        remove_leftover_temps(directory / STATE_DIRNAME / "originals")
     ctx = FixContext(directory, options, Journal(directory, dry_run=options.dry_run))
     ctx.add(*early.findings, *view_findings)
     ctx.facts = early.facts
@@ -222,13 +223,3 @@ def _run_steps(
             )
         )
     return FixResult(ctx.findings, ctx.journal.planned, ctx.extra)
-
-
-# The files fix writes in a checkpoint, and its own records: a killed write leaves a
-# `.<name>.XXXXXXXX.tmp` that the next run removes.
-_OURS = (
-    "config.json",
-    "cpp_kernels.py",
-    "cache_autogptq_cuda_256.cpp",
-    "cache_autogptq_cuda_kernel_256.cu",
-)

@@ -25,6 +25,7 @@ def revert_checkpoint(directory: Path) -> RevertResult:
     from qwen_kvprep.buildcache.builder import stderr_notify
     from qwen_kvprep.buildcache.lock import lock_timeout
     from qwen_kvprep.dirlock import (
+        OUR_FILES,
         folder_lock,
         lock_path,
         release_if_unused,
@@ -52,9 +53,9 @@ def revert_checkpoint(directory: Path) -> RevertResult:
                 with contextlib.suppress(OSError):
                     os.unlink(lock_path(directory))
             if plan_ok:
-                result.temps = remove_leftover_temps(directory) + remove_leftover_temps(
-                    directory / STATE_DIRNAME
-                )
+                result.temps = remove_leftover_temps(
+                    directory, set(OUR_FILES)
+                ) + remove_leftover_temps(directory / STATE_DIRNAME)
             journal = Journal(directory)
             result.done = journal.revert()
             result.notes = journal.notes
