@@ -612,6 +612,27 @@ def prepare(request: Request) -> list[Any]:
     return list(result.findings)
 
 
+def _plain_view_for_fallback(request: Request) -> None:
+    """--allow-fallback with --output: CMD serves from OUT, so OUT must exist even when
+    preparing was refused (a refused fix creates nothing). Make it a plain view of DIR
+    (links only, nothing patched): the model runs, without the kernel."""
+    if not request.output or request.directory is None:
+        return
+    from pathlib import Path
+
+    from qwen_kvprep.view import prepare_view, read_marker
+
+    out = request.target
+    if read_marker(out) is not None:
+        return
+    try:
+        prepare_view(Path(os.path.abspath(request.directory)), Path(out))
+    except Exception as exc:  # availability first: CMD still starts and reports its own
+        from qwen_kvprep.redact import scrub
+
+        sys.stderr.write(f"qwen-kvprep prestart: cannot make {out} a view: {scrub(str(exc))}\n")
+
+
 def run(request: Request) -> NoReturn:
     """The full command: fast path, else prepare, then hand over to CMD."""
     from qwen_kvprep.errors import KvprepError, UsageError
@@ -638,7 +659,10 @@ def run(request: Request) -> NoReturn:
 
             report_error(exc, as_json=False)
         else:
-            sys.stderr.write(f"qwen-kvprep prestart: unexpected error: {exc!r}\n")
+            from qwen_kvprep.redact import scrub
+
+            sys.stderr.write(f"qwen-kvprep prestart: unexpected error: {scrub(repr(exc))}\n")
+        _plain_view_for_fallback(request)
         # not through say(): --quiet silences success, never this
         sys.stderr.write("qwen-kvprep prestart: WARNING: --allow-fallback: starting the "
                          "command without a working Int8 KV cache kernel\n")

@@ -352,6 +352,21 @@ def test_a_refused_prestart_output_leaves_no_new_folder(tmp_path: Path) -> None:
     assert sorted(os.listdir(bad)) == ["README.md"]
 
 
+def test_allow_fallback_with_output_still_gives_cmd_a_folder(tiny: Path, tmp_path: Path,
+                                                              env: dict[str, str]) -> None:
+    """--allow-fallback is for availability: CMD serves from OUT, so a refused preparation
+    leaves OUT as a plain view (links only) instead of no folder at all."""
+    ckpt = copy_of(tiny, tmp_path / "models")
+    (ckpt / "config.json").write_bytes(b'{"model_type": "qwen", "a": 1, "a": 2}\n')
+    out = tmp_path / "prepared" / "Tiny-Chat"
+    res = kvprep("prestart", str(ckpt), "--output", str(out), "--allow-fallback", "--",
+                 sys.executable, "-c", "import os,sys; print(os.path.isdir(sys.argv[1]))",
+                 str(out), env=env, timeout=300)
+    no_traceback(res)
+    assert res.returncode == 0 and res.stdout == "True\n", res.stderr
+    assert (out / "config.json").is_symlink() and "--allow-fallback" in res.stderr
+
+
 # ------------------------------------------------------------------ 11. prestart's CMD
 
 

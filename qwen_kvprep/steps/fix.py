@@ -160,15 +160,23 @@ def _run_locked(
             try:
                 return _run_steps(source, target, options, early)
             except BaseException:
-                if new_top is not None:
-                    shutil.rmtree(new_top, ignore_errors=True)
-                else:
-                    release_if_unused(target)
+                _undo_creation(target, new_top)
                 raise
     except BaseException:
-        if new_top is not None:
-            shutil.rmtree(new_top, ignore_errors=True)
+        _undo_creation(target, new_top)
         raise
+
+
+def _undo_creation(target: Path, new_top: Optional[Path]) -> None:
+    """After a failure: remove what this run created, unless something was recorded in
+    it (a failed build leaves the patched config and its journal: revert undoes that)."""
+    from qwen_kvprep.dirlock import release_if_unused
+    from qwen_kvprep.journal import JOURNAL_FILE
+
+    if new_top is not None and not os.path.lexists(target / STATE_DIRNAME / JOURNAL_FILE):
+        shutil.rmtree(new_top, ignore_errors=True)
+    else:
+        release_if_unused(target)
 
 
 def _first_missing(path: Path) -> Optional[Path]:
