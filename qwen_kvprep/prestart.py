@@ -390,7 +390,9 @@ def _plant(source: str, root: str, rel: str, name: str) -> None:
             with contextlib.suppress(OSError):
                 os.unlink(tmp, dir_fd=fd)
             raise
-        _register(fd)
+        if rel not in _REGISTERED:
+            _register(fd)
+            _REGISTERED.add(rel)
     finally:
         os.close(fd)
 
@@ -429,6 +431,7 @@ def _register(fd: int) -> None:
 
 # The checkpoint whose state is being checked (for _register).
 _TARGET: list[str] = []
+_REGISTERED: set[str] = set()  # folders registered in by this process
 
 
 def state_mismatch(request: Request) -> Optional[str]:
