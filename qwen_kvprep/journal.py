@@ -444,11 +444,18 @@ class Journal:
         entry = table.get(key)
         new = sha256(data)
         if current.kind == "file" and current.data == data:
-            if adopt and entry is None and not self.dry_run:
+            if self.dry_run:
+                return False
+            if adopt and entry is None:
                 # planted by someone else (another folder of the same name): recorded so that
                 # the last folder using it removes it
                 table[key] = {"kind": "absent", "written": [new], "adopted": True}
                 self._save()
+            elif entry is not None and entry["written"] is not None and (
+                new not in entry["written"] and not self._is_original(current, entry)
+            ):
+                entry["written"] = [*entry["written"][-(_WRITTEN_KEEP - 1) :], new]
+                self._save()  # what is there is what fix would write: fix's from now on
             return False
         if self.dry_run:
             self.planned.append(PlannedWrite(path, current.data, data))
