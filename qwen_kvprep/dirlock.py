@@ -91,6 +91,8 @@ def folder_lock(
     while True:
         try:
             state.mkdir(exist_ok=True)
+        except FileNotFoundError:
+            raise  # the folder itself is gone (removed by a failed run we waited for)
         except OSError:
             # read-only (or otherwise unwritable): nothing can be written there, so there
             # is nothing to serialise; the command's first write reports why

@@ -642,3 +642,29 @@ def test_state_written_by_fix_passes_its_own_schema(
     assert res.returncode == 0, res.stderr
     state, problem = read_state(str(ckpt))
     assert problem is None and state is not None
+
+
+@pytest.mark.slow
+def test_replicas_making_one_new_output_view_together(
+    tiny: Path, tmp_path: Path, env: dict[str, str]
+) -> None:
+    """Three fixes of one read-only DIR into the same new OUT at once: they take turns on
+    OUT's lock; none removes what another made, and the view is complete."""
+    ckpt = copy_of(tiny, tmp_path / "models")
+    before = tree(ckpt)
+    out = tmp_path / "prepared" / "Tiny-Chat"
+    procs = [
+        subprocess.Popen([sys.executable, "-m", "qwen_kvprep", "fix", str(ckpt), "--output",
+                          str(out), "--no-build", "--no-smoke"], env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for _ in range(3)
+    ]
+    for proc in procs:
+        _, err = proc.communicate(timeout=600)
+        assert proc.returncode == 0, err[-3000:]
+    assert tree(ckpt) == before
+    journal = json.loads((out / ".qwen-kvprep" / "journal.json").read_text())
+    assert journal["files"]["config.json"]["kind"] == "symlink"  # the original kept once
+    assert json.loads((out / "config.json").read_text())["use_cache_kernel"] is True
+    assert kvprep("revert", str(out), env=env).returncode == 0
+    assert (out / "config.json").is_symlink()

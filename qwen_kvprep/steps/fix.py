@@ -142,29 +142,23 @@ def _run_locked(
 ) -> FixResult:
     from qwen_kvprep.buildcache.builder import stderr_notify
     from qwen_kvprep.buildcache.lock import lock_timeout
-    from qwen_kvprep.dirlock import folder_lock, release_if_unused
+    from qwen_kvprep.dirlock import folder_lock
 
     new_top = None  # the outermost folder this run creates for --output
     if target != source:
         new_top = _first_missing(target)
         target.mkdir(parents=True, exist_ok=True)
     what = "qwen-kvprep command"
-    try:
-        with folder_lock(target, what, lock_timeout(), stderr_notify):
-            if skip_if is not None and skip_if():
-                if new_top is not None:
-                    shutil.rmtree(new_top, ignore_errors=True)
-                else:
-                    release_if_unused(target)
-                return FixResult([], [], {})
-            try:
-                return _run_steps(source, target, options, early)
-            except BaseException:
-                _undo_creation(target, new_top)
-                raise
-    except BaseException:
-        _undo_creation(target, new_top)
-        raise
+    # Only what this run created, and only while it holds the lock: a replica that made
+    # OUT at the same moment may be preparing it (a waiter that gives up leaves it alone).
+    with folder_lock(target, what, lock_timeout(), stderr_notify):
+        if skip_if is not None and skip_if():
+            return FixResult([], [], {})  # another replica prepared it meanwhile
+        try:
+            return _run_steps(source, target, options, early)
+        except BaseException:
+            _undo_creation(target, new_top)
+            raise
 
 
 def _undo_creation(target: Path, new_top: Optional[Path]) -> None:
