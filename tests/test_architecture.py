@@ -1,0 +1,290 @@
+"""The package's layering, read from its import statements.
+
+Layers point one way: base → probe → checks → actions → render → commands → cli. A module
+may import modules of its own layer or below, never above, and no two modules may import
+each other (directly or through others). prestart's fast path imports only the standard
+library and the stdlib-only base modules. docs/architecture.md says what each layer is for.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+PKG = Path(__file__).resolve().parent.parent / "qwen_kvprep"
+EXCLUDED = ("tiny/remote/",)  # the remote code a tiny checkpoint carries: not ours to import
+
+BASE, PROBE, CHECKS, ACTIONS, RENDER, COMMANDS, CLI = range(7)
+LAYER_NAMES = ("base", "probe", "checks", "actions", "render", "commands", "cli")
+
+# Longest prefix wins. Every module of the package must be covered.
+LAYERS: dict[str, int] = {
+    "qwen_kvprep": BASE,  # the package's __init__ (its version)
+    "qwen_kvprep.common": BASE,
+    "qwen_kvprep.errors": BASE,
+    "qwen_kvprep.findings": BASE,
+    "qwen_kvprep.untrusted": BASE,
+    "qwen_kvprep.fsutil": BASE,
+    "qwen_kvprep.redact": BASE,
+    "qwen_kvprep.resources": BASE,
+    "qwen_kvprep.configjson": BASE,
+    "qwen_kvprep.catalogue": BASE,
+    "qwen_kvprep.statefile": BASE,
+    "qwen_kvprep.journalfile": BASE,
+    "qwen_kvprep.probe": PROBE,
+    "qwen_kvprep.checks": CHECKS,
+    "qwen_kvprep.buildcache.arch": CHECKS,  # pure decisions over probed toolchain facts
+    "qwen_kvprep.steps": ACTIONS,
+    "qwen_kvprep.buildcache": ACTIONS,
+    "qwen_kvprep.journal": ACTIONS,
+    "qwen_kvprep.state": ACTIONS,
+    "qwen_kvprep.view": ACTIONS,
+    "qwen_kvprep.modcache": ACTIONS,
+    "qwen_kvprep.dirlock": ACTIONS,
+    "qwen_kvprep.fastpath": ACTIONS,
+    "qwen_kvprep.prestart": ACTIONS,
+    "qwen_kvprep.hub": ACTIONS,
+    "qwen_kvprep.smoke": ACTIONS,
+    "qwen_kvprep.profile": ACTIONS,
+    "qwen_kvprep.planning": ACTIONS,
+    "qwen_kvprep.plan": ACTIONS,
+    "qwen_kvprep.childproc": ACTIONS,
+    "qwen_kvprep.runtime": ACTIONS,
+    "qwen_kvprep.tiny": ACTIONS,
+    "qwen_kvprep.demo": ACTIONS,
+    "qwen_kvprep.doctor": ACTIONS,
+    "qwen_kvprep.templating": ACTIONS,
+    "qwen_kvprep.render": RENDER,
+    "qwen_kvprep.report": RENDER,
+    "qwen_kvprep.commands": COMMANDS,
+    "qwen_kvprep.cli": CLI,
+    "qwen_kvprep.entry": CLI,
+    "qwen_kvprep.__main__": CLI,
+}
+
+# Imports that break the rules today and are being removed. Must shrink to nothing.
+KNOWN_UPWARD: set[tuple[str, str]] = {
+    ("qwen_kvprep.buildcache.arch", "qwen_kvprep.buildcache.toolchain"),
+    ("qwen_kvprep.checks.checkpoint", "qwen_kvprep.steps.config_patch"),
+    ("qwen_kvprep.checks.config", "qwen_kvprep.steps.config_patch"),
+    ("qwen_kvprep.checks.kernels", "qwen_kvprep.hub"),
+    ("qwen_kvprep.commands.build", "qwen_kvprep.cli"),
+    ("qwen_kvprep.commands.demo", "qwen_kvprep.cli"),
+    ("qwen_kvprep.commands.doctor", "qwen_kvprep.cli"),
+    ("qwen_kvprep.commands.fix", "qwen_kvprep.cli"),
+    ("qwen_kvprep.commands.plan", "qwen_kvprep.cli"),
+    ("qwen_kvprep.commands.prestart", "qwen_kvprep.cli"),
+    ("qwen_kvprep.commands.profile", "qwen_kvprep.cli"),
+    ("qwen_kvprep.commands.revert", "qwen_kvprep.cli"),
+    ("qwen_kvprep.commands.smoke", "qwen_kvprep.cli"),
+    ("qwen_kvprep.prestart", "qwen_kvprep.cli"),
+    ("qwen_kvprep.prestart", "qwen_kvprep.report"),
+    ("qwen_kvprep.probe.caches", "qwen_kvprep.buildcache.toolchain"),
+    ("qwen_kvprep.probe.caches", "qwen_kvprep.journal"),
+    ("qwen_kvprep.probe.checkpoint", "qwen_kvprep.steps.config_patch"),
+    ("qwen_kvprep.redact", "qwen_kvprep.checks"),
+    ("qwen_kvprep.redact", "qwen_kvprep.probe.env"),
+    ("qwen_kvprep.redact", "qwen_kvprep.probe.facts"),
+    ("qwen_kvprep.redact", "qwen_kvprep.report"),
+}
+KNOWN_CYCLES: list[set[str]] = [
+    {
+        "qwen_kvprep.checks",
+        "qwen_kvprep.checks._all",
+        "qwen_kvprep.checks.caches",
+        "qwen_kvprep.checks.checkpoint",
+        "qwen_kvprep.checks.config",
+        "qwen_kvprep.checks.env",
+        "qwen_kvprep.checks.kernels",
+        "qwen_kvprep.checks.state",
+        "qwen_kvprep.hub",
+        "qwen_kvprep.redact",
+        "qwen_kvprep.report",
+    },
+    {
+        "qwen_kvprep.prestart",
+        "qwen_kvprep.steps.fix",
+        "qwen_kvprep.view",
+    },
+]
+
+
+def modules() -> dict[str, Path]:
+    out: dict[str, Path] = {}
+    for path in sorted(PKG.rglob("*.py")):
+        rel = path.relative_to(PKG.parent).as_posix()
+        if any(part in rel for part in EXCLUDED):
+            continue
+        name = rel[:-3].replace("/", ".")
+        out[name[: -len(".__init__")] if name.endswith(".__init__") else name] = path
+    return out
+
+
+def _resolve(module: str, is_pkg: bool, node: ast.ImportFrom) -> str:
+    if node.level == 0:
+        return node.module or ""
+    base = module.split(".")
+    if not is_pkg:
+        base = base[:-1]
+    base = base[: len(base) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def imports_of(module: str, path: Path, known: dict[str, Path]) -> Iterator[tuple[str, int]]:
+    """(imported qwen_kvprep module, line) for every import statement, at any depth (an
+    import inside a function still ties the two modules together)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    is_pkg = path.name == "__init__.py"
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] == "qwen_kvprep":
+                    yield alias.name, node.lineno
+        elif isinstance(node, ast.ImportFrom):
+            target = _resolve(module, is_pkg, node)
+            if target.split(".")[0] != "qwen_kvprep":
+                continue
+            for alias in node.names:
+                sub = f"{target}.{alias.name}"
+                yield (sub if sub in known else target), node.lineno
+
+
+def layer_of(module: str) -> int:
+    best = max((p for p in LAYERS if module == p or module.startswith(p + ".")), key=len)
+    return LAYERS[best]
+
+
+def graph() -> dict[str, set[str]]:
+    known = modules()
+    return {
+        m: {t for t, _ in imports_of(m, p, known) if t != m and t in known}
+        for m, p in known.items()
+    }
+
+
+def cycles(g: dict[str, set[str]]) -> list[set[str]]:
+    """Strongly connected components with more than one module (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[set[str]] = []
+    counter = 0
+    for root in sorted(g):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(g[root])))]
+        index[root] = low[root] = counter
+        counter += 1
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            for child in children:
+                if child not in index:
+                    index[child] = low[child] = counter
+                    counter += 1
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(g[child]))))
+                    break
+                if child in on_stack:
+                    low[node] = min(low[node], index[child])
+            else:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    comp = set()
+                    while True:
+                        top = stack.pop()
+                        on_stack.discard(top)
+                        comp.add(top)
+                        if top == node:
+                            break
+                    if len(comp) > 1:
+                        found.append(comp)
+    return found
+
+
+def test_every_module_has_a_layer() -> None:
+    for name in modules():
+        assert any(name == p or name.startswith(p + ".") for p in LAYERS), name
+
+
+def test_no_module_imports_a_higher_layer() -> None:
+    g = graph()
+    upward = {
+        (m, t) for m, targets in g.items() for t in targets if layer_of(t) > layer_of(m)
+    }
+    new = sorted(upward - KNOWN_UPWARD)
+    assert not new, "\n".join(
+        f"{m} ({LAYER_NAMES[layer_of(m)]}) imports {t} ({LAYER_NAMES[layer_of(t)]})"
+        for m, t in new
+    )
+    gone = sorted(KNOWN_UPWARD - upward)
+    assert not gone, f"fixed: remove from KNOWN_UPWARD: {gone}"
+
+
+def test_no_import_cycles() -> None:
+    found = cycles(graph())
+    new = [c for c in found if c not in KNOWN_CYCLES]
+    assert not new, "import cycles:\n" + "\n".join(" <-> ".join(sorted(c)) for c in new)
+    gone = [c for c in KNOWN_CYCLES if c not in found]
+    assert not gone, f"fixed: remove from KNOWN_CYCLES: {gone}"
+
+
+def test_cycle_finder_finds_a_cycle() -> None:
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [{"a", "b", "c"}]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_upward_import_is_caught() -> None:
+    assert layer_of("qwen_kvprep.checks.env") > layer_of("qwen_kvprep.probe.env")
+    assert layer_of("qwen_kvprep.buildcache.arch") < layer_of("qwen_kvprep.buildcache.builder")
+    assert layer_of("qwen_kvprep.cli") == CLI
+
+
+_ANY = re.compile(r"\bAny\b")
+
+
+def explicit_any() -> list[str]:
+    """Every use of typing.Any in the package (imports not counted)."""
+    uses: list[str] = []
+    for name, path in modules().items():
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        for node in ast.walk(tree):
+            named = isinstance(node, ast.Name) and node.id == "Any"
+            attribute = isinstance(node, ast.Attribute) and node.attr == "Any"
+            # a quoted annotation ("dict[str, Any]")
+            quoted = (
+                isinstance(node, ast.Constant)
+                and isinstance(node.value, str)
+                and len(node.value) < 80
+                and "[" in node.value
+                and _ANY.search(node.value) is not None
+            )
+            if named or attribute or quoted:
+                uses.append(f"{name}:{node.lineno}")
+    return uses
+
+
+ANY_LIMIT = 10_000  # lowered to 25 once the seams are typed
+
+
+def test_explicit_any_is_rare() -> None:
+    uses = explicit_any()
+    assert len(uses) <= ANY_LIMIT, f"{len(uses)} explicit Any (limit {ANY_LIMIT}): {uses}"
+
+
+if __name__ == "__main__":  # `python tests/test_architecture.py`: the report
+    g = graph()
+    for m, t in sorted((m, t) for m, ts in g.items() for t in ts if layer_of(t) > layer_of(m)):
+        print(f"upward: {m} -> {t}")
+    for c in cycles(g):
+        print("cycle:", " <-> ".join(sorted(c)))
+    print("explicit Any:", len(explicit_any()))
+    sys.exit(0)
