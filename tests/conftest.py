@@ -77,3 +77,40 @@ def cpu_kernel_ext(tmp_path_factory: pytest.TempPathFactory) -> Any:
         extra_cflags=["-O3"],
         verbose=False,
     )
+
+
+# ------------------------------------------------------------------ skips CI does not expect
+
+_skips: list[tuple[str, str]] = []
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if report.skipped and isinstance(report.longrepr, tuple):
+        _skips.append((report.nodeid, str(report.longrepr[2])))
+
+
+def _unexpected_skips() -> list[tuple[str, str]]:
+    from tests.needs import allowed_kinds, kind_of
+
+    allowed = allowed_kinds()
+    if allowed is None:
+        return []
+    return [(nodeid, why) for nodeid, why in _skips if kind_of(why) not in allowed]
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    unexpected = _unexpected_skips()
+    if unexpected:
+        from tests.needs import ENV_ALLOWED
+
+        terminalreporter.section("skips this run does not allow")
+        terminalreporter.write_line(
+            f"{ENV_ALLOWED}={os.environ.get(ENV_ALLOWED)!r} allows only those kinds of skip:"
+        )
+        for nodeid, why in unexpected:
+            terminalreporter.write_line(f"{nodeid}: {why}")
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    if exitstatus == 0 and _unexpected_skips():
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED

@@ -16,28 +16,22 @@ import pytest
 
 from qwen_kvprep.buildcache import arch as archmod
 from qwen_kvprep.buildcache.manifest import problem, read_manifest
-from qwen_kvprep.buildcache.toolchain import NvccInfo, nvcc_info
+from qwen_kvprep.buildcache.toolchain import NvccInfo
 from qwen_kvprep.probe.binary import read_archs
+from tests import needs
 
 pytestmark = [pytest.mark.cuda_build, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")
 def nvcc() -> NvccInfo:
-    torch = pytest.importorskip("torch")
-    if torch.version.cuda is None:
-        pytest.skip(f"torch {torch.__version__} is a CPU build")
-    info, why = nvcc_info()
-    if info is None:
-        pytest.skip(why)
-    if info.release[0] != int(torch.version.cuda.split(".")[0]):
-        pytest.skip(f"nvcc {info.version} and torch CUDA {torch.version.cuda} differ in major")
+    info: NvccInfo = needs.nvcc()
     return info
 
 
 def test_build_for_two_architectures_links_both(nvcc: NvccInfo, tmp_path: Path) -> None:
     if not {"8.0", "9.0"} <= set(nvcc.arches):
-        pytest.skip(f"nvcc {nvcc.version} cannot target both 8.0 and 9.0")
+        needs.skip("nvcc", f"nvcc {nvcc.version} cannot target both 8.0 and 9.0")
     env = dict(os.environ, MAX_JOBS=os.environ.get("MAX_JOBS", "2"))
     env.pop("TORCH_CUDA_ARCH_LIST", None)
     done = subprocess.run(

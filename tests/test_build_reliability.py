@@ -22,6 +22,7 @@ import pytest
 
 from qwen_kvprep.resources import KERNEL_FILES
 from qwen_kvprep.tiny import generate_checkpoint
+from tests import needs
 from tests.treesnap import snapshot
 
 pytestmark = pytest.mark.slow
@@ -174,7 +175,7 @@ def test_read_only_cache_is_a_clear_error(tmp_path: Path, command: str) -> None:
             ["touch", str(cache / "probe")], preexec_fn=preexec, capture_output=True
         )
         if probe.returncode == 0:
-            pytest.skip("cannot make a folder read-only for this user here")
+            needs.skip("non-root", "cannot make a folder read-only for this user here")
         ckpt = generate_checkpoint(tmp_path / "tiny")
         args = ["build"] if command == "build" else ["fix", str(ckpt), "--no-smoke"]
         done = subprocess.run(

@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -216,6 +217,48 @@ def test_cuda_plan_inputs_and_key(monkeypatch: pytest.MonkeyPatch) -> None:
     src = dict(vendored_sources())
     src["cache_autogptq_cuda_kernel_256.cu"] += b"\n"
     assert _cuda_plan(monkeypatch, sources=src).key != plan.key
+
+
+# torch.utils.cpp_extension's flags for every compile, as two releases spell them
+CPP_EXTENSION_2_11 = "    common_cflags += ['-std=c++17', '-fPIC']\n"
+CPP_EXTENSION_2_14 = "    common_cflags += ['-std=c++20', '-fPIC']\n"
+
+
+def test_cxx_standard_follows_torch() -> None:
+    # read from torch's own builder when it says
+    assert toolchain.cxx_standard("2.11.0+cu130", CPP_EXTENSION_2_11) == "c++17"
+    assert toolchain.cxx_standard("2.14.1+cu130", CPP_EXTENSION_2_14) == "c++20"
+    assert toolchain.cxx_standard("9.9", CPP_EXTENSION_2_11) == "c++17"  # the source wins
+    # else from the version: C++20 from torch 2.12 on (its headers use <compare>)
+    for version, std in (("2.0.1", "c++17"), ("2.1.2+cu121", "c++17"), ("2.11.0", "c++17"),
+                         ("2.12.1+cu130", "c++20"), ("2.14.1", "c++20"), ("3.0.0", "c++20")):
+        assert toolchain.cxx_standard(version, None) == std, version
+        assert toolchain.cxx_standard(version, "no flags here") == std, version
+
+
+def test_installed_torch_standard_matches_its_builder() -> None:
+    import torch.utils.cpp_extension as cpp_extension
+
+    text = Path(str(cpp_extension.__file__)).read_text(encoding="utf-8")
+    std = toolchain.torch_info().cxx_std
+    assert f"common_cflags += ['-std={std}'" in text
+
+
+@pytest.mark.parametrize(
+    ("torch", "std"),
+    [(CUDA_TORCH, "c++17"), (toolchain.TorchInfo("2.14.1+cu130", "13.0", True, "c++20"), "c++20")],
+)
+def test_build_flags_carry_torch_standard(
+    monkeypatch: pytest.MonkeyPatch, torch: Any, std: str
+) -> None:
+    plan = _cuda_plan(monkeypatch, torch=torch)
+    assert f"-std={std}" in plan.inputs["flags"]["cflags"]
+    assert f"-std={std}" in plan.inputs["flags"]["cuda_cflags"]
+    flags = builder.nvcc_compile_flags(torch, plan.arch_list)
+    assert flags.count(f"-std={std}") == 1 and "-D_GLIBCXX_USE_CXX11_ABI=1" in flags
+    assert "-gencode=arch=compute_90,code=sm_90" in flags
+    other = "c++20" if std == "c++17" else "c++17"
+    assert _cuda_plan(monkeypatch, torch=replace(torch, cxx_std=other)).key != plan.key
 
 
 def test_cuda_major_mismatch_refused(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -48,6 +48,7 @@ from qwen_kvprep.probe.env import (
 )
 from qwen_kvprep.probe.facts import Facts
 from qwen_kvprep.resources import KERNEL_FILES
+from tests import needs
 
 load_all()
 
@@ -923,7 +924,7 @@ extern "C" void launch(float* x, int n) { add1<<<(n + 127) / 128, 128>>>(x, n); 
 def real_fatbins(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """A tiny .cu compiled by nvcc (no GPU needed): sm_80 only, and sm_80 + PTX 8.0."""
     if NVCC is None:
-        pytest.skip("no nvcc on this machine")
+        needs.skip("nvcc", "no nvcc on this machine")
     d = tmp_path_factory.mktemp("fatbin")
     (d / "k.cu").write_text(_TINY_CU)
     out = {}
@@ -939,7 +940,7 @@ def real_fatbins(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
             timeout=300,
         )
         if res.returncode != 0:
-            pytest.skip(f"nvcc could not build the test kernel: {res.stderr[-500:]}")
+            needs.skip("nvcc", f"nvcc could not build the test kernel: {res.stderr[-500:]}")
         out[name] = d / name
     return out
 

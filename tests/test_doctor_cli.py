@@ -16,6 +16,7 @@ from typing import Any, Optional
 
 import pytest
 
+from tests import needs
 from tests.treesnap import snapshot
 
 REPO = Path(__file__).resolve().parent.parent
@@ -276,7 +277,7 @@ def test_stale_lock_reported_with_the_command_that_clears_it(tmp_path: Path) -> 
     doc = parse(doctor("--json", "--check", "modules.stale_lock", env=env, cwd=tmp_path))
     (finding,) = doc["findings"]
     if finding["severity"] == "warn":
-        pytest.skip("other processes' open files cannot be inspected here")
+        needs.skip("tool", "other processes' open files cannot be inspected here")
     assert finding["severity"] == "fail"
     assert finding["fix"] == f"rm -f {lock}"
     assert lock.exists()  # reported, never removed by doctor
@@ -352,10 +353,9 @@ def _unshare_works() -> bool:
     return res.returncode == 0
 
 
-@pytest.mark.skipif(
-    not _unshare_works(), reason="no user+mount namespaces for a read-only bind mount"
-)
 def test_doctor_on_a_read_only_file_system(tiny: Path, tmp_path: Path) -> None:
+    if not _unshare_works():
+        needs.skip("root", "no user+mount namespaces for a read-only bind mount")
     root = tmp_path / "ro"
     copy = root / "Qwen-tiny"
     shutil.copytree(tiny, copy)

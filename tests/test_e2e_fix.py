@@ -4,8 +4,9 @@ started in ANOTHER working directory, does nothing but
 attention layer's quantized cache through our compiled extension (not the pure-torch
 fallback), with scores that match the fallback's within fp16 tolerance.
 
-Runs on the CPU build of the extension (the kernels' .cpp alone), so it runs in CI
-without a GPU. The build cache is the session's shared one (compiled once).
+Runs on the CPU, so it needs no GPU: with a CPU torch the extension is the kernels' .cpp
+alone; with a CUDA torch and nvcc it is the CUDA build, whose CPU path runs here. The build
+cache is the session's shared one (compiled once).
 """
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ from typing import Any
 
 import pytest
 
-from qwen_kvprep.resources import KERNEL_FILES, sha256_file
+from qwen_kvprep.buildcache.builder import plan_build
+from qwen_kvprep.buildcache.toolchain import nvcc_info
+from qwen_kvprep.resources import KERNEL_FILES, kernels_dir, sha256_file
 from qwen_kvprep.tiny import generate_checkpoint
 from tests.treesnap import snapshot
 
@@ -66,6 +69,12 @@ report["max_abs_logit"] = fallback.abs().max().item()
 report["argmax_agree"] = bool((kernel.argmax(-1) == fallback.argmax(-1)).all())
 print("REPORT " + json.dumps(report))
 """
+
+
+def torch_is_cuda() -> bool:
+    import torch
+
+    return torch.version.cuda is not None
 
 
 def _env(tmp: Path, cache: Path) -> dict[str, str]:
@@ -117,7 +126,13 @@ def test_fix_reports_every_step(fixed: dict[str, Any]) -> None:
     ):
         assert fid in findings, sorted(findings)
         assert findings[fid]["severity"] in ("ok", "info"), findings[fid]
-    assert findings["build.mode"]["message"].startswith("CPU-only build")
+    # the build this torch and toolkit call for: CPU-only with a CPU torch (or without
+    # nvcc), CUDA with a CUDA torch and a matching nvcc, as the builder itself decides
+    plan = plan_build({n: (kernels_dir() / n).read_bytes() for n in KERNEL_FILES})
+    assert findings["build.mode"]["message"] == plan.mode
+    expected = "CUDA build" if plan.cuda else "CPU-only build"
+    assert findings["build.mode"]["message"].startswith(expected)
+    assert plan.cuda == bool(torch_is_cuda() and nvcc_info()[0] is not None)
 
 
 def test_new_process_elsewhere_uses_the_extension_in_every_layer(fixed: dict[str, Any]) -> None:

@@ -36,6 +36,7 @@ from qwen_kvprep.journal import Journal
 from qwen_kvprep.resources import KERNEL_FILES
 from qwen_kvprep.steps import sources
 from qwen_kvprep.steps.fix import FixContext, FixOptions
+from tests import needs
 
 CPP_NAME, CU_NAME = KERNEL_FILES
 # Stand-ins for Qwen's files (which cannot be shipped); the known-good list is swapped for
@@ -262,7 +263,7 @@ def test_progress_bars_only_when_wanted(
     from huggingface_hub.utils import are_progress_bars_disabled
 
     if are_progress_bars_disabled():
-        pytest.skip("HF_HUB_DISABLE_PROGRESS_BARS is set for this run")
+        needs.skip("env", "HF_HUB_DISABLE_PROGRESS_BARS is set for this run")
     seen: list[bool] = []
     real = huggingface_hub.hf_hub_download
 

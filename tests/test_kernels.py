@@ -5,7 +5,6 @@ Builds kernels/cache_autogptq_cuda_256.cpp alone (the CPU-only mode) once per mo
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 from pathlib import Path
 from types import ModuleType
@@ -15,6 +14,7 @@ import pytest
 import torch
 
 from qwen_kvprep.resources import KERNEL_FILES, kernels_dir
+from tests import needs
 
 pytestmark = pytest.mark.slow
 
@@ -195,9 +195,7 @@ def test_reports_cpu_only_build(ext: ModuleType) -> None:
 
 def test_cpu_only_build_has_no_cuda_entry_points(ext: ModuleType) -> None:
     """The weak CUDA entry points resolved to null at link time: nothing left to bind."""
-    nm = shutil.which("nm")
-    if nm is None:
-        pytest.skip("nm (binutils) is not installed")
+    nm = needs.tool("nm")
     assert ext.__file__ is not None
     syms = subprocess.run(
         [nm, "-D", ext.__file__], capture_output=True, text=True, check=True

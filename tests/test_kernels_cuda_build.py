@@ -8,7 +8,6 @@ reference. Run with the CUDA torch environment, e.g.
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
 import subprocess
@@ -21,54 +20,15 @@ import pytest
 import torch
 import torch.utils.cpp_extension as cpp_extension
 
+from qwen_kvprep.buildcache.builder import nvcc_compile_flags
+from qwen_kvprep.buildcache.toolchain import NvccInfo, torch_info
 from qwen_kvprep.resources import KERNEL_FILES, kernels_dir
+from tests import needs
 
 pytestmark = [pytest.mark.cuda_build, pytest.mark.slow]
 
 CPP = kernels_dir() / KERNEL_FILES[0]
 CU = kernels_dir() / KERNEL_FILES[1]
-
-
-def _cuda_home() -> Optional[Path]:
-    """The first CUDA toolkit that has both nvcc and the runtime headers.
-
-    torch's own guess can be a folder holding only an nvcc wrapper (`/usr/local` when
-    /usr/local/bin/nvcc forwards to the real toolkit), which cannot build anything.
-    """
-    candidates: list[Optional[str]] = [
-        os.environ.get("CUDA_HOME"),
-        os.environ.get("CUDA_PATH"),
-        cpp_extension.CUDA_HOME,
-    ]
-    nvcc = shutil.which("nvcc")
-    if nvcc:
-        candidates.append(str(Path(os.path.realpath(nvcc)).parent.parent))
-    candidates.append("/usr/local/cuda")
-    for c in candidates:
-        if not c:
-            continue
-        home = Path(c)
-        if (home / "bin" / "nvcc").is_file() and (home / "include" / "cuda_runtime.h").is_file():
-            return home
-    return None
-
-
-def _nvcc_version(nvcc: Path) -> tuple[int, int]:
-    out = subprocess.run([str(nvcc), "--version"], capture_output=True, text=True).stdout
-    m = re.search(r"release (\d+)\.(\d+)", out)
-    assert m, f"cannot read the nvcc version from: {out!r}"
-    return int(m.group(1)), int(m.group(2))
-
-
-def supported_archs(nvcc: Path) -> list[int]:
-    """Real architectures to build for: sm_70 up (sm_75 up from CUDA 13, which dropped Volta)."""
-    major, minor = _nvcc_version(nvcc)
-    out = subprocess.run([str(nvcc), "--list-gpu-arch"], capture_output=True, text=True).stdout
-    archs = sorted({int(m) for m in re.findall(r"compute_(\d+)\b", out)})
-    if not archs:  # nvcc < 11.5 has no --list-gpu-arch
-        archs = [70, 72, 75, 80, 86] + ([87] if (major, minor) >= (11, 4) else [])
-    floor = 75 if major >= 13 else 70
-    return [a for a in archs if a >= floor]
 
 
 def _torch_cuda_headers() -> Optional[list[str]]:
@@ -81,54 +41,23 @@ def _torch_cuda_headers() -> Optional[list[str]]:
 
 
 @pytest.fixture(scope="module")
-def cuda_home() -> Path:
-    home = _cuda_home()
-    if home is None:
-        pytest.skip("no CUDA toolkit (nvcc + headers) found; set CUDA_HOME")
-    return home
+def toolkit() -> NvccInfo:
+    """The CUDA toolkit the builder itself would compile with, matching torch's CUDA."""
+    info: NvccInfo = needs.nvcc()
+    return info
 
 
-def nvcc_flags() -> list[str]:
-    """What torch's extension builder passes to nvcc, as far as it matters to the source."""
-    common = list(
-        getattr(
-            cpp_extension,
-            "COMMON_NVCC_FLAGS",
-            [
-                "-D__CUDA_NO_HALF_OPERATORS__",
-                "-D__CUDA_NO_HALF_CONVERSIONS__",
-                "-D__CUDA_NO_BFLOAT16_CONVERSIONS__",
-                "-D__CUDA_NO_HALF2_OPERATORS__",
-                "--expt-relaxed-constexpr",
-            ],
-        )
-    )
-    abi = int(bool(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", True)))
-    return [
-        *common,
-        "-std=c++17",
-        "-O3",
-        "--use_fast_math",
-        "-Xcompiler",
-        "-fPIC",
-        f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
-    ]
-
-
-def test_cu_compiles_for_every_supported_arch(cuda_home: Path, tmp_path: Path) -> None:
+def test_cu_compiles_for_every_supported_arch(toolkit: NvccInfo, tmp_path: Path) -> None:
     headers = _torch_cuda_headers()
-    if headers is None:
-        pytest.skip("this torch is a CPU build: its headers lack c10/cuda (use .venv-cuda)")
-    nvcc = cuda_home / "bin" / "nvcc"
-    archs = supported_archs(nvcc)
-    assert archs, "nvcc lists no architecture at or above sm_70/sm_75"
-    gencode = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs]
-    gencode.append(f"-gencode=arch=compute_{archs[-1]},code=compute_{archs[-1]}")  # PTX
+    assert headers is not None, "a CUDA build of torch without its c10/cuda headers"
+    # every architecture this nvcc accepts, and PTX for the newest
+    arch_list = (*toolkit.arches[:-1], f"{toolkit.arches[-1]}+PTX")
+    archs = [a.replace(".", "") for a in toolkit.arches]
     cmd = [
-        str(nvcc),
-        *nvcc_flags(),
+        str(toolkit.nvcc),
+        # what the builder gives nvcc with this torch (C++ standard, ABI, torch's flags)
+        *nvcc_compile_flags(torch_info(), arch_list),
         *(f"-I{d}" for d in headers),
-        *gencode,
         "--resource-usage",
         "-c",
         str(CU),
@@ -147,11 +76,11 @@ def test_cu_compiles_for_every_supported_arch(cuda_home: Path, tmp_path: Path) -
 
 
 @pytest.fixture(scope="module")
-def cuda_ext(cuda_home: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ModuleType]:
-    if not torch.version.cuda:
-        pytest.skip("this torch is a CPU build; the full CUDA extension needs a CUDA torch")
-    nvcc = cuda_home / "bin" / "nvcc"
-    archs = [a for a in (80, 90) if a in supported_archs(nvcc)]
+def cuda_ext(
+    toolkit: NvccInfo, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ModuleType]:
+    cuda_home = toolkit.cuda_home
+    archs = [a for a in (80, 90) if f"{a // 10}.{a % 10}" in toolkit.arches]
     build = tmp_path_factory.mktemp("kvprep_cuda_ext")
     with pytest.MonkeyPatch.context() as mp:
         # torch reads the toolkit location from this module global when it builds.
@@ -291,8 +220,7 @@ def test_cuda_tuning_reads_and_restores(cuda_ext: ModuleType) -> None:
 def test_gpu_matches_reference(
     cuda_ext: ModuleType, pv: bool, b: int, h: int, q: int, d: int, seq: int, path: str
 ) -> None:
-    if not torch.cuda.is_available():
-        pytest.skip("no GPU here: only the build is checked")
+    needs.gpu()
     saved = cuda_ext.cuda_tuning()
     setting = PATHS[path]
     if setting is not None:

@@ -13,30 +13,22 @@ driver is built with AddressSanitizer where the compiler has it.
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
 
 from qwen_kvprep.resources import kernels_dir
+from tests import needs
 
 pytestmark = pytest.mark.slow
 
 EMU = Path(__file__).resolve().parent / "kernel_emu"
 
 
-def _compiler() -> str:
-    for name in ("g++", "c++", "clang++"):
-        path = shutil.which(name)
-        if path:
-            return path
-    pytest.skip("no C++ compiler")
-
-
 @pytest.fixture(scope="module")
 def emulator(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    cxx = _compiler()
+    cxx = needs.cxx_compiler()
     out = tmp_path_factory.mktemp("kernel_emu") / "emu"
     base = [
         cxx,
@@ -56,7 +48,7 @@ def emulator(tmp_path_factory: pytest.TempPathFactory) -> Path:
             return out
         errors.append(res.stderr[-2000:])
     if any("barrier" in e or "_Float16" in e for e in errors):
-        pytest.skip(f"this compiler lacks C++20 <barrier> or _Float16:\n{errors[-1]}")
+        needs.skip("tool", f"this compiler lacks C++20 <barrier> or _Float16:\n{errors[-1]}")
     raise AssertionError("building the kernel emulator failed:\n" + "\n".join(errors))
 
 

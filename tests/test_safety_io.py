@@ -22,6 +22,7 @@ import pytest
 
 from qwen_kvprep.prestart import Request, state_mismatch
 from qwen_kvprep.resources import KERNEL_FILES
+from tests import needs
 from tests.safety_kit import MODULE_FILES, kvprep, prepare, sha, tree
 
 ROOT_ONLY = pytest.mark.skipif(
@@ -164,7 +165,7 @@ def tmpfs(where: Path, size: str, ro: bool = False) -> Iterator[Path]:
     done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)],
                           capture_output=True, text=True)
     if done.returncode != 0:  # root without CAP_SYS_ADMIN (an unprivileged container)
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+        needs.skip("root", f"cannot mount a tmpfs here: {done.stderr.strip()}")
     try:
         yield where
     finally:
@@ -253,7 +254,7 @@ def test_a_full_disk_during_revert_loses_nothing(
 def _without_root_powers() -> tuple[str, ...]:
     setpriv = shutil.which("setpriv")
     if os.geteuid() != 0 or setpriv is None:
-        pytest.skip("needs root and setpriv: runs as root without CAP_DAC_OVERRIDE")
+        needs.skip("root", "runs as root and setpriv without CAP_DAC_OVERRIDE")
     return (setpriv, "--bounding-set=-dac_override,-dac_read_search,-fowner")
 
 

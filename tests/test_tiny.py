@@ -18,6 +18,8 @@ from typing import Any
 
 import pytest
 
+from tests import needs
+
 REPO = Path(__file__).resolve().parents[1]
 VENV453_PYTHON = REPO / ".venv453" / "bin" / "python"
 VENV_CUDA_PYTHON = REPO / ".venv-cuda" / "bin" / "python"  # CUDA build of torch, no GPU
@@ -528,7 +530,8 @@ def scenario(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
                "cuda-torch": VENV_CUDA_PYTHON}
     python = pythons[request.param]
     if not python.exists():
-        pytest.skip(f"{python} is not installed")
+        kind = {"4.53": "venv-4.53", "cuda-torch": "venv-cuda"}[request.param]
+        needs.skip(kind, f"{python} is not installed (.ci/run makes it)")
     res = _run_scenario(python, tmp_path_factory.mktemp(f"scenario-{request.param}"))
     if request.param == "4.53":
         assert res["transformers"] == "4.53.3"

@@ -164,11 +164,14 @@ def plan_build(sources: Mapping[str, bytes], arch: Optional[str] = None) -> Buil
             )
     cuda = nvcc is not None
     names = sorted(n for n in sources if n in KERNEL_FILES)
+    std = f"-std={tinfo.cxx_std}"
     inputs: dict[str, Any] = {
         "sources": {n: sha256_bytes(sources[n]) for n in names},
         "flags": {
-            "cflags": list(CFLAGS),
-            "cuda_cflags": (list(CUDA_CFLAGS) + archmod.gencode_flags(arch_list)) if cuda else [],
+            "cflags": [*CFLAGS, std],
+            "cuda_cflags": (
+                [*CUDA_CFLAGS, std, *archmod.gencode_flags(arch_list)] if cuda else []
+            ),
             "with_cuda": cuda,
         },
         "torch": tinfo.version,
@@ -192,6 +195,38 @@ def plan_build(sources: Mapping[str, bytes], arch: Optional[str] = None) -> Buil
         arch_origin=origin,
         covers=covers,
     )
+
+
+# What torch.utils.cpp_extension gives nvcc for every .cu (its COMMON_NVCC_FLAGS), for
+# torch releases that do not export the list.
+_TORCH_NVCC_FLAGS = (
+    "-D__CUDA_NO_HALF_OPERATORS__",
+    "-D__CUDA_NO_HALF_CONVERSIONS__",
+    "-D__CUDA_NO_BFLOAT16_CONVERSIONS__",
+    "-D__CUDA_NO_HALF2_OPERATORS__",
+    "--expt-relaxed-constexpr",
+)
+
+
+def nvcc_compile_flags(tinfo: TorchInfo, arch_list: tuple[str, ...] = ()) -> list[str]:
+    """The nvcc flags a build of our .cu gets with this torch: torch's own (its common
+    nvcc flags, position-independent code, the C++ ABI, the C++ standard its headers need)
+    followed by ours. Include paths and -c/-o are the caller's."""
+    try:
+        import torch.utils.cpp_extension as cpp_extension
+
+        common = list(getattr(cpp_extension, "COMMON_NVCC_FLAGS", _TORCH_NVCC_FLAGS))
+    except ImportError:
+        common = list(_TORCH_NVCC_FLAGS)
+    return [
+        *common,
+        "-Xcompiler",
+        "-fPIC",
+        f"-D_GLIBCXX_USE_CXX11_ABI={int(tinfo.cxx11_abi)}",
+        *CUDA_CFLAGS,
+        f"-std={tinfo.cxx_std}",
+        *archmod.gencode_flags(arch_list),
+    ]
 
 
 def _cap(arch: str) -> tuple[int, int]:

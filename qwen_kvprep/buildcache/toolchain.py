@@ -35,20 +35,57 @@ class TorchInfo:
     version: str  # full torch.__version__, "+cu130" tag included
     cuda: Optional[str]  # torch.version.cuda; None for a CPU build
     cxx11_abi: bool
+    # The C++ standard torch's extension builder compiles with, and its headers need.
+    cxx_std: str = "c++17"
 
     @property
     def cuda_major(self) -> Optional[int]:
         return int(self.cuda.split(".")[0]) if self.cuda else None
 
 
+# torch >= 2.12 compiles extensions as C++20 (its headers use <compare>, e.g.
+# std::strong_ordering); 2.0 up to 2.11 as C++17.
+_CXX20_SINCE = (2, 12)
+# How torch.utils.cpp_extension spells the standard in the flags it gives every compile.
+_COMMON_STD = re.compile(r"common_cflags\s*\+=\s*\[\s*['\"]-std=(c\+\+\d\d)['\"]")
+
+
+def cxx_standard(torch_version: str, cpp_extension_source: Optional[str] = None) -> str:
+    """The `-std=` value torch's extension builder uses: read from its own source when it
+    can be (so a future torch that moves on is followed), else from the version."""
+    if cpp_extension_source:
+        found = set(_COMMON_STD.findall(cpp_extension_source))
+        if len(found) == 1:
+            return found.pop()
+    m = re.match(r"(\d+)\.(\d+)", torch_version)
+    if m and (int(m.group(1)), int(m.group(2))) >= _CXX20_SINCE:
+        return "c++20"
+    return "c++17"
+
+
+def _cpp_extension_source() -> Optional[str]:
+    try:
+        import torch.utils.cpp_extension as cpp_extension
+
+        source = cpp_extension.__file__
+        if not source:
+            return None
+        with open(source, encoding="utf-8") as fh:
+            return fh.read(1 << 20)
+    except (ImportError, OSError, UnicodeDecodeError):
+        return None
+
+
 def torch_info() -> TorchInfo:
     """Facts of the installed torch (imports it: a build needs it anyway)."""
     import torch
 
+    version = str(torch.__version__)
     return TorchInfo(
-        version=str(torch.__version__),
+        version=version,
         cuda=torch.version.cuda,
         cxx11_abi=bool(torch._C._GLIBCXX_USE_CXX11_ABI),
+        cxx_std=cxx_standard(version, _cpp_extension_source()),
     )
 
 
