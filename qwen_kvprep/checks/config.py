@@ -14,10 +14,10 @@ from typing import Any, Union
 
 from qwen_kvprep.checks import check
 from qwen_kvprep.checks.checkpoint import redownload
+from qwen_kvprep.configjson import CONFIG
 from qwen_kvprep.findings import Finding, fail, info, ok, skip, warn
 from qwen_kvprep.probe.checkpoint import CheckpointFacts
 from qwen_kvprep.probe.facts import Facts
-from qwen_kvprep.steps.config_patch import CONFIG
 
 DEFAULTS: dict[str, Any] = {
     "use_cache_quantization": False,
