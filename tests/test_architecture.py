@@ -79,7 +79,6 @@ KNOWN_UPWARD: set[tuple[str, str]] = {
     ("qwen_kvprep.prestart", "qwen_kvprep.cli"),
     ("qwen_kvprep.prestart", "qwen_kvprep.report"),
     ("qwen_kvprep.probe.caches", "qwen_kvprep.buildcache.toolchain"),
-    ("qwen_kvprep.probe.caches", "qwen_kvprep.journal"),
     ("qwen_kvprep.redact", "qwen_kvprep.checks"),
     ("qwen_kvprep.redact", "qwen_kvprep.probe.env"),
     ("qwen_kvprep.redact", "qwen_kvprep.probe.facts"),
