@@ -37,6 +37,8 @@ from qwen_kvprep.journalfile import (
     STORE_NAME,
     USERS_DIRNAME,
     WRITTEN_KEEP,
+    Entry,
+    JournalData,
     Link,
     Present,
     Remove,
@@ -85,10 +87,10 @@ class Journal:
         # after revert: what was left alone, and why
         self.notes: list[str] = []
         self.identity = folder_identity(self.root)
-        self._data: dict[str, Any] = self._load()
+        self._data: JournalData = self._load()
 
     # -- persistence -------------------------------------------------------------------
-    def _load(self) -> dict[str, Any]:
+    def _load(self) -> JournalData:
         from qwen_kvprep.modcache import modules_cache_root
 
         return read_journal(self.root, modules_cache_root())
@@ -130,7 +132,7 @@ class Journal:
         atomic_write_bytes(path, data, 0o600)
         return f"{ORIGINALS}/{digest}"
 
-    def _original(self, current: Present, path: Path) -> dict[str, Any]:
+    def _original(self, current: Present, path: Path) -> Entry:
         if current.kind == "symlink":
             return {"kind": "symlink", "target": current.target, "written": []}
         if current.kind == "file":
@@ -150,7 +152,7 @@ class Journal:
 
     def _write(
         self,
-        table: dict[str, Any],
+        table: dict[str, Entry],
         key: str,
         path: Path,
         data: bytes,
@@ -203,7 +205,7 @@ class Journal:
                 if STORE_NAME.fullmatch(name) and name not in used:
                     os.unlink(folder / name)
 
-    def _entries(self) -> list[dict[str, Any]]:
+    def _entries(self) -> list[Entry]:
         out = list(self._data["files"].values())
         for group in self._data["planted"]:
             out.extend(group["files"].values())

@@ -60,6 +60,16 @@ _HEX64 = re.compile(r"[0-9a-f]{64}")
 STORE_NAME = re.compile(r"[0-9a-f]{16}|[0-9a-f]{64}")  # version 1 used 16 hex digits
 _KINDS = ("file", "symlink", "absent")
 
+# The journal in normal form, as check_journal returns it:
+#   {"version": 2, "files": {rel: Entry}, "planted": [{"root", "owner": Identity,
+#    "files": {rel: Entry}}]}
+JournalData = dict[str, Any]
+# One recorded path: {"kind": "file" | "symlink" | "absent", "written": [sha256] | None,
+# "store", "sha256", "mode" (a file), "target" (a symlink), "adopted"}
+Entry = dict[str, Any]
+# What identifies a prepared folder: {"path", "dev", "ino"}
+Identity = dict[str, Any]
+
 
 def sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
@@ -69,7 +79,7 @@ def quote(path: Any) -> str:
     return shlex.quote(str(path))
 
 
-def folder_identity(directory: Path) -> dict[str, Any]:
+def folder_identity(directory: Path) -> Identity:
     """What identifies a prepared folder: its absolute path and its inode."""
     path = os.path.abspath(directory)
     try:
@@ -80,7 +90,7 @@ def folder_identity(directory: Path) -> dict[str, Any]:
     return {"path": path, "dev": dev, "ino": ino}
 
 
-def same_folder(owner: dict[str, Any], identity: dict[str, Any]) -> bool:
+def same_folder(owner: Identity, identity: Identity) -> bool:
     if owner.get("path") == identity["path"]:
         return True
     return (owner.get("dev"), owner.get("ino")) == (identity["dev"], identity["ino"]) and (
@@ -138,13 +148,13 @@ class Invalid(Exception):
         self.why = why
 
 
-def _check_entry(entry: Any, where: str, version: int) -> dict[str, Any]:
+def _check_entry(entry: Any, where: str, version: int) -> Entry:
     if not isinstance(entry, dict):
         raise Invalid(where, "is not an object")
     kind = entry.get("kind")
     if kind not in _KINDS:
         raise Invalid(where, f"has an unknown kind {kind!r}")
-    out: dict[str, Any] = {"kind": kind}
+    out: Entry = {"kind": kind}
     if kind == "file":
         store = entry.get("store")
         why = relpath_problem(store)
@@ -187,7 +197,7 @@ def _check_entry(entry: Any, where: str, version: int) -> dict[str, Any]:
     return out
 
 
-def _check_table(table: Any, where: str, version: int) -> dict[str, dict[str, Any]]:
+def _check_table(table: Any, where: str, version: int) -> dict[str, Entry]:
     if not isinstance(table, dict):
         raise Invalid(where, "is not an object")
     out = {}
@@ -199,7 +209,7 @@ def _check_table(table: Any, where: str, version: int) -> dict[str, dict[str, An
     return out
 
 
-def _check_owner(owner: Any, where: str) -> dict[str, Any]:
+def _check_owner(owner: Any, where: str) -> Identity:
     if not isinstance(owner, dict):
         raise Invalid(where, "has no owner")
     path, dev, ino = owner.get("path"), owner.get("dev"), owner.get("ino")
@@ -231,7 +241,7 @@ def _check_groups(groups: Any, version: int) -> list[dict[str, Any]]:
     return out
 
 
-def _from_version_1(data: dict[str, Any], directory: Path, modules_root: Path) -> dict[str, Any]:
+def _from_version_1(data: dict[str, Any], directory: Path, modules_root: Path) -> JournalData:
     """Version 1 recorded planted files by absolute path: they are taken relative to this
     environment's modules root (anything else is refused), owned by `directory`."""
     files = _check_table(data.get("files", {}), "files", 1)
@@ -239,7 +249,7 @@ def _from_version_1(data: dict[str, Any], directory: Path, modules_root: Path) -
     if not isinstance(planted, dict):
         raise Invalid("planted", "is not an object")
     root = os.path.abspath(modules_root)
-    group: dict[str, Any] = {}
+    group: dict[str, Entry] = {}
     for key, entry in planted.items():
         where = f"planted entry {key!r}"
         if not isinstance(key, str) or not os.path.isabs(key):
@@ -255,7 +265,7 @@ def _from_version_1(data: dict[str, Any], directory: Path, modules_root: Path) -
     return {"version": JOURNAL_VERSION, "files": files, "planted": groups}
 
 
-def check_journal(data: Any, directory: Path, modules_root: Path) -> dict[str, Any]:
+def check_journal(data: Any, directory: Path, modules_root: Path) -> JournalData:
     """The journal's content in normal form; Invalid names the entry that is wrong.
     `modules_root`: this environment's modules-cache root (a version 1 journal's planted
     files are taken relative to it)."""
@@ -273,11 +283,11 @@ def check_journal(data: Any, directory: Path, modules_root: Path) -> dict[str, A
     }
 
 
-def empty_journal() -> dict[str, Any]:
+def empty_journal() -> JournalData:
     return {"version": JOURNAL_VERSION, "files": {}, "planted": []}
 
 
-def read_journal(directory: Path, modules_root: Path) -> dict[str, Any]:
+def read_journal(directory: Path, modules_root: Path) -> JournalData:
     """DIR's journal in normal form (empty when there is none). StateError, with the way to
     recover by hand, when it cannot be read or is damaged."""
     state_dir = Path(directory) / STATE_DIRNAME
@@ -320,7 +330,7 @@ def manual_recovery(state_dir: Path) -> str:
 # ------------------------------------------------------------------ what revert would do
 
 
-def is_original(current: Present, entry: dict[str, Any]) -> bool:
+def is_original(current: Present, entry: Entry) -> bool:
     """Whether `current` is what was there before fix (the recorded original)."""
     kind = entry["kind"]
     if kind == "absent":
@@ -330,7 +340,7 @@ def is_original(current: Present, entry: dict[str, Any]) -> bool:
     return current.kind == "file" and current.digest == entry.get("sha256")
 
 
-def is_ours(current: Present, entry: dict[str, Any]) -> bool:
+def is_ours(current: Present, entry: Entry) -> bool:
     """Whether `current` is what fix wrote (or still the original)."""
     written = entry["written"]
     if written is None:  # not recorded (version 1): assume it is
@@ -381,7 +391,7 @@ class RevertPlan:
 
 
 def plan_revert(
-    data: dict[str, Any], root: Path, identity: dict[str, Any], modules_root: Path
+    data: JournalData, root: Path, identity: Identity, modules_root: Path
 ) -> RevertPlan:
     """Check every entry of `data` (the journal of the folder `root`, whose identity is
     `identity`, as read_journal returns it) and decide what revert would do, with this
@@ -395,9 +405,7 @@ def plan_revert(
 
 
 class _Planner:
-    def __init__(
-        self, data: dict[str, Any], root: Path, identity: dict[str, Any], here: str
-    ) -> None:
+    def __init__(self, data: JournalData, root: Path, identity: Identity, here: str) -> None:
         self.data = data
         self.root = root
         self.identity = identity
@@ -476,7 +484,7 @@ class _Planner:
         return out
 
     def entry(
-        self, plan: RevertPlan, base: Path, rel: str, entry: dict[str, Any], shown: str
+        self, plan: RevertPlan, base: Path, rel: str, entry: Entry, shown: str
     ) -> None:
         parts = rel.split("/")
         name = parts[-1]
