@@ -86,16 +86,6 @@ KNOWN_UPWARD: set[tuple[str, str]] = {
 }
 KNOWN_CYCLES: list[set[str]] = [
     {
-        "qwen_kvprep.checks",
-        "qwen_kvprep.checks._all",
-        "qwen_kvprep.checks.caches",
-        "qwen_kvprep.checks.checkpoint",
-        "qwen_kvprep.checks.config",
-        "qwen_kvprep.checks.env",
-        "qwen_kvprep.checks.kernels",
-        "qwen_kvprep.checks.state",
-    },
-    {
         "qwen_kvprep.redact",
         "qwen_kvprep.report",
     },

@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from typing import Any, Optional
 
 from qwen_kvprep import catalogue
-from qwen_kvprep.checks import check
+from qwen_kvprep.checks.registry import CHECKPOINT, ENV, check, checkpoint_of
 from qwen_kvprep.findings import Finding, FindingsLike, fail, info, ok, skip, warn
 from qwen_kvprep.probe.facts import Facts
 
@@ -63,17 +63,19 @@ def _judge(
     )
 
 
-@check("kernels.sources", "Which kernel sources the checkpoint holds")
+@check(
+    "kernels.sources",
+    "Which kernel sources the checkpoint holds",
+    needs=(CHECKPOINT.saying("no checkpoint given"),),
+)
 def kernel_sources(facts: Facts) -> FindingsLike:
-    cp = facts.checkpoint
-    if cp is None:
-        return skip("kernels.sources", "no checkpoint given")
+    cp = checkpoint_of(facts)
     ours = catalogue.ours_hashes()
     fix_cmd = f"qwen-kvprep fix {shlex.quote(str(cp.path))}"
     out = [_judge("checkpoint", getattr(cp, "kernel_sources", None) or {}, ours, fix_cmd)]
-    # The model looks for the sources next to the modules-cache copy of its code (facts
-    # §4): that copy matters as much as the checkpoint's own. A folder that does not exist
-    # yet is created by transformers (or fix) later, so there is nothing to judge.
+    # The model looks for the sources next to the modules-cache copy of its code (modcache.py
+    # says why): that copy matters as much as the checkpoint's own. A folder that does not
+    # exist yet is created by transformers (or fix) later, so there is nothing to judge.
     for folder in _module_folders(facts):
         out.append(_judge(f"modules cache {folder.path}", folder.files, ours, fix_cmd))
     return out
@@ -92,10 +94,12 @@ def _env_torch(env: Any) -> tuple[Optional[str], Optional[str]]:
     return (version if isinstance(version, str) else None), cuda
 
 
-@check("kernels.official_compat", "Whether Qwen's own kernel sources compile with this torch")
+@check(
+    "kernels.official_compat",
+    "Whether Qwen's own kernel sources compile with this torch",
+    needs=(ENV.saying("environment not probed"),),
+)
 def official_compat(facts: Facts) -> FindingsLike:
-    if facts.env is None:
-        return skip("kernels.official_compat", "environment not probed")
     version, cuda = _env_torch(facts.env)
     compat = catalogue.official_compat(version, cuda)
     if compat.status == "unknown":
