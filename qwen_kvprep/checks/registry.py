@@ -34,40 +34,33 @@ AREAS = ("env", "checkpoint", "config", "kernels", "build", "modules", "state", 
 class Need:
     """A part of the facts a check reads, and what its `skip` says when that is missing."""
 
-    name: str
     met: Callable[[Facts], bool]
     reason: str
 
     def saying(self, reason: str) -> Need:
         """The same need, its skip worded otherwise."""
-        return Need(self.name, self.met, reason)
+        return Need(self.met, reason)
 
 
-ENV = Need("env", lambda f: f.env is not None, "the environment was not probed")
+ENV = Need(lambda f: f.env is not None, "the environment was not probed")
 TORCH = Need(
-    "torch",
     lambda f: f.env is not None and f.env.torch_version is not None,
     "torch is not importable (see env.torch)",
 )
 CUDA_TORCH = Need(
-    "a CUDA build of torch",
     lambda f: f.env is not None and f.env.torch_cuda is not None,
     "not needed: torch is a CPU build, so the extension is built without CUDA",
 )
-CHECKPOINT = Need(
-    "checkpoint", lambda f: f.checkpoint is not None, "no checkpoint directory given"
-)
+CHECKPOINT = Need(lambda f: f.checkpoint is not None, "no checkpoint directory given")
 LISTED = Need(
-    "the checkpoint's listing",
     lambda f: f.checkpoint is not None and f.checkpoint.listing_error is None,
     "the checkpoint directory cannot be listed (see checkpoint.files)",
 )
 CONFIG_PARSED = Need(
-    "config.json",
     lambda f: f.checkpoint is not None and f.checkpoint.config is not None,
     f"{CONFIG} is missing or unreadable (see config.parse)",
 )
-CACHES = Need("caches", lambda f: f.caches is not None, "the caches were not probed")
+CACHES = Need(lambda f: f.caches is not None, "the caches were not probed")
 
 
 @dataclass(frozen=True)
