@@ -29,7 +29,7 @@ from huggingface_hub import constants, file_download
 from huggingface_hub.utils import _http as hf_http
 from huggingface_hub.utils import reset_sessions
 
-from qwen_kvprep import hub
+from qwen_kvprep import catalogue
 from qwen_kvprep.errors import SourceError, UsageError
 from qwen_kvprep.findings import Finding, Severity
 from qwen_kvprep.journal import Journal
@@ -159,10 +159,10 @@ def fake_hub(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[FakeHu
 @pytest.fixture(autouse=True)
 def test_known_good(monkeypatch: pytest.MonkeyPatch) -> None:
     files = {
-        name: hub.KnownFile(name, hashlib.sha256(body).hexdigest(), len(body))
+        name: catalogue.KnownFile(name, hashlib.sha256(body).hexdigest(), len(body))
         for name, body in GOOD.items()
     }
-    monkeypatch.setattr(hub, "known_good", lambda: hub.KnownGood(files, (REPO,)))
+    monkeypatch.setattr(catalogue, "known_good", lambda: catalogue.KnownGood(files, (REPO,)))
     # A torch that still compiles the official sources: compatibility is tested apart.
     monkeypatch.setattr(sources, "_torch_info", lambda: ("2.5.1", "12.4"))
 
@@ -224,7 +224,7 @@ def test_good_files_are_fetched_verified_and_written(fake_hub: FakeHub, ckpt: Pa
     s = ctx.sources
     assert (s.origin, s.kind, s.repo_id, s.revision, s.commit) == (
         "hub",
-        hub.OFFICIAL,
+        catalogue.OFFICIAL,
         REPO,
         "main",
         COMMIT,
@@ -496,7 +496,7 @@ def test_checkpoint_already_official_needs_no_network(
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     ctx = run_hub(ckpt, repo_id=REPO)
     assert fake_hub.requests == []
-    assert (ctx.sources.origin, ctx.sources.kind) == ("checkpoint", hub.OFFICIAL)
+    assert (ctx.sources.origin, ctx.sources.kind) == ("checkpoint", catalogue.OFFICIAL)
     assert ctx.journal.changed_files == []
 
 

@@ -11,7 +11,7 @@ from typing import Any, Optional
 
 import pytest
 
-from qwen_kvprep import hub, resources
+from qwen_kvprep import catalogue, resources
 from qwen_kvprep.checks import kernels as kernel_checks
 from qwen_kvprep.errors import SourceError, UsageError
 from qwen_kvprep.findings import Finding, Severity, as_list
@@ -39,8 +39,9 @@ def swapped_data(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
     for name, body in OURS.items():
         (kernels / name).write_bytes(body)
     monkeypatch.setattr(resources, "kernels_dir", lambda: kernels)
-    files = {n: hub.KnownFile(n, _sha(b), len(b)) for n, b in OFFICIAL.items()}
-    monkeypatch.setattr(hub, "known_good", lambda: hub.KnownGood(files, ("Qwen/Qwen-7B-Chat",)))
+    files = {n: catalogue.KnownFile(n, _sha(b), len(b)) for n, b in OFFICIAL.items()}
+    known = catalogue.KnownGood(files, ("Qwen/Qwen-7B-Chat",))
+    monkeypatch.setattr(catalogue, "known_good", lambda: known)
     monkeypatch.setattr(sources, "_torch_info", lambda: OLD_TORCH)
     return kernels
 
@@ -76,7 +77,7 @@ def read(directory: Path) -> dict[str, Optional[bytes]]:
 def test_vendored_into_an_empty_checkpoint_and_revert(ckpt: Path) -> None:
     ctx = run(ckpt, source="vendored")
     assert read(ckpt) == OURS
-    assert (ctx.sources.origin, ctx.sources.kind) == ("vendored", hub.OURS)
+    assert (ctx.sources.origin, ctx.sources.kind) == ("vendored", catalogue.OURS)
     assert dict(ctx.sources.files) == OURS
     assert ctx.extra["sources"]["files"] == {n: _sha(b) for n, b in OURS.items()}
     (done,) = ctx.findings
@@ -95,14 +96,14 @@ def test_auto_without_sources_uses_vendored(ckpt: Path) -> None:
 def test_auto_keeps_ours(ckpt: Path) -> None:
     put(ckpt, OURS)
     ctx = run(ckpt)
-    assert (ctx.sources.origin, ctx.sources.kind) == ("checkpoint", hub.OURS)
+    assert (ctx.sources.origin, ctx.sources.kind) == ("checkpoint", catalogue.OURS)
     assert ctx.journal.changed_files == []
 
 
 def test_auto_keeps_official_when_torch_can_build_them(ckpt: Path) -> None:
     put(ckpt, OFFICIAL)
     ctx = run(ckpt)
-    assert (ctx.sources.origin, ctx.sources.kind) == ("checkpoint", hub.OFFICIAL)
+    assert (ctx.sources.origin, ctx.sources.kind) == ("checkpoint", catalogue.OFFICIAL)
     assert dict(ctx.sources.files) == OFFICIAL
     assert read(ckpt) == OFFICIAL
     assert ctx.journal.changed_files == []
@@ -243,11 +244,11 @@ def test_hub_without_build_only_warns_about_torch(
     ],
 )
 def test_official_compat_rule(version: Optional[str], cuda: Optional[str], status: str) -> None:
-    assert hub.official_compat(version, cuda).status == status
+    assert catalogue.official_compat(version, cuda).status == status
 
 
 def test_bundled_known_good_list_matches_the_facts() -> None:
-    real = hub.load_known_good()
+    real = catalogue.load_known_good()
     assert real.files[CPP_NAME].size == 8404
     assert real.files[CPP_NAME].sha256.startswith("225066b519e0d47c")
     assert real.files[CU_NAME].size == 51991

@@ -7,7 +7,15 @@ import shlex
 from typing import Any, Optional
 
 from qwen_kvprep.buildcache.arch import covers
-from qwen_kvprep.checks import check
+from qwen_kvprep.checks.registry import (
+    CACHES,
+    CHECKPOINT,
+    TORCH,
+    caches_of,
+    check,
+    checkpoint_of,
+    env_of,
+)
 from qwen_kvprep.findings import Finding, FindingsLike, fail, info, ok, skip, warn
 from qwen_kvprep.probe.binary import BinaryArchs, runs_on
 from qwen_kvprep.probe.caches import (
@@ -26,12 +34,6 @@ FALLBACK_WARNING = "KV cache kernel source files (.cpp and .cu) not found."
 CACHE_FIX = "use another folder: `--cache-dir DIR` or `export QWEN_KVPREP_CACHE=DIR`"
 
 
-def _caches(facts: Facts, id: str) -> tuple[Optional[CacheFacts], Optional[Finding]]:
-    if facts.caches is None:
-        return None, skip(id, "the caches were not probed")
-    return facts.caches, None
-
-
 def _fix_cmd(facts: Facts) -> str:
     cp = facts.checkpoint
     return (
@@ -39,11 +41,9 @@ def _fix_cmd(facts: Facts) -> str:
     )
 
 
-@check("build.cache", "Build cache folder writable")
+@check("build.cache", "Build cache folder writable", needs=(CACHES,))
 def build_cache(facts: Facts) -> FindingsLike:
-    caches, s = _caches(facts, "build.cache")
-    if caches is None:
-        return s
+    caches = caches_of(facts)
     acc = caches.build_cache
     if acc is None:
         return skip("build.cache", "the build cache folder could not be determined")
@@ -157,7 +157,7 @@ def _binary_on_gpu(b: BuildRecord, gpu: GpuInfo, label: str, rebuild: str) -> Fi
 
 def _jit_on_gpu(archs: BinaryArchs, gpu: GpuInfo, fix: str) -> Finding:
     # Built by Qwen's original cpp_kernels.py in the modules cache: its arch flags come
-    # from the nvcc version, not from the GPU (facts §4).
+    # from the nvcc version, not from the GPU.
     label = "the extension Qwen's original cpp_kernels.py built"
     d: dict[str, Any] = {"binary": archs.path, "code": archs.labels(), "gpu": gpu.label}
     if archs.error:
@@ -187,14 +187,10 @@ def _jit_on_gpu(archs: BinaryArchs, gpu: GpuInfo, fix: str) -> Finding:
     )
 
 
-@check("build.arch", "The built extension carries code for each visible GPU")
+@check("build.arch", "The built extension carries code for each visible GPU", needs=(CACHES, TORCH))
 def build_arch(facts: Facts) -> FindingsLike:
-    caches, s = _caches(facts, "build.arch")
-    if caches is None:
-        return s
-    env = facts.env
-    if env is None or env.torch_version is None:
-        return skip("build.arch", "torch is not importable (see env.torch)")
+    caches = caches_of(facts)
+    env = env_of(facts)
     rebuild = 'qwen-kvprep build --arch "ARCH", then ' + _fix_cmd(facts)
     builds = _for_sources(usable_builds(caches, env), facts)
     jit = [a for mf in caches.module_folders for a in mf.jit_builds]
@@ -246,11 +242,9 @@ def build_arch(facts: Facts) -> FindingsLike:
 # ---------------------------------------------------------------------------------------
 
 
-@check("modules.cache", "transformers' modules cache writable")
+@check("modules.cache", "transformers' modules cache writable", needs=(CACHES,))
 def modules_cache(facts: Facts) -> FindingsLike:
-    caches, s = _caches(facts, "modules.cache")
-    if caches is None:
-        return s
+    caches = caches_of(facts)
     acc = caches.modules_root
     if acc is None:
         return skip("modules.cache", "the modules cache folder could not be determined")
@@ -369,14 +363,13 @@ def _judge_folder(facts: Facts, mf: ModuleFolder, requested: bool) -> Finding:
 
 
 @check(
-    "modules.folder", "The checkpoint's modules-cache folder holds the kernel sources and loader"
+    "modules.folder",
+    "The checkpoint's modules-cache folder holds the kernel sources and loader",
+    needs=(CACHES, CHECKPOINT.saying("no checkpoint given")),
 )
 def modules_folder(facts: Facts) -> FindingsLike:
-    caches, s = _caches(facts, "modules.folder")
-    if caches is None:
-        return s
-    if facts.checkpoint is None:
-        return skip("modules.folder", "no checkpoint given")
+    caches = caches_of(facts)
+    cp = checkpoint_of(facts)
     if not caches.module_folders:
         return skip("modules.folder", "the modules-cache folder could not be determined")
     requested = bool(_quant_requested(facts))
@@ -392,7 +385,7 @@ def modules_folder(facts: Facts) -> FindingsLike:
                 f"modules cache points at {primary.path} (HF_HOME/HF_MODULES_CACHE differ): the "
                 f"first load creates it without them, warns `{FALLBACK_WARNING}` and silently "
                 "falls back to the slow path",
-                f"run `qwen-kvprep prestart {shlex.quote(str(facts.checkpoint.path))} -- CMD` or "
+                f"run `qwen-kvprep prestart {shlex.quote(str(cp.path))} -- CMD` or "
                 f"{_fix_cmd(facts)} with this environment",
                 paths=[primary.path],
                 **details,
@@ -417,11 +410,13 @@ def _age(lock: LockFile) -> str:
     return f", {text} old"
 
 
-@check("modules.stale_lock", "Leftover torch JIT lock files (a load that waits forever)")
+@check(
+    "modules.stale_lock",
+    "Leftover torch JIT lock files (a load that waits forever)",
+    needs=(CACHES,),
+)
 def stale_lock(facts: Facts) -> FindingsLike:
-    caches, s = _caches(facts, "modules.stale_lock")
-    if caches is None:
-        return s
+    caches = caches_of(facts)
     root = caches.modules_root.path if caches.modules_root else "the modules cache"
     if not caches.locks_scanned:
         return skip("modules.stale_lock", "the modules cache was not scanned")

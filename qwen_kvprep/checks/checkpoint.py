@@ -12,7 +12,8 @@ from collections.abc import Sequence
 from pathlib import PurePosixPath
 from typing import Optional, Union
 
-from qwen_kvprep.checks import check
+from qwen_kvprep.checks.registry import CHECKPOINT, LISTED, check, checkpoint_of
+from qwen_kvprep.configjson import CONFIG
 from qwen_kvprep.findings import Finding, fail, info, ok, skip, warn
 from qwen_kvprep.probe.checkpoint import (
     BIN_INDEX,
@@ -32,7 +33,6 @@ from qwen_kvprep.probe.checkpoint import (
 )
 from qwen_kvprep.probe.facts import Facts
 from qwen_kvprep.resources import KERNEL_FILES
-from qwen_kvprep.steps.config_patch import CONFIG
 
 # Used in fix commands when the checkpoint's repo is unknown; the fix says to replace it.
 PLACEHOLDER_REPO = "Qwen/Qwen-7B-Chat"
@@ -113,26 +113,13 @@ def _plural(names: Sequence[str], one: str, many: str) -> str:
 CheckResult = Union[Finding, list[Finding]]
 
 
-def _checkpoint(facts: Facts, id: str) -> Union[CheckpointFacts, Finding]:
-    """The checkpoint facts, or the `skip` finding to return when there are none to judge."""
-    cp = facts.checkpoint
-    if cp is None:
-        return skip(id, "no checkpoint directory given")
-    if cp.listing_error is not None and id != "checkpoint.files":
-        return skip(id, "the checkpoint directory cannot be listed (see checkpoint.files)")
-    assert isinstance(cp, CheckpointFacts)
-    return cp
-
-
 # -- checks -------------------------------------------------------------------------------------
 
 
-@check("checkpoint.files", "Required files are present")
+@check("checkpoint.files", "Required files are present", needs=(CHECKPOINT,))
 def files(facts: Facts) -> CheckResult:
-    cp = _checkpoint(facts, "checkpoint.files")
-    if isinstance(cp, Finding):
-        return cp
     id = "checkpoint.files"
+    cp = checkpoint_of(facts)
     if cp.listing_error is not None:
         return fail(
             id, f"{cp.path} cannot be listed: {cp.listing_error}",
@@ -241,12 +228,14 @@ def _weights_findings(cp: CheckpointFacts) -> list[Finding]:
     return []
 
 
-@check("checkpoint.remote_code", "The remote code supports the Int8 KV cache")
+@check(
+    "checkpoint.remote_code",
+    "The remote code supports the Int8 KV cache",
+    needs=(CHECKPOINT, LISTED),
+)
 def remote_code(facts: Facts) -> CheckResult:
     id = "checkpoint.remote_code"
-    cp = _checkpoint(facts, id)
-    if isinstance(cp, Finding):
-        return cp
+    cp = checkpoint_of(facts)
     if cp.modeling_text_supports_kv is None:
         return skip(id, f"{MODELING} is missing or damaged (see checkpoint.files / .content)")
     py = [f for f in REMOTE_CODE_FILES if f != LOADER]
@@ -308,12 +297,14 @@ def _symptom(kind: str, suffix: str) -> str:
     return table.get(kind) or table.get("*") or "an error on the first read of it"
 
 
-@check("checkpoint.content", "No file is an LFS pointer, an HTML page or empty")
+@check(
+    "checkpoint.content",
+    "No file is an LFS pointer, an HTML page or empty",
+    needs=(CHECKPOINT, LISTED),
+)
 def content(facts: Facts) -> CheckResult:
     id = "checkpoint.content"
-    cp = _checkpoint(facts, id)
-    if isinstance(cp, Finding):
-        return cp
+    cp = checkpoint_of(facts)
     if not cp.content_problems:
         return ok(id, "no file is a Git LFS pointer, an HTML page or empty")
     # One finding per kind and file type: 8 LFS-pointer shards are one problem, with one fix.
@@ -346,12 +337,14 @@ def content(facts: Facts) -> CheckResult:
     return out
 
 
-@check("checkpoint.shards", "Every safetensors shard is complete (headers only)")
+@check(
+    "checkpoint.shards",
+    "Every safetensors shard is complete (headers only)",
+    needs=(CHECKPOINT, LISTED),
+)
 def shards(facts: Facts) -> CheckResult:
     id = "checkpoint.shards"
-    cp = _checkpoint(facts, id)
-    if isinstance(cp, Finding):
-        return cp
+    cp = checkpoint_of(facts)
     if not cp.shards:
         return skip(id, "no safetensors shard to validate")
     bad = [s for s in cp.shards if s.error is not None]
@@ -373,12 +366,14 @@ def shards(facts: Facts) -> CheckResult:
     ]
 
 
-@check("checkpoint.index", "The weight index is safe and matches the shards")
+@check(
+    "checkpoint.index",
+    "The weight index is safe and matches the shards",
+    needs=(CHECKPOINT, LISTED),
+)
 def index(facts: Facts) -> CheckResult:
     id = "checkpoint.index"
-    cp = _checkpoint(facts, id)
-    if isinstance(cp, Finding):
-        return cp
+    cp = checkpoint_of(facts)
     idx = cp.index
     if idx is None:
         return skip(id, "no weight index (single-file or no weights)")
@@ -459,12 +454,10 @@ def _index_vs_shards(cp: CheckpointFacts) -> tuple[list[Finding], bool]:
     return out, True
 
 
-@check("checkpoint.tokenizer", "qwen.tiktoken parses")
+@check("checkpoint.tokenizer", "qwen.tiktoken parses", needs=(CHECKPOINT, LISTED))
 def tokenizer(facts: Facts) -> CheckResult:
     id = "checkpoint.tokenizer"
-    cp = _checkpoint(facts, id)
-    if isinstance(cp, Finding):
-        return cp
+    cp = checkpoint_of(facts)
     if TIKTOKEN not in cp.files or cp.problem(TIKTOKEN) is not None:
         return skip(id, f"{TIKTOKEN} is missing or damaged (see checkpoint.files / .content)")
     if cp.tiktoken_error is not None:
@@ -478,12 +471,14 @@ def tokenizer(facts: Facts) -> CheckResult:
     return ok(id, f"{TIKTOKEN} parses: {cp.tiktoken_ranks:,} BPE ranks")
 
 
-@check("checkpoint.dirname", "The directory name can be a Python module name")
+@check(
+    "checkpoint.dirname",
+    "The directory name can be a Python module name",
+    needs=(CHECKPOINT, LISTED),
+)
 def dirname(facts: Facts) -> CheckResult:
     id = "checkpoint.dirname"
-    cp = _checkpoint(facts, id)
-    if isinstance(cp, Finding):
-        return cp
+    cp = checkpoint_of(facts)
     if not cp.dotted_name:
         return ok(id, f"the directory name {cp.name!r} has no dot")
     head = cp.name.split(".", 1)[0]
@@ -499,12 +494,10 @@ def dirname(facts: Facts) -> CheckResult:
     )
 
 
-@check("checkpoint.gptq", "GPTQ Int4 checkpoints are recognised")
+@check("checkpoint.gptq", "GPTQ Int4 checkpoints are recognised", needs=(CHECKPOINT, LISTED))
 def gptq(facts: Facts) -> CheckResult:
     id = "checkpoint.gptq"
-    cp = _checkpoint(facts, id)
-    if isinstance(cp, Finding):
-        return cp
+    cp = checkpoint_of(facts)
     if not cp.gptq:
         return ok(id, "not a GPTQ checkpoint")
     return info(
@@ -519,12 +512,14 @@ def gptq(facts: Facts) -> CheckResult:
 _PIP_NAME = {"transformers_stream_generator": "transformers-stream-generator", "yaml": "pyyaml"}
 
 
-@check("checkpoint.requirements", "The remote code's imports are installed")
+@check(
+    "checkpoint.requirements",
+    "The remote code's imports are installed",
+    needs=(CHECKPOINT, LISTED),
+)
 def requirements(facts: Facts) -> CheckResult:
     id = "checkpoint.requirements"
-    cp = _checkpoint(facts, id)
-    if isinstance(cp, Finding):
-        return cp
+    cp = checkpoint_of(facts)
     missing = list(cp.missing_requirements)
     if not missing:
         return ok(id, f"all {len(cp.requirements)} modules the remote code imports are installed")

@@ -2,8 +2,8 @@
 
 Judged on the config alone. Where the outcome also depends on the environment (whether
 flash_attn is installed, the GPU), the message says so; the env checks judge that part.
-Absent keys take QWenConfig's defaults (facts §2): use_cache_quantization=False,
-use_cache_kernel=False, use_flash_attn="auto".
+Absent keys take QWenConfig's defaults (Qwen's configuration_qwen.py, as in
+tiny/remote/): use_cache_quantization=False, use_cache_kernel=False, use_flash_attn="auto".
 """
 
 from __future__ import annotations
@@ -12,12 +12,12 @@ import json
 import shlex
 from typing import Any, Union
 
-from qwen_kvprep.checks import check
 from qwen_kvprep.checks.checkpoint import redownload
+from qwen_kvprep.checks.registry import CHECKPOINT, CONFIG_PARSED, check, checkpoint_of
+from qwen_kvprep.configjson import CONFIG
 from qwen_kvprep.findings import Finding, fail, info, ok, skip, warn
 from qwen_kvprep.probe.checkpoint import CheckpointFacts
 from qwen_kvprep.probe.facts import Facts
-from qwen_kvprep.steps.config_patch import CONFIG
 
 DEFAULTS: dict[str, Any] = {
     "use_cache_quantization": False,
@@ -26,13 +26,9 @@ DEFAULTS: dict[str, Any] = {
 }
 
 
-def _config(facts: Facts, id: str) -> Union[tuple[CheckpointFacts, dict[str, Any]], Finding]:
-    cp = facts.checkpoint
-    if cp is None:
-        return skip(id, "no checkpoint directory given")
-    assert isinstance(cp, CheckpointFacts)
-    if cp.config is None:
-        return skip(id, f"{CONFIG} is missing or unreadable (see config.parse)")
+def _config(facts: Facts) -> tuple[CheckpointFacts, dict[str, Any]]:
+    cp = checkpoint_of(facts)
+    assert cp.config is not None, "declare needs=(CHECKPOINT, CONFIG_PARSED)"
     return cp, cp.config
 
 
@@ -46,13 +42,10 @@ def _fix_cmd(cp: CheckpointFacts) -> str:
     return f"qwen-kvprep fix {shlex.quote(str(cp.path))}"
 
 
-@check("config.parse", "config.json parses and describes a Qwen (v1) model")
+@check("config.parse", "config.json parses and describes a Qwen (v1) model", needs=(CHECKPOINT,))
 def parse(facts: Facts) -> Union[Finding, list[Finding]]:
     id = "config.parse"
-    cp = facts.checkpoint
-    if cp is None:
-        return skip(id, "no checkpoint directory given")
-    assert isinstance(cp, CheckpointFacts)
+    cp = checkpoint_of(facts)
     path = cp.path / CONFIG
     if CONFIG not in cp.files:
         return skip(id, f"{CONFIG} is missing (see checkpoint.files)")
@@ -93,13 +86,14 @@ def parse(facts: Facts) -> Union[Finding, list[Finding]]:
     return ok(id, f"{CONFIG} parses: a Qwen (v1) config with remote code in auto_map")
 
 
-@check("config.kv_cache", "The Int8 KV cache and its kernel are switched on")
+@check(
+    "config.kv_cache",
+    "The Int8 KV cache and its kernel are switched on",
+    needs=(CHECKPOINT, CONFIG_PARSED),
+)
 def kv_cache(facts: Facts) -> Finding:
     id = "config.kv_cache"
-    got = _config(facts, id)
-    if isinstance(got, Finding):
-        return got
-    cp, cfg = got
+    cp, cfg = _config(facts)
     path = cp.path / CONFIG
     quant = bool(cfg.get("use_cache_quantization", DEFAULTS["use_cache_quantization"]))
     kernel = bool(cfg.get("use_cache_kernel", DEFAULTS["use_cache_kernel"]))
@@ -140,13 +134,14 @@ def flash_attn_off(cfg: dict[str, Any]) -> bool:
     return value != "auto" and not value
 
 
-@check("config.flash_attn", "flash-attn is off where the Int8 KV cache is on")
+@check(
+    "config.flash_attn",
+    "flash-attn is off where the Int8 KV cache is on",
+    needs=(CHECKPOINT, CONFIG_PARSED),
+)
 def flash_attn(facts: Facts) -> Finding:
     id = "config.flash_attn"
-    got = _config(facts, id)
-    if isinstance(got, Finding):
-        return got
-    cp, cfg = got
+    cp, cfg = _config(facts)
     path = cp.path / CONFIG
     shown = _shown(cfg, "use_flash_attn")
     if flash_attn_off(cfg):
@@ -169,13 +164,14 @@ def flash_attn(facts: Facts) -> Finding:
     )
 
 
-@check("config.symlink", "config.json can be patched without touching a shared blob")
+@check(
+    "config.symlink",
+    "config.json can be patched without touching a shared blob",
+    needs=(CHECKPOINT,),
+)
 def symlink(facts: Facts) -> Finding:
     id = "config.symlink"
-    cp = facts.checkpoint
-    if cp is None:
-        return skip(id, "no checkpoint directory given")
-    assert isinstance(cp, CheckpointFacts)
+    cp = checkpoint_of(facts)
     path = cp.path / CONFIG
     if not cp.config_is_symlink:
         if CONFIG not in cp.files:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import shlex
 from typing import Any, Optional
 
-from qwen_kvprep.checks import check
+from qwen_kvprep.checks.registry import CHECKPOINT, CUDA_TORCH, ENV, TORCH, check, env_of
 from qwen_kvprep.findings import Finding, FindingsLike, fail, info, ok, skip, warn
 from qwen_kvprep.probe.binary import parse_arch_label, runs_on
 from qwen_kvprep.probe.caches import usable_builds
@@ -133,28 +133,12 @@ def _toolchain_finding(
     return fail(id, message, fix, **details)
 
 
-def _env(facts: Facts, id: str) -> tuple[Optional[EnvFacts], Optional[Finding]]:
-    if facts.env is None:
-        return None, skip(id, "the environment was not probed")
-    return facts.env, None
-
-
-def _need_cuda_toolchain(env: EnvFacts, id: str) -> Optional[Finding]:
-    if env.torch_version is None:
-        return skip(id, "torch is not importable (see env.torch)")
-    if env.torch_cuda is None:
-        return skip(id, "not needed: torch is a CPU build, so the extension is built without CUDA")
-    return None
-
-
 # ---------------------------------------------------------------------------------------
 
 
-@check("env.python", "Python version")
+@check("env.python", "Python version", needs=(ENV,))
 def python_version(facts: Facts) -> FindingsLike:
-    env, s = _env(facts, "env.python")
-    if env is None:
-        return s
+    env = env_of(facts)
     v = _v(env.python_version)
     details = {"version": env.python_version, "executable": env.python_executable}
     if v is not None and v < (3, 9):
@@ -168,11 +152,9 @@ def python_version(facts: Facts) -> FindingsLike:
     return ok("env.python", f"Python {env.python_version} ({env.python_executable})", **details)
 
 
-@check("env.torch", "torch importable and built for a usable CUDA")
+@check("env.torch", "torch importable and built for a usable CUDA", needs=(ENV,))
 def torch_build(facts: Facts) -> FindingsLike:
-    env, s = _env(facts, "env.torch")
-    if env is None:
-        return s
+    env = env_of(facts)
     details = {"torch": env.torch_version, "torch_cuda": env.torch_cuda, "error": env.torch_error}
     if env.torch_version is None:
         return fail(
@@ -218,11 +200,9 @@ def torch_build(facts: Facts) -> FindingsLike:
     return ok("env.torch", f"torch {env.torch_version} built for CUDA {env.torch_cuda}", **details)
 
 
-@check("env.gpu", "GPUs visible to torch and their compute capability")
+@check("env.gpu", "GPUs visible to torch and their compute capability", needs=(ENV,))
 def gpu(facts: Facts) -> FindingsLike:
-    env, s = _env(facts, "env.gpu")
-    if env is None:
-        return s
+    env = env_of(facts)
     labels = [g.label for g in env.gpus]
     details: dict[str, Any] = {
         "gpus": labels,
@@ -304,11 +284,9 @@ def _full_driver_for(cuda: tuple[int, ...]) -> Optional[str]:
     return best
 
 
-@check("env.driver", "NVIDIA driver new enough for torch's CUDA runtime")
+@check("env.driver", "NVIDIA driver new enough for torch's CUDA runtime", needs=(ENV,))
 def driver(facts: Facts) -> FindingsLike:
-    env, s = _env(facts, "env.driver")
-    if env is None:
-        return s
+    env = env_of(facts)
     if env.torch_version is None or env.torch_cuda is None:
         if env.driver_version:
             return info(
@@ -390,14 +368,9 @@ def _cuda_home_fix(env: EnvFacts) -> str:
     return f"install the CUDA {ver} toolkit and `export CUDA_HOME=/usr/local/cuda-{ver}`"
 
 
-@check("env.cuda_home", "CUDA_HOME as torch resolves it")
+@check("env.cuda_home", "CUDA_HOME as torch resolves it", needs=(ENV, TORCH, CUDA_TORCH))
 def cuda_home(facts: Facts) -> FindingsLike:
-    env, s = _env(facts, "env.cuda_home")
-    if env is None:
-        return s
-    not_needed = _need_cuda_toolchain(env, "env.cuda_home")
-    if not_needed:
-        return not_needed
+    env = env_of(facts)
     details = {
         "cuda_home": env.cuda_home,
         "source": env.cuda_home_source,
@@ -474,14 +447,9 @@ def cuda_home(facts: Facts) -> FindingsLike:
     )
 
 
-@check("env.nvcc", "nvcc version against torch's CUDA and the GPUs")
+@check("env.nvcc", "nvcc version against torch's CUDA and the GPUs", needs=(ENV, TORCH, CUDA_TORCH))
 def nvcc(facts: Facts) -> FindingsLike:
-    env, s = _env(facts, "env.nvcc")
-    if env is None:
-        return s
-    not_needed = _need_cuda_toolchain(env, "env.nvcc")
-    if not_needed:
-        return not_needed
+    env = env_of(facts)
     details = {"nvcc": env.nvcc_version, "nvcc_path": env.nvcc_path, "torch_cuda": env.torch_cuda}
     fix = _cuda_home_fix(env)
     if env.nvcc_version is None:
@@ -562,11 +530,9 @@ def nvcc(facts: Facts) -> FindingsLike:
     return out
 
 
-@check("env.host_compiler", "C++ compiler present and inside nvcc's supported range")
+@check("env.host_compiler", "C++ compiler present and inside nvcc's supported range", needs=(ENV,))
 def host_compiler(facts: Facts) -> FindingsLike:
-    env, s = _env(facts, "env.host_compiler")
-    if env is None:
-        return s
+    env = env_of(facts)
     cxx = env.cxx
     details: dict[str, Any] = {
         "cxx": cxx.command if cxx else None,
@@ -658,11 +624,9 @@ def host_compiler(facts: Facts) -> FindingsLike:
     return out
 
 
-@check("env.ninja", "ninja on PATH (torch runs it through PATH)")
+@check("env.ninja", "ninja on PATH (torch runs it through PATH)", needs=(ENV,))
 def ninja(facts: Facts) -> FindingsLike:
-    env, s = _env(facts, "env.ninja")
-    if env is None:
-        return s
+    env = env_of(facts)
     details = {
         "ninja": env.ninja_path,
         "version": env.ninja_version,
@@ -691,11 +655,9 @@ def ninja(facts: Facts) -> FindingsLike:
     )
 
 
-@check("env.python_headers", "Python.h present (the extension includes it)")
+@check("env.python_headers", "Python.h present (the extension includes it)", needs=(ENV,))
 def python_headers(facts: Facts) -> FindingsLike:
-    env, s = _env(facts, "env.python_headers")
-    if env is None:
-        return s
+    env = env_of(facts)
     details = {"include": env.python_include}
     if env.python_h:
         return ok("env.python_headers", f"Python.h found in {env.python_include}", **details)
@@ -711,11 +673,13 @@ def python_headers(facts: Facts) -> FindingsLike:
     )
 
 
-@check("env.transformers", "transformers inside the range that runs Qwen v1 (4.32 <= v < 4.54)")
+@check(
+    "env.transformers",
+    "transformers inside the range that runs Qwen v1 (4.32 <= v < 4.54)",
+    needs=(ENV,),
+)
 def transformers_version(facts: Facts) -> FindingsLike:
-    env, s = _env(facts, "env.transformers")
-    if env is None:
-        return s
+    env = env_of(facts)
     ver = env.transformers_version
     details = {"transformers": ver}
     if ver is None:
@@ -775,11 +739,9 @@ def transformers_version(facts: Facts) -> FindingsLike:
     return ok("env.transformers", f"transformers {ver} runs Qwen v1", **details)
 
 
-@check("env.remote_requirements", "Packages the Qwen remote code imports")
+@check("env.remote_requirements", "Packages the Qwen remote code imports", needs=(ENV,))
 def remote_requirements(facts: Facts) -> FindingsLike:
-    env, s = _env(facts, "env.remote_requirements")
-    if env is None:
-        return s
+    env = env_of(facts)
     if getattr(facts.checkpoint, "requirements", None):
         # The checkpoint probe read the remote code's real imports: checkpoint.requirements
         # reports the same failure more precisely, so say it once.
@@ -811,11 +773,9 @@ def _config(facts: Facts) -> Optional[dict[str, Any]]:
     return cfg if isinstance(cfg, dict) else None
 
 
-@check("env.flash_attn", "flash-attn installed while the config would turn it on")
+@check("env.flash_attn", "flash-attn installed while the config would turn it on", needs=(ENV,))
 def flash_attn(facts: Facts) -> FindingsLike:
-    env, s = _env(facts, "env.flash_attn")
-    if env is None:
-        return s
+    env = env_of(facts)
     fa = env.package("flash_attn")
     details: dict[str, Any] = {"flash_attn": fa.version if fa.found else None}
     cfg = _config(facts)
@@ -869,14 +829,14 @@ def flash_attn(facts: Facts) -> FindingsLike:
     return warn("env.flash_attn", message + " (no GPU here, so not yet)", fix, **details)
 
 
-@check("env.gptq", "GPTQ packages for Int4 checkpoints")
+@check(
+    "env.gptq",
+    "GPTQ packages for Int4 checkpoints",
+    needs=(ENV, CHECKPOINT.saying("no checkpoint given")),
+)
 def gptq(facts: Facts) -> FindingsLike:
-    env, s = _env(facts, "env.gptq")
-    if env is None:
-        return s
+    env = env_of(facts)
     cp = facts.checkpoint
-    if cp is None:
-        return skip("env.gptq", "no checkpoint given")
     if not getattr(cp, "gptq", False):
         return skip("env.gptq", "not a GPTQ (Int4) checkpoint")
     optimum = env.package("optimum")

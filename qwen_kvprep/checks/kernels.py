@@ -7,16 +7,16 @@ import shlex
 from collections.abc import Mapping
 from typing import Any, Optional
 
-from qwen_kvprep import hub
-from qwen_kvprep.checks import check
+from qwen_kvprep import catalogue
+from qwen_kvprep.checks.registry import CHECKPOINT, ENV, check, checkpoint_of
 from qwen_kvprep.findings import Finding, FindingsLike, fail, info, ok, skip, warn
 from qwen_kvprep.probe.facts import Facts
 
 _LABEL = {
-    hub.OFFICIAL: "official",
-    hub.OURS: "qwen-kvprep's",
-    hub.MODIFIED: "modified/unknown",
-    hub.MISSING: "missing",
+    catalogue.OFFICIAL: "official",
+    catalogue.OURS: "qwen-kvprep's",
+    catalogue.MODIFIED: "modified/unknown",
+    catalogue.MISSING: "missing",
 }
 
 
@@ -24,7 +24,7 @@ def _listing(per_file: Mapping[str, str], hashes: Mapping[str, Optional[str]]) -
     parts = []
     for name, kind in per_file.items():
         sha = hashes.get(name)
-        extra = f", sha256 {sha[:16]}…" if kind == hub.MODIFIED and sha else ""
+        extra = f", sha256 {sha[:16]}…" if kind == catalogue.MODIFIED and sha else ""
         parts.append(f"{name}: {_LABEL[kind]}{extra}")
     return "; ".join(parts)
 
@@ -35,13 +35,13 @@ def _judge(
     ours: Optional[Mapping[str, str]],
     fix_cmd: str,
 ) -> Finding:
-    kind, per_file = hub.classify_set(hashes, ours)
+    kind, per_file = catalogue.classify_set(hashes, ours)
     details: dict[str, Any] = {"where": where, "kind": kind, "files": dict(per_file)}
-    if kind == hub.OFFICIAL:
+    if kind == catalogue.OFFICIAL:
         return ok("kernels.sources", f"{where}: Qwen's official kernel sources", **details)
-    if kind == hub.OURS:
+    if kind == catalogue.OURS:
         return ok("kernels.sources", f"{where}: qwen-kvprep's kernel sources", **details)
-    if kind == hub.MISSING:
+    if kind == catalogue.MISSING:
         # The model then warns once and silently runs the slower pure-torch path.
         return warn(
             "kernels.sources",
@@ -51,7 +51,7 @@ def _judge(
         )
     problem = (
         "the two files come from different sets (the .cpp binds the functions its own .cu defines)"
-        if kind == hub.MIXED and hub.MODIFIED not in per_file.values()
+        if kind == catalogue.MIXED and catalogue.MODIFIED not in per_file.values()
         else "not a known pair"
     )
     note = "" if ours is not None else " (qwen-kvprep's own kernels/ were not found to compare)"
@@ -63,17 +63,19 @@ def _judge(
     )
 
 
-@check("kernels.sources", "Which kernel sources the checkpoint holds")
+@check(
+    "kernels.sources",
+    "Which kernel sources the checkpoint holds",
+    needs=(CHECKPOINT.saying("no checkpoint given"),),
+)
 def kernel_sources(facts: Facts) -> FindingsLike:
-    cp = facts.checkpoint
-    if cp is None:
-        return skip("kernels.sources", "no checkpoint given")
-    ours = hub.ours_hashes()
+    cp = checkpoint_of(facts)
+    ours = catalogue.ours_hashes()
     fix_cmd = f"qwen-kvprep fix {shlex.quote(str(cp.path))}"
     out = [_judge("checkpoint", getattr(cp, "kernel_sources", None) or {}, ours, fix_cmd)]
-    # The model looks for the sources next to the modules-cache copy of its code (facts
-    # §4): that copy matters as much as the checkpoint's own. A folder that does not exist
-    # yet is created by transformers (or fix) later, so there is nothing to judge.
+    # The model looks for the sources next to the modules-cache copy of its code (modcache.py
+    # says why): that copy matters as much as the checkpoint's own. A folder that does not
+    # exist yet is created by transformers (or fix) later, so there is nothing to judge.
     for folder in _module_folders(facts):
         out.append(_judge(f"modules cache {folder.path}", folder.files, ours, fix_cmd))
     return out
@@ -92,18 +94,22 @@ def _env_torch(env: Any) -> tuple[Optional[str], Optional[str]]:
     return (version if isinstance(version, str) else None), cuda
 
 
-@check("kernels.official_compat", "Whether Qwen's own kernel sources compile with this torch")
+@check(
+    "kernels.official_compat",
+    "Whether Qwen's own kernel sources compile with this torch",
+    needs=(ENV.saying("environment not probed"),),
+)
 def official_compat(facts: Facts) -> FindingsLike:
-    if facts.env is None:
-        return skip("kernels.official_compat", "environment not probed")
     version, cuda = _env_torch(facts.env)
-    compat = hub.official_compat(version, cuda)
+    compat = catalogue.official_compat(version, cuda)
     if compat.status == "unknown":
         return skip("kernels.official_compat", f"cannot tell: {compat.reason}")
     cp = facts.checkpoint
     held = [getattr(cp, "kernel_sources", None) or {}] if cp is not None else []
     held += [folder.files for folder in _module_folders(facts)]
-    holds_official = any(hub.OFFICIAL in hub.classify_set(h, None)[1].values() for h in held)
+    holds_official = any(
+        catalogue.OFFICIAL in catalogue.classify_set(h, None)[1].values() for h in held
+    )
     details = {"torch": version, "torch_cuda": cuda, "status": compat.status}
     if holds_official and cp is not None:
         if compat.status == "no":

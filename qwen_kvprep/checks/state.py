@@ -10,27 +10,20 @@ a fix, never a crash of doctor.
 from __future__ import annotations
 
 import shlex
-from typing import Any
 
-from qwen_kvprep.checks import check
+from qwen_kvprep.checks.registry import CACHES, CHECKPOINT, caches_of, check
 from qwen_kvprep.findings import FindingsLike, fail, info, ok, skip, warn
 from qwen_kvprep.probe.facts import Facts
 
 
-def _caches(facts: Facts, id: str) -> Any:
-    if facts.checkpoint is None:
-        return None, skip(id, "no checkpoint directory given")
-    if facts.caches is None:
-        return None, skip(id, "the caches were not probed")
-    return facts.caches, None
-
-
-@check("state.record", "The state fix recorded (for prestart) is readable and sound")
+@check(
+    "state.record",
+    "The state fix recorded (for prestart) is readable and sound",
+    needs=(CHECKPOINT, CACHES),
+)
 def record(facts: Facts) -> FindingsLike:
     id = "state.record"
-    caches, s = _caches(facts, id)
-    if caches is None:
-        return s
+    caches = caches_of(facts)
     directory = getattr(facts.checkpoint, "path", "")
     if caches.state_error is not None:
         return fail(
@@ -46,12 +39,14 @@ def record(facts: Facts) -> FindingsLike:
     return ok(id, "the recorded state is readable and sound")
 
 
-@check("state.journal", "The journal can restore every file fix changed (revert)")
+@check(
+    "state.journal",
+    "The journal can restore every file fix changed (revert)",
+    needs=(CHECKPOINT, CACHES),
+)
 def journal(facts: Facts) -> FindingsLike:
     id = "state.journal"
-    caches, s = _caches(facts, id)
-    if caches is None:
-        return s
+    caches = caches_of(facts)
     directory = getattr(facts.checkpoint, "path", "")
     state_dir = caches.state_dir or str(directory)
     recover = (

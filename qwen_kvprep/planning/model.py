@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+from qwen_kvprep.configjson import CONFIG, parse_config
 from qwen_kvprep.errors import CheckpointError, ConfigError, UsageError
 from qwen_kvprep.probe.checkpoint import (
     BIN_INDEX,
@@ -31,7 +32,6 @@ from qwen_kvprep.probe.checkpoint import (
     probe_shard,
     sniff,
 )
-from qwen_kvprep.steps.config_patch import CONFIG, parse_config
 
 DTYPE_BYTES: Mapping[str, int] = {"bf16": 2, "fp16": 2, "fp32": 4}
 

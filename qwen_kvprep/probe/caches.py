@@ -272,19 +272,25 @@ def _read_state(directory: Path) -> tuple[Optional[Mapping[str, Any]], Optional[
         return None, f"{directory / STATE_FILE} cannot be read: {type(exc).__name__}: {exc}"
 
 
-def _read_journal(directory: Path) -> dict[str, Any]:
+def _read_journal(directory: Path, modules_root: Path) -> dict[str, Any]:
     """Whether DIR has a journal, whether it is sound, and whether revert would succeed:
     revert's own checks, run read-only."""
     from qwen_kvprep.errors import KvprepError
-    from qwen_kvprep.journal import JOURNAL_FILE, STATE_DIRNAME, Journal
+    from qwen_kvprep.journalfile import (
+        JOURNAL_FILE,
+        STATE_DIRNAME,
+        folder_identity,
+        plan_revert,
+        read_journal,
+    )
 
     out: dict[str, Any] = {"state_dir": str(directory / STATE_DIRNAME)}
     out["journal_present"] = os.path.lexists(directory / STATE_DIRNAME / JOURNAL_FILE)
     if not out["journal_present"]:
         return out
     try:
-        journal = Journal(directory, dry_run=True)
-        plan = journal.plan_revert()
+        journal = read_journal(directory, modules_root)
+        plan = plan_revert(journal, directory, folder_identity(directory), modules_root)
     except KvprepError as exc:
         out["journal_error"] = exc.message
         return out
@@ -408,7 +414,7 @@ def probe_caches(
             _probe_module_folder(p, how) for p, how in module_folder_candidates(directory, root)
         )
         state, state_error = _read_state(Path(directory))
-        journal = _read_journal(Path(directory))
+        journal = _read_journal(Path(directory), root)
     return CacheFacts(
         build_cache=folder_access(cache, cache_source),
         builds=_read_builds(cache),

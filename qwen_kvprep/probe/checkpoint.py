@@ -23,9 +23,9 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any, Optional
 
+from qwen_kvprep.configjson import CONFIG, parse_config_bytes, read_config_bytes
 from qwen_kvprep.errors import ConfigError, current_user
 from qwen_kvprep.resources import KERNEL_FILES, sha256_file
-from qwen_kvprep.steps.config_patch import CONFIG, parse_config_bytes, read_config_bytes
 from qwen_kvprep.untrusted import kind_of, open_regular, read_prefix
 
 REMOTE_CODE_FILES = (

@@ -1,9 +1,9 @@
 """Step of `fix` after validate: choose the kernel sources and put them into the checkpoint.
 
 `--source vendored` takes qwen-kvprep's own kernels/; `--source hub` fetches Qwen's files
-through huggingface_hub (hub.fetch_official, verified by sha256); `--source auto` keeps a
-correct pair already in the directory (official or ours, by hash) and otherwise takes the
-vendored pair. The chosen files land in `ctx.sources` (read by build and modules) and in
+through huggingface_hub (download.fetch_official, verified by sha256); `--source auto`
+keeps a correct pair already in the directory (official or ours, by hash) and otherwise
+takes the vendored pair. The chosen files land in `ctx.sources` (read by build and modules) and in
 the checkpoint through the journal, only after they were verified.
 """
 
@@ -15,9 +15,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from qwen_kvprep import hub, resources
+from qwen_kvprep import catalogue, resources
 from qwen_kvprep.errors import SourceError, UsageError, current_user
 from qwen_kvprep.findings import Finding, fail, info, ok, warn
+from qwen_kvprep.steps import download
 from qwen_kvprep.untrusted import NotRegularFile, read_regular
 
 SOURCES = ("auto", "vendored", "hub")
@@ -28,7 +29,7 @@ class SourceSet:
     """The two kernel source files the rest of `fix` builds and installs."""
 
     origin: str  # "vendored" | "hub" | "checkpoint" (kept what the directory had)
-    kind: str  # hub.OFFICIAL | hub.OURS
+    kind: str  # catalogue.OFFICIAL | catalogue.OURS
     files: Mapping[str, bytes]
     repo_id: Optional[str] = None
     revision: Optional[str] = None
@@ -62,7 +63,7 @@ def run(ctx: Any) -> None:
 
     present = _read_present(Path(ctx.directory))
     hashes = {n: (resources.sha256_bytes(b) if b is not None else None) for n, b in present.items()}
-    kind, per_file = hub.classify_set(hashes, hub.ours_hashes())
+    kind, per_file = catalogue.classify_set(hashes, catalogue.ours_hashes())
 
     if source == "vendored":
         chosen = _vendored()
@@ -111,7 +112,7 @@ def _vendored() -> SourceSet:
             "reinstall qwen-kvprep (`pip install --force-reinstall qwen-kvprep`)",
         )
         raise SourceError(finding.message, fix=finding.fix, findings=[finding]) from exc
-    return SourceSet("vendored", hub.OURS, files)
+    return SourceSet("vendored", catalogue.OURS, files)
 
 
 def _torch_info() -> tuple[Optional[str], Optional[str]]:
@@ -123,7 +124,7 @@ def _torch_info() -> tuple[Optional[str], Optional[str]]:
     return str(torch.__version__), getattr(torch.version, "cuda", None)
 
 
-def _compat_finding(compat: hub.Compat, severity: str) -> Finding:
+def _compat_finding(compat: catalogue.Compat, severity: str) -> Finding:
     make = fail if severity == "fail" else warn
     return make(
         "kernels.official_compat",
@@ -134,12 +135,12 @@ def _compat_finding(compat: hub.Compat, severity: str) -> Finding:
 
 
 def _auto(ctx: Any, kind: str, present: Mapping[str, Optional[bytes]]) -> SourceSet:
-    if kind == hub.OURS:
-        return SourceSet("checkpoint", hub.OURS, _complete(present))
-    if kind == hub.OFFICIAL:
-        compat = hub.official_compat(*_torch_info())
+    if kind == catalogue.OURS:
+        return SourceSet("checkpoint", catalogue.OURS, _complete(present))
+    if kind == catalogue.OFFICIAL:
+        compat = catalogue.official_compat(*_torch_info())
         if compat.status != "no":
-            return SourceSet("checkpoint", hub.OFFICIAL, _complete(present))
+            return SourceSet("checkpoint", catalogue.OFFICIAL, _complete(present))
         ctx.add(
             info(
                 "kernels.official_compat",
@@ -157,7 +158,7 @@ def _complete(present: Mapping[str, Optional[bytes]]) -> dict[str, bytes]:
 
 def _from_hub(ctx: Any, kind: str, present: Mapping[str, Optional[bytes]]) -> SourceSet:
     options = ctx.options
-    compat = hub.official_compat(*_torch_info())
+    compat = catalogue.official_compat(*_torch_info())
     if compat.status == "no" and options.build:
         # Refuse before downloading: the build step could only fail on these sources.
         finding = _compat_finding(compat, "fail")
@@ -170,7 +171,7 @@ def _from_hub(ctx: Any, kind: str, present: Mapping[str, Optional[bytes]]) -> So
         ctx.add(_compat_finding(compat, "warn"))
 
     repo_id, revision = resolve_repo(ctx.directory, ctx.facts, options.repo_id, options.revision)
-    if kind == hub.OFFICIAL:
+    if kind == catalogue.OFFICIAL:
         # The known-good list has one hash per file, so a verified download could only
         # bring these same bytes again: no network needed, offline or not.
         ctx.add(
@@ -180,22 +181,22 @@ def _from_hub(ctx: Any, kind: str, present: Mapping[str, Optional[bytes]]) -> So
                 "nothing to download",
             )
         )
-        return SourceSet("checkpoint", hub.OFFICIAL, _complete(present), repo_id, revision)
+        return SourceSet("checkpoint", catalogue.OFFICIAL, _complete(present), repo_id, revision)
     if repo_id is None:
         raise UsageError(
             f"--source hub needs --repo-id: {ctx.directory} does not say which Hub repo it "
             "came from (it is not a huggingface_hub cache snapshot)",
             fix="pass --repo-id ORG/NAME; Qwen v1 repos with the kernel sources: "
-            + ", ".join(hub.known_good().repos)
+            + ", ".join(catalogue.known_good().repos)
             + "; or use --source vendored",
         )
-    fetched = hub.fetch_official(
+    fetched = download.fetch_official(
         repo_id,
         revision,
         progress=getattr(options, "progress", None),
         checkpoint=Path(ctx.directory),
     )
-    return SourceSet("hub", hub.OFFICIAL, fetched.files, repo_id, revision, fetched.commit)
+    return SourceSet("hub", catalogue.OFFICIAL, fetched.files, repo_id, revision, fetched.commit)
 
 
 def resolve_repo(
@@ -232,7 +233,7 @@ def _describe(sources: SourceSet) -> str:
             "sha256 verified"
         )
     if sources.origin == "checkpoint":
-        which = "official" if sources.kind == hub.OFFICIAL else "qwen-kvprep's"
+        which = "official" if sources.kind == catalogue.OFFICIAL else "qwen-kvprep's"
         return f"the {which} kernel sources already in the checkpoint (sha256 verified)"
     return "qwen-kvprep's own kernel sources"
 
@@ -248,7 +249,7 @@ def _install(
     for name, data in chosen.files.items():
         if ctx.journal.write(name, data):
             written.append(name)
-            if per_file[name] != hub.MISSING:
+            if per_file[name] != catalogue.MISSING:
                 replaced[name] = per_file[name]
     verb = "would write" if ctx.options.dry_run else "wrote"
     action = f"; {verb} {', '.join(written)}" if written else ""
@@ -260,7 +261,7 @@ def _install(
             **chosen.to_json(),
         )
     )
-    modified = {n: k for n, k in replaced.items() if k == hub.MODIFIED}
+    modified = {n: k for n, k in replaced.items() if k == catalogue.MODIFIED}
     if modified:
         listing = ", ".join(f"{n} (sha256 {str(hashes[n])[:16]}…)" for n in sorted(modified))
         ctx.add(

@@ -1,21 +1,17 @@
-"""Qwen's own kernel sources: the known-good list, what a folder holds, fetching them.
+"""Download Qwen's own kernel sources through huggingface_hub and verify them.
 
-The official `.cpp`/`.cu` are under Qwen's license, so the package ships only their sha256
-(data/official_kernels.json) and fetches the files through huggingface_hub, which brings
-HF_ENDPOINT, HF_TOKEN, HF_HUB_OFFLINE, HF_HUB_CACHE/HF_HOME, its timeouts, retries and
-progress bars with it. A fetched file is accepted only when its hash is on the list: an
-HTML page from a proxy, a truncated body or a different file is refused and described.
+huggingface_hub brings HF_ENDPOINT, HF_TOKEN, HF_HUB_OFFLINE, HF_HUB_CACHE/HF_HOME, its
+timeouts, retries and progress bars with it. A fetched file is accepted only when its
+sha256 and size are in the catalogue (catalogue.py): an HTML page from a proxy, a truncated
+body or a different file is refused and described.
 
-huggingface_hub is imported only inside `fetch_official`, so doctor and prestart can read
-the known-good list without paying for that import.
+huggingface_hub is imported only inside the functions that use it.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import hashlib
-import json
 import os
 import re
 import sys
@@ -25,124 +21,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from qwen_kvprep import resources
+from qwen_kvprep import catalogue, resources
 from qwen_kvprep.errors import SourceError, UsageError
 from qwen_kvprep.findings import Finding, fail
 
-DATA_FILE = Path(__file__).resolve().parent / "data" / "official_kernels.json"
-
-# What a kernel source file in some folder is, by its hash.
-OFFICIAL = "official"  # Qwen's file, byte for byte
-OURS = "ours"  # the installed qwen-kvprep's kernels/
-MODIFIED = "modified"  # present, but neither of the above
-MISSING = "missing"
-MIXED = "mixed"  # for a pair whose two files differ in kind
-
 HEAD_BYTES = 32  # how much of a refused body a finding quotes
-
-
-@dataclass(frozen=True)
-class KnownFile:
-    name: str
-    sha256: str
-    size: int
-
-
-@dataclass(frozen=True)
-class KnownGood:
-    files: Mapping[str, KnownFile]
-    repos: tuple[str, ...]  # Qwen v1 repos known to carry the files, for messages
-
-
-def load_known_good(path: Path = DATA_FILE) -> KnownGood:
-    raw = json.loads(path.read_text(encoding="utf-8"))
-    files = {
-        name: KnownFile(name, entry["sha256"], int(entry["size"]))
-        for name, entry in raw["files"].items()
-    }
-    if set(files) != set(resources.KERNEL_FILES):
-        raise RuntimeError(f"{path} must list exactly {resources.KERNEL_FILES}")
-    return KnownGood(files, tuple(raw.get("repos", ())))
-
-
-@functools.cache
-def known_good() -> KnownGood:
-    """The package's list of official file hashes (tests swap this function out)."""
-    return load_known_good()
-
-
-def ours_hashes() -> Optional[dict[str, str]]:
-    """sha256 of the installed package's kernels/, or None when they are not there."""
-    try:
-        return resources.vendored_kernel_hashes()
-    except OSError:
-        return None
-
-
-# -- classification (pure) ---------------------------------------------------------------
-def classify_file(name: str, sha256: Optional[str], ours: Optional[Mapping[str, str]]) -> str:
-    if sha256 is None:
-        return MISSING
-    known = known_good().files.get(name)
-    if known is not None and sha256 == known.sha256:
-        return OFFICIAL
-    if ours is not None and ours.get(name) == sha256:
-        return OURS
-    return MODIFIED
-
-
-def classify_set(
-    hashes: Mapping[str, Optional[str]], ours: Optional[Mapping[str, str]]
-) -> tuple[str, dict[str, str]]:
-    """Kind of the pair (one of the constants, MIXED when the files differ) and per file."""
-    per_file = {
-        name: classify_file(name, hashes.get(name), ours) for name in resources.KERNEL_FILES
-    }
-    kinds = set(per_file.values())
-    return (kinds.pop() if len(kinds) == 1 else MIXED), per_file
-
-
-# -- what the official sources need from torch (pure) ------------------------------------
-@dataclass(frozen=True)
-class Compat:
-    status: str  # "ok" | "no" | "unknown"
-    reason: str
-
-
-# The official .cu dispatches with AT_DISPATCH_*(tensor.type(), ...). torch accepted the
-# deprecated DeprecatedTypeProperties there through an overload of detail::scalar_type()
-# that later releases dropped; without it the build stops with "no suitable conversion
-# function from const at::DeprecatedTypeProperties to c10::ScalarType" (facts §4 item 4,
-# reproduced with 2.11). The boundary comes from reading ATen/Dispatch.h in the PyPI wheels:
-# 2.5.1 still has `scalar_type(const at::DeprecatedTypeProperties&)` (a deprecation
-# warning, but it compiles); 2.6.0, 2.7.0, 2.9.1, 2.10.0, 2.11.0 and 2.13.0 only have
-# `scalar_type(at::ScalarType)`. Pre-releases of 2.6 count as 2.6 (compared on major.minor).
-OFFICIAL_MAX_TORCH = (2, 5)
-
-
-def official_compat(torch_version: Optional[str], torch_cuda: Optional[str]) -> Compat:
-    """Can the official sources compile with this torch? `torch_cuda` is torch.version.cuda
-    ("" or None for a CPU-only build; pass "?" when it is not known)."""
-    if not torch_version:
-        return Compat("unknown", "torch is not installed")
-    from packaging.version import InvalidVersion, Version
-
-    try:
-        release = Version(torch_version).release
-    except InvalidVersion:
-        return Compat("unknown", f"cannot parse the torch version {torch_version!r}")
-    limit = ".".join(map(str, OFFICIAL_MAX_TORCH))
-    if release[:2] > OFFICIAL_MAX_TORCH:
-        return Compat(
-            "no",
-            f"torch {torch_version} no longer accepts the deprecated tensor.type() dispatch "
-            f"the official .cu uses (torch <= {limit} does)",
-        )
-    if torch_cuda in (None, ""):
-        return Compat(
-            "no", f"torch {torch_version} is a CPU-only build; the official sources need CUDA"
-        )
-    return Compat("ok", f"torch {torch_version} still accepts the official sources' dispatch")
 
 
 # -- describing bytes that were refused --------------------------------------------------
@@ -157,10 +40,6 @@ class Received:
     def looks_like_html(self) -> bool:
         start = self.head.lstrip().lower()
         return start.startswith((b"<!doctype html", b"<html", b"<?xml", b"<head"))
-
-
-def received_from_bytes(data: bytes) -> Received:
-    return Received(len(data), data[:HEAD_BYTES], hashlib.sha256(data).hexdigest(), data)
 
 
 def received_from_file(path: Path, keep_up_to: int) -> Received:
@@ -184,7 +63,7 @@ def received_from_file(path: Path, keep_up_to: int) -> Received:
 def verify(name: str, got: Received, where: str, **details: Any) -> Optional[Finding]:
     """None when `got` is the official `name`; else a failing `kernels.verify` finding
     that says what was received (size, first bytes, sha256) and what was expected."""
-    known = known_good().files[name]
+    known = catalogue.known_good().files[name]
     if got.sha256 == known.sha256 and got.size == known.size:
         return None
     what = "an HTML page" if got.looks_like_html else "not the official file"
@@ -278,7 +157,7 @@ def _cause_summary(exc: BaseException) -> str:
 
 
 def _known_repos_hint() -> str:
-    return ", ".join(known_good().repos)
+    return ", ".join(catalogue.known_good().repos)
 
 
 def fetch_error(
@@ -427,7 +306,8 @@ def fetch_official(
         files: dict[str, bytes] = {}
         bad: list[Finding] = []
         for name, path in paths.items():
-            got = received_from_file(Path(path), keep_up_to=known_good().files[name].size)
+            limit = catalogue.known_good().files[name].size
+            got = received_from_file(Path(path), keep_up_to=limit)
             problem = verify(
                 name,
                 got,
