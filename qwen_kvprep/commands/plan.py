@@ -75,9 +75,7 @@ def plan(
     the config alone, when the weights are not there); needs no GPU with --gpu-memory."""
     from qwen_kvprep.cli import existing_dir
     from qwen_kvprep.errors import UsageError
-    from qwen_kvprep.plan import shape_of
-    from qwen_kvprep.planning.capacity import Scenario, make_plan
-    from qwen_kvprep.planning.model import read_model
+    from qwen_kvprep.planning import plan_checkpoint
     from qwen_kvprep.planning.render import payload, render_text
     from qwen_kvprep.planning.sizes import parse_int_list, parse_size
     from qwen_kvprep.report import emit, render_json
@@ -93,22 +91,11 @@ def plan(
             f"--tokens {short[0]} is shorter than the {prompt_tokens}-token prompt",
             fix="tokens count the prompt too: raise --tokens or lower --prompt-tokens",
         )
-    memory = parse_size(gpu_memory) if gpu_memory is not None else None
-    facts = read_model(path, dtype)
-    if memory is None:
-        from qwen_kvprep.planning.gpu import visible_gpu_memory
-
-        memory, detected = visible_gpu_memory()
-        gpu_source = detected
-    else:
-        gpu_source = f"--gpu-memory {gpu_memory}"
-    scenario = Scenario(
-        prompt_tokens=prompt_tokens,
-        prefill_chunk=prefill_chunk,
-        gpu_memory_bytes=memory,
-        softmax_in_fp32=facts.softmax_in_fp32,
-    )
-    result = make_plan(shape_of(facts), scenario, batches, tokens)
+    memory = None
+    if gpu_memory is not None:
+        memory = (parse_size(gpu_memory), f"--gpu-memory {gpu_memory}")
+    planned = plan_checkpoint(path, batches, tokens, memory, dtype, prompt_tokens, prefill_chunk)
+    facts, result, gpu_source = planned.facts, planned.result, planned.gpu_source
     if as_json:
         emit(render_json([], plan=payload(facts, result, gpu_source)))
     else:

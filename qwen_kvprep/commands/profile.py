@@ -25,6 +25,18 @@ def parse_batches(value: Optional[str]) -> Optional[tuple[int, ...]]:
     return batches
 
 
+def quality_file(value: Optional[str]) -> Optional[Path]:
+    """The text of `--quality TEXTFILE`; None for the built-in passage or no --quality."""
+    from qwen_kvprep.errors import UsageError
+
+    if value in (None, _BUILTIN):
+        return None
+    path = Path(str(value)).absolute()
+    if not path.is_file():
+        raise UsageError(f"--quality {value}: no such file")
+    return path
+
+
 @click.command()
 @click.argument("directory")
 @click.option("--device", type=click.Choice(DEVICES), default="auto", show_default=True,
@@ -75,21 +87,15 @@ def profile(
     """Measure DIRECTORY's memory, speed and quality with the unquantized and the Int8
     KV cache, one child process per batch size and mode, beside plan's prediction."""
     from qwen_kvprep.cli import existing_dir, output_findings
-    from qwen_kvprep.errors import UsageError
-    from qwen_kvprep.findings import info
-    from qwen_kvprep.profile import ProfileOptions, run_profile
-    from qwen_kvprep.profile.plot import check_plot_target, write_plot
+    from qwen_kvprep.profile import ProfileOptions, profile_and_plot
+    from qwen_kvprep.profile.plot import check_plot_target
     from qwen_kvprep.profile.progress import progress_bar
     from qwen_kvprep.profile.render import render_text
     from qwen_kvprep.report import emit
 
     path = existing_dir(directory)
     assert path is not None
-    text_file: Optional[Path] = None
-    if quality not in (None, _BUILTIN):
-        text_file = Path(str(quality)).absolute()
-        if not text_file.is_file():
-            raise UsageError(f"--quality {quality}: no such file")
+    text_file = quality_file(quality)
     if plot is not None:
         check_plot_target(plot)
     options = ProfileOptions(
@@ -107,18 +113,13 @@ def profile(
     )
     bar = progress_bar(as_json, total=1)
     try:
-        report = run_profile(path, options, bar)
+        report = profile_and_plot(path, options, bar, plot)
     finally:
         if bar is not None:
             bar.close()
-    findings = list(report.findings)
-    if plot is not None:
-        written = write_plot(report.profile, plot)
-        findings.append(info("profile.plot", f"wrote the plot to {written}", paths=[written]))
     if not as_json:
-        emit(render_text(report.profile))
-        emit("")
-    sys.exit(output_findings(findings, as_json, profile=report.profile))
+        emit(render_text(report.profile) + "\n")
+    sys.exit(output_findings(report.findings, as_json, profile=report.profile))
 
 
 def register(group: click.Group) -> None:

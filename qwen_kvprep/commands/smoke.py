@@ -51,10 +51,8 @@ def smoke(
     process), check every layer uses the quantized cache through the compiled kernel,
     compare greedy output with the unquantized cache, and measure what it saves."""
     from qwen_kvprep.cli import existing_dir, output_findings
-    from qwen_kvprep.findings import warn
-    from qwen_kvprep.smoke import SmokeOptions, run_smoke
+    from qwen_kvprep.smoke import SmokeOptions, smoke_and_record
     from qwen_kvprep.smoke.progress import phase_progress
-    from qwen_kvprep.smoke.record import record_smoke
 
     path = existing_dir(directory)
     assert path is not None
@@ -64,13 +62,8 @@ def smoke(
         prompt=prompt if prompt is not None else DEFAULT_PROMPT,
         timeout=timeout,
     )
-    report = run_smoke(path, options, on_phase=phase_progress(as_json))
-    findings = list(report.findings)
-    try:
-        record_smoke(path, report.summary)
-    except OSError as exc:
-        findings.append(warn("smoke.record", f"could not record the result in the state: {exc}"))
-    sys.exit(output_findings(findings, as_json, directory=str(path), smoke=report.summary))
+    report = smoke_and_record(path, options, on_phase=phase_progress(as_json))
+    sys.exit(output_findings(report.findings, as_json, directory=str(path), smoke=report.summary))
 
 
 def register(group: click.Group) -> None:
