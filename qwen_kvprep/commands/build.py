@@ -1,10 +1,11 @@
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Optional
 
 import click
+
+from qwen_kvprep.commands._common import finish, json_option
 
 
 @click.command()
@@ -32,14 +33,13 @@ import click
     help="Longest wait for another build of the same key (default: "
     "$QWEN_KVPREP_LOCK_TIMEOUT, else 600).",
 )
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON document.")
+@json_option
 def build(
     arch: Optional[str],
     cache_dir: Optional[Path],
     source_dir: Optional[Path],
     force: bool,
     lock_timeout: Optional[float],
-    as_json: bool,
 ) -> None:
     """Compile the KV-cache extension for this torch into the build cache.
 
@@ -47,11 +47,10 @@ def build(
     kept; an existing one is reused in milliseconds. Without nvcc, or with a CPU build of
     torch, this is a CPU-only build (said plainly).
     """
-    from qwen_kvprep.cli import output_findings
     from qwen_kvprep.steps.build import build_into_cache
 
     built = build_into_cache(source_dir, arch, cache_dir, force, lock_timeout)
-    sys.exit(output_findings(built.findings, as_json, **built.to_json()))
+    finish(built.findings, **built.to_json())
 
 
 def register(group: click.Group) -> None:

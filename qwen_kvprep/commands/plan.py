@@ -4,6 +4,9 @@ from typing import Optional
 
 import click
 
+from qwen_kvprep.commands._common import existing_dir, json_option, output_options
+from qwen_kvprep.render import emit, render_json
+
 DEFAULT_BATCHES = "1,4,16,32,64,100"
 DEFAULT_TOKENS = "512,1024,2048,4096,8192"
 # Qwen measured its published tables by generating from a one-token prompt, so the
@@ -57,7 +60,7 @@ DEFAULT_PROMPT_TOKENS = 1
     metavar="C",
     help="Feed the prompt in forwards of C tokens. [default: the whole prompt at once]",
 )
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON document.")
+@json_option
 def plan(
     directory: str,
     gpu_memory: Optional[str],
@@ -66,22 +69,18 @@ def plan(
     dtype: Optional[str],
     prompt_tokens: int,
     prefill_chunk: Optional[int],
-    as_json: bool,
 ) -> None:
     """Predict DIRECTORY's peak GPU memory with and without the Int8 KV cache, for each
     batch size and token count, and the largest batch and longest context that fit.
 
     Reads config.json and the safetensors headers only (or the index's total size, or
     the config alone, when the weights are not there); needs no GPU with --gpu-memory."""
-    from qwen_kvprep.cli import existing_dir
     from qwen_kvprep.errors import UsageError
     from qwen_kvprep.planning import plan_checkpoint
     from qwen_kvprep.planning.render import payload, render_text
     from qwen_kvprep.planning.sizes import parse_int_list, parse_size
-    from qwen_kvprep.report import emit, render_json
 
     path = existing_dir(directory)
-    assert path is not None
     # options first: a typo in a list should not wait for the checkpoint to be read
     batches = parse_int_list(batch_list, "--batch")
     tokens = parse_int_list(tokens_list, "--tokens")
@@ -96,7 +95,7 @@ def plan(
         memory = (parse_size(gpu_memory), f"--gpu-memory {gpu_memory}")
     planned = plan_checkpoint(path, batches, tokens, memory, dtype, prompt_tokens, prefill_chunk)
     facts, result, gpu_source = planned.facts, planned.result, planned.gpu_source
-    if as_json:
+    if output_options().as_json:
         emit(render_json([], plan=payload(facts, result, gpu_source)))
     else:
         emit(render_text(facts, result, gpu_source, shown=directory))

@@ -1,11 +1,11 @@
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Optional
 
 import click
 
+from qwen_kvprep.commands._common import existing_dir, finish, json_option, output_options
 from qwen_kvprep.profile.protocol import DEFAULT_PROMPT_TOKENS, DEFAULT_TIMEOUT_S, DEVICES, DTYPES
 
 _BUILTIN = "\0builtin"  # --quality without a file
@@ -65,7 +65,7 @@ def quality_file(value: Optional[str]) -> Optional[Path]:
 @click.option("--no-cudnn-attention", "no_cudnn_attention", is_flag=True,
               help="Turn torch's cuDNN attention backend off in every run (a fairer "
               "unquantized baseline where cuDNN re-plans for every new cached length).")
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON document.")
+@json_option
 @click.option("--plot", type=click.Path(dir_okay=False, path_type=Path), metavar="FILE",
               help="Draw memory against batch into FILE (.svg or .png; needs the plot "
               "extra).")
@@ -81,20 +81,18 @@ def profile(
     quality: Optional[str],
     timeout: float,
     no_cudnn_attention: bool,
-    as_json: bool,
     plot: Optional[Path],
 ) -> None:
     """Measure DIRECTORY's memory, speed and quality with the unquantized and the Int8
     KV cache, one child process per batch size and mode, beside plan's prediction."""
-    from qwen_kvprep.cli import existing_dir, output_findings
     from qwen_kvprep.profile import ProfileOptions, profile_and_plot
     from qwen_kvprep.profile.plot import check_plot_target
     from qwen_kvprep.profile.progress import progress_bar
     from qwen_kvprep.profile.render import render_text
-    from qwen_kvprep.report import emit
+    from qwen_kvprep.render import emit
 
+    as_json = output_options().as_json
     path = existing_dir(directory)
-    assert path is not None
     text_file = quality_file(quality)
     if plot is not None:
         check_plot_target(plot)
@@ -119,7 +117,7 @@ def profile(
             bar.close()
     if not as_json:
         emit(render_text(report.profile) + "\n")
-    sys.exit(output_findings(report.findings, as_json, profile=report.profile))
+    finish(report.findings, profile=report.profile)
 
 
 def register(group: click.Group) -> None:

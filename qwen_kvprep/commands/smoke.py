@@ -1,10 +1,10 @@
 from __future__ import annotations
 
-import sys
 from typing import Optional
 
 import click
 
+from qwen_kvprep.commands._common import existing_dir, finish, json_option, output_options
 from qwen_kvprep.smoke.protocol import (
     DEFAULT_MAX_NEW_TOKENS,
     DEFAULT_PROMPT,
@@ -38,32 +38,29 @@ from qwen_kvprep.smoke.protocol import (
     metavar="S",
     help="Seconds before the child process is killed and the smoke fails.",
 )
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON document.")
+@json_option
 def smoke(
     directory: str,
     device: str,
     max_new_tokens: int,
     prompt: Optional[str],
     timeout: float,
-    as_json: bool,
 ) -> None:
     """Prove DIRECTORY's Int8 KV cache works: load it as a server would (in a child
     process), check every layer uses the quantized cache through the compiled kernel,
     compare greedy output with the unquantized cache, and measure what it saves."""
-    from qwen_kvprep.cli import existing_dir, output_findings
     from qwen_kvprep.smoke import SmokeOptions, smoke_and_record
     from qwen_kvprep.smoke.progress import phase_progress
 
     path = existing_dir(directory)
-    assert path is not None
     options = SmokeOptions(
         device=device,
         max_new_tokens=max_new_tokens,
         prompt=prompt if prompt is not None else DEFAULT_PROMPT,
         timeout=timeout,
     )
-    report = smoke_and_record(path, options, on_phase=phase_progress(as_json))
-    sys.exit(output_findings(report.findings, as_json, directory=str(path), smoke=report.summary))
+    report = smoke_and_record(path, options, on_phase=phase_progress(output_options().as_json))
+    finish(report.findings, directory=str(path), smoke=report.summary)
 
 
 def register(group: click.Group) -> None:

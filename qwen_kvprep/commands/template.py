@@ -1,10 +1,11 @@
 from __future__ import annotations
 
+import sys
 from typing import Optional
 
 import click
 
-from qwen_kvprep.report import emit
+from qwen_kvprep.render import emit
 from qwen_kvprep.templating import (
     DEFAULT_ARCH,
     DEFAULT_CACHE,
@@ -72,7 +73,7 @@ def template(
         emit(text.rstrip("\n"))
         return
     write(out_file, kind, text)
-    click.echo(f"wrote {out_file}", err=True)
+    emit(f"wrote {out_file}", sys.stderr)
 
 
 def register(group: click.Group) -> None:
