@@ -5,7 +5,13 @@ from typing import Optional
 
 import click
 
-from qwen_kvprep.commands._common import existing_dir, finish, json_option, strict_option
+from qwen_kvprep.commands._common import (
+    existing_dir,
+    exit_code,
+    finish,
+    json_option,
+    strict_option,
+)
 from qwen_kvprep.render import emit
 
 
@@ -38,7 +44,7 @@ def doctor(
     facts, findings = run_doctor(existing_dir(directory), check_ids)
     if as_report:
         emit(report_markdown(facts, findings))
-        sys.exit(1 if any(f.severity.value == "fail" for f in findings) else 0)
+        sys.exit(exit_code(findings))
     finish(findings)
 
 
