@@ -113,7 +113,7 @@ def summary_line(findings: Sequence[Finding]) -> str:
     return "summary: " + (", ".join(parts) if parts else "nothing checked")
 
 
-def document(findings: Sequence[Finding], **extra: Any) -> dict[str, Any]:
+def document(findings: Sequence[Finding], **extra: object) -> dict[str, Any]:
     """The `--json` document: schema and tool versions, ok, findings, then what the command
     adds."""
     doc: dict[str, Any] = {
@@ -126,11 +126,11 @@ def document(findings: Sequence[Finding], **extra: Any) -> dict[str, Any]:
     return doc
 
 
-def render_json(findings: Sequence[Finding], **extra: Any) -> str:
+def render_json(findings: Sequence[Finding], **extra: object) -> str:
     return json.dumps(document(findings, **extra), indent=2, default=str)
 
 
-def print_findings(findings: Sequence[Finding], as_json: bool, **extra: Any) -> None:
+def print_findings(findings: Sequence[Finding], as_json: bool, **extra: object) -> None:
     """Findings as the `--json` document (with `extra`) or as text."""
     findings = scrub_findings(findings)
     if as_json:
@@ -179,7 +179,7 @@ def render_markdown(
     return "\n".join(out) + "\n"
 
 
-def _cell(value: Any) -> str:
+def _cell(value: object) -> str:
     text = "-" if value is None or value == "" else str(value)
     return text.replace("|", "\\|").replace("\n", " ")
 
@@ -271,10 +271,10 @@ def render_planned(planned: Sequence[PlannedWrite]) -> str:
 
 
 def fix_fields(
-    directory: Path, dry_run: bool, extra: Mapping[str, Any], planned: Sequence[PlannedWrite]
-) -> dict[str, Any]:
+    directory: Path, dry_run: bool, extra: Mapping[str, object], planned: Sequence[PlannedWrite]
+) -> dict[str, object]:
     """What `fix --json` adds to the document: `extra` is what fix's steps reported."""
-    fields: dict[str, Any] = {"directory": str(directory), "dry_run": dry_run, **extra}
+    fields: dict[str, object] = {"directory": str(directory), "dry_run": dry_run, **extra}
     if dry_run:
         fields["would_write"] = [{"path": str(p.path), "bytes": len(p.new)} for p in planned]
     return fields

@@ -7,7 +7,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, NoReturn, Optional, TypeVar, overload
+from typing import Callable, NoReturn, Optional, TypeVar, overload
 
 import click
 
@@ -15,7 +15,7 @@ from qwen_kvprep.errors import EXIT_FAILED, EXIT_OK, UsageError
 from qwen_kvprep.findings import Finding, failed
 from qwen_kvprep.render import print_findings
 
-F = TypeVar("F", bound=Callable[..., Any])
+F = TypeVar("F", bound=Callable[..., object])
 
 
 @dataclass
@@ -75,7 +75,7 @@ def exit_code(findings: Sequence[Finding]) -> int:
     return EXIT_FAILED if failed(findings, output_options().strict) else EXIT_OK
 
 
-def finish(findings: Sequence[Finding], **fields: Any) -> NoReturn:
+def finish(findings: Sequence[Finding], **fields: object) -> NoReturn:
     """Print the findings as text, or as the --json document with `fields` added, and exit
     with the code they imply."""
     print_findings(findings, output_options().as_json, **fields)

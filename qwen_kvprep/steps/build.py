@@ -174,7 +174,7 @@ class CacheBuild:
     result: BuildResult
     cache_dir: Path
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, object]:
         return {"build": self.result.to_json(), "cache_dir": str(self.cache_dir),
                 "key": self.result.key}
 
