@@ -1,4 +1,4 @@
-"""Keep secrets out of every output, and the Markdown block of `doctor --report`.
+"""Keep secrets out of every output.
 
 The one place that redacts: every report (human, --json, --report), every error message
 and fix hint, every log excerpt shown to the user (build and smoke logs) and prestart's
@@ -17,8 +17,8 @@ messages go through `scrub`. What never appears:
 Values shorter than 4 characters and plain booleans are not treated as secrets: redacting
 "1" from every version number would make the output useless and protect nothing.
 
-prestart's fast path imports this module to print its two lines: standard library only
-at the top (findings and facts are imported where they are used).
+prestart's fast path imports this module to print its two lines: standard library only at
+run time (`findings` is named for the types of `scrub_findings` alone), and cheap to import.
 """
 
 from __future__ import annotations
@@ -28,11 +28,10 @@ import re
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from collections.abc import Iterable, Mapping, Sequence
+    from collections.abc import Iterable, Mapping
     from typing import Any, Optional
 
     from qwen_kvprep.findings import Finding
-    from qwen_kvprep.probe.facts import Facts
 
 _WORDS = ("TOKEN", "KEY", "SECRET", "PASSWORD")
 _PATTERNS = {
@@ -139,72 +138,6 @@ def scrub_findings(
     findings: Iterable[Finding], environ: Optional[Mapping[str, str]] = None
 ) -> list[Finding]:
     return [scrub_finding(f, environ) for f in findings]
-
-
-# ---------------------------------------------------------------------------------------
-# doctor --report
-
-
-def _cell(value: Any) -> str:
-    text = "-" if value is None or value == "" else str(value)
-    return text.replace("|", "\\|").replace("\n", " ")
-
-
-def facts_table(facts: Facts) -> dict[str, str]:
-    """Versions, GPUs, toolchain, caches and config flags, one row each."""
-    rows: dict[str, str] = {}
-    env = facts.env
-    if env is not None:
-        from qwen_kvprep.probe.env import summary
-
-        rows.update({k: _cell(v) for k, v in summary(env).items()})
-        rows["platform"] = _cell(f"{env.platform} {env.machine}")
-        for name, value in sorted(env.env_vars.items()):
-            rows[f"${name}"] = _cell(value)
-    names = sensitive_names()
-    if names:
-        # Say that they are set (it can matter: HF_TOKEN for gated repos), never their values.
-        rows["secrets set (values hidden)"] = _cell(", ".join(names))
-    caches = facts.caches
-    if caches is not None:
-        if caches.build_cache is not None:
-            rows["build cache"] = _cell(f"{caches.build_cache.path} ({caches.build_cache.source})")
-        rows["builds in cache"] = _cell(len(caches.builds))
-        if caches.modules_root is not None:
-            rows["modules cache"] = _cell(
-                f"{caches.modules_root.path} ({caches.modules_root.source})"
-            )
-        mf = caches.module_folder
-        if mf is not None:
-            rows["module folder"] = _cell(f"{mf.path} ({'exists' if mf.exists else 'absent'})")
-    cp = facts.checkpoint
-    if cp is not None:
-        rows["checkpoint"] = _cell(getattr(cp, "path", None))
-        cfg = getattr(cp, "config", None)
-        if isinstance(cfg, dict):
-            for key in (
-                "use_cache_quantization",
-                "use_cache_kernel",
-                "use_flash_attn",
-                "bf16",
-                "fp16",
-                "fp32",
-            ):
-                rows[f"config {key}"] = _cell(cfg.get(key, "(unset)"))
-        rows["GPTQ"] = _cell(getattr(cp, "gptq", None))
-    return rows
-
-
-def report_markdown(facts: Facts, findings: Sequence[Finding]) -> str:
-    """The `doctor --report` block, scrubbed of secrets as a whole."""
-    from qwen_kvprep.checks import AREAS
-    from qwen_kvprep.report import render_markdown
-
-    # Same order as the human output: by area (env first), stable within an area.
-    order = {a: i for i, a in enumerate(AREAS)}
-    ordered = sorted(findings, key=lambda f: order.get(f.area, len(order)))
-    text = render_markdown(scrub_findings(ordered), facts_table(facts))
-    return scrub(text)
 
 
 # ---------------------------------------------------------------------------------------

@@ -133,8 +133,8 @@ def test_revert_without_journal_says_nothing_to_do(tmp_path: Path) -> None:
 
 
 def test_dry_run_rendering_diffs_small_files_and_summarises_large_ones(tmp_path: Path) -> None:
-    from qwen_kvprep.commands.fix import render_planned
     from qwen_kvprep.journal import PlannedWrite
+    from qwen_kvprep.render import render_planned
 
     new_cfg, _ = patch_text(ORIGINAL, tmp_path / "config.json")
     text = render_planned(

@@ -14,9 +14,10 @@ from typing import Any
 
 import pytest
 
-from qwen_kvprep.demo import MARKER, DemoResult, _prepare_base, narrative
+from qwen_kvprep.demo import MARKER, DemoResult, _prepare_base
 from qwen_kvprep.errors import UsageError
 from qwen_kvprep.findings import fail, info, ok
+from qwen_kvprep.render import render_demo
 
 
 def _smoke_summary() -> dict[str, Any]:
@@ -77,7 +78,7 @@ def _result(tmp_path: Path, **over: Any) -> DemoResult:
 
 
 def test_narrative_tells_what_happened_and_what_was_measured(tmp_path: Path) -> None:
-    text = narrative(_result(tmp_path))
+    text = render_demo(_result(tmp_path))
     assert "1. generated a tiny Qwen (v1) compatible model" in text
     assert "2 layers, 2 heads of dim 128, bf16, 2.6 MB of weights" in text
     assert "every checkpoint check passed" in text
@@ -98,7 +99,7 @@ def test_narrative_puts_failures_first_in_the_verdict(tmp_path: Path) -> None:
         findings=[fail("smoke.kernel", "all 2 layers fell back", fix="run qwen-kvprep fix")],
         extra={"smoke": smoke},
     )
-    text = narrative(res)
+    text = render_demo(res)
     assert "FELL BACK" in text
     assert "FAIL  smoke.kernel: all 2 layers fell back" in text
     assert "Result: FAILED" in text and "qwen-kvprep doctor" in text

@@ -1226,7 +1226,7 @@ def test_scrub() -> None:
 
 
 def test_report_markdown_has_versions_and_no_secrets(monkeypatch: pytest.MonkeyPatch) -> None:
-    from qwen_kvprep.redact import report_markdown
+    from qwen_kvprep.render import report_markdown
 
     token = "hf_" + "Z" * 36
     monkeypatch.setenv("HF_TOKEN", token)

@@ -265,6 +265,15 @@ def test_strict_makes_warnings_fail(tiny: Path, tmp_path: Path) -> None:
     assert "WARN" in lax.stdout and "modules.folder" in lax.stdout
     strict = doctor("--strict", "--check", "modules.folder", str(copy), env=env, cwd=tmp_path)
     assert strict.returncode == 1
+    # the Markdown report exits as the other outputs do
+    report = doctor("--report", "--check", "modules.folder", str(copy), env=env, cwd=tmp_path)
+    assert report.returncode == 0, report.stdout + report.stderr
+    assert "| `modules.folder` | warn |" in report.stdout
+    strict_report = doctor(
+        "--report", "--check", "modules.folder", str(copy), "--strict", env=env, cwd=tmp_path
+    )
+    assert strict_report.returncode == 1
+    assert strict_report.stdout == report.stdout
 
 
 def test_stale_lock_reported_with_the_command_that_clears_it(tmp_path: Path) -> None:

@@ -438,11 +438,22 @@ def test_cmd_options_are_cmds_own(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     assert "\nerror: " in res.stderr and '"schema_version"' not in res.stderr, res.stderr
 
 
-def test_own_args_stop_at_the_double_dash() -> None:
-    from qwen_kvprep.cli import own_args
+def test_own_options_stop_at_the_double_dash(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from qwen_kvprep.cli import main
 
-    assert own_args(["prestart", "d", "--", "x", "--json"]) == ["prestart", "d"]
-    assert own_args(["fix", "d", "--json"]) == ["fix", "d", "--json"]
+    missing = str(tmp_path / "nope")
+    with pytest.raises(SystemExit) as done:
+        main(["prestart", missing, "--", "x", "--json", "--debug"])
+    out = capsys.readouterr()
+    assert done.value.code == 2 and out.out == ""  # CMD's --json: no JSON document
+    assert f"error: no such directory: {missing}" in out.err and "Traceback" not in out.err
+    with pytest.raises(SystemExit) as done:
+        main(["fix", missing, "--json"])
+    out = capsys.readouterr()
+    assert done.value.code == 2
+    assert json.loads(out.out)["error"]["message"] == f"no such directory: {missing}"
 
 
 # ------------------------------------------------------------------ 12. secrets
@@ -520,7 +531,7 @@ def test_a_failed_build_log_excerpt_is_redacted(
 ) -> None:
     from qwen_kvprep.buildcache import CacheLayout
     from qwen_kvprep.buildcache.builder import _failure
-    from qwen_kvprep.cli import report_error
+    from qwen_kvprep.render import report_error
 
     monkeypatch.setenv("HF_TOKEN", "hf_" + "Q" * 34)
     log = tmp_path / "build.log"

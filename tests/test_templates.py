@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from qwen_kvprep.cli import cli
-from qwen_kvprep.commands.template import TEMPLATES, render
+from qwen_kvprep.templating import TEMPLATES, render
 
 
 def assert_cli_accepts(args: list[str]) -> None:

@@ -1,4 +1,5 @@
-"""CLI commands, one module each. Each module has `register(group)` adding its command(s)."""
+"""CLI commands, one module each. Each module has `register(group)` adding its command(s);
+`_common` holds what they share (the output options, directory arguments, the exit)."""
 
 from __future__ import annotations
 

@@ -1,10 +1,11 @@
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Optional
 
 import click
+
+from qwen_kvprep.commands._common import finish, json_option
 
 
 @click.command()
@@ -32,14 +33,13 @@ import click
     help="Longest wait for another build of the same key (default: "
     "$QWEN_KVPREP_LOCK_TIMEOUT, else 600).",
 )
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON document.")
+@json_option
 def build(
     arch: Optional[str],
     cache_dir: Optional[Path],
     source_dir: Optional[Path],
     force: bool,
     lock_timeout: Optional[float],
-    as_json: bool,
 ) -> None:
     """Compile the KV-cache extension for this torch into the build cache.
 
@@ -47,30 +47,10 @@ def build(
     kept; an existing one is reused in milliseconds. Without nvcc, or with a CPU build of
     torch, this is a CPU-only build (said plainly).
     """
-    from qwen_kvprep.buildcache import CacheLayout, read_sources, resolve_cache_dir
-    from qwen_kvprep.buildcache import vendored_sources as vendored
-    from qwen_kvprep.buildcache.builder import ensure_build, plan_build
-    from qwen_kvprep.cli import output_findings
-    from qwen_kvprep.findings import info, ok, warn
-    from qwen_kvprep.resources import KERNEL_FILES
+    from qwen_kvprep.steps.build import build_into_cache
 
-    layout = CacheLayout(resolve_cache_dir(cache_dir))
-    sources = read_sources(source_dir, required=KERNEL_FILES[:1]) if source_dir else vendored()
-    plan = plan_build(sources, arch)
-    cpu_on_cuda_torch = not plan.cuda and plan.torch.cuda is not None
-    findings = [(warn if cpu_on_cuda_torch else info)("build.mode", plan.mode)]
-    result = ensure_build(plan, layout, force=force, timeout=lock_timeout)
-    if result.compiled:
-        message = f"compiled in {result.manifest['build_seconds']:.0f} s ({result.jobs})"
-        findings.append(info("build.build", message, paths=[result.dir], **result.to_json()))
-    else:
-        findings.append(
-            ok("build.build", "found in the cache", paths=[result.dir], **result.to_json())
-        )
-    code = output_findings(
-        findings, as_json, build=result.to_json(), cache_dir=str(layout.root), key=result.key
-    )
-    sys.exit(code)
+    built = build_into_cache(source_dir, arch, cache_dir, force, lock_timeout)
+    finish(built.findings, **built.to_json())
 
 
 def register(group: click.Group) -> None:

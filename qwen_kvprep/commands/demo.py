@@ -6,6 +6,9 @@ from typing import Optional
 
 import click
 
+from qwen_kvprep.commands._common import finish, json_option, output_options
+from qwen_kvprep.render import emit
+
 
 @click.command()
 @click.argument("directory", required=False)
@@ -20,10 +23,9 @@ import click
     metavar="S",
     help="Seconds the smoke child may take before it is killed.",
 )
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON document.")
+@json_option
 def demo(
-    directory: Optional[str], cache_dir: Optional[str], smoke_timeout: Optional[float],
-    as_json: bool,
+    directory: Optional[str], cache_dir: Optional[str], smoke_timeout: Optional[float]
 ) -> None:
     """See the whole Int8 KV-cache path work on a tiny generated model, in about a minute.
 
@@ -33,11 +35,11 @@ def demo(
     used and removed. The compiled extension goes to the normal build cache, where a real
     `fix` finds it.
     """
-    from qwen_kvprep.cli import output_findings
-    from qwen_kvprep.demo import DemoOptions, narrative, run_demo
-    from qwen_kvprep.report import emit
+    from qwen_kvprep.demo import DemoOptions, run_demo
+    from qwen_kvprep.render import render_demo
     from qwen_kvprep.smoke.progress import wants_progress
 
+    as_json = output_options().as_json
     progress = wants_progress(as_json)
     echo = (lambda text: print(f"demo: {text}", file=sys.stderr, flush=True)) if progress else None
     result = run_demo(
@@ -50,8 +52,8 @@ def demo(
         echo,
     )
     if as_json:
-        sys.exit(output_findings(result.findings, True, demo=result.to_json()))
-    emit(narrative(result))
+        finish(result.findings, demo=result.to_json())
+    emit(render_demo(result))
     sys.exit(0 if result.ok else 1)
 
 

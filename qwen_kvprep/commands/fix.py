@@ -1,41 +1,12 @@
 from __future__ import annotations
 
-import difflib
-import sys
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 import click
 
-from qwen_kvprep.journal import PlannedWrite
-from qwen_kvprep.report import emit
-
-
-def render_planned(planned: list[PlannedWrite]) -> str:
-    """Unified diffs for text files; a one-line note for binary or large ones."""
-    out: list[str] = []
-    for p in planned:
-        try:
-            old = (p.old or b"").decode("utf-8")
-            new = p.new.decode("utf-8")
-        except UnicodeDecodeError:
-            out.append(f"would write {p.path} ({len(p.new)} bytes, binary)")
-            continue
-        # whole generated files (sources, the loader) would drown the config diff
-        if p.old is None and len(p.new) > 4096:
-            out.append(f"would create {p.path} ({len(p.new)} bytes)")
-            continue
-        if len(p.new) > 4096:
-            out.append(f"would replace {p.path} ({len(p.old or b'')} -> {len(p.new)} bytes)")
-            continue
-        diff = difflib.unified_diff(
-            old.splitlines(keepends=True),
-            new.splitlines(keepends=True),
-            fromfile=f"{p.path} (current)" if p.old is not None else "/dev/null",
-            tofile=f"{p.path} (fixed)",
-        )
-        out.append("".join(diff).rstrip("\n"))
-    return "\n".join(out)
+from qwen_kvprep.commands._common import existing_dir, finish, json_option, output_options
+from qwen_kvprep.render import emit, fix_fields, render_planned
 
 
 @click.command()
@@ -49,7 +20,7 @@ def render_planned(planned: list[PlannedWrite]) -> str:
     metavar="S",
     help="Seconds the smoke child process may take before it is killed (default 900).",
 )
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON document.")
+@json_option
 @click.option(
     "--source",
     type=click.Choice(["auto", "vendored", "hub"]),
@@ -92,7 +63,6 @@ def fix(
     no_build: bool,
     no_smoke: bool,
     smoke_timeout: Optional[float],
-    as_json: bool,
     source: str,
     repo_id: Optional[str],
     revision: Optional[str],
@@ -102,11 +72,10 @@ def fix(
 ) -> None:
     """Make DIRECTORY's Int8 KV cache work: validate, provide the kernel sources, patch
     config.json, build the extension, install the loader and prove it."""
-    from qwen_kvprep.cli import existing_dir, output_findings
     from qwen_kvprep.steps.fix import FixOptions, run_fix
 
+    as_json = output_options().as_json
     path = existing_dir(directory)
-    assert path is not None
     options = FixOptions(
         dry_run=dry_run,
         build=not no_build,
@@ -122,16 +91,10 @@ def fix(
         arch=arch,
     )
     result = run_fix(path, options)
-    planned = [{"path": str(p.path), "bytes": len(p.new)} for p in result.planned]
     if dry_run and not as_json:
         emit(render_planned(result.planned) or "nothing would change")
-    extra: dict[str, Any] = {"directory": str(path), "dry_run": dry_run, **result.extra}
-    if dry_run:
-        extra["would_write"] = planned
-    sys.exit(output_findings(result.findings, as_json, **extra))
+    finish(result.findings, **fix_fields(path, dry_run, result.extra, result.planned))
 
 
 def register(group: click.Group) -> None:
     group.add_command(fix)
-
-

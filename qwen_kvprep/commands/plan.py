@@ -4,6 +4,9 @@ from typing import Optional
 
 import click
 
+from qwen_kvprep.commands._common import existing_dir, json_option, output_options
+from qwen_kvprep.render import emit, render_json
+
 DEFAULT_BATCHES = "1,4,16,32,64,100"
 DEFAULT_TOKENS = "512,1024,2048,4096,8192"
 # Qwen measured its published tables by generating from a one-token prompt, so the
@@ -57,7 +60,7 @@ DEFAULT_PROMPT_TOKENS = 1
     metavar="C",
     help="Feed the prompt in forwards of C tokens. [default: the whole prompt at once]",
 )
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON document.")
+@json_option
 def plan(
     directory: str,
     gpu_memory: Optional[str],
@@ -66,24 +69,18 @@ def plan(
     dtype: Optional[str],
     prompt_tokens: int,
     prefill_chunk: Optional[int],
-    as_json: bool,
 ) -> None:
     """Predict DIRECTORY's peak GPU memory with and without the Int8 KV cache, for each
     batch size and token count, and the largest batch and longest context that fit.
 
     Reads config.json and the safetensors headers only (or the index's total size, or
     the config alone, when the weights are not there); needs no GPU with --gpu-memory."""
-    from qwen_kvprep.cli import existing_dir
     from qwen_kvprep.errors import UsageError
-    from qwen_kvprep.plan import shape_of
-    from qwen_kvprep.planning.capacity import Scenario, make_plan
-    from qwen_kvprep.planning.model import read_model
+    from qwen_kvprep.planning import plan_checkpoint
     from qwen_kvprep.planning.render import payload, render_text
     from qwen_kvprep.planning.sizes import parse_int_list, parse_size
-    from qwen_kvprep.report import emit, render_json
 
     path = existing_dir(directory)
-    assert path is not None
     # options first: a typo in a list should not wait for the checkpoint to be read
     batches = parse_int_list(batch_list, "--batch")
     tokens = parse_int_list(tokens_list, "--tokens")
@@ -93,23 +90,12 @@ def plan(
             f"--tokens {short[0]} is shorter than the {prompt_tokens}-token prompt",
             fix="tokens count the prompt too: raise --tokens or lower --prompt-tokens",
         )
-    memory = parse_size(gpu_memory) if gpu_memory is not None else None
-    facts = read_model(path, dtype)
-    if memory is None:
-        from qwen_kvprep.planning.gpu import visible_gpu_memory
-
-        memory, detected = visible_gpu_memory()
-        gpu_source = detected
-    else:
-        gpu_source = f"--gpu-memory {gpu_memory}"
-    scenario = Scenario(
-        prompt_tokens=prompt_tokens,
-        prefill_chunk=prefill_chunk,
-        gpu_memory_bytes=memory,
-        softmax_in_fp32=facts.softmax_in_fp32,
-    )
-    result = make_plan(shape_of(facts), scenario, batches, tokens)
-    if as_json:
+    memory = None
+    if gpu_memory is not None:
+        memory = (parse_size(gpu_memory), f"--gpu-memory {gpu_memory}")
+    planned = plan_checkpoint(path, batches, tokens, memory, dtype, prompt_tokens, prefill_chunk)
+    facts, result, gpu_source = planned.facts, planned.result, planned.gpu_source
+    if output_options().as_json:
         emit(render_json([], plan=payload(facts, result, gpu_source)))
     else:
         emit(render_text(facts, result, gpu_source, shown=directory))

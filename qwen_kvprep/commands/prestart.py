@@ -94,7 +94,7 @@ def prestart(
     prestart exits 0 when the directory is ready. Its own messages go to stderr.
     DIRECTORY may come from $QWEN_KVPREP_DIR.
     """
-    from qwen_kvprep.cli import existing_dir
+    from qwen_kvprep.commands._common import existing_dir
     from qwen_kvprep.errors import UsageError
     from qwen_kvprep.prestart import Request, run
 

@@ -1,11 +1,11 @@
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Optional
 
 import click
 
+from qwen_kvprep.commands._common import existing_dir, finish, json_option, output_options
 from qwen_kvprep.profile.protocol import DEFAULT_PROMPT_TOKENS, DEFAULT_TIMEOUT_S, DEVICES, DTYPES
 
 _BUILTIN = "\0builtin"  # --quality without a file
@@ -23,6 +23,18 @@ def parse_batches(value: Optional[str]) -> Optional[tuple[int, ...]]:
     if not batches or min(batches) < 1:
         raise UsageError(f"--batch {value!r}: give one or more batch sizes >= 1")
     return batches
+
+
+def quality_file(value: Optional[str]) -> Optional[Path]:
+    """The text of `--quality TEXTFILE`; None for the built-in passage or no --quality."""
+    from qwen_kvprep.errors import UsageError
+
+    if value in (None, _BUILTIN):
+        return None
+    path = Path(str(value)).absolute()
+    if not path.is_file():
+        raise UsageError(f"--quality {value}: no such file")
+    return path
 
 
 @click.command()
@@ -53,7 +65,7 @@ def parse_batches(value: Optional[str]) -> Optional[tuple[int, ...]]:
 @click.option("--no-cudnn-attention", "no_cudnn_attention", is_flag=True,
               help="Turn torch's cuDNN attention backend off in every run (a fairer "
               "unquantized baseline where cuDNN re-plans for every new cached length).")
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON document.")
+@json_option
 @click.option("--plot", type=click.Path(dir_okay=False, path_type=Path), metavar="FILE",
               help="Draw memory against batch into FILE (.svg or .png; needs the plot "
               "extra).")
@@ -69,27 +81,19 @@ def profile(
     quality: Optional[str],
     timeout: float,
     no_cudnn_attention: bool,
-    as_json: bool,
     plot: Optional[Path],
 ) -> None:
     """Measure DIRECTORY's memory, speed and quality with the unquantized and the Int8
     KV cache, one child process per batch size and mode, beside plan's prediction."""
-    from qwen_kvprep.cli import existing_dir, output_findings
-    from qwen_kvprep.errors import UsageError
-    from qwen_kvprep.findings import info
-    from qwen_kvprep.profile import ProfileOptions, run_profile
-    from qwen_kvprep.profile.plot import check_plot_target, write_plot
+    from qwen_kvprep.profile import ProfileOptions, profile_and_plot
+    from qwen_kvprep.profile.plot import check_plot_target
     from qwen_kvprep.profile.progress import progress_bar
     from qwen_kvprep.profile.render import render_text
-    from qwen_kvprep.report import emit
+    from qwen_kvprep.render import emit
 
+    as_json = output_options().as_json
     path = existing_dir(directory)
-    assert path is not None
-    text_file: Optional[Path] = None
-    if quality not in (None, _BUILTIN):
-        text_file = Path(str(quality)).absolute()
-        if not text_file.is_file():
-            raise UsageError(f"--quality {quality}: no such file")
+    text_file = quality_file(quality)
     if plot is not None:
         check_plot_target(plot)
     options = ProfileOptions(
@@ -107,18 +111,13 @@ def profile(
     )
     bar = progress_bar(as_json, total=1)
     try:
-        report = run_profile(path, options, bar)
+        report = profile_and_plot(path, options, bar, plot)
     finally:
         if bar is not None:
             bar.close()
-    findings = list(report.findings)
-    if plot is not None:
-        written = write_plot(report.profile, plot)
-        findings.append(info("profile.plot", f"wrote the plot to {written}", paths=[written]))
     if not as_json:
-        emit(render_text(report.profile))
-        emit("")
-    sys.exit(output_findings(findings, as_json, profile=report.profile))
+        emit(render_text(report.profile) + "\n")
+    finish(report.findings, profile=report.profile)
 
 
 def register(group: click.Group) -> None:

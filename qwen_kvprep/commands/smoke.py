@@ -1,10 +1,10 @@
 from __future__ import annotations
 
-import sys
 from typing import Optional
 
 import click
 
+from qwen_kvprep.commands._common import existing_dir, finish, json_option, output_options
 from qwen_kvprep.smoke.protocol import (
     DEFAULT_MAX_NEW_TOKENS,
     DEFAULT_PROMPT,
@@ -38,39 +38,29 @@ from qwen_kvprep.smoke.protocol import (
     metavar="S",
     help="Seconds before the child process is killed and the smoke fails.",
 )
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON document.")
+@json_option
 def smoke(
     directory: str,
     device: str,
     max_new_tokens: int,
     prompt: Optional[str],
     timeout: float,
-    as_json: bool,
 ) -> None:
     """Prove DIRECTORY's Int8 KV cache works: load it as a server would (in a child
     process), check every layer uses the quantized cache through the compiled kernel,
     compare greedy output with the unquantized cache, and measure what it saves."""
-    from qwen_kvprep.cli import existing_dir, output_findings
-    from qwen_kvprep.findings import warn
-    from qwen_kvprep.smoke import SmokeOptions, run_smoke
+    from qwen_kvprep.smoke import SmokeOptions, smoke_and_record
     from qwen_kvprep.smoke.progress import phase_progress
-    from qwen_kvprep.smoke.record import record_smoke
 
     path = existing_dir(directory)
-    assert path is not None
     options = SmokeOptions(
         device=device,
         max_new_tokens=max_new_tokens,
         prompt=prompt if prompt is not None else DEFAULT_PROMPT,
         timeout=timeout,
     )
-    report = run_smoke(path, options, on_phase=phase_progress(as_json))
-    findings = list(report.findings)
-    try:
-        record_smoke(path, report.summary)
-    except OSError as exc:
-        findings.append(warn("smoke.record", f"could not record the result in the state: {exc}"))
-    sys.exit(output_findings(findings, as_json, directory=str(path), smoke=report.summary))
+    report = smoke_and_record(path, options, on_phase=phase_progress(output_options().as_json))
+    finish(report.findings, directory=str(path), smoke=report.summary)
 
 
 def register(group: click.Group) -> None:

@@ -22,7 +22,7 @@ from qwen_kvprep.profile.progress import ProgressBar
 from qwen_kvprep.profile.protocol import RANDOM_SEED
 from qwen_kvprep.profile.runner import Measurements, ProfileError, ProfileOptions
 
-__all__ = ["ProfileError", "ProfileOptions", "ProfileReport", "run_profile"]
+__all__ = ["ProfileError", "ProfileOptions", "ProfileReport", "profile_and_plot", "run_profile"]
 
 
 @dataclass(frozen=True)
@@ -88,3 +88,21 @@ def run_profile(
         "quality": (found.quality.row or None) if found.quality is not None else None,
     }
     return ProfileReport(findings, profile, found)
+
+
+def profile_and_plot(
+    directory: Path,
+    options: ProfileOptions,
+    bar: Optional[ProgressBar] = None,
+    plot: Optional[Path] = None,
+) -> ProfileReport:
+    """`qwen-kvprep profile`: run_profile, then the plot drawn into `plot` when asked."""
+    report = run_profile(directory, options, bar)
+    if plot is None:
+        return report
+    from qwen_kvprep.findings import info
+    from qwen_kvprep.profile.plot import write_plot
+
+    written = write_plot(report.profile, plot)
+    drawn = info("profile.plot", f"wrote the plot to {written}", paths=[written])
+    return ProfileReport([*report.findings, drawn], report.profile, report.measurements)

@@ -15,7 +15,7 @@ from qwen_kvprep.findings import Finding
 from qwen_kvprep.smoke.evaluate import evaluate, expected_ratio
 from qwen_kvprep.smoke.runner import ChildOutcome, PhaseCallback, SmokeOptions, run_child
 
-__all__ = ["SmokeOptions", "SmokeReport", "expected_ratio", "run_smoke"]
+__all__ = ["SmokeOptions", "SmokeReport", "expected_ratio", "run_smoke", "smoke_and_record"]
 
 
 @dataclass(frozen=True)
@@ -40,3 +40,23 @@ def run_smoke(
     outcome = run_child(Path(directory), options, on_phase)
     findings, summary = evaluate(outcome, options, str(directory))
     return SmokeReport(findings, summary, outcome)
+
+
+def smoke_and_record(
+    directory: Path,
+    options: Optional[SmokeOptions] = None,
+    on_phase: Optional[PhaseCallback] = None,
+) -> SmokeReport:
+    """`qwen-kvprep smoke`: run_smoke, then the verdict recorded in the checkpoint's state
+    (when fix left one), under the folder's lock. A state that cannot be written is a
+    warning: the smoke itself has been judged."""
+    from qwen_kvprep.findings import warn
+    from qwen_kvprep.smoke.record import record_smoke
+
+    report = run_smoke(directory, options, on_phase)
+    try:
+        record_smoke(directory, report.summary)
+    except OSError as exc:
+        problem = warn("smoke.record", f"could not record the result in the state: {exc}")
+        return SmokeReport([*report.findings, problem], report.summary, report.outcome)
+    return report

@@ -1,14 +1,20 @@
 """Step of `fix`: get the extension for the chosen sources from the build cache, compiling
-it (under the key's lock) only when no build for this ABI exists yet."""
+it (under the key's lock) only when no build for this ABI exists yet. `build_into_cache`
+is the same for `qwen-kvprep build`, without a checkpoint."""
 
 from __future__ import annotations
 
 import os
 import shlex
-from typing import Any, Optional
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Optional
 
 from qwen_kvprep.errors import KvprepError
 from qwen_kvprep.findings import Finding, info, ok, skip, warn
+
+if TYPE_CHECKING:
+    from qwen_kvprep.buildcache.builder import BuildPlan, BuildResult
 
 
 def _degrade_gracefully(ctx: Any) -> list[Finding]:
@@ -56,6 +62,11 @@ def _reuse_compatible(layout: Any, plan: Any, arch_option: Optional[str]) -> Any
     return find_compatible(layout, plan, gpus)
 
 
+def _no_kernel_for_gpus(plan: BuildPlan) -> bool:
+    """A CPU-only build where torch has CUDA: GPU users get no kernel (said loudly)."""
+    return not plan.cuda and plan.torch.cuda is not None
+
+
 def run(ctx: Any) -> None:
     from qwen_kvprep.buildcache import CacheLayout, resolve_cache_dir, sources_of
     from qwen_kvprep.buildcache.builder import ensure_build, find_build, plan_build
@@ -73,8 +84,7 @@ def run(ctx: Any) -> None:
         )
         return
     plan = plan_build(sources_of(ctx.sources), ctx.options.arch)
-    # A CPU-only build where torch has CUDA means GPU users get no kernel: say so loudly.
-    mode = warn if (not plan.cuda and plan.torch.cuda) else info
+    mode = warn if _no_kernel_for_gpus(plan) else info
     ctx.add(
         mode(
             "build.mode",
@@ -154,3 +164,46 @@ def run(ctx: Any) -> None:
                 **result.to_json(),
             )
         )
+
+
+@dataclass(frozen=True)
+class CacheBuild:
+    """What `qwen-kvprep build` did: its findings and the build it found or compiled."""
+
+    findings: list[Finding]
+    result: BuildResult
+    cache_dir: Path
+
+    def to_json(self) -> dict[str, object]:
+        return {"build": self.result.to_json(), "cache_dir": str(self.cache_dir),
+                "key": self.result.key}
+
+
+def build_into_cache(
+    source_dir: Optional[Path] = None,
+    arch: Optional[str] = None,
+    cache_dir: Optional[Path] = None,
+    force: bool = False,
+    lock_timeout: Optional[float] = None,
+) -> CacheBuild:
+    """The extension for this torch in the build cache, compiled (under the key's lock) only
+    when the cache has no build of these sources for this ABI, or with `force`. No
+    checkpoint is involved: the sources are qwen-kvprep's own, or those in `source_dir`."""
+    from qwen_kvprep.buildcache import CacheLayout, read_sources, resolve_cache_dir
+    from qwen_kvprep.buildcache import vendored_sources as vendored
+    from qwen_kvprep.buildcache.builder import ensure_build, plan_build
+    from qwen_kvprep.resources import KERNEL_FILES
+
+    layout = CacheLayout(resolve_cache_dir(cache_dir))
+    sources = read_sources(source_dir, required=KERNEL_FILES[:1]) if source_dir else vendored()
+    plan = plan_build(sources, arch)
+    findings = [(warn if _no_kernel_for_gpus(plan) else info)("build.mode", plan.mode)]
+    result = ensure_build(plan, layout, force=force, timeout=lock_timeout)
+    if result.compiled:
+        message = f"compiled in {result.manifest['build_seconds']:.0f} s ({result.jobs})"
+        findings.append(info("build.build", message, paths=[result.dir], **result.to_json()))
+    else:
+        findings.append(
+            ok("build.build", "found in the cache", paths=[result.dir], **result.to_json())
+        )
+    return CacheBuild(findings, result, layout.root)
