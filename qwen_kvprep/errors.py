@@ -67,10 +67,6 @@ class CacheError(KvprepError):
     """A cache folder cannot be created or written."""
 
 
-class SmokeError(KvprepError):
-    """The smoke generation failed or proved the kernel is not used."""
-
-
 class StateError(RefusedError):
     """What an earlier run recorded (.qwen-kvprep/journal.json, originals/, state.json) is
     damaged, tampered with, or does not match the folder: nothing is changed."""

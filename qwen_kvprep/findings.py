@@ -87,14 +87,6 @@ def as_list(result: FindingsLike) -> list[Finding]:
     return list(result)
 
 
-def worst(findings: Iterable[Finding]) -> Severity:
-    sev = Severity.SKIP
-    for f in findings:
-        if f.severity.rank > sev.rank:
-            sev = f.severity
-    return sev
-
-
 def failed(findings: Iterable[Finding], strict: bool = False) -> bool:
     limit = Severity.WARN if strict else Severity.FAIL
     return any(f.severity.rank >= limit.rank for f in findings)

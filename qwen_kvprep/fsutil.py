@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Union
 
@@ -62,14 +60,3 @@ def atomic_symlink(target: str, link: PathLike) -> None:
         os.unlink(tmp)
     os.symlink(target, tmp)
     os.replace(tmp, link)
-
-
-@contextlib.contextmanager
-def temp_dir_beside(path: Path, prefix: str) -> Iterator[Path]:
-    """A temporary folder on the same file system as `path` (so a rename can publish it)."""
-    path.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=prefix, dir=path))
-    try:
-        yield tmp
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)

@@ -59,7 +59,8 @@ def make_pv(
 def ref_qk(
     vec: torch.Tensor, mat: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """float64 result of §5's formula, and the sum of the absolute terms (error scale)."""
+    """float64 result of the interface's formula (docs/qwen-v1.md), and the sum of the
+    absolute terms (error scale)."""
     s = scales.double().transpose(-1, -2)  # [B, H, 1, L]
     dq = (mat.double() - zeros.double().transpose(-1, -2)) * s  # [B, H, D, L]
     return vec.double() @ dq, vec.double().abs() @ dq.abs()

@@ -28,7 +28,7 @@ from qwen_kvprep.smoke.runner import ChildOutcome, SmokeOptions, run_child, tail
 
 
 def test_expected_ratio_matches_the_format() -> None:
-    # facts §3: D=128 with bf16 scale/zero: 128 + 2 + 2 = 132 bytes against 256
+    # D=128 with bf16 scale/zero: 128 + 2 + 2 = 132 bytes against 256
     assert expected_ratio(128, 2, 2) == pytest.approx(132 / 256)
     assert round(expected_ratio(128, 2, 2), 3) == 0.516
     assert expected_ratio(128, 4, 4) == pytest.approx(136 / 512)  # fp32 model

@@ -342,7 +342,7 @@ def test_kernels_sources_check_modified_names_the_hash() -> None:
 
 
 def test_kernels_sources_check_judges_the_modules_cache_copy() -> None:
-    # facts §4 item 1: the checkpoint has them, the copy the model runs from does not
+    # the first of the four failures: the checkpoint has them, the copy the model runs from does not
     findings = sources_check(_facts(_hashes(OURS), module_files=NONE))
     assert [f.severity for f in findings] == [Severity.OK, Severity.WARN]
     assert "modules cache /hf/modules" in findings[1].message

@@ -25,7 +25,7 @@ VENV453_PYTHON = REPO / ".venv453" / "bin" / "python"
 VENV_CUDA_PYTHON = REPO / ".venv-cuda" / "bin" / "python"  # CUDA build of torch, no GPU
 KERNEL_FILES = ("cache_autogptq_cuda_256.cpp", "cache_autogptq_cuda_kernel_256.cu")
 
-# Stand-in for the compiled extension: the two functions of facts §5 in plain torch,
+# Stand-in for the compiled extension: the two functions the model calls, in plain torch,
 # asserting the calling convention (fp16 contiguous inputs, uint8 cache, zeroed output).
 FAKE_CPP_KERNELS = '''
 import types

@@ -62,7 +62,7 @@ REQUIRED_FUNCTIONS = (
     "vecquant8matmul_batched_faster_old",
     "vecquant8matmul_batched_column_compression_faster_old",
 )
-# The official cpp_kernels.py flags (facts §4), minus its hard-coded architectures.
+# The official cpp_kernels.py's flags, minus its hard-coded architectures.
 CFLAGS = ("-O3",)
 CUDA_CFLAGS = ("-O3", "--use_fast_math")
 FAILED_LOGS_KEPT = 20

@@ -15,7 +15,7 @@ from qwen_kvprep.checks.registry import CHECKPOINT, CUDA_TORCH, ENV, TORCH, chec
 from qwen_kvprep.findings import Finding, FindingsLike, fail, info, ok, skip, warn
 from qwen_kvprep.probe.binary import parse_arch_label, runs_on
 from qwen_kvprep.probe.caches import usable_builds
-from qwen_kvprep.probe.env import EnvFacts, GpuInfo, version_tuple
+from qwen_kvprep.probe.env import EnvFacts, version_tuple
 from qwen_kvprep.probe.facts import Facts
 
 MIN_CUDA = (11, 4)
@@ -97,10 +97,6 @@ def _v(text: Optional[str], n: int = 2) -> Optional[tuple[int, ...]]:
 
 def _vs(t: tuple[int, ...]) -> str:
     return ".".join(str(p) for p in t)
-
-
-def _cc(gpu: GpuInfo) -> str:
-    return f"{gpu.capability[0]}.{gpu.capability[1]}"
 
 
 def max_gcc_for(nvcc: tuple[int, ...], build: Optional[str] = None) -> Optional[int]:

@@ -39,7 +39,8 @@ MAX_REL_LOGIT_DIFF = 0.05
 def _q(path: object) -> str:
     return shlex.quote(str(path))
 
-# Known causes, matched in the error text or the log tail (qwen-v1-facts.md §4).
+# Known causes, matched in the error text or the log tail (docs/qwen-v1.md, "How the model
+# finds its kernel").
 _HINTS = (
     (
         "./cache_autogptq_cuda_256.cpp",

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 
 def _degrade_gracefully(ctx: Any) -> list[Finding]:
     """config.json already asks for the kernel; with the original cpp_kernels.py still in
-    place the model would JIT-build at import and crash (facts §4). Our loader instead
+    place the model would JIT-build at import and crash (docs/qwen-v1.md). Our loader instead
     raises ImportError there, and the model falls back with its warning."""
     from qwen_kvprep.steps import loader
 

@@ -1,6 +1,6 @@
 """Step of `fix`: put the kernel sources and the loader next to the modules-cache copy of
-modeling_qwen.py, where the model looks for them (facts §4: transformers copies only
-.py files there, so the sources are missing and the model silently falls back).
+modeling_qwen.py, where the model looks for them (transformers copies only .py files
+there, so the sources are missing and the model silently falls back).
 
 Files are planted through the journal into the folder transformers' naming predicts
 (recording what was there for `revert`) before transformers is asked to refresh its copy;

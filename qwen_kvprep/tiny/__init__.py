@@ -9,7 +9,7 @@ checkpoint for everything qwen-kvprep touches, at a few MB and CPU speed:
       configuration_qwen.py        \
       modeling_qwen.py              | our own remote code (REMOTE_CODE_DIR): same tensor
       tokenization_qwen.py          | names, precision resolution, Int8 KV cache, kernel
-      qwen_generation_utils.py      | discovery and failure modes as qwen-v1-facts.md
+      qwen_generation_utils.py      | discovery and failure modes as docs/qwen-v1.md
       cpp_kernels.py               /  describes
       qwen.tiktoken                256 byte tokens + BPE merges learnt from a built-in text
       tokenizer_config.json        auto_map.AutoTokenizer
@@ -28,7 +28,7 @@ none of the three flags set), seed (weights, and nothing else, depend on it),
 config_overrides (merged last; the value REMOVE deletes a key).
 
 The folder name is not checked: a dot in it (`qwen-7b-v1.0`) reproduces the module
-import failure of facts §6, which tests may want.
+import failure of docs/qwen-v1.md ("Checkpoint"), which tests may want.
 
 Run `python -m qwen_kvprep.tiny DEST` to write one by hand.
 """
