@@ -262,7 +262,7 @@ def dist_version(name: str) -> Optional[str]:
 
 
 def python_tag() -> str:
-    # Same as buildcache.toolchain.python_tag (tested); repeated to keep the fast path light.
+    # Same as probe.toolchain.python_tag (tested); repeated to keep the fast path light.
     impl = "cp" if sys.implementation.name == "cpython" else sys.implementation.name
     return f"{impl}{sys.version_info[0]}{sys.version_info[1]}{getattr(sys, 'abiflags', '')}"
 

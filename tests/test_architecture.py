@@ -67,7 +67,6 @@ LAYERS: dict[str, int] = {
 
 # Imports that break the rules today and are being removed. Must shrink to nothing.
 KNOWN_UPWARD: set[tuple[str, str]] = {
-    ("qwen_kvprep.buildcache.arch", "qwen_kvprep.buildcache.toolchain"),
     ("qwen_kvprep.checks.checkpoint", "qwen_kvprep.steps.config_patch"),
     ("qwen_kvprep.checks.config", "qwen_kvprep.steps.config_patch"),
     ("qwen_kvprep.checks.kernels", "qwen_kvprep.hub"),
@@ -82,7 +81,6 @@ KNOWN_UPWARD: set[tuple[str, str]] = {
     ("qwen_kvprep.commands.smoke", "qwen_kvprep.cli"),
     ("qwen_kvprep.prestart", "qwen_kvprep.cli"),
     ("qwen_kvprep.prestart", "qwen_kvprep.report"),
-    ("qwen_kvprep.probe.caches", "qwen_kvprep.buildcache.toolchain"),
     ("qwen_kvprep.probe.caches", "qwen_kvprep.journal"),
     ("qwen_kvprep.probe.checkpoint", "qwen_kvprep.steps.config_patch"),
     ("qwen_kvprep.redact", "qwen_kvprep.checks"),

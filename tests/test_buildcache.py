@@ -22,12 +22,12 @@ from qwen_kvprep.buildcache import (
     lock,
     manifest,
     resolve_cache_dir,
-    toolchain,
     vendored_sources,
 )
 from qwen_kvprep.buildcache import arch as archmod
 from qwen_kvprep.buildcache.loader import is_loader, render_loader, source_hashes
 from qwen_kvprep.errors import BuildError, CacheError, LockTimeout, UsageError
+from qwen_kvprep.probe import toolchain
 
 NVCC13 = toolchain.NvccInfo(
     Path("/opt/cuda"),

@@ -94,7 +94,7 @@ def test_dist_version_agrees_with_importlib_metadata() -> None:
 
 
 def test_python_tag_agrees_with_the_build_cache() -> None:
-    from qwen_kvprep.buildcache.toolchain import python_tag
+    from qwen_kvprep.probe.toolchain import python_tag
 
     assert prestart.python_tag() == python_tag()
 

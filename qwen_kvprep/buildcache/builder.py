@@ -43,7 +43,10 @@ from qwen_kvprep.buildcache.manifest import (
     read_manifest,
 )
 from qwen_kvprep.buildcache.paths import CacheLayout
-from qwen_kvprep.buildcache.toolchain import (
+from qwen_kvprep.errors import BuildError, SourceError
+from qwen_kvprep.findings import fail
+from qwen_kvprep.fsutil import fsync_dir
+from qwen_kvprep.probe.toolchain import (
     NvccInfo,
     TorchInfo,
     machine,
@@ -51,9 +54,6 @@ from qwen_kvprep.buildcache.toolchain import (
     python_tag,
     torch_info,
 )
-from qwen_kvprep.errors import BuildError, SourceError
-from qwen_kvprep.findings import fail
-from qwen_kvprep.fsutil import fsync_dir
 from qwen_kvprep.resources import KERNEL_FILES, sha256_bytes, sha256_file
 
 CPP, CU = KERNEL_FILES

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from qwen_kvprep.probe.binary import BinaryArchs, read_archs
+from qwen_kvprep.probe.toolchain import machine, python_tag
 from qwen_kvprep.resources import KERNEL_FILES, sha256_file
 from qwen_kvprep.untrusted import read_record
 
@@ -390,13 +391,7 @@ def probe_caches(
     shared probe signature; nothing here depends on it."""
     del env
     environ = os.environ if environ is None else environ
-    try:
-        from qwen_kvprep.buildcache.toolchain import machine, python_tag
-
-        tag, mach = python_tag(), machine()
-    except Exception:  # the build package is optional for doctor
-        tag, mach = "", ""
-
+    tag, mach = python_tag(), machine()
     cache, cache_source = build_cache_dir(cache_dir, environ)
     root, root_source = modules_cache_root(environ)
     folders: tuple[ModuleFolder, ...] = ()
