@@ -41,6 +41,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from qwen_kvprep.common import (
+    JOURNAL_FILE,
+    STATE_DIRNAME,
+    STATE_FILE,
+    USERS_DIRNAME,
+    modules_cache_root,
+    user_record_name,
+)
 from qwen_kvprep.errors import StateError
 from qwen_kvprep.fsutil import atomic_write_bytes, atomic_write_text
 from qwen_kvprep.untrusted import (
@@ -56,12 +64,8 @@ from qwen_kvprep.untrusted import (
     relpath_problem,
 )
 
-STATE_DIRNAME = ".qwen-kvprep"
-JOURNAL_FILE = "journal.json"
 JOURNAL_VERSION = 2
 ORIGINALS = "originals"
-# In a modules-cache folder: one file per prepared folder that relies on what is planted.
-USERS_DIRNAME = ".qwen-kvprep-users"
 # The files fix changes are a few KiB to a few hundred KiB.
 ORIGINAL_LIMIT = 64 << 20
 # How many versions fix wrote to one path are remembered as "ours".
@@ -253,13 +257,11 @@ def _check_groups(groups: Any, version: int) -> list[dict[str, Any]]:
 def _from_version_1(data: dict[str, Any], directory: Path) -> dict[str, Any]:
     """Version 1 recorded planted files by absolute path: they are taken relative to this
     environment's modules root (anything else is refused), owned by `directory`."""
-    from qwen_kvprep.modcache import modules_cache_root
-
     files = _check_table(data.get("files", {}), "files", 1)
     planted = data.get("planted", {})
     if not isinstance(planted, dict):
         raise _Invalid("planted", "is not an object")
-    root = os.path.abspath(modules_cache_root())
+    root = os.path.abspath(modules_cache_root()[0])
     group: dict[str, Any] = {}
     for key, entry in planted.items():
         where = f"planted entry {key!r}"
@@ -509,10 +511,8 @@ class Journal:
     def plant(self, path: Path, data: bytes, root: Optional[Path] = None) -> bool:
         """Write a file in the modules cache (below `root`, by default the one the
         environment names), recorded for revert relative to that root."""
-        from qwen_kvprep.modcache import modules_cache_root
-
         path = Path(os.path.abspath(path))
-        base = os.path.abspath(root if root is not None else modules_cache_root())
+        base = os.path.abspath(root if root is not None else modules_cache_root()[0])
         rel = os.path.relpath(path, base)
         why = relpath_problem(rel)
         if why is not None:
@@ -528,7 +528,7 @@ class Journal:
             return
         users = Path(folder) / USERS_DIRNAME
         users.mkdir(parents=True, exist_ok=True)
-        me = users / _user_name(self.identity["path"])
+        me = users / user_record_name(self.identity["path"])
         text = json.dumps({"path": self.identity["path"]}) + "\n"
         try:
             if read_regular(me, 4096, follow=False).decode("utf-8", "replace") == text:
@@ -554,9 +554,7 @@ class Journal:
         return plan
 
     def _plan_planted(self, plan: RevertPlan) -> None:
-        from qwen_kvprep.modcache import modules_cache_root
-
-        here = os.path.abspath(modules_cache_root())
+        here = os.path.abspath(modules_cache_root()[0])
         for group in self._data["planted"]:
             owner = group["owner"]
             files = group["files"]
@@ -599,7 +597,7 @@ class Journal:
                 else:
                     for rel in sorted(rels):
                         self._plan_entry(plan, Path(here), rel, files[rel], str(Path(here) / rel))
-                me = folder / USERS_DIRNAME / _user_name(self.identity["path"])
+                me = folder / USERS_DIRNAME / user_record_name(self.identity["path"])
                 plan.users.append((me, str(folder)))
 
     def _other_users(self, folder: Path) -> list[str]:
@@ -616,7 +614,7 @@ class Journal:
             except (OSError, ValueError):
                 continue
             path = data.get("path") if isinstance(data, dict) else None
-            if not isinstance(path, str) or name != _user_name(path):
+            if not isinstance(path, str) or name != user_record_name(path):
                 continue
             if path == self.identity["path"] or os.path.realpath(path) == os.path.realpath(
                 self.root
@@ -749,14 +747,10 @@ class Journal:
         return done
 
 
-def _user_name(path: str) -> str:
-    return hashlib.sha256(path.encode("utf-8", "surrogateescape")).hexdigest()[:16] + ".json"
-
-
 def _prepared(path: str) -> bool:
     """Whether the folder at `path` still holds what fix recorded (its state or journal)."""
     base = os.path.join(path, STATE_DIRNAME)
-    return any(os.path.isfile(os.path.join(base, n)) for n in (JOURNAL_FILE, "state.json"))
+    return any(os.path.isfile(os.path.join(base, n)) for n in (JOURNAL_FILE, STATE_FILE))
 
 
 def remove_state_dir(state_dir: Path) -> None:

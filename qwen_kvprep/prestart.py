@@ -16,39 +16,38 @@ import json
 import os
 import sys
 
-from qwen_kvprep.statefile import (
+from qwen_kvprep.common import (
+    ENV_CACHE,
     KERNEL_FILES,
-    STATE_DIRNAME,
-    STATE_FILE,
+    SMALL_FILE_LIMIT,
     TRACKED_FILES,
-    inside,
-    read_state,
+    USERS_DIRNAME,
+    modules_cache_root,
+    python_tag,
+    sha256_small,
+    user_record_name,
 )
+from qwen_kvprep.statefile import inside, read_state
 from qwen_kvprep.untrusted import open_dir_under, read_record, read_regular
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # typing/pathlib cost milliseconds at import; only mypy needs them
     from collections.abc import Sequence
-    from typing import Any, Callable, NoReturn, Optional
+    from typing import Any, NoReturn, Optional
 
 # Every option has an environment variable, because entrypoints are configured that way.
 ENV_DIR = "QWEN_KVPREP_DIR"
 ENV_OUTPUT = "QWEN_KVPREP_OUTPUT"
 ENV_SMOKE = "QWEN_KVPREP_SMOKE"
 ENV_ALLOW_FALLBACK = "QWEN_KVPREP_ALLOW_FALLBACK"
-ENV_CACHE = "QWEN_KVPREP_CACHE"  # the build cache (buildcache.resolve_cache_dir reads it too)
 ENV_ARCH = "QWEN_KVPREP_ARCH"
 ENV_SOURCE = "QWEN_KVPREP_SOURCE"
 ENV_QUIET = "QWEN_KVPREP_QUIET"
-ENV_LOCK_TIMEOUT = "QWEN_KVPREP_LOCK_TIMEOUT"
 # Test/bench hook: where to write the names of the imported modules just before exec.
 ENV_DEBUG_IMPORTS = "QWEN_KVPREP_DEBUG_IMPORTS"
 
-__all__ = ["KERNEL_FILES", "STATE_DIRNAME", "STATE_FILE", "TRACKED_FILES"]
 PACKAGES = ("torch", "transformers")
 SOURCES = ("auto", "vendored", "hub")  # steps.sources.SOURCES
-# The files the state tracks are a few KiB; never hash anything big (weights).
-_SMALL = 16 << 20
 # click's BoolParamType spellings, so an environment variable means the same on both paths.
 _TRUE = ("1", "true", "t", "yes", "y", "on")
 _FALSE = ("0", "false", "f", "no", "n", "off")
@@ -172,32 +171,6 @@ def parse_fast(args: Sequence[str]) -> Optional[Request]:
 # ------------------------------------------------------------------ the recorded state
 
 
-def _sha256_constructor() -> Callable[[bytes], Any]:
-    # The interpreter's builtin sha256 (_sha2 from 3.12, _sha256 before): hashlib would
-    # first load OpenSSL's libcrypto, several milliseconds of the fast path. Same digest.
-    for name in ("_sha2", "_sha256"):
-        try:
-            return __import__(name).sha256
-        except (ImportError, AttributeError):
-            continue
-    import hashlib
-
-    return hashlib.sha256
-
-
-_sha256 = _sha256_constructor()
-
-
-def sha256_small(path: str) -> Optional[str]:
-    """sha256 of a small regular file; None when it is missing, unreadable, not small or
-    not a regular file (a FIFO is refused without waiting for a writer)."""
-    try:
-        data = read_regular(path, _SMALL)
-    except OSError:
-        return None
-    return str(_sha256(data).hexdigest())
-
-
 def _normalize(name: str) -> str:
     # PEP 503 normalisation, as importlib.metadata applies it to names and folders.
     out = name.lower()
@@ -261,28 +234,6 @@ def dist_version(name: str) -> Optional[str]:
         return None
 
 
-def python_tag() -> str:
-    # Same as probe.toolchain.python_tag (tested); repeated to keep the fast path light.
-    impl = "cp" if sys.implementation.name == "cpython" else sys.implementation.name
-    return f"{impl}{sys.version_info[0]}{sys.version_info[1]}{getattr(sys, 'abiflags', '')}"
-
-
-def modules_root() -> str:
-    """modcache.modules_cache_root(), absolute (tested equal). Repeated here because that
-    module's imports (pathlib, errors -> findings -> dataclasses) cost more than the whole
-    fast path."""
-    env = os.environ.get("HF_MODULES_CACHE")
-    if env:
-        root = os.path.expanduser(env)
-    elif os.environ.get("HF_HOME"):
-        root = os.path.join(os.path.expanduser(os.environ["HF_HOME"]), "modules")
-    else:
-        xdg = os.environ.get("XDG_CACHE_HOME")
-        base = os.path.expanduser(xdg) if xdg else os.path.join(os.path.expanduser("~"), ".cache")
-        root = os.path.join(base, "huggingface", "modules")
-    return os.path.abspath(root)
-
-
 def load_state(target: str) -> Optional[dict[str, Any]]:
     """The recorded state when it is usable (statefile.read_state: size, depth and schema
     checked, as fix and doctor read it), else None."""
@@ -338,7 +289,7 @@ def _modules_mismatch(state: dict[str, Any], target: str) -> Optional[str]:
     for name in KERNEL_FILES:
         if name not in planted:
             return f"the state records no modules-cache copy of {name}"
-    root = modules_root()
+    root = os.path.abspath(modules_cache_root()[0])
     recorded_root = str(modules.get("root"))
     rels = []
     for key in ("folder", "hub_folder"):
@@ -371,7 +322,7 @@ def _plant(source: str, root: str, rel: str, name: str) -> None:
     """Copy `source` to root/rel/name atomically, reaching the folder without following a
     symlink below `root` (a link planted there cannot redirect the write elsewhere)."""
     os.makedirs(root, exist_ok=True)
-    data = read_regular(source, _SMALL)
+    data = read_regular(source, SMALL_FILE_LIMIT)
     fd = open_dir_under(root, rel.split("/"), create=True)
     try:
         # the temporary-name pattern fix's cleanup knows: .<name>.<8 chars>.tmp
@@ -404,27 +355,24 @@ def _register(fd: int) -> None:
     if target is None:
         return
     with contextlib.suppress(OSError):
-        import hashlib  # only when planting: loads OpenSSL, a few ms
-
-        users = ".qwen-kvprep-users"
         with contextlib.suppress(FileExistsError):
-            os.mkdir(users, 0o755, dir_fd=fd)
+            os.mkdir(USERS_DIRNAME, 0o755, dir_fd=fd)
         ufd = os.open(
-            users,
+            USERS_DIRNAME,
             os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_DIRECTORY", 0),
             dir_fd=fd,
         )
         try:
-            name = hashlib.sha256(target.encode("utf-8", "surrogateescape")).hexdigest()[:16]
+            name = user_record_name(target)
             text = '{"path": ' + json.dumps(target) + "}\n"
-            tmp = f".{name}.json.{os.getpid() % 10**8:08d}.tmp"
+            tmp = f".{name}.{os.getpid() % 10**8:08d}.tmp"
             flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0)
             out = os.open(tmp, flags, 0o644, dir_fd=ufd)
             try:
                 os.write(out, text.encode("utf-8", "surrogateescape"))
             finally:
                 os.close(out)
-            os.replace(tmp, f"{name}.json", src_dir_fd=ufd, dst_dir_fd=ufd)
+            os.replace(tmp, name, src_dir_fd=ufd, dst_dir_fd=ufd)
         finally:
             os.close(ufd)
 

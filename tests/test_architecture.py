@@ -102,11 +102,6 @@ KNOWN_CYCLES: list[set[str]] = [
         "qwen_kvprep.redact",
         "qwen_kvprep.report",
     },
-    {
-        "qwen_kvprep.prestart",
-        "qwen_kvprep.steps.fix",
-        "qwen_kvprep.view",
-    },
 ]
 
 

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from qwen_kvprep import common
 from qwen_kvprep.buildcache import (
     CacheLayout,
     builder,
@@ -454,8 +455,8 @@ def test_loader_helpers_agree_with_toolchain(tmp_path: Path) -> None:
         "cache_autogptq_cuda_256 = _resolve()", "pass"
     )
     exec(compile(source, str(path), "exec"), namespace)
-    assert namespace["_python_tag"]() == toolchain.python_tag()
-    assert namespace["_running"]()["machine"] == toolchain.machine()
+    assert namespace["_python_tag"]() == common.python_tag()
+    assert namespace["_running"]()["machine"] == common.machine()
     for arch_list, cap in (
         (["8.0"], (8, 6)),
         (["8.6"], (8, 0)),

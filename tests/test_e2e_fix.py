@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from qwen_kvprep.resources import KERNEL_FILES, sha256_file
+from qwen_kvprep.common import KERNEL_FILES, sha256_file
 from qwen_kvprep.tiny import generate_checkpoint
 from tests.treesnap import snapshot
 

@@ -17,7 +17,7 @@ from typing import Any, Optional
 
 import pytest
 
-from qwen_kvprep import __version__, prestart
+from qwen_kvprep import __version__, common, prestart
 from qwen_kvprep.prestart import Request, parse_fast, state_mismatch
 
 HEAVY = ("torch", "transformers", "huggingface_hub")
@@ -94,7 +94,7 @@ def test_dist_version_agrees_with_importlib_metadata() -> None:
 
 
 def test_python_tag_agrees_with_the_build_cache() -> None:
-    from qwen_kvprep.probe.toolchain import python_tag
+    from qwen_kvprep.buildcache.builder import python_tag
 
     assert prestart.python_tag() == python_tag()
 
@@ -107,13 +107,14 @@ def test_python_tag_agrees_with_the_build_cache() -> None:
 def test_modules_root_agrees_with_modcache(
     env: dict[str, str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from qwen_kvprep.modcache import modules_cache_root
+    from qwen_kvprep.probe.caches import modules_cache_root
 
     for name in ("HF_MODULES_CACHE", "HF_HOME", "XDG_CACHE_HOME"):
         monkeypatch.delenv(name, raising=False)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
-    assert prestart.modules_root() == os.path.abspath(modules_cache_root())
+    root = os.path.abspath(common.modules_cache_root()[0])  # where the fast path plants
+    assert root == os.path.abspath(modules_cache_root(os.environ)[0])
 
 
 # ------------------------------------------------------------------ a recorded state, made by hand
@@ -134,7 +135,7 @@ def fake_prepared(root: Path) -> Path:
     build.mkdir(parents=True)
     (build / "cache_autogptq_cuda_256.so").write_bytes(b"\x7fELF")
     (build / "manifest.json").write_text(json.dumps(
-        {"manifest_version": 1, "key": "k1", "inputs": {"python_tag": prestart.python_tag()}}))
+        {"manifest_version": 1, "key": "k1", "inputs": {"python_tag": common.python_tag()}}))
     modules_root = Path(os.environ["HF_MODULES_CACHE"])
     folder = modules_root / "transformers_modules" / "Fake-Chat"
     folder.mkdir(parents=True)
@@ -147,7 +148,7 @@ def fake_prepared(root: Path) -> Path:
         "state_version": 1,
         "tool_version": __version__,
         "checkpoint": str(ckpt),
-        "files": {n: sha(ckpt / n) for n in prestart.TRACKED_FILES},
+        "files": {n: sha(ckpt / n) for n in common.TRACKED_FILES},
         "sources": {"origin": "vendored", "repo_id": None, "revision": None},
         "packages": {n: importlib.metadata.version(n) for n in ("torch", "transformers")},
         "build": {"key": "k1", "dir": str(build), "so": str(build / "cache_autogptq_cuda_256.so"),
@@ -558,5 +559,5 @@ def test_eight_replicas_start_together_on_one_shared_cache(
 def test_the_fast_sha256_is_sha256(tmp_path: Path) -> None:
     data = os.urandom(100_000)
     (tmp_path / "f").write_bytes(data)
-    assert prestart.sha256_small(str(tmp_path / "f")) == hashlib.sha256(data).hexdigest()
-    assert prestart.sha256_small(str(tmp_path / "missing")) is None
+    assert common.sha256_small(str(tmp_path / "f")) == hashlib.sha256(data).hexdigest()
+    assert common.sha256_small(str(tmp_path / "missing")) is None

@@ -7,6 +7,7 @@ import os
 import shlex
 from typing import Any, Optional
 
+from qwen_kvprep.common import LOADER_FILE
 from qwen_kvprep.errors import KvprepError
 from qwen_kvprep.findings import Finding, info, ok, skip, warn
 
@@ -26,7 +27,7 @@ def _degrade_gracefully(ctx: Any) -> list[Finding]:
             "build.loader",
             "installed the loader although the build failed: the model falls back to its "
             "pure-torch path (with a warning) until `qwen-kvprep fix` succeeds",
-            paths=[ctx.directory / loader.LOADER_FILE],
+            paths=[ctx.directory / LOADER_FILE],
         )
     ]
 
