@@ -17,8 +17,8 @@ from typing import Any, Optional
 
 import pytest
 
-from qwen_kvprep import __version__, common, prestart
-from qwen_kvprep.prestart import Request, parse_fast, state_mismatch
+from qwen_kvprep import __version__, common, fastpath
+from qwen_kvprep.fastpath import Request, parse_fast, state_mismatch
 
 HEAVY = ("torch", "transformers", "huggingface_hub")
 # The fast path also avoids these: each would add milliseconds to every container start.
@@ -89,14 +89,14 @@ def test_dist_version_agrees_with_importlib_metadata() -> None:
     names = {d.metadata["Name"] for d in importlib.metadata.distributions()}
     assert {"torch", "transformers", "click"} <= names
     for name in sorted(names):
-        assert prestart.dist_version(name) == importlib.metadata.version(name), name
-    assert prestart.dist_version("no-such-distribution-qwen-kvprep") is None
+        assert fastpath.dist_version(name) == importlib.metadata.version(name), name
+    assert fastpath.dist_version("no-such-distribution-qwen-kvprep") is None
 
 
 def test_python_tag_agrees_with_the_build_cache() -> None:
     from qwen_kvprep.buildcache.builder import python_tag
 
-    assert prestart.python_tag() == python_tag()
+    assert fastpath.python_tag() == python_tag()
 
 
 @pytest.mark.parametrize(
@@ -313,7 +313,7 @@ def test_fast_path_execs_cmd_and_imports_nothing_heavy(
     assert res.stdout == "hi\n"  # prestart's own words go to stderr
     assert "is ready" in res.stderr
     modules = set(dump.read_text().split())
-    assert "qwen_kvprep.prestart" in modules
+    assert "qwen_kvprep.fastpath" in modules
     assert not [m for m in AVOIDED if m in modules]
 
 
@@ -328,7 +328,7 @@ def test_fast_path_imports_seen_by_importtime(fake: Path) -> None:
         for line in res.stderr.splitlines()
         if line.startswith("import time:") and "|" in line
     }
-    assert "qwen_kvprep.prestart" in imported
+    assert "qwen_kvprep.fastpath" in imported
     assert not {m for m in imported if m.split(".")[0] in HEAVY or m == "click"}
 
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from qwen_kvprep.prestart import Request, state_mismatch
+from qwen_kvprep.fastpath import Request, state_mismatch
 from qwen_kvprep.resources import KERNEL_FILES
 from tests.safety_kit import MODULE_FILES, kvprep, prepare, sha, tree
 
