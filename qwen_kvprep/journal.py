@@ -29,7 +29,6 @@ In dry-run mode nothing is written: the planned writes are collected for display
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 import re
@@ -47,6 +46,7 @@ from qwen_kvprep.common import (
     STATE_FILE,
     USERS_DIRNAME,
     modules_cache_root,
+    sha256_bytes,
     user_record_name,
 )
 from qwen_kvprep.errors import StateError
@@ -80,10 +80,6 @@ class PlannedWrite:
     path: Path
     old: Optional[bytes]  # None: the file does not exist yet
     new: bytes
-
-
-def sha256(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
 
 
 def _q(path: Any) -> str:
@@ -123,7 +119,7 @@ class Present:
 
     @property
     def digest(self) -> Optional[str]:
-        return sha256(self.data) if self.data is not None else None
+        return sha256_bytes(self.data) if self.data is not None else None
 
 
 def present_at(fd: int, name: str) -> Present:
@@ -382,12 +378,12 @@ class Journal:
     # -- recording ---------------------------------------------------------------------
     def _store(self, data: bytes) -> str:
         """Keep `data` under originals/ (named by its sha256); returns the store path."""
-        digest = sha256(data)
+        digest = sha256_bytes(data)
         folder = self.state_dir / ORIGINALS
         folder.mkdir(parents=True, exist_ok=True)
         path = folder / digest
         try:
-            if sha256(read_regular(path, ORIGINAL_LIMIT, follow=False)) == digest:
+            if sha256_bytes(read_regular(path, ORIGINAL_LIMIT, follow=False)) == digest:
                 return f"{ORIGINALS}/{digest}"
         except OSError:
             pass
@@ -444,7 +440,7 @@ class Journal:
         if current.kind == "other":
             raise NotRegularFile(path, current.what)
         entry = table.get(key)
-        new = sha256(data)
+        new = sha256_bytes(data)
         if current.kind == "file" and current.data == data:
             if self.dry_run:
                 return False
@@ -700,10 +696,10 @@ class Journal:
             )
             return
         digest = entry.get("sha256")
-        if digest is not None and sha256(data) != digest:
+        if digest is not None and sha256_bytes(data) != digest:
             plan.problems.append(
                 f"{shown}: its original {store_path} changed since fix kept it (sha256 "
-                f"{sha256(data)[:16]}…, recorded {digest[:16]}…), so it is not restored"
+                f"{sha256_bytes(data)[:16]}…, recorded {digest[:16]}…), so it is not restored"
             )
             return
         mode = entry.get("mode")  # version 1 kept it on the stored copy instead
