@@ -22,7 +22,7 @@ from qwen_kvprep.errors import EXIT_FAILED, EXIT_OK, EXIT_USAGE, KvprepError, os
 from qwen_kvprep.redact import install_log_filter, scrub
 from qwen_kvprep.render import report_error
 
-__all__ = ["cli", "main", "report_error"]
+__all__ = ["cli", "main"]
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})

@@ -26,12 +26,11 @@ from typing import Any, Callable, NoReturn, Optional
 
 import filelock
 
+from qwen_kvprep.common import ENV_LOCK_TIMEOUT, STATE_DIRNAME, TRACKED_FILES
 from qwen_kvprep.errors import LockTimeout
 from qwen_kvprep.findings import fail
 
-STATE_DIRNAME = ".qwen-kvprep"
 LOCK_FILE = "lock"
-ENV_LOCK_TIMEOUT = "QWEN_KVPREP_LOCK_TIMEOUT"
 
 # (thread, realpath of the state folder) -> [lock, depth]: the locks this process holds.
 # Per thread: another thread of this process waits like another process would.
@@ -175,14 +174,7 @@ def _q(path: Any) -> str:
 
 
 # The files fix writes in a model folder: only temporary files named after them are ours.
-OUR_FILES = frozenset(
-    (
-        "config.json",
-        "cpp_kernels.py",
-        "cache_autogptq_cuda_256.cpp",
-        "cache_autogptq_cuda_kernel_256.cu",
-    )
-)
+OUR_FILES = frozenset(TRACKED_FILES)
 
 # Temporary files our atomic writes create: `.<name>.<8 random>.tmp` (fsutil, journal),
 # `.<name>.<pid>.lnk` (fsutil.atomic_symlink), `.<name>.revert` (revert before 0.2).

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 def main(argv: Optional[Sequence[str]] = None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
     if args and args[0] == "prestart":
-        from qwen_kvprep.prestart import fast
+        from qwen_kvprep.fastpath import fast
 
         fast(args[1:])  # execs CMD or exits when the state matches; returns otherwise
     from qwen_kvprep.cli import main as cli_main

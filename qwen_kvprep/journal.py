@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+from qwen_kvprep.common import modules_cache_root, user_record_name
 from qwen_kvprep.errors import StateError
 from qwen_kvprep.fsutil import atomic_write_bytes, atomic_write_text
 from qwen_kvprep.journalfile import (
@@ -55,7 +56,6 @@ from qwen_kvprep.journalfile import (
     read_journal,
     same_folder,
     sha256,
-    user_name,
 )
 from qwen_kvprep.untrusted import NotRegularFile, open_dir_under, read_regular, relpath_problem
 
@@ -91,9 +91,7 @@ class Journal:
 
     # -- persistence -------------------------------------------------------------------
     def _load(self) -> JournalData:
-        from qwen_kvprep.modcache import modules_cache_root
-
-        return read_journal(self.root, modules_cache_root())
+        return read_journal(self.root, Path(modules_cache_root()[0]))
 
     def _save(self) -> None:
         if self.dry_run:
@@ -230,10 +228,8 @@ class Journal:
     def plant(self, path: Path, data: bytes, root: Optional[Path] = None) -> bool:
         """Write a file in the modules cache (below `root`, by default the one the
         environment names), recorded for revert relative to that root."""
-        from qwen_kvprep.modcache import modules_cache_root
-
         path = Path(os.path.abspath(path))
-        base = os.path.abspath(root if root is not None else modules_cache_root())
+        base = os.path.abspath(root if root is not None else modules_cache_root()[0])
         rel = os.path.relpath(path, base)
         why = relpath_problem(rel)
         if why is not None:
@@ -249,7 +245,7 @@ class Journal:
             return
         users = Path(folder) / USERS_DIRNAME
         users.mkdir(parents=True, exist_ok=True)
-        me = users / user_name(self.identity["path"])
+        me = users / user_record_name(self.identity["path"])
         text = json.dumps({"path": self.identity["path"]}) + "\n"
         try:
             if read_regular(me, 4096, follow=False).decode("utf-8", "replace") == text:
@@ -268,9 +264,7 @@ class Journal:
     # -- undo --------------------------------------------------------------------------
     def plan_revert(self) -> RevertPlan:
         """Check every entry; decide what to do. Changes nothing."""
-        from qwen_kvprep.modcache import modules_cache_root
-
-        return plan_revert(self._data, self.root, self.identity, modules_cache_root())
+        return plan_revert(self._data, self.root, self.identity, Path(modules_cache_root()[0]))
 
     def revert(self) -> list[str]:
         """Check every entry, then restore every recorded file and remove the state folder.

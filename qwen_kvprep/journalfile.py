@@ -21,7 +21,6 @@ journal.Journal carries it out.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -31,6 +30,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Union
 
+from qwen_kvprep.common import (
+    JOURNAL_FILE,
+    STATE_DIRNAME,
+    USERS_DIRNAME,
+    user_record_name,
+)
+from qwen_kvprep.common import sha256_bytes as sha256
 from qwen_kvprep.errors import StateError
 from qwen_kvprep.untrusted import (
     RECORD_LIMIT,
@@ -46,12 +52,8 @@ from qwen_kvprep.untrusted import (
     relpath_problem,
 )
 
-STATE_DIRNAME = ".qwen-kvprep"
-JOURNAL_FILE = "journal.json"
 JOURNAL_VERSION = 2
 ORIGINALS = "originals"
-# In a modules-cache folder: one file per prepared folder that relies on what is planted.
-USERS_DIRNAME = ".qwen-kvprep-users"
 # The files fix changes are a few KiB to a few hundred KiB.
 ORIGINAL_LIMIT = 64 << 20
 # How many versions fix wrote to one path are remembered as "ours".
@@ -69,10 +71,6 @@ JournalData = dict[str, Any]
 Entry = dict[str, Any]
 # What identifies a prepared folder: {"path", "dev", "ino"}
 Identity = dict[str, Any]
-
-
-def sha256(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
 
 
 def quote(path: Any) -> str:
@@ -456,7 +454,7 @@ class _Planner:
                 else:
                     for rel in sorted(rels):
                         self.entry(plan, Path(here), rel, files[rel], str(Path(here) / rel))
-                me = folder / USERS_DIRNAME / user_name(self.identity["path"])
+                me = folder / USERS_DIRNAME / user_record_name(self.identity["path"])
                 plan.users.append((me, str(folder)))
 
     def _other_users(self, folder: Path) -> list[str]:
@@ -473,7 +471,7 @@ class _Planner:
             except (OSError, ValueError):
                 continue
             path = data.get("path") if isinstance(data, dict) else None
-            if not isinstance(path, str) or name != user_name(path):
+            if not isinstance(path, str) or name != user_record_name(path):
                 continue
             if path == self.identity["path"] or os.path.realpath(path) == os.path.realpath(
                 self.root
@@ -569,10 +567,6 @@ class _Planner:
         plan.actions.append(
             (shown, Restore(base, parts, data, store_mode if mode is None else mode & 0o777))
         )
-
-
-def user_name(path: str) -> str:
-    return hashlib.sha256(path.encode("utf-8", "surrogateescape")).hexdigest()[:16] + ".json"
 
 
 def prepared(path: str) -> bool:

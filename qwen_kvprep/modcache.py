@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from qwen_kvprep.common import modules_cache_root
 from qwen_kvprep.errors import CacheError, CheckpointError
 from qwen_kvprep.findings import fail
 
@@ -19,26 +20,12 @@ MODULE_FILE = "modeling_qwen.py"
 DYNAMIC_MODULE_NAME = "transformers_modules"
 
 
-def modules_cache_root() -> Path:
-    """HF_MODULES_CACHE > $HF_HOME/modules > $XDG_CACHE_HOME/huggingface/modules >
-    ~/.cache/huggingface/modules, from the environment only (no transformers import)."""
-    env = os.environ.get("HF_MODULES_CACHE")
-    if env:
-        return Path(env).expanduser()
-    home = os.environ.get("HF_HOME")
-    if home:
-        return Path(home).expanduser() / "modules"
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
-    return base / "huggingface" / "modules"
-
-
 def transformers_root() -> Path:
     """The modules-cache root transformers itself uses (it read the environment when it was
     imported); the root planted files are recorded relative to."""
     from transformers import dynamic_module_utils as dmu
 
-    return Path(getattr(dmu, "HF_MODULES_CACHE", None) or modules_cache_root())
+    return Path(getattr(dmu, "HF_MODULES_CACHE", None) or modules_cache_root()[0])
 
 
 def module_folder(checkpoint_dir: Path, materialize: bool = True) -> Path:
@@ -50,7 +37,7 @@ def module_folder(checkpoint_dir: Path, materialize: bool = True) -> Path:
     """
     from transformers import dynamic_module_utils as dmu
 
-    root = Path(getattr(dmu, "HF_MODULES_CACHE", None) or modules_cache_root())
+    root = Path(getattr(dmu, "HF_MODULES_CACHE", None) or modules_cache_root()[0])
     package = getattr(dmu, "TRANSFORMERS_DYNAMIC_MODULE_NAME", DYNAMIC_MODULE_NAME)
     source = str(Path(checkpoint_dir).absolute())
     if not materialize:
@@ -87,7 +74,7 @@ def hub_module_folder(repo_id: str, commit: str) -> Path:
     cpp_kernels.py would stay forever; fix plants into this folder too."""
     from transformers import dynamic_module_utils as dmu
 
-    root = Path(getattr(dmu, "HF_MODULES_CACHE", None) or modules_cache_root())
+    root = Path(getattr(dmu, "HF_MODULES_CACHE", None) or modules_cache_root()[0])
     package = getattr(dmu, "TRANSFORMERS_DYNAMIC_MODULE_NAME", DYNAMIC_MODULE_NAME)
     parts = repo_id.split("/")
     sanitize = getattr(dmu, "_sanitize_module_name", None)

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import hashlib
-import os
 from pathlib import Path
 
-_PKG = Path(__file__).resolve().parent
+from qwen_kvprep.common import KERNEL_FILES, sha256_file
 
-KERNEL_FILES = ("cache_autogptq_cuda_256.cpp", "cache_autogptq_cuda_kernel_256.cu")
+_PKG = Path(__file__).resolve().parent
 
 
 def _data_dir(name: str) -> Path:
@@ -26,25 +24,6 @@ def kernels_dir() -> Path:
 
 def templates_dir() -> Path:
     return _data_dir("templates")
-
-
-def sha256_bytes(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
-
-
-def sha256_file(path: Path) -> str:
-    """sha256 of a regular file (symlinks followed); OSError for anything else, without
-    blocking on a FIFO (untrusted.NotRegularFile)."""
-    from qwen_kvprep.untrusted import open_regular
-
-    h = hashlib.sha256()
-    fd = open_regular(path)
-    try:
-        for chunk in iter(lambda: os.read(fd, 1 << 20), b""):
-            h.update(chunk)
-    finally:
-        os.close(fd)
-    return h.hexdigest()
 
 
 def vendored_kernel_hashes() -> dict[str, str]:

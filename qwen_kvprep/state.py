@@ -21,9 +21,9 @@ from pathlib import Path
 from typing import Any, Optional
 
 from qwen_kvprep import __version__
-from qwen_kvprep.journal import STATE_DIRNAME, Journal
-from qwen_kvprep.resources import sha256_file
-from qwen_kvprep.statefile import STATE_FILE, STATE_VERSION, TRACKED_FILES, read_state
+from qwen_kvprep.common import STATE_DIRNAME, STATE_FILE, TRACKED_FILES, sha256_file
+from qwen_kvprep.journal import Journal
+from qwen_kvprep.statefile import STATE_VERSION, read_state
 
 # Fields that change on every run without meaning anything changed.
 _VOLATILE = ("updated",)

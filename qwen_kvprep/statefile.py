@@ -22,19 +22,14 @@ from __future__ import annotations
 import os
 import re
 
+from qwen_kvprep.common import MODULE_FILES, STATE_DIRNAME, STATE_FILE, TRACKED_FILES
 from qwen_kvprep.untrusted import describe_json_error, read_record, relpath_problem
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import Any, Optional
 
-STATE_DIRNAME = ".qwen-kvprep"
-STATE_FILE = "state.json"
 STATE_VERSION = 1
-KERNEL_FILES = ("cache_autogptq_cuda_256.cpp", "cache_autogptq_cuda_kernel_256.cu")
-LOADER_FILE = "cpp_kernels.py"
-TRACKED_FILES = ("config.json", LOADER_FILE, *KERNEL_FILES)
-MODULE_FILES = (*KERNEL_FILES, LOADER_FILE)
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 
 

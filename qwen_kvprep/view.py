@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import os
 
-from qwen_kvprep.prestart import sha256_small
+from qwen_kvprep.common import STATE_DIRNAME, TRACKED_FILES, sha256_small
 from qwen_kvprep.untrusted import read_record
 
 TYPE_CHECKING = False
@@ -23,17 +23,11 @@ if TYPE_CHECKING:  # typing costs milliseconds at import; the fast path does not
     from pathlib import Path
     from typing import Any, Optional
 
-STATE_DIRNAME = ".qwen-kvprep"  # same as journal.STATE_DIRNAME (not imported: fast path)
 MARKER = "view.json"
 VIEW_VERSION = 1
 # What fix may replace in a checkpoint. Their source hashes are kept in the marker so that
 # a change in DIR (a new config.json) resets the view's patched copy on the next refresh.
-CHANGED_FILES = (
-    "config.json",
-    "cpp_kernels.py",
-    "cache_autogptq_cuda_256.cpp",
-    "cache_autogptq_cuda_kernel_256.cu",
-)
+CHANGED_FILES = TRACKED_FILES
 
 
 def marker_path(out: str) -> str:

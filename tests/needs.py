@@ -78,7 +78,7 @@ def nvcc() -> Any:
     """The toolkit the builder itself would use (probe.toolchain.nvcc_info), when it
     matches torch's CUDA major version."""
     torch = cuda_torch()
-    from qwen_kvprep.buildcache.toolchain import nvcc_info
+    from qwen_kvprep.probe.toolchain import nvcc_info
 
     info, why = nvcc_info()
     if info is None:

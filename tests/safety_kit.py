@@ -95,13 +95,13 @@ def write_state(directory: Path, modules: Path, folder: Path, build: Optional[Pa
 
 
 def fake_build(root: Path) -> Path:
-    from qwen_kvprep import prestart
+    from qwen_kvprep.common import python_tag
 
     build = root / "cache" / "builds" / "k1"
     build.mkdir(parents=True)
     (build / "cache_autogptq_cuda_256.so").write_bytes(b"\x7fELF")
     (build / "manifest.json").write_text(json.dumps(
-        {"manifest_version": 1, "key": "k1", "inputs": {"python_tag": prestart.python_tag()}}))
+        {"manifest_version": 1, "key": "k1", "inputs": {"python_tag": python_tag()}}))
     return build
 
 

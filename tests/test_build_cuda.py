@@ -16,8 +16,8 @@ import pytest
 
 from qwen_kvprep.buildcache import arch as archmod
 from qwen_kvprep.buildcache.manifest import problem, read_manifest
-from qwen_kvprep.buildcache.toolchain import NvccInfo
 from qwen_kvprep.probe.binary import read_archs
+from qwen_kvprep.probe.toolchain import NvccInfo
 from tests import needs
 
 pytestmark = [pytest.mark.cuda_build, pytest.mark.slow]

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from qwen_kvprep import common
 from qwen_kvprep.buildcache import (
     CacheLayout,
     builder,
@@ -23,12 +24,12 @@ from qwen_kvprep.buildcache import (
     lock,
     manifest,
     resolve_cache_dir,
-    toolchain,
     vendored_sources,
 )
 from qwen_kvprep.buildcache import arch as archmod
 from qwen_kvprep.buildcache.loader import is_loader, render_loader, source_hashes
 from qwen_kvprep.errors import BuildError, CacheError, LockTimeout, UsageError
+from qwen_kvprep.probe import toolchain
 
 NVCC13 = toolchain.NvccInfo(
     Path("/opt/cuda"),
@@ -497,8 +498,8 @@ def test_loader_helpers_agree_with_toolchain(tmp_path: Path) -> None:
         "cache_autogptq_cuda_256 = _resolve()", "pass"
     )
     exec(compile(source, str(path), "exec"), namespace)
-    assert namespace["_python_tag"]() == toolchain.python_tag()
-    assert namespace["_running"]()["machine"] == toolchain.machine()
+    assert namespace["_python_tag"]() == common.python_tag()
+    assert namespace["_running"]()["machine"] == common.machine()
     for arch_list, cap in (
         (["8.0"], (8, 6)),
         (["8.6"], (8, 0)),

@@ -22,8 +22,9 @@ from typing import Any
 import pytest
 
 from qwen_kvprep.buildcache.builder import plan_build
-from qwen_kvprep.buildcache.toolchain import nvcc_info
-from qwen_kvprep.resources import KERNEL_FILES, kernels_dir, sha256_file
+from qwen_kvprep.common import KERNEL_FILES, sha256_file
+from qwen_kvprep.probe.toolchain import nvcc_info
+from qwen_kvprep.resources import kernels_dir
 from qwen_kvprep.tiny import generate_checkpoint
 from tests.treesnap import snapshot
 

@@ -21,7 +21,7 @@ import torch
 import torch.utils.cpp_extension as cpp_extension
 
 from qwen_kvprep.buildcache.builder import nvcc_compile_flags
-from qwen_kvprep.buildcache.toolchain import NvccInfo, torch_info
+from qwen_kvprep.probe.toolchain import NvccInfo, torch_info
 from qwen_kvprep.resources import KERNEL_FILES, kernels_dir
 from tests import needs
 

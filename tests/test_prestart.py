@@ -17,8 +17,8 @@ from typing import Any, Optional
 
 import pytest
 
-from qwen_kvprep import __version__, prestart
-from qwen_kvprep.prestart import Request, parse_fast, state_mismatch
+from qwen_kvprep import __version__, common, fastpath
+from qwen_kvprep.fastpath import Request, parse_fast, state_mismatch
 
 HEAVY = ("torch", "transformers", "huggingface_hub")
 # The fast path also avoids these: each would add milliseconds to every container start.
@@ -89,14 +89,14 @@ def test_dist_version_agrees_with_importlib_metadata() -> None:
     names = {d.metadata["Name"] for d in importlib.metadata.distributions()}
     assert {"torch", "transformers", "click"} <= names
     for name in sorted(names):
-        assert prestart.dist_version(name) == importlib.metadata.version(name), name
-    assert prestart.dist_version("no-such-distribution-qwen-kvprep") is None
+        assert fastpath.dist_version(name) == importlib.metadata.version(name), name
+    assert fastpath.dist_version("no-such-distribution-qwen-kvprep") is None
 
 
 def test_python_tag_agrees_with_the_build_cache() -> None:
-    from qwen_kvprep.buildcache.toolchain import python_tag
+    from qwen_kvprep.buildcache.builder import python_tag
 
-    assert prestart.python_tag() == python_tag()
+    assert fastpath.python_tag() == python_tag()
 
 
 @pytest.mark.parametrize(
@@ -107,13 +107,14 @@ def test_python_tag_agrees_with_the_build_cache() -> None:
 def test_modules_root_agrees_with_modcache(
     env: dict[str, str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from qwen_kvprep.modcache import modules_cache_root
+    from qwen_kvprep.probe.caches import modules_cache_root
 
     for name in ("HF_MODULES_CACHE", "HF_HOME", "XDG_CACHE_HOME"):
         monkeypatch.delenv(name, raising=False)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
-    assert prestart.modules_root() == os.path.abspath(modules_cache_root())
+    root = os.path.abspath(common.modules_cache_root()[0])  # where the fast path plants
+    assert root == os.path.abspath(modules_cache_root(os.environ)[0])
 
 
 # ------------------------------------------------------------------ a recorded state, made by hand
@@ -134,7 +135,7 @@ def fake_prepared(root: Path) -> Path:
     build.mkdir(parents=True)
     (build / "cache_autogptq_cuda_256.so").write_bytes(b"\x7fELF")
     (build / "manifest.json").write_text(json.dumps(
-        {"manifest_version": 1, "key": "k1", "inputs": {"python_tag": prestart.python_tag()}}))
+        {"manifest_version": 1, "key": "k1", "inputs": {"python_tag": common.python_tag()}}))
     modules_root = Path(os.environ["HF_MODULES_CACHE"])
     folder = modules_root / "transformers_modules" / "Fake-Chat"
     folder.mkdir(parents=True)
@@ -147,7 +148,7 @@ def fake_prepared(root: Path) -> Path:
         "state_version": 1,
         "tool_version": __version__,
         "checkpoint": str(ckpt),
-        "files": {n: sha(ckpt / n) for n in prestart.TRACKED_FILES},
+        "files": {n: sha(ckpt / n) for n in common.TRACKED_FILES},
         "sources": {"origin": "vendored", "repo_id": None, "revision": None},
         "packages": {n: importlib.metadata.version(n) for n in ("torch", "transformers")},
         "build": {"key": "k1", "dir": str(build), "so": str(build / "cache_autogptq_cuda_256.so"),
@@ -312,7 +313,7 @@ def test_fast_path_execs_cmd_and_imports_nothing_heavy(
     assert res.stdout == "hi\n"  # prestart's own words go to stderr
     assert "is ready" in res.stderr
     modules = set(dump.read_text().split())
-    assert "qwen_kvprep.prestart" in modules
+    assert "qwen_kvprep.fastpath" in modules
     assert not [m for m in AVOIDED if m in modules]
 
 
@@ -327,7 +328,7 @@ def test_fast_path_imports_seen_by_importtime(fake: Path) -> None:
         for line in res.stderr.splitlines()
         if line.startswith("import time:") and "|" in line
     }
-    assert "qwen_kvprep.prestart" in imported
+    assert "qwen_kvprep.fastpath" in imported
     assert not {m for m in imported if m.split(".")[0] in HEAVY or m == "click"}
 
 
@@ -558,5 +559,5 @@ def test_eight_replicas_start_together_on_one_shared_cache(
 def test_the_fast_sha256_is_sha256(tmp_path: Path) -> None:
     data = os.urandom(100_000)
     (tmp_path / "f").write_bytes(data)
-    assert prestart.sha256_small(str(tmp_path / "f")) == hashlib.sha256(data).hexdigest()
-    assert prestart.sha256_small(str(tmp_path / "missing")) is None
+    assert common.sha256_small(str(tmp_path / "f")) == hashlib.sha256(data).hexdigest()
+    assert common.sha256_small(str(tmp_path / "missing")) is None

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from qwen_kvprep.prestart import Request, state_mismatch
+from qwen_kvprep.fastpath import Request, state_mismatch
 from qwen_kvprep.resources import KERNEL_FILES
 from tests import needs
 from tests.safety_kit import MODULE_FILES, kvprep, prepare, sha, tree
@@ -141,8 +141,7 @@ def test_a_fifo_never_makes_prestart_doctor_or_fix_hang(
 
 
 def test_regular_file_reads_refuse_without_blocking(tmp_path: Path) -> None:
-    from qwen_kvprep.prestart import sha256_small
-    from qwen_kvprep.resources import sha256_file
+    from qwen_kvprep.common import sha256_file, sha256_small
     from qwen_kvprep.untrusted import NotRegularFile, read_regular
 
     fifo = tmp_path / "fifo"

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Optional
 
-from qwen_kvprep.buildcache.lock import DEFAULT_LOCK_TIMEOUT, ENV_LOCK_TIMEOUT, lock_timeout
+from qwen_kvprep.buildcache.lock import DEFAULT_LOCK_TIMEOUT, lock_timeout
 from qwen_kvprep.buildcache.manifest import (
     BUILD_LOG,
     EXTENSION_NAME,
@@ -23,9 +23,10 @@ from qwen_kvprep.buildcache.manifest import (
     list_builds,
     read_manifest,
 )
-from qwen_kvprep.buildcache.paths import ENV_CACHE, CacheLayout, resolve_cache_dir
+from qwen_kvprep.buildcache.paths import CacheLayout, resolve_cache_dir
+from qwen_kvprep.common import ENV_CACHE, ENV_LOCK_TIMEOUT, KERNEL_FILES
 from qwen_kvprep.errors import SourceError
-from qwen_kvprep.resources import KERNEL_FILES, kernels_dir
+from qwen_kvprep.resources import kernels_dir
 
 __all__ = [
     "BUILD_LOG",

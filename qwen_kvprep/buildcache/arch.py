@@ -17,9 +17,9 @@ import re
 from collections.abc import Iterable, Sequence
 from typing import Optional
 
-from qwen_kvprep.buildcache.toolchain import NvccInfo, arch_sort_key
 from qwen_kvprep.errors import BuildError, UsageError
 from qwen_kvprep.findings import fail
+from qwen_kvprep.probe.toolchain import NvccInfo, arch_sort_key
 
 ENV_ARCH = "TORCH_CUDA_ARCH_LIST"
 

@@ -43,18 +43,11 @@ from qwen_kvprep.buildcache.manifest import (
     read_manifest,
 )
 from qwen_kvprep.buildcache.paths import CacheLayout
-from qwen_kvprep.buildcache.toolchain import (
-    NvccInfo,
-    TorchInfo,
-    machine,
-    nvcc_info,
-    python_tag,
-    torch_info,
-)
+from qwen_kvprep.common import KERNEL_FILES, machine, python_tag, sha256_bytes, sha256_file
 from qwen_kvprep.errors import BuildError, SourceError
 from qwen_kvprep.findings import fail
 from qwen_kvprep.fsutil import fsync_dir
-from qwen_kvprep.resources import KERNEL_FILES, sha256_bytes, sha256_file
+from qwen_kvprep.probe.toolchain import NvccInfo, TorchInfo, nvcc_info, torch_info
 
 CPP, CU = KERNEL_FILES
 # What modeling_qwen.py calls; a build without them is refused before it is published.

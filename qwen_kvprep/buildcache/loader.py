@@ -8,11 +8,10 @@ from pathlib import Path
 from typing import Optional
 
 from qwen_kvprep import __version__
-from qwen_kvprep.resources import KERNEL_FILES, sha256_bytes, templates_dir
+from qwen_kvprep.common import KERNEL_FILES, LOADER_MARKER, sha256_bytes
+from qwen_kvprep.resources import templates_dir
 
-LOADER_FILE = "cpp_kernels.py"
 LOADER_TEMPLATE = "cpp_kernels.py.tmpl"
-LOADER_MARKER = "# qwen-kvprep loader"
 
 
 def is_loader(text: str) -> bool:

@@ -21,11 +21,11 @@ from typing import Any, Callable, Optional
 import filelock
 
 from qwen_kvprep.buildcache.paths import CacheLayout
+from qwen_kvprep.common import ENV_LOCK_TIMEOUT
 from qwen_kvprep.errors import LockTimeout, UsageError
 from qwen_kvprep.findings import fail
 from qwen_kvprep.fsutil import atomic_write_text
 
-ENV_LOCK_TIMEOUT = "QWEN_KVPREP_LOCK_TIMEOUT"
 DEFAULT_LOCK_TIMEOUT = 600.0
 
 

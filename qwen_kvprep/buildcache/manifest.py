@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 from typing import Any, Optional
 
-from qwen_kvprep.resources import sha256_file
+from qwen_kvprep.common import sha256_file
 
 MANIFEST = "manifest.json"
 MANIFEST_VERSION = 1

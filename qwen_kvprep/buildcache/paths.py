@@ -18,23 +18,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from qwen_kvprep.common import ENV_CACHE, build_cache_root
 from qwen_kvprep.errors import CacheError
 from qwen_kvprep.findings import fail
 
-ENV_CACHE = "QWEN_KVPREP_CACHE"
 CACHE_OPTION = "--cache-dir"
 
 
 def resolve_cache_dir(option: Optional[Path] = None) -> Path:
     """--cache-dir > $QWEN_KVPREP_CACHE > $XDG_CACHE_HOME/qwen-kvprep > ~/.cache/qwen-kvprep."""
-    if option is not None:
-        return Path(option).expanduser().absolute()
-    env = os.environ.get(ENV_CACHE)
-    if env:
-        return Path(env).expanduser().absolute()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
-    return (base / "qwen-kvprep").absolute()
+    return Path(build_cache_root(option)[0])
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ from qwen_kvprep.checks.registry import (
     checkpoint_of,
     env_of,
 )
+from qwen_kvprep.common import KERNEL_FILES
 from qwen_kvprep.findings import Finding, FindingsLike, fail, info, ok, skip, warn
 from qwen_kvprep.probe.binary import BinaryArchs, runs_on
 from qwen_kvprep.probe.caches import (
@@ -28,7 +29,6 @@ from qwen_kvprep.probe.caches import (
 )
 from qwen_kvprep.probe.env import GpuInfo
 from qwen_kvprep.probe.facts import Facts
-from qwen_kvprep.resources import KERNEL_FILES
 
 FALLBACK_WARNING = "KV cache kernel source files (.cpp and .cu) not found."
 CACHE_FIX = "use another folder: `--cache-dir DIR` or `export QWEN_KVPREP_CACHE=DIR`"

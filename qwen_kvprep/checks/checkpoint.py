@@ -13,6 +13,7 @@ from pathlib import PurePosixPath
 from typing import Optional, Union
 
 from qwen_kvprep.checks.registry import CHECKPOINT, LISTED, check, checkpoint_of
+from qwen_kvprep.common import KERNEL_FILES
 from qwen_kvprep.configjson import CONFIG
 from qwen_kvprep.findings import Finding, fail, info, ok, skip, warn
 from qwen_kvprep.probe.checkpoint import (
@@ -32,7 +33,6 @@ from qwen_kvprep.probe.checkpoint import (
     ContentProblem,
 )
 from qwen_kvprep.probe.facts import Facts
-from qwen_kvprep.resources import KERNEL_FILES
 
 # Used in fix commands when the checkpoint's repo is unknown; the fix says to replace it.
 PLACEHOLDER_REPO = "Qwen/Qwen-7B-Chat"

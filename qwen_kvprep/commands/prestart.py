@@ -1,20 +1,28 @@
 from __future__ import annotations
 
-from typing import Any, Optional
+import sys
+from typing import Any, NoReturn, Optional
 
 import click
 
-from qwen_kvprep.prestart import (
+from qwen_kvprep.common import ENV_CACHE
+from qwen_kvprep.fastpath import (
     ENV_ALLOW_FALLBACK,
     ENV_ARCH,
-    ENV_CACHE,
     ENV_DIR,
     ENV_OUTPUT,
     ENV_QUIET,
     ENV_SMOKE,
     ENV_SOURCE,
     SOURCES,
+    Planting,
+    Request,
+    hand_over,
+    say,
+    start_ready,
+    state_mismatch,
 )
+from qwen_kvprep.steps.prestart import Prepared, prepare_or_fall_back
 
 _COMMAND_KEY = "qwen_kvprep.prestart.command"
 
@@ -96,7 +104,6 @@ def prestart(
     """
     from qwen_kvprep.commands._common import existing_dir
     from qwen_kvprep.errors import UsageError
-    from qwen_kvprep.prestart import Request, run
 
     if directory is None:
         raise UsageError(
@@ -118,6 +125,50 @@ def prestart(
             source=source,
         )
     )
+
+
+def run(request: Request) -> NoReturn:
+    """The fast path once more (click has parsed the options), else the slow path; then
+    hand over to CMD."""
+    planting = Planting()
+    reason = state_mismatch(request, planting)
+    if reason is None:
+        start_ready(request, planting)
+    say(request, f"preparing: {reason}")
+    done = prepare_or_fall_back(request, planting)
+    _report(request, done)
+    hand_over(request.command)
+
+
+def _report(request: Request, done: Prepared) -> None:
+    """What the slow path did, on stderr (stdout belongs to CMD)."""
+    from qwen_kvprep.errors import KvprepError
+    from qwen_kvprep.redact import scrub
+
+    if done.failure is not None:
+        if isinstance(done.failure, KvprepError):
+            from qwen_kvprep.render import report_error
+
+            report_error(done.failure, as_json=False)
+        else:
+            sys.stderr.write(
+                f"qwen-kvprep prestart: unexpected error: {scrub(repr(done.failure))}\n"
+            )
+        if done.view_error is not None:
+            sys.stderr.write(
+                f"qwen-kvprep prestart: cannot make {request.target} a view: "
+                f"{scrub(str(done.view_error))}\n"
+            )
+        # not through say(): --quiet silences success, never this
+        sys.stderr.write("qwen-kvprep prestart: WARNING: --allow-fallback: starting the "
+                         "command without a working Int8 KV cache kernel\n")
+        return
+    if done.findings and not request.quiet:
+        from qwen_kvprep.render import emit, render_human
+
+        emit(render_human(done.findings), sys.stderr)
+    if done.recheck is not None:
+        say(request, f"note: prepared, but the next start will check again ({done.recheck})")
 
 
 def register(group: click.Group) -> None:

@@ -18,14 +18,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from qwen_kvprep.common import (
+    JOURNAL_FILE,
+    KERNEL_FILES,
+    LOADER_MARKER,
+    STATE_DIRNAME,
+    STATE_FILE,
+    build_cache_root,
+    machine,
+    python_tag,
+    sha256_file,
+)
+from qwen_kvprep.common import LOADER_FILE as LOADER
+from qwen_kvprep.common import modules_cache_root as _modules_cache_root
 from qwen_kvprep.probe.binary import BinaryArchs, read_archs
-from qwen_kvprep.resources import KERNEL_FILES, sha256_file
 from qwen_kvprep.untrusted import read_record
 
-LOADER = "cpp_kernels.py"
 MODELING = "modeling_qwen.py"
-LOADER_MARKER = "# qwen-kvprep loader"
-STATE_FILE = Path(".qwen-kvprep") / "state.json"
 # The official cpp_kernels.py builds into <its folder>/build with torch's FileBaton, whose
 # `lock` file stays behind when the build is killed.
 JIT_BUILD_DIR = "build"
@@ -169,32 +178,15 @@ def _why(path: str) -> str:
 
 
 def build_cache_dir(option: Optional[Path], environ: Mapping[str, str]) -> tuple[Path, str]:
-    """--cache-dir > $QWEN_KVPREP_CACHE > $XDG_CACHE_HOME/qwen-kvprep > ~/.cache/qwen-kvprep
-    (the order buildcache.paths.resolve_cache_dir uses), with where it came from."""
-    if option is not None:
-        return Path(option).expanduser().absolute(), "--cache-dir"
-    if environ.get("QWEN_KVPREP_CACHE"):
-        return Path(environ["QWEN_KVPREP_CACHE"]).expanduser().absolute(), "QWEN_KVPREP_CACHE"
-    if environ.get("XDG_CACHE_HOME"):
-        return (
-            Path(environ["XDG_CACHE_HOME"]).expanduser() / "qwen-kvprep"
-        ).absolute(), "XDG_CACHE_HOME"
-    return (Path.home() / ".cache" / "qwen-kvprep").absolute(), "default"
+    """The build cache (common.build_cache_root), with what chose it."""
+    path, source = build_cache_root(option, environ)
+    return Path(path), source
 
 
 def modules_cache_root(environ: Mapping[str, str]) -> tuple[Path, str]:
-    """Where transformers keeps remote code: HF_MODULES_CACHE > $HF_HOME/modules >
-    $XDG_CACHE_HOME/huggingface/modules > ~/.cache/huggingface/modules (huggingface_hub
-    derives HF_HOME from XDG_CACHE_HOME when HF_HOME is unset)."""
-    if environ.get("HF_MODULES_CACHE"):
-        return Path(environ["HF_MODULES_CACHE"]).expanduser(), "HF_MODULES_CACHE"
-    if environ.get("HF_HOME"):
-        return Path(environ["HF_HOME"]).expanduser() / "modules", "HF_HOME"
-    if environ.get("XDG_CACHE_HOME"):
-        return Path(
-            environ["XDG_CACHE_HOME"]
-        ).expanduser() / "huggingface" / "modules", "XDG_CACHE_HOME"
-    return Path.home() / ".cache" / "huggingface" / "modules", "default"
+    """transformers' modules cache (common.modules_cache_root), with what chose it."""
+    path, source = _modules_cache_root(environ)
+    return Path(path), source
 
 
 def module_folder_candidates(directory: Path, root: Path) -> list[tuple[Path, str]]:
@@ -269,20 +261,15 @@ def _read_state(directory: Path) -> tuple[Optional[Mapping[str, Any]], Optional[
     try:
         return read_state(str(directory))
     except Exception as exc:  # never abort doctor over what a folder holds
-        return None, f"{directory / STATE_FILE} cannot be read: {type(exc).__name__}: {exc}"
+        path = directory / STATE_DIRNAME / STATE_FILE
+        return None, f"{path} cannot be read: {type(exc).__name__}: {exc}"
 
 
 def _read_journal(directory: Path, modules_root: Path) -> dict[str, Any]:
     """Whether DIR has a journal, whether it is sound, and whether revert would succeed:
     revert's own checks, run read-only."""
     from qwen_kvprep.errors import KvprepError
-    from qwen_kvprep.journalfile import (
-        JOURNAL_FILE,
-        STATE_DIRNAME,
-        folder_identity,
-        plan_revert,
-        read_journal,
-    )
+    from qwen_kvprep.journalfile import folder_identity, plan_revert, read_journal
 
     out: dict[str, Any] = {"state_dir": str(directory / STATE_DIRNAME)}
     out["journal_present"] = os.path.lexists(directory / STATE_DIRNAME / JOURNAL_FILE)
@@ -396,13 +383,7 @@ def probe_caches(
     shared probe signature; nothing here depends on it."""
     del env
     environ = os.environ if environ is None else environ
-    try:
-        from qwen_kvprep.buildcache.toolchain import machine, python_tag
-
-        tag, mach = python_tag(), machine()
-    except Exception:  # the build package is optional for doctor
-        tag, mach = "", ""
-
+    tag, mach = python_tag(), machine()
     cache, cache_source = build_cache_dir(cache_dir, environ)
     root, root_source = modules_cache_root(environ)
     folders: tuple[ModuleFolder, ...] = ()

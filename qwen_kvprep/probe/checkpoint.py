@@ -23,9 +23,10 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any, Optional
 
+from qwen_kvprep.common import KERNEL_FILES, LOADER_MARKER, sha256_file
+from qwen_kvprep.common import LOADER_FILE as LOADER
 from qwen_kvprep.configjson import CONFIG, parse_config_bytes, read_config_bytes
 from qwen_kvprep.errors import ConfigError, current_user
-from qwen_kvprep.resources import KERNEL_FILES, sha256_file
 from qwen_kvprep.untrusted import kind_of, open_regular, read_prefix
 
 REMOTE_CODE_FILES = (
@@ -36,7 +37,6 @@ REMOTE_CODE_FILES = (
     "cpp_kernels.py",
 )
 MODELING = "modeling_qwen.py"
-LOADER = "cpp_kernels.py"
 TIKTOKEN = "qwen.tiktoken"
 TOKENIZER_CONFIG = "tokenizer_config.json"
 TOKENIZER_FILES = (TIKTOKEN, TOKENIZER_CONFIG)
@@ -46,9 +46,6 @@ ST_SINGLE = "model.safetensors"
 ST_INDEX = "model.safetensors.index.json"
 BIN_SINGLE = "pytorch_model.bin"
 BIN_INDEX = "pytorch_model.bin.index.json"
-
-# Written by the build helper's loader template in its first lines.
-LOADER_MARKER = "# qwen-kvprep loader"
 
 # The safetensors library refuses headers above 100 MB (HeaderTooLarge); so do we.
 MAX_HEADER = 100_000_000

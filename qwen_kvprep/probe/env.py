@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from qwen_kvprep.common import resolve_cuda_home
+
 # Subprocesses (nvcc, the compilers, ninja) answer `--version` in milliseconds; the
 # timeout only guards against a wrapper script that hangs.
 TOOL_TIMEOUT_S = 10.0
@@ -344,26 +346,6 @@ def _nvml() -> tuple[Optional[str], tuple[GpuInfo, ...]]:
 
 # ---------------------------------------------------------------------------------------
 # CUDA toolkit, as torch.utils.cpp_extension finds it
-
-
-def resolve_cuda_home(
-    environ: Mapping[str, str], which_nvcc: Optional[str]
-) -> tuple[Optional[str], str]:
-    """Mirror torch.utils.cpp_extension._find_cuda_home: (path or None, where it came from).
-
-    CUDA_HOME, else CUDA_PATH (taken verbatim, even when it is a path list), else the
-    grandparent of `nvcc` on PATH (so /usr/local/bin/nvcc gives /usr/local), else
-    /usr/local/cuda if it exists.
-    """
-    for name in ("CUDA_HOME", "CUDA_PATH"):
-        value = environ.get(name)
-        if value:
-            return value, name
-    if which_nvcc:
-        return os.path.dirname(os.path.dirname(which_nvcc)), "nvcc-on-path"
-    if os.path.exists("/usr/local/cuda"):
-        return "/usr/local/cuda", "default"
-    return None, "none"
 
 
 def cuda_lib_dir(cuda_home: str) -> str:

@@ -97,9 +97,8 @@ def resolve_dtype(spec: ChildSpec, device: str, torch: Any) -> str:
 def plant_kernels(source: Path) -> None:
     """Put the loader and the kernel sources beside the modules-cache copy of the model
     code, where the model looks for them (transformers copies only .py files there)."""
+    from qwen_kvprep.common import KERNEL_FILES, LOADER_FILE
     from qwen_kvprep.modcache import module_folder
-    from qwen_kvprep.resources import KERNEL_FILES
-    from qwen_kvprep.steps.loader import LOADER_FILE
 
     folder = module_folder(source)
     for name in (LOADER_FILE, *KERNEL_FILES):

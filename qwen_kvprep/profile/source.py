@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from qwen_kvprep.common import KERNEL_FILES, LOADER_FILE
 from qwen_kvprep.errors import CheckpointError, ConfigError
 from qwen_kvprep.findings import fail
 
@@ -86,7 +87,7 @@ def _probe_loader(directory: Path) -> bool:
     from qwen_kvprep.buildcache.loader import is_loader
 
     try:
-        return is_loader((directory / "cpp_kernels.py").read_text(encoding="utf-8"))
+        return is_loader((directory / LOADER_FILE).read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError):
         return False
 
@@ -140,8 +141,6 @@ def model_source(directory: Path, random_weights: bool) -> Iterator[ModelSource]
 def _assemble(directory: Path, folder: Path, config: dict[str, Any], has_code: bool) -> None:
     from qwen_kvprep.buildcache import read_sources, resolve_cache_dir, vendored_sources
     from qwen_kvprep.buildcache.loader import render_loader, source_hashes
-    from qwen_kvprep.resources import KERNEL_FILES
-    from qwen_kvprep.steps.loader import LOADER_FILE
     from qwen_kvprep.tiny import REMOTE_CODE_DIR, REMOTE_FILES
 
     config = dict(config)

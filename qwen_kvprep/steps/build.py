@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
+from qwen_kvprep.common import LOADER_FILE
 from qwen_kvprep.errors import KvprepError
 from qwen_kvprep.findings import Finding, info, ok, skip, warn
 
@@ -32,7 +33,7 @@ def _degrade_gracefully(ctx: Any) -> list[Finding]:
             "build.loader",
             "installed the loader although the build failed: the model falls back to its "
             "pure-torch path (with a warning) until `qwen-kvprep fix` succeeds",
-            paths=[ctx.directory / loader.LOADER_FILE],
+            paths=[ctx.directory / LOADER_FILE],
         )
     ]
 

@@ -10,9 +10,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from qwen_kvprep.common import JOURNAL_FILE, STATE_DIRNAME
 from qwen_kvprep.errors import KvprepError
 from qwen_kvprep.findings import Finding
-from qwen_kvprep.journal import STATE_DIRNAME, Journal, PlannedWrite
+from qwen_kvprep.journal import Journal, PlannedWrite
 
 
 @dataclass(frozen=True)
@@ -165,7 +166,6 @@ def _undo_creation(target: Path, new_top: Optional[Path]) -> None:
     """After a failure: remove what this run created, unless something was recorded in
     it (a failed build leaves the patched config and its journal: revert undoes that)."""
     from qwen_kvprep.dirlock import release_if_unused
-    from qwen_kvprep.journal import JOURNAL_FILE
 
     if new_top is not None and not os.path.lexists(target / STATE_DIRNAME / JOURNAL_FILE):
         shutil.rmtree(new_top, ignore_errors=True)

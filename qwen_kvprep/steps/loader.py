@@ -6,9 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from qwen_kvprep.common import LOADER_FILE
 from qwen_kvprep.findings import info, ok
-
-LOADER_FILE = "cpp_kernels.py"
 
 
 def loader_bytes(ctx: Any) -> bytes:

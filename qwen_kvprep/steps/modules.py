@@ -14,9 +14,9 @@ import re
 from pathlib import Path
 from typing import Any, Optional
 
+from qwen_kvprep.common import LOADER_FILE, modules_cache_root, sha256_bytes, sha256_file
 from qwen_kvprep.errors import CacheError
 from qwen_kvprep.findings import fail, info, ok, warn
-from qwen_kvprep.resources import sha256_bytes, sha256_file
 
 
 def _plant_all(ctx: Any, folder: Path, files: dict[str, bytes]) -> list[str]:
@@ -52,8 +52,8 @@ def _plant_all(ctx: Any, folder: Path, files: dict[str, bytes]) -> list[str]:
 
 def run(ctx: Any) -> None:
     from qwen_kvprep.buildcache import sources_of
-    from qwen_kvprep.modcache import module_folder, modules_cache_root
-    from qwen_kvprep.steps.loader import LOADER_FILE, loader_bytes
+    from qwen_kvprep.modcache import module_folder
+    from qwen_kvprep.steps.loader import loader_bytes
 
     files = dict(sorted(sources_of(ctx.sources).items()))
     files[LOADER_FILE] = loader_bytes(ctx)
@@ -79,8 +79,7 @@ def run(ctx: Any) -> None:
     hub_folder = _hub_folder(ctx)
     if hub_folder is not None and hub_folder != folder:
         changed += [f"{n} (for loads by repo id)" for n in _plant_all(ctx, hub_folder, files)]
-    root = modules_cache_root()
-    env_root = Path(os.path.abspath(root))
+    env_root = Path(os.path.abspath(modules_cache_root()[0]))
     if env_root not in folder.parents:
         ctx.add(
             warn(

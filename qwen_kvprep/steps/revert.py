@@ -11,7 +11,8 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from qwen_kvprep.journal import STATE_DIRNAME, Journal
+from qwen_kvprep.common import STATE_DIRNAME
+from qwen_kvprep.journal import Journal
 
 
 @dataclass

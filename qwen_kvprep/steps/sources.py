@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from qwen_kvprep import catalogue, resources
+from qwen_kvprep.common import KERNEL_FILES, sha256_bytes
 from qwen_kvprep.errors import SourceError, UsageError, current_user
 from qwen_kvprep.findings import Finding, fail, info, ok, warn
 from qwen_kvprep.steps import download
@@ -36,7 +37,7 @@ class SourceSet:
     commit: Optional[str] = None  # what the Hub resolved `revision` to
 
     def hashes(self) -> dict[str, str]:
-        return {name: resources.sha256_bytes(data) for name, data in self.files.items()}
+        return {name: sha256_bytes(data) for name, data in self.files.items()}
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -62,7 +63,7 @@ def run(ctx: Any) -> None:
         )
 
     present = _read_present(Path(ctx.directory))
-    hashes = {n: (resources.sha256_bytes(b) if b is not None else None) for n, b in present.items()}
+    hashes = {n: (sha256_bytes(b) if b is not None else None) for n, b in present.items()}
     kind, per_file = catalogue.classify_set(hashes, catalogue.ours_hashes())
 
     if source == "vendored":
@@ -79,7 +80,7 @@ def run(ctx: Any) -> None:
 
 def _read_present(directory: Path) -> dict[str, Optional[bytes]]:
     out: dict[str, Optional[bytes]] = {}
-    for name in resources.KERNEL_FILES:
+    for name in KERNEL_FILES:
         path = directory / name
         try:
             # Follows a symlink into a huggingface_hub blob: what matters is the content.
@@ -104,7 +105,7 @@ def _read_present(directory: Path) -> dict[str, Optional[bytes]]:
 def _vendored() -> SourceSet:
     try:
         folder = resources.kernels_dir()
-        files = {name: (folder / name).read_bytes() for name in resources.KERNEL_FILES}
+        files = {name: (folder / name).read_bytes() for name in KERNEL_FILES}
     except OSError as exc:
         finding = fail(
             "kernels.sources",

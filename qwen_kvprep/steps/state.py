@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from qwen_kvprep.common import KERNEL_FILES
 from qwen_kvprep.findings import info, ok
-from qwen_kvprep.resources import KERNEL_FILES
 
 
 def _sources(ctx: Any) -> dict[str, Any]:

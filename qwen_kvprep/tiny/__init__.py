@@ -43,8 +43,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, Optional
 
+from qwen_kvprep.common import KERNEL_FILES
 from qwen_kvprep.errors import UsageError
-from qwen_kvprep.resources import KERNEL_FILES
 
 REMOTE_CODE_DIR = Path(__file__).resolve().parent / "remote"
 

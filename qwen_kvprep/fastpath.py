@@ -1,11 +1,11 @@
-"""`prestart`: free when nothing changed since `fix`, the missing part of `fix` when it did.
+"""prestart's fast path: exec CMD when nothing changed since `fix`.
 
-It runs on every container start. The fast path — the state `fix` recorded still matches
-the files, the installed torch/transformers, the build and the modules cache — must cost a
-few milliseconds: this module imports only the standard library at the top (no pathlib,
-typing, click, torch, transformers or huggingface_hub), and `qwen_kvprep.entry` calls
-`fast()` before click is even imported. Everything else (the slow path: fix, locking,
-rendering) is imported inside the functions that need it.
+It runs on every container start. When the state `fix` recorded still matches the files,
+the installed torch/transformers, the build and the modules cache, it must cost a few
+milliseconds: this module imports only the standard library and the standard-library-only
+base modules at the top (no pathlib, typing, click, torch, transformers or
+huggingface_hub), and `qwen_kvprep.entry` calls `fast()` before click is even imported.
+When the state does not hold, `steps.prestart` (the slow path) does the missing part.
 """
 
 from __future__ import annotations
@@ -16,39 +16,38 @@ import json
 import os
 import sys
 
-from qwen_kvprep.statefile import (
+from qwen_kvprep.common import (
+    ENV_CACHE,
     KERNEL_FILES,
-    STATE_DIRNAME,
-    STATE_FILE,
+    SMALL_FILE_LIMIT,
     TRACKED_FILES,
-    inside,
-    read_state,
+    USERS_DIRNAME,
+    modules_cache_root,
+    python_tag,
+    sha256_small,
+    user_record_name,
 )
+from qwen_kvprep.statefile import inside, read_state
 from qwen_kvprep.untrusted import open_dir_under, read_record, read_regular
 
 TYPE_CHECKING = False
-if TYPE_CHECKING:  # typing/pathlib cost milliseconds at import; only mypy needs them
+if TYPE_CHECKING:  # typing costs milliseconds at import; only mypy needs it
     from collections.abc import Sequence
-    from typing import Any, Callable, NoReturn, Optional
+    from typing import Any, NoReturn, Optional
 
 # Every option has an environment variable, because entrypoints are configured that way.
 ENV_DIR = "QWEN_KVPREP_DIR"
 ENV_OUTPUT = "QWEN_KVPREP_OUTPUT"
 ENV_SMOKE = "QWEN_KVPREP_SMOKE"
 ENV_ALLOW_FALLBACK = "QWEN_KVPREP_ALLOW_FALLBACK"
-ENV_CACHE = "QWEN_KVPREP_CACHE"  # the build cache (buildcache.resolve_cache_dir reads it too)
 ENV_ARCH = "QWEN_KVPREP_ARCH"
 ENV_SOURCE = "QWEN_KVPREP_SOURCE"
 ENV_QUIET = "QWEN_KVPREP_QUIET"
-ENV_LOCK_TIMEOUT = "QWEN_KVPREP_LOCK_TIMEOUT"
 # Test/bench hook: where to write the names of the imported modules just before exec.
 ENV_DEBUG_IMPORTS = "QWEN_KVPREP_DEBUG_IMPORTS"
 
-__all__ = ["KERNEL_FILES", "STATE_DIRNAME", "STATE_FILE", "TRACKED_FILES"]
 PACKAGES = ("torch", "transformers")
 SOURCES = ("auto", "vendored", "hub")  # steps.sources.SOURCES
-# The files the state tracks are a few KiB; never hash anything big (weights).
-_SMALL = 16 << 20
 # click's BoolParamType spellings, so an environment variable means the same on both paths.
 _TRUE = ("1", "true", "t", "yes", "y", "on")
 _FALSE = ("0", "false", "f", "no", "n", "off")
@@ -90,6 +89,21 @@ class Request:
         path = self.output if self.output else self.directory
         assert path is not None
         return os.path.abspath(path)
+
+
+class Planting:
+    """What checking the state planted into the modules cache during one start: the files
+    written (reported before the hand-over), and the folders the checkpoint was registered
+    in (once each, however many files went there)."""
+
+    __slots__ = ("files", "registered")
+
+    def __init__(self) -> None:
+        self.files: list[str] = []
+        self.registered: set[str] = set()
+
+    def folders(self) -> list[str]:
+        return sorted({os.path.dirname(p) for p in self.files})
 
 
 # ------------------------------------------------------------------ argument parsing
@@ -172,32 +186,6 @@ def parse_fast(args: Sequence[str]) -> Optional[Request]:
 # ------------------------------------------------------------------ the recorded state
 
 
-def _sha256_constructor() -> Callable[[bytes], Any]:
-    # The interpreter's builtin sha256 (_sha2 from 3.12, _sha256 before): hashlib would
-    # first load OpenSSL's libcrypto, several milliseconds of the fast path. Same digest.
-    for name in ("_sha2", "_sha256"):
-        try:
-            return __import__(name).sha256
-        except (ImportError, AttributeError):
-            continue
-    import hashlib
-
-    return hashlib.sha256
-
-
-_sha256 = _sha256_constructor()
-
-
-def sha256_small(path: str) -> Optional[str]:
-    """sha256 of a small regular file; None when it is missing, unreadable, not small or
-    not a regular file (a FIFO is refused without waiting for a writer)."""
-    try:
-        data = read_regular(path, _SMALL)
-    except OSError:
-        return None
-    return str(_sha256(data).hexdigest())
-
-
 def _normalize(name: str) -> str:
     # PEP 503 normalisation, as importlib.metadata applies it to names and folders.
     out = name.lower()
@@ -261,34 +249,6 @@ def dist_version(name: str) -> Optional[str]:
         return None
 
 
-def python_tag() -> str:
-    # Same as buildcache.toolchain.python_tag (tested); repeated to keep the fast path light.
-    impl = "cp" if sys.implementation.name == "cpython" else sys.implementation.name
-    return f"{impl}{sys.version_info[0]}{sys.version_info[1]}{getattr(sys, 'abiflags', '')}"
-
-
-def modules_root() -> str:
-    """modcache.modules_cache_root(), absolute (tested equal). Repeated here because that
-    module's imports (pathlib, errors -> findings -> dataclasses) cost more than the whole
-    fast path."""
-    env = os.environ.get("HF_MODULES_CACHE")
-    if env:
-        root = os.path.expanduser(env)
-    elif os.environ.get("HF_HOME"):
-        root = os.path.join(os.path.expanduser(os.environ["HF_HOME"]), "modules")
-    else:
-        xdg = os.environ.get("XDG_CACHE_HOME")
-        base = os.path.expanduser(xdg) if xdg else os.path.join(os.path.expanduser("~"), ".cache")
-        root = os.path.join(base, "huggingface", "modules")
-    return os.path.abspath(root)
-
-
-def load_state(target: str) -> Optional[dict[str, Any]]:
-    """The recorded state when it is usable (statefile.read_state: size, depth and schema
-    checked, as fix and doctor read it), else None."""
-    return read_state(target)[0]
-
-
 def _same_arch(asked: str, recorded: Sequence[str]) -> bool:
     from qwen_kvprep.buildcache.arch import parse_arch_list
     from qwen_kvprep.errors import UsageError
@@ -316,11 +276,7 @@ def _source_mismatch(source: Optional[str], state: dict[str, Any]) -> Optional[s
     return None
 
 
-# What the fast path planted into a fresh modules cache (reported before the hand-over).
-PLANTED_NOW: list[str] = []
-
-
-def _modules_mismatch(state: dict[str, Any], target: str) -> Optional[str]:
+def _modules_mismatch(state: dict[str, Any], target: str, planting: Planting) -> Optional[str]:
     """Whether the modules cache this process resolves to holds the planted copies.
 
     A fresh container starts with an empty modules cache (or another HF_HOME) while
@@ -331,14 +287,14 @@ def _modules_mismatch(state: dict[str, Any], target: str) -> Optional[str]:
     importing torch and transformers to run fix. Only inside this root, and never through
     a symlink (statefile checked that the recorded folders lie inside the recorded root and
     that only the sources and the loader are planted). Anything unexpected leaves the work
-    to the slow path.
+    to the slow path. What is planted is recorded in `planting`.
     """
     modules = state.get("modules") or {}
     planted = modules.get("files") or {}
     for name in KERNEL_FILES:
         if name not in planted:
             return f"the state records no modules-cache copy of {name}"
-    root = modules_root()
+    root = os.path.abspath(modules_cache_root()[0])
     recorded_root = str(modules.get("root"))
     rels = []
     for key in ("folder", "hub_folder"):
@@ -358,20 +314,21 @@ def _modules_mismatch(state: dict[str, Any], target: str) -> Optional[str]:
             if sha256_small(source) != digest:
                 return f"{name} is missing or different in the modules cache {folder}"
             try:
-                _plant(source, root, rel, name)
+                _plant(source, root, rel, name, target, planting)
             except OSError as exc:
                 return f"cannot plant {name} into the modules cache {folder}: {exc}"
             if sha256_small(os.path.join(folder, name)) != digest:
                 return f"{name} did not arrive intact in the modules cache {folder}"
-            PLANTED_NOW.append(os.path.join(folder, name))
+            planting.files.append(os.path.join(folder, name))
     return None
 
 
-def _plant(source: str, root: str, rel: str, name: str) -> None:
+def _plant(source: str, root: str, rel: str, name: str, target: str, planting: Planting) -> None:
     """Copy `source` to root/rel/name atomically, reaching the folder without following a
-    symlink below `root` (a link planted there cannot redirect the write elsewhere)."""
+    symlink below `root` (a link planted there cannot redirect the write elsewhere), and
+    register `target` in the folder the first time this start plants there."""
     os.makedirs(root, exist_ok=True)
-    data = read_regular(source, _SMALL)
+    data = read_regular(source, SMALL_FILE_LIMIT)
     fd = open_dir_under(root, rel.split("/"), create=True)
     try:
         # the temporary-name pattern fix's cleanup knows: .<name>.<8 chars>.tmp
@@ -390,57 +347,50 @@ def _plant(source: str, root: str, rel: str, name: str) -> None:
             with contextlib.suppress(OSError):
                 os.unlink(tmp, dir_fd=fd)
             raise
-        if rel not in _REGISTERED:
-            _register(fd)
-            _REGISTERED.add(rel)
+        if rel not in planting.registered:
+            _register(fd, target)
+            planting.registered.add(rel)
     finally:
         os.close(fd)
 
 
-def _register(fd: int) -> None:
+def _register(fd: int, target: str) -> None:
     """Mark the folder as used by the checkpoint being started (journal.register_user),
     so that reverting another folder of the same name leaves these copies alone."""
-    target = _TARGET[0] if _TARGET else None
-    if target is None:
-        return
     with contextlib.suppress(OSError):
-        import hashlib  # only when planting: loads OpenSSL, a few ms
-
-        users = ".qwen-kvprep-users"
         with contextlib.suppress(FileExistsError):
-            os.mkdir(users, 0o755, dir_fd=fd)
+            os.mkdir(USERS_DIRNAME, 0o755, dir_fd=fd)
         ufd = os.open(
-            users,
+            USERS_DIRNAME,
             os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_DIRECTORY", 0),
             dir_fd=fd,
         )
         try:
-            name = hashlib.sha256(target.encode("utf-8", "surrogateescape")).hexdigest()[:16]
+            name = user_record_name(target)
             text = '{"path": ' + json.dumps(target) + "}\n"
-            tmp = f".{name}.json.{os.getpid() % 10**8:08d}.tmp"
+            tmp = f".{name}.{os.getpid() % 10**8:08d}.tmp"
             flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0)
             out = os.open(tmp, flags, 0o644, dir_fd=ufd)
             try:
                 os.write(out, text.encode("utf-8", "surrogateescape"))
             finally:
                 os.close(out)
-            os.replace(tmp, f"{name}.json", src_dir_fd=ufd, dst_dir_fd=ufd)
+            os.replace(tmp, name, src_dir_fd=ufd, dst_dir_fd=ufd)
         finally:
             os.close(ufd)
 
 
-# The checkpoint whose state is being checked (for _register).
-_TARGET: list[str] = []
-_REGISTERED: set[str] = set()  # folders registered in by this process
-
-
-def state_mismatch(request: Request) -> Optional[str]:
+def state_mismatch(request: Request, planting: Optional[Planting] = None) -> Optional[str]:
     """Why the recorded state does not hold any more (None: it all still matches).
 
     Each test is a stat or the hash of a small file; the first failing one is the reason.
+    Copies missing from the modules cache are planted on the way (see _modules_mismatch),
+    and recorded in `planting` when one is given.
     """
     from qwen_kvprep import __version__
 
+    if planting is None:
+        planting = Planting()
     target = request.target
     if request.output:
         from qwen_kvprep.view import view_mismatch
@@ -454,7 +404,6 @@ def state_mismatch(request: Request) -> Optional[str]:
         return f"the recorded state cannot be used: {problem}"
     if state is None:
         return f"no state recorded in {target} (fix has not completed there)"
-    _TARGET[:] = [target]
     if state.get("tool_version") != __version__:
         return f"recorded by qwen-kvprep {state.get('tool_version')}, this is {__version__}"
     if os.path.abspath(str(state.get("checkpoint"))) != target:
@@ -493,7 +442,7 @@ def state_mismatch(request: Request) -> Optional[str]:
     if request.arch and build.get("cuda") and not _same_arch(request.arch, build["arch_list"]):
         return f"--arch {request.arch} differs from the build's {build.get('arch_list')}"
 
-    reason = _modules_mismatch(state, target)
+    reason = _modules_mismatch(state, target, planting)
     if reason:
         return reason
 
@@ -560,121 +509,24 @@ def _cannot_run(name: str, why: str, code: int) -> NoReturn:
     raise SystemExit(code)
 
 
+def start_ready(request: Request, planting: Planting) -> NoReturn:
+    """Say what this start did and that the folder is ready, then hand over to CMD."""
+    if planting.files:
+        say(request, f"planted the kernel sources and loader into {', '.join(planting.folders())}")
+    say(request, f"{request.target} is ready (recorded state matches)")
+    hand_over(request.command)
+
+
 def fast(args: Sequence[str]) -> None:
     """The entry point's shortcut: exec CMD when the state holds; return otherwise (the
     caller then runs the full command, which parses properly and does the work)."""
     request = parse_fast(args)
     if request is None:
         return
+    planting = Planting()
     try:
-        reason = state_mismatch(request)
+        reason = state_mismatch(request, planting)
     except Exception:  # anything odd: the slow path looks again and reports properly
         return
     if reason is None:
-        if PLANTED_NOW:
-            folders = sorted({os.path.dirname(p) for p in PLANTED_NOW})
-            say(request, f"planted the kernel sources and loader into {', '.join(folders)}")
-        say(request, f"{request.target} is ready (recorded state matches)")
-        hand_over(request.command)
-
-
-# ------------------------------------------------------------------ slow path
-
-
-def prepare(request: Request) -> list[Any]:
-    """Do what the state says is missing, by running fix (idempotent steps: what is
-    already right costs a hash). Returns fix's findings; raises KvprepError on failure.
-
-    fix validates every input first, then takes the folder's lock (the one fix and revert
-    take), so replicas starting together on one directory do the work once: the others
-    wait, then find the state matching and skip it."""
-    from pathlib import Path
-
-    from qwen_kvprep.errors import KvprepError
-    from qwen_kvprep.findings import failed
-    from qwen_kvprep.steps.fix import FixOptions, run_fix
-
-    assert request.directory is not None
-    directory = Path(os.path.abspath(request.directory))
-    options = FixOptions(
-        smoke=request.smoke,
-        source=request.source or "auto",
-        cache_dir=Path(request.cache_dir) if request.cache_dir else None,
-        arch=request.arch,
-        output=Path(os.path.abspath(request.output)) if request.output else None,
-    )
-    # Another replica may have finished while we waited for the lock.
-    result = run_fix(directory, options, skip_if=lambda: state_mismatch(request) is None)
-    if failed(result.findings):
-        bad = [f for f in result.findings if f.severity.value == "fail"]
-        raise KvprepError(
-            f"fix reported {len(bad)} failure(s) while preparing {request.target}",
-            fix=bad[0].fix,
-            findings=result.findings,
-        )
-    return list(result.findings)
-
-
-def _plain_view_for_fallback(request: Request) -> None:
-    """--allow-fallback with --output: CMD serves from OUT, so OUT must exist even when
-    preparing was refused (a refused fix creates nothing). Make it a plain view of DIR
-    (links only, nothing patched): the model runs, without the kernel."""
-    if not request.output or request.directory is None:
-        return
-    from pathlib import Path
-
-    from qwen_kvprep.view import prepare_view, read_marker
-
-    out = request.target
-    if read_marker(out) is not None:
-        return
-    try:
-        prepare_view(Path(os.path.abspath(request.directory)), Path(out))
-    except Exception as exc:  # availability first: CMD still starts and reports its own
-        from qwen_kvprep.redact import scrub
-
-        sys.stderr.write(f"qwen-kvprep prestart: cannot make {out} a view: {scrub(str(exc))}\n")
-
-
-def run(request: Request) -> NoReturn:
-    """The full command: fast path, else prepare, then hand over to CMD."""
-    from qwen_kvprep.errors import KvprepError, UsageError
-
-    reason = state_mismatch(request)
-    if reason is None:
-        if PLANTED_NOW:
-            folders = sorted({os.path.dirname(p) for p in PLANTED_NOW})
-            say(request, f"planted the kernel sources and loader into {', '.join(folders)}")
-        say(request, f"{request.target} is ready (recorded state matches)")
-        hand_over(request.command)
-    say(request, f"preparing: {reason}")
-    try:
-        findings = prepare(request)
-    except UsageError:
-        raise  # a wrong invocation is never papered over by --allow-fallback
-    except Exception as exc:
-        # --allow-fallback is for availability: any failure, even one we did not foresee,
-        # must not keep the server down (it runs without the kernel, and says so).
-        if not request.allow_fallback:
-            raise
-        if isinstance(exc, KvprepError):
-            from qwen_kvprep.cli import report_error
-
-            report_error(exc, as_json=False)
-        else:
-            from qwen_kvprep.redact import scrub
-
-            sys.stderr.write(f"qwen-kvprep prestart: unexpected error: {scrub(repr(exc))}\n")
-        _plain_view_for_fallback(request)
-        # not through say(): --quiet silences success, never this
-        sys.stderr.write("qwen-kvprep prestart: WARNING: --allow-fallback: starting the "
-                         "command without a working Int8 KV cache kernel\n")
-        hand_over(request.command)
-    if findings and not request.quiet:
-        from qwen_kvprep.report import emit, render_human
-
-        emit(render_human(findings), sys.stderr)
-    after = state_mismatch(request)
-    if after is not None:
-        say(request, f"note: prepared, but the next start will check again ({after})")
-    hand_over(request.command)
+        start_ready(request, planting)

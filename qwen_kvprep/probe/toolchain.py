@@ -1,33 +1,16 @@
-"""The ABI-relevant facts of this machine: torch, Python, platform, CUDA toolkit.
-
-`python_tag()` and `machine()` are repeated verbatim in templates/cpp_kernels.py.tmpl (the
-loader must not need qwen-kvprep installed); tests check both give the same answer.
-"""
+"""The ABI-relevant facts of this machine a build depends on: torch, the CUDA compiler and
+the architectures it accepts (the Python tag and platform are in common)."""
 
 from __future__ import annotations
 
 import functools
-import os
 import re
-import shutil
 import subprocess
-import sys
-import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-
-def python_tag() -> str:
-    # "cp311", "cp313t": the interpreter and its ABI flags (debug, free-threaded) are
-    # what an extension module is bound to.
-    impl = "cp" if sys.implementation.name == "cpython" else sys.implementation.name
-    return f"{impl}{sys.version_info[0]}{sys.version_info[1]}{getattr(sys, 'abiflags', '')}"
-
-
-def machine() -> str:
-    # "linux-x86_64", "linux-aarch64", "macosx-14.0-arm64": OS and CPU architecture.
-    return sysconfig.get_platform()
+from qwen_kvprep.common import build_cuda_home
 
 
 @dataclass(frozen=True)
@@ -102,34 +85,6 @@ class NvccInfo:
         return int(major), int(minor)
 
 
-def find_cuda_home() -> tuple[Optional[Path], str]:
-    """The CUDA toolkit to build with, and how it was found (or why none was).
-
-    CUDA_HOME / CUDA_PATH win, as in torch. Otherwise nvcc on PATH is followed through
-    symlinks, and a wrapper script that is not inside a toolkit (/usr/local/bin/nvcc exec'ing
-    the real one) falls through to /usr/local/cuda: torch would take /usr/local as CUDA_HOME
-    there and fail to find cuda_runtime.h.
-    """
-    for var in ("CUDA_HOME", "CUDA_PATH"):
-        value = os.environ.get(var)
-        if value:
-            home = Path(value)
-            if (home / "bin" / "nvcc").exists():
-                return home, f"{var}={value}"
-            return None, f"{var}={value} has no bin/nvcc"
-    on_path = shutil.which("nvcc")
-    if on_path:
-        home = Path(os.path.realpath(on_path)).parent.parent
-        if (home / "include" / "cuda_runtime.h").exists():
-            return home, f"nvcc on PATH ({on_path})"
-    default = Path("/usr/local/cuda")
-    if (default / "bin" / "nvcc").exists():
-        return default, "/usr/local/cuda"
-    if on_path:
-        return None, f"nvcc on PATH ({on_path}) is not inside a CUDA toolkit; set CUDA_HOME"
-    return None, "no nvcc: CUDA_HOME is unset, nvcc is not on PATH, no /usr/local/cuda"
-
-
 _RELEASE = re.compile(r"release (\d+)\.(\d+), V(\d+(?:\.\d+)+)")
 _ARCH = re.compile(r"^compute_(\d+)(\d)$")
 
@@ -178,9 +133,10 @@ def arch_sort_key(arch: str) -> tuple[int, int]:
 
 def nvcc_info() -> tuple[Optional[NvccInfo], str]:
     """The CUDA compiler, or None and the reason (said plainly in the build.mode finding)."""
-    home, how = find_cuda_home()
-    if home is None:
+    found, how = build_cuda_home()
+    if found is None:
         return None, how
+    home = Path(found)
     nvcc = home / "bin" / "nvcc"
     try:
         st = nvcc.stat()

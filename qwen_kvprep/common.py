@@ -1,0 +1,229 @@
+"""What prestart's fast path and the rest of qwen-kvprep share: the names of the files and
+folders qwen-kvprep writes, sha256, the Python tag, where the build cache and transformers'
+modules cache are, and the CUDA toolkit as torch resolves it.
+
+The fast path imports this module on every container start: standard library only, and
+nothing that costs milliseconds at import (no pathlib, typing, dataclasses, hashlib; those
+that are needed by a function are imported inside it).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # typing costs milliseconds at import; only mypy needs it
+    from collections.abc import Mapping
+    from typing import Any, Callable, Optional
+
+# ------------------------------------------------------------------ names
+
+# `<checkpoint>/.qwen-kvprep/`: the journal, the originals, the recorded state, the lock.
+STATE_DIRNAME = ".qwen-kvprep"
+STATE_FILE = "state.json"
+JOURNAL_FILE = "journal.json"
+# In a modules-cache folder: one file per prepared folder that relies on what is planted.
+USERS_DIRNAME = ".qwen-kvprep-users"
+# The kernel sources Qwen's remote code compiles: (the C++ binding, the CUDA kernels).
+KERNEL_FILES = ("cache_autogptq_cuda_256.cpp", "cache_autogptq_cuda_kernel_256.cu")
+# The checkpoint's module that builds and loads the kernels; fix replaces it with its loader,
+# which carries LOADER_MARKER in its first lines (templates/cpp_kernels.py.tmpl).
+LOADER_FILE = "cpp_kernels.py"
+LOADER_MARKER = "# qwen-kvprep loader"
+# What fix may change in a checkpoint (the state records their hashes), and what it plants
+# into transformers' modules cache.
+TRACKED_FILES = ("config.json", LOADER_FILE, *KERNEL_FILES)
+MODULE_FILES = (*KERNEL_FILES, LOADER_FILE)
+
+ENV_CACHE = "QWEN_KVPREP_CACHE"  # the build cache
+ENV_LOCK_TIMEOUT = "QWEN_KVPREP_LOCK_TIMEOUT"  # waiting for another builder or fix
+
+# The files the state tracks are a few KiB; never hash anything big (weights) on the fast path.
+SMALL_FILE_LIMIT = 16 << 20
+
+# ------------------------------------------------------------------ sha256
+
+
+def _sha256_constructor() -> Callable[[bytes], Any]:
+    # The interpreter's builtin sha256 (_sha2 from 3.12, _sha256 before): hashlib would
+    # first load OpenSSL's libcrypto, several milliseconds of the fast path. Same digest.
+    for name in ("_sha2", "_sha256"):
+        try:
+            return __import__(name).sha256
+        except (ImportError, AttributeError):
+            continue
+    import hashlib
+
+    return hashlib.sha256
+
+
+_builtin_sha256 = _sha256_constructor()
+
+
+def sha256_small(path: str) -> Optional[str]:
+    """sha256 of a small regular file; None when it is missing, unreadable, not small or
+    not a regular file (a FIFO is refused without waiting for a writer)."""
+    from qwen_kvprep.untrusted import read_regular
+
+    try:
+        data = read_regular(path, SMALL_FILE_LIMIT)
+    except OSError:
+        return None
+    return str(_builtin_sha256(data).hexdigest())
+
+
+def user_record_name(prepared: str) -> str:
+    """The file in a modules-cache folder's USERS_DIRNAME that says the prepared folder
+    `prepared` (an absolute path) relies on what is planted there."""
+    digest = _builtin_sha256(prepared.encode("utf-8", "surrogateescape")).hexdigest()
+    return f"{digest[:16]}.json"
+
+
+def sha256_bytes(data: bytes) -> str:
+    import hashlib  # OpenSSL's: faster than the builtin one on large inputs
+
+    return hashlib.sha256(data).hexdigest()
+
+
+def sha256_file(path: str | os.PathLike[str]) -> str:
+    """sha256 of a regular file of any size (symlinks followed); OSError for anything else,
+    without blocking on a FIFO (untrusted.NotRegularFile)."""
+    import hashlib
+
+    from qwen_kvprep.untrusted import open_regular
+
+    h = hashlib.sha256()
+    fd = open_regular(path)
+    try:
+        for chunk in iter(lambda: os.read(fd, 1 << 20), b""):
+            h.update(chunk)
+    finally:
+        os.close(fd)
+    return h.hexdigest()
+
+
+# ------------------------------------------------------------------ this interpreter
+# python_tag() and machine() are repeated verbatim in templates/cpp_kernels.py.tmpl (the
+# loader must not need qwen-kvprep installed); tests check both give the same answer.
+
+
+def python_tag() -> str:
+    # "cp311", "cp313t": the interpreter and its ABI flags (debug, free-threaded) are
+    # what an extension module is bound to.
+    impl = "cp" if sys.implementation.name == "cpython" else sys.implementation.name
+    return f"{impl}{sys.version_info[0]}{sys.version_info[1]}{getattr(sys, 'abiflags', '')}"
+
+
+def machine() -> str:
+    # "linux-x86_64", "linux-aarch64", "macosx-14.0-arm64": OS and CPU architecture.
+    import sysconfig
+
+    return sysconfig.get_platform()
+
+
+# ------------------------------------------------------------------ cache roots
+
+
+def _absolute(path: str) -> str:
+    # As pathlib's absolute(): joined to the working directory, ".." kept as written.
+    return path if os.path.isabs(path) else os.path.join(os.getcwd(), path)
+
+
+def build_cache_root(
+    option: Optional[str | os.PathLike[str]] = None,
+    environ: Optional[Mapping[str, str]] = None,
+) -> tuple[str, str]:
+    """qwen-kvprep's build cache, absolute, and what chose it: --cache-dir >
+    $QWEN_KVPREP_CACHE > $XDG_CACHE_HOME/qwen-kvprep > ~/.cache/qwen-kvprep."""
+    env = os.environ if environ is None else environ
+    if option is not None:
+        return _absolute(os.path.expanduser(os.fspath(option))), "--cache-dir"
+    if env.get(ENV_CACHE):
+        return _absolute(os.path.expanduser(env[ENV_CACHE])), ENV_CACHE
+    if env.get("XDG_CACHE_HOME"):
+        xdg = os.path.expanduser(env["XDG_CACHE_HOME"])
+        return _absolute(os.path.join(xdg, "qwen-kvprep")), "XDG_CACHE_HOME"
+    home = os.path.expanduser("~")
+    return _absolute(os.path.join(home, ".cache", "qwen-kvprep")), "default"
+
+
+def modules_cache_root(environ: Optional[Mapping[str, str]] = None) -> tuple[str, str]:
+    """Where transformers keeps the remote code it runs, read from the environment (no
+    transformers import), and what chose it: HF_MODULES_CACHE > $HF_HOME/modules >
+    $XDG_CACHE_HOME/huggingface/modules > ~/.cache/huggingface/modules (huggingface_hub
+    derives HF_HOME from XDG_CACHE_HOME when HF_HOME is unset). Not made absolute: a
+    relative value is relative to the working directory, as for transformers."""
+    env = os.environ if environ is None else environ
+    if env.get("HF_MODULES_CACHE"):
+        return os.path.expanduser(env["HF_MODULES_CACHE"]), "HF_MODULES_CACHE"
+    if env.get("HF_HOME"):
+        return os.path.join(os.path.expanduser(env["HF_HOME"]), "modules"), "HF_HOME"
+    if env.get("XDG_CACHE_HOME"):
+        xdg = os.path.expanduser(env["XDG_CACHE_HOME"])
+        return os.path.join(xdg, "huggingface", "modules"), "XDG_CACHE_HOME"
+    home = os.path.expanduser("~")
+    return os.path.join(home, ".cache", "huggingface", "modules"), "default"
+
+
+# ------------------------------------------------------------------ the CUDA toolkit
+
+DEFAULT_CUDA_HOME = "/usr/local/cuda"
+
+
+def resolve_cuda_home(
+    environ: Mapping[str, str], which_nvcc: Optional[str]
+) -> tuple[Optional[str], str]:
+    """CUDA_HOME as torch.utils.cpp_extension._find_cuda_home resolves it: (path or None,
+    where it came from).
+
+    CUDA_HOME, else CUDA_PATH (taken verbatim, even when it is a path list), else the
+    grandparent of `nvcc` on PATH (so /usr/local/bin/nvcc gives /usr/local), else
+    /usr/local/cuda if it exists.
+    """
+    for name in ("CUDA_HOME", "CUDA_PATH"):
+        value = environ.get(name)
+        if value:
+            return value, name
+    if which_nvcc:
+        return os.path.dirname(os.path.dirname(which_nvcc)), "nvcc-on-path"
+    if os.path.exists(DEFAULT_CUDA_HOME):
+        return DEFAULT_CUDA_HOME, "default"
+    return None, "none"
+
+
+def _is_toolkit(home: str) -> bool:
+    return os.path.exists(os.path.join(home, "bin", "nvcc")) and os.path.exists(
+        os.path.join(home, "include", "cuda_runtime.h")
+    )
+
+
+def build_cuda_home(environ: Optional[Mapping[str, str]] = None) -> tuple[Optional[str], str]:
+    """The CUDA toolkit qwen-kvprep builds with, and how it was found (or why none was).
+
+    torch's answer (resolve_cuda_home) when it is a toolkit. CUDA_HOME / CUDA_PATH are the
+    user's word: used when they hold bin/nvcc, never second-guessed. An nvcc found on PATH
+    that is not inside a toolkit (/usr/local/bin/nvcc, a wrapper script exec'ing the real
+    one: torch takes /usr/local and finds no cuda_runtime.h there) is followed through its
+    symlinks, else /usr/local/cuda is taken. The builder passes the answer to torch as
+    CUDA_HOME, so torch builds with the same toolkit.
+    """
+    import shutil
+
+    env = os.environ if environ is None else environ
+    on_path = shutil.which("nvcc", path=env.get("PATH"))
+    home, source = resolve_cuda_home(env, on_path)
+    if home is not None and source in ("CUDA_HOME", "CUDA_PATH"):
+        if os.path.exists(os.path.join(home, "bin", "nvcc")):
+            return home, f"{source}={home}"
+        return None, f"{source}={home} has no bin/nvcc"
+    if on_path:
+        followed = os.path.dirname(os.path.dirname(os.path.realpath(on_path)))
+        for candidate in (home, followed):
+            if candidate is not None and _is_toolkit(candidate):
+                return candidate, f"nvcc on PATH ({on_path})"
+    if os.path.exists(os.path.join(DEFAULT_CUDA_HOME, "bin", "nvcc")):
+        return DEFAULT_CUDA_HOME, DEFAULT_CUDA_HOME
+    if on_path:
+        return None, f"nvcc on PATH ({on_path}) is not inside a CUDA toolkit; set CUDA_HOME"
+    return None, "no nvcc: CUDA_HOME is unset, nvcc is not on PATH, no /usr/local/cuda"

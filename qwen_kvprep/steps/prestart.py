@@ -1,0 +1,95 @@
+"""prestart's slow path: the recorded state does not hold, so run fix for what is missing.
+
+fix validates every input first, then takes the folder's lock (the one fix and revert
+take), so replicas starting together on one directory do the work once: the others wait,
+then find the state matching and skip it. With --allow-fallback a failure does not stop
+CMD: the failure is returned (the command reports it) and, for --output, OUT is made a
+plain view of DIR so that CMD has a model to serve.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from qwen_kvprep.errors import KvprepError, UsageError
+from qwen_kvprep.fastpath import Planting, Request, state_mismatch
+from qwen_kvprep.findings import Finding, failed
+
+
+@dataclass
+class Prepared:
+    """What the slow path did, for the command to report before it hands over to CMD."""
+
+    findings: list[Finding] = field(default_factory=list)  # fix's
+    # The failure --allow-fallback let through (CMD then starts without the kernel).
+    failure: Optional[Exception] = None
+    # Why OUT could not be made a plain view of DIR after that failure.
+    view_error: Optional[Exception] = None
+    # Why the state still does not hold after preparing (the next start checks again).
+    recheck: Optional[str] = None
+
+
+def prepare(request: Request, planting: Planting) -> list[Finding]:
+    """Do what the state says is missing, by running fix (idempotent steps: what is
+    already right costs a hash). Returns fix's findings; raises KvprepError on failure."""
+    from qwen_kvprep.steps.fix import FixOptions, run_fix
+
+    assert request.directory is not None
+    directory = Path(os.path.abspath(request.directory))
+    options = FixOptions(
+        smoke=request.smoke,
+        source=request.source or "auto",
+        cache_dir=Path(request.cache_dir) if request.cache_dir else None,
+        arch=request.arch,
+        output=Path(os.path.abspath(request.output)) if request.output else None,
+    )
+    # Another replica may have finished while we waited for the lock.
+    result = run_fix(
+        directory, options, skip_if=lambda: state_mismatch(request, planting) is None
+    )
+    if failed(result.findings):
+        bad = [f for f in result.findings if f.severity.value == "fail"]
+        raise KvprepError(
+            f"fix reported {len(bad)} failure(s) while preparing {request.target}",
+            fix=bad[0].fix,
+            findings=result.findings,
+        )
+    return list(result.findings)
+
+
+def plain_view_for_fallback(request: Request) -> Optional[Exception]:
+    """--allow-fallback with --output: CMD serves from OUT, so OUT must exist even when
+    preparing was refused (a refused fix creates nothing). Make it a plain view of DIR
+    (links only, nothing patched): the model runs, without the kernel. Returns why that
+    failed (CMD still starts, and reports its own problem), or None."""
+    if not request.output or request.directory is None:
+        return None
+    from qwen_kvprep.view import prepare_view, read_marker
+
+    out = request.target
+    if read_marker(out) is not None:
+        return None
+    try:
+        prepare_view(Path(os.path.abspath(request.directory)), Path(out))
+    except Exception as exc:  # availability first
+        return exc
+    return None
+
+
+def prepare_or_fall_back(request: Request, planting: Planting) -> Prepared:
+    """Run fix for what is missing. A failure raises, unless --allow-fallback lets it
+    through (a usage error never is: a wrong invocation is not papered over)."""
+    try:
+        findings = prepare(request, planting)
+    except UsageError:
+        raise
+    except Exception as exc:
+        # --allow-fallback is for availability: any failure, even one we did not foresee,
+        # must not keep the server down (it runs without the kernel, and says so).
+        if not request.allow_fallback:
+            raise
+        return Prepared(failure=exc, view_error=plain_view_for_fallback(request))
+    return Prepared(findings=findings, recheck=state_mismatch(request, planting))
