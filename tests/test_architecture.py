@@ -26,6 +26,7 @@ LAYERS: dict[str, int] = {
     "qwen_kvprep.common": BASE,
     "qwen_kvprep.errors": BASE,
     "qwen_kvprep.findings": BASE,
+    "qwen_kvprep.jsontypes": BASE,
     "qwen_kvprep.untrusted": BASE,
     "qwen_kvprep.fsutil": BASE,
     "qwen_kvprep.redact": BASE,
