@@ -104,7 +104,7 @@ def kv_cache(facts: Facts) -> Finding:
             "use_cache_kernel is on but use_cache_quantization is "
             f"{_shown(cfg, 'use_cache_quantization')}, so the kernel does nothing and the KV "
             "cache stays full size",
-            _fix_cmd(cp), paths=[path], **flags,
+            _fix_cmd(cp), paths=[path], details=flags,
         )
     if not quant:
         return warn(
@@ -112,14 +112,14 @@ def kv_cache(facts: Facts) -> Finding:
             f"Int8 KV cache is off (use_cache_quantization is "
             f"{_shown(cfg, 'use_cache_quantization')}), so the KV cache takes about twice the "
             "memory it needs",
-            _fix_cmd(cp), paths=[path], **flags,
+            _fix_cmd(cp), paths=[path], details=flags,
         )
     if not kernel:
         return warn(
             id,
             f"Int8 KV cache is on but use_cache_kernel is {_shown(cfg, 'use_cache_kernel')}, so "
             "every step dequantizes the whole cache in pure torch (the slow fallback)",
-            _fix_cmd(cp), paths=[path], **flags,
+            _fix_cmd(cp), paths=[path], details=flags,
         )
     return ok(id, "Int8 KV cache and its kernel are on (use_cache_quantization, use_cache_kernel)")
 

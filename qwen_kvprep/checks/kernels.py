@@ -38,16 +38,16 @@ def _judge(
     kind, per_file = catalogue.classify_set(hashes, ours)
     details: dict[str, Any] = {"where": where, "kind": kind, "files": dict(per_file)}
     if kind == catalogue.OFFICIAL:
-        return ok("kernels.sources", f"{where}: Qwen's official kernel sources", **details)
+        return ok("kernels.sources", f"{where}: Qwen's official kernel sources", details=details)
     if kind == catalogue.OURS:
-        return ok("kernels.sources", f"{where}: qwen-kvprep's kernel sources", **details)
+        return ok("kernels.sources", f"{where}: qwen-kvprep's kernel sources", details=details)
     if kind == catalogue.MISSING:
         # The model then warns once and silently runs the slower pure-torch path.
         return warn(
             "kernels.sources",
             f"{where}: no kernel sources (the model falls back to the slow path)",
             fix_cmd,
-            **details,
+            details=details,
         )
     problem = (
         "the two files come from different sets (the .cpp binds the functions its own .cu defines)"
@@ -59,7 +59,7 @@ def _judge(
         "kernels.sources",
         f"{where}: {problem}: {_listing(per_file, hashes)}{note}",
         fix_cmd,
-        **details,
+        details=details,
     )
 
 
@@ -117,14 +117,14 @@ def official_compat(facts: Facts) -> FindingsLike:
                 "kernels.official_compat",
                 f"the official kernel sources here cannot compile: {compat.reason}",
                 f"qwen-kvprep fix {shlex.quote(str(cp.path))} --source vendored",
-                **details,
+                details=details,
             )
-        return ok("kernels.official_compat", f"official sources: {compat.reason}", **details)
+        return ok("kernels.official_compat", f"official sources: {compat.reason}", details=details)
     if compat.status == "no":
         return info(
             "kernels.official_compat",
             f"Qwen's official sources would not compile here: {compat.reason}; "
             "qwen-kvprep's own kernels are used by default",
-            **details,
+            details=details,
         )
-    return info("kernels.official_compat", f"official sources: {compat.reason}", **details)
+    return info("kernels.official_compat", f"official sources: {compat.reason}", details=details)
