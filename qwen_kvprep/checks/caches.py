@@ -4,7 +4,7 @@ transformers' modules cache, where the model code really runs from (`modules.`).
 from __future__ import annotations
 
 import shlex
-from typing import Any, Optional
+from typing import Optional
 
 from qwen_kvprep.buildcache.arch import covers
 from qwen_kvprep.checks.registry import (
@@ -114,7 +114,7 @@ def _for_sources(builds: list[BuildRecord], facts: Facts) -> list[BuildRecord]:
 def _binary_on_gpu(b: BuildRecord, gpu: GpuInfo, label: str, rebuild: str) -> Finding:
     archs = b.archs
     cc = f"{gpu.capability[0]}.{gpu.capability[1]}"
-    d: dict[str, Any] = {
+    d: dict[str, object] = {
         "binary": b.so_path,
         "code": archs.labels() if archs else [],
         "gpu": gpu.label,
@@ -159,7 +159,7 @@ def _jit_on_gpu(archs: BinaryArchs, gpu: GpuInfo, fix: str) -> Finding:
     # Built by Qwen's original cpp_kernels.py in the modules cache: its arch flags come
     # from the nvcc version, not from the GPU.
     label = "the extension Qwen's original cpp_kernels.py built"
-    d: dict[str, Any] = {"binary": archs.path, "code": archs.labels(), "gpu": gpu.label}
+    d: dict[str, object] = {"binary": archs.path, "code": archs.labels(), "gpu": gpu.label}
     if archs.error:
         return warn(
             "build.arch",
@@ -298,7 +298,7 @@ def _state_folder(caches: CacheFacts) -> Optional[str]:
 def _judge_folder(facts: Facts, mf: ModuleFolder, requested: bool) -> Finding:
     cp = facts.checkpoint
     fix = _fix_cmd(facts)
-    details: dict[str, Any] = {
+    details: dict[str, object] = {
         "folder": mf.path,
         "how": mf.how,
         "files": dict(mf.files),
@@ -428,7 +428,7 @@ def stale_lock(facts: Facts) -> FindingsLike:
         return ok("modules.stale_lock", f"no torch JIT lock files under {root}")
     out: list[Finding] = []
     for lock in caches.locks:
-        details: dict[str, Any] = {
+        details: dict[str, object] = {
             "lock": lock.path,
             "age_s": lock.age_s,
             "holders": [list(h) for h in lock.holders],

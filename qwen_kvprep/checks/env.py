@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import shlex
 from collections.abc import Mapping
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Optional
 
 from qwen_kvprep.checks.registry import CHECKPOINT, CUDA_TORCH, ENV, TORCH, check, env_of
 from qwen_kvprep.findings import Finding, FindingsLike, fail, info, ok, skip, warn
@@ -18,6 +18,9 @@ from qwen_kvprep.probe.binary import parse_arch_label, runs_on
 from qwen_kvprep.probe.caches import usable_builds
 from qwen_kvprep.probe.env import EnvFacts, version_tuple
 from qwen_kvprep.probe.facts import Facts
+
+if TYPE_CHECKING:
+    from qwen_kvprep.jsontypes import JSON
 
 MIN_CUDA = (11, 4)
 TRANSFORMERS_MIN = (4, 32)
@@ -205,7 +208,7 @@ def torch_build(facts: Facts) -> FindingsLike:
 def gpu(facts: Facts) -> FindingsLike:
     env = env_of(facts)
     labels = [g.label for g in env.gpus]
-    details: dict[str, Any] = {
+    details: dict[str, object] = {
         "gpus": labels,
         "source": env.gpu_source,
         "CUDA_VISIBLE_DEVICES": env.env_vars.get("CUDA_VISIBLE_DEVICES"),
@@ -537,7 +540,7 @@ def nvcc(facts: Facts) -> FindingsLike:
 def host_compiler(facts: Facts) -> FindingsLike:
     env = env_of(facts)
     cxx = env.cxx
-    details: dict[str, Any] = {
+    details: dict[str, object] = {
         "cxx": cxx.command if cxx else None,
         "cxx_version": cxx.version if cxx else None,
         "nvcc_host": env.nvcc_host.command if env.nvcc_host else None,
@@ -774,7 +777,7 @@ def remote_requirements(facts: Facts) -> FindingsLike:
     )
 
 
-def _config(facts: Facts) -> Optional[dict[str, Any]]:
+def _config(facts: Facts) -> Optional[dict[str, JSON]]:
     cp = facts.checkpoint
     cfg = getattr(cp, "config", None) if cp is not None else None
     return cfg if isinstance(cfg, dict) else None
@@ -784,7 +787,7 @@ def _config(facts: Facts) -> Optional[dict[str, Any]]:
 def flash_attn(facts: Facts) -> FindingsLike:
     env = env_of(facts)
     fa = env.package("flash_attn")
-    details: dict[str, Any] = {"flash_attn": fa.version if fa.found else None}
+    details: dict[str, object] = {"flash_attn": fa.version if fa.found else None}
     cfg = _config(facts)
     if facts.checkpoint is None or cfg is None:
         reason = "no checkpoint given" if facts.checkpoint is None else "config.json not readable"

@@ -5,12 +5,16 @@ from __future__ import annotations
 
 import shlex
 from collections.abc import Mapping
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Optional
 
 from qwen_kvprep import catalogue
 from qwen_kvprep.checks.registry import CHECKPOINT, ENV, check, checkpoint_of
 from qwen_kvprep.findings import Finding, FindingsLike, fail, info, ok, skip, warn
 from qwen_kvprep.probe.facts import Facts
+
+if TYPE_CHECKING:
+    from qwen_kvprep.probe.caches import ModuleFolder
+    from qwen_kvprep.probe.env import EnvFacts
 
 _LABEL = {
     catalogue.OFFICIAL: "official",
@@ -36,7 +40,7 @@ def _judge(
     fix_cmd: str,
 ) -> Finding:
     kind, per_file = catalogue.classify_set(hashes, ours)
-    details: dict[str, Any] = {"where": where, "kind": kind, "files": dict(per_file)}
+    details: dict[str, object] = {"where": where, "kind": kind, "files": dict(per_file)}
     if kind == catalogue.OFFICIAL:
         return ok("kernels.sources", f"{where}: Qwen's official kernel sources", details=details)
     if kind == catalogue.OURS:
@@ -81,12 +85,12 @@ def kernel_sources(facts: Facts) -> FindingsLike:
     return out
 
 
-def _module_folders(facts: Facts) -> list[Any]:
+def _module_folders(facts: Facts) -> list[ModuleFolder]:
     folders = getattr(facts.caches, "module_folders", None) or ()
     return [f for f in folders if getattr(f, "exists", False)]
 
 
-def _env_torch(env: Any) -> tuple[Optional[str], Optional[str]]:
+def _env_torch(env: Optional[EnvFacts]) -> tuple[Optional[str], Optional[str]]:
     """(torch version, torch.version.cuda) from EnvFacts (probe/env.py): torch_cuda is
     None for a CPU-only build."""
     version = getattr(env, "torch_version", None)
