@@ -15,6 +15,10 @@ it, so they agree on what a damaged state is. Standard library only (the fast pa
 In "modules", `folder` and `hub_folder` must lie inside `root` (they are used relative to
 it, moved to the modules root of the environment that reads them), and `files` may name
 only the kernel sources and the loader.
+
+A state that passed the check is a `State` (with `StateBuild`, `StateModules`). These
+TypedDicts exist for the type checker only (typing is not imported at run time here):
+import them under `if TYPE_CHECKING:`.
 """
 
 from __future__ import annotations
