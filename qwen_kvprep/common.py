@@ -15,7 +15,11 @@ import sys
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # typing costs milliseconds at import; only mypy needs it
     from collections.abc import Mapping
-    from typing import Any, Callable, Optional
+    from typing import Callable, Optional, Protocol
+
+    class _Hash(Protocol):
+        def update(self, data: bytes, /) -> None: ...
+        def hexdigest(self) -> str: ...
 
 # ------------------------------------------------------------------ names
 
@@ -45,12 +49,13 @@ SMALL_FILE_LIMIT = 16 << 20
 # ------------------------------------------------------------------ sha256
 
 
-def _sha256_constructor() -> Callable[[bytes], Any]:
+def _sha256_constructor() -> Callable[[bytes], _Hash]:
     # The interpreter's builtin sha256 (_sha2 from 3.12, _sha256 before): hashlib would
     # first load OpenSSL's libcrypto, several milliseconds of the fast path. Same digest.
     for name in ("_sha2", "_sha256"):
         try:
-            return __import__(name).sha256
+            builtin: Callable[[bytes], _Hash] = __import__(name).sha256
+            return builtin
         except (ImportError, AttributeError):
             continue
     import hashlib

@@ -13,10 +13,13 @@ import json
 import shlex
 from collections import OrderedDict
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from qwen_kvprep.errors import ConfigError, current_user
 from qwen_kvprep.untrusted import DuplicateKey, NotRegularFile, load_json, read_regular
+
+if TYPE_CHECKING:
+    from qwen_kvprep.jsontypes import JSON
 
 CONFIG = "config.json"
 
@@ -32,8 +35,8 @@ def _redownload(path: Path) -> str:
     )
 
 
-def _ordered_unique(pairs: list[tuple[str, Any]]) -> OrderedDict[str, Any]:
-    out: OrderedDict[str, Any] = OrderedDict()
+def _ordered_unique(pairs: list[tuple[str, JSON]]) -> OrderedDict[str, JSON]:
+    out: OrderedDict[str, JSON] = OrderedDict()
     for key, value in pairs:
         if key in out:
             raise DuplicateKey(f"the key {key!r} appears twice in one object")
@@ -41,7 +44,7 @@ def _ordered_unique(pairs: list[tuple[str, Any]]) -> OrderedDict[str, Any]:
     return out
 
 
-def parse_config_bytes(raw: bytes, path: Path) -> OrderedDict[str, Any]:
+def parse_config_bytes(raw: bytes, path: Path) -> OrderedDict[str, JSON]:
     """config.json as doctor and fix both judge it: strict UTF-8, JSON, unique keys (a
     duplicate would be merged silently by json.loads, the last one winning), an object.
     Raises ConfigError (its __cause__ a JSONDecodeError when the parser stopped)."""
@@ -56,7 +59,7 @@ def parse_config_bytes(raw: bytes, path: Path) -> OrderedDict[str, Any]:
     return parse_config(text, path)
 
 
-def parse_config(text: str, path: Path) -> OrderedDict[str, Any]:
+def parse_config(text: str, path: Path) -> OrderedDict[str, JSON]:
     try:
         data = load_json(text.encode("utf-8"), CONFIG_DEPTH, _ordered_unique)
     except json.JSONDecodeError as exc:
@@ -80,7 +83,7 @@ def parse_config(text: str, path: Path) -> OrderedDict[str, Any]:
     return data
 
 
-def read_config(path: Path) -> OrderedDict[str, Any]:
+def read_config(path: Path) -> OrderedDict[str, JSON]:
     """Read and parse config.json (a regular file, or a link to one). ConfigError when it
     is missing, not a regular file, unreadable, too large or not a valid config."""
     return parse_config_bytes(read_config_bytes(path), path)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Union
+from typing import Optional, Protocol, Union
 
 
 class Severity(str, enum.Enum):
@@ -38,14 +38,15 @@ class Finding:
     message: str
     fix: Optional[str] = None
     paths: Sequence[str] = ()
-    details: Mapping[str, Any] = field(default_factory=dict)
+    # Extra facts for --json: JSON-friendly values (json.dumps falls back to str()).
+    details: Mapping[str, object] = field(default_factory=dict)
 
     @property
     def area(self) -> str:
         return self.id.split(".", 1)[0]
 
-    def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {
+    def to_json(self) -> dict[str, object]:
+        out: dict[str, object] = {
             "id": self.id,
             "severity": self.severity.value,
             "message": self.message,
@@ -57,15 +58,35 @@ class Finding:
         return out
 
 
-def _mk(severity: Severity) -> Callable[..., Finding]:
+class MakeFinding(Protocol):
+    """`ok(id, message, fix, paths, details=..., **more)`: a Finding of one severity.
+    `paths` are anything that prints as a path (str, pathlib.Path); the details are
+    `details` (a mapping built beforehand) and the keyword arguments `more`."""
+
+    def __call__(
+        self,
+        id: str,
+        message: str,
+        fix: Optional[str] = None,
+        paths: Iterable[object] = (),
+        *,
+        details: Optional[Mapping[str, object]] = None,
+        **more: object,
+    ) -> Finding: ...
+
+
+def _mk(severity: Severity) -> MakeFinding:
     def make(
         id: str,
         message: str,
         fix: Optional[str] = None,
-        paths: Iterable[Any] = (),
-        **details: Any,
+        paths: Iterable[object] = (),
+        *,
+        details: Optional[Mapping[str, object]] = None,
+        **more: object,
     ) -> Finding:
-        return Finding(id, severity, message, fix, tuple(str(p) for p in paths), details)
+        merged = {**details, **more} if details is not None else more
+        return Finding(id, severity, message, fix, tuple(str(p) for p in paths), merged)
 
     return make
 

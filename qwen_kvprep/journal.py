@@ -25,22 +25,27 @@ import secrets
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
-from qwen_kvprep.common import modules_cache_root, user_record_name
+from qwen_kvprep.common import (
+    JOURNAL_FILE,
+    STATE_DIRNAME,
+    USERS_DIRNAME,
+    modules_cache_root,
+    user_record_name,
+)
+from qwen_kvprep.common import sha256_bytes as sha256
 from qwen_kvprep.errors import StateError
 from qwen_kvprep.fsutil import atomic_write_bytes, atomic_write_text
 from qwen_kvprep.journalfile import (
-    JOURNAL_FILE,
     ORIGINAL_LIMIT,
     ORIGINALS,
-    STATE_DIRNAME,
     STORE_NAME,
-    USERS_DIRNAME,
     WRITTEN_KEEP,
     Entry,
     JournalData,
     Link,
+    PlantedGroup,
     Present,
     Remove,
     Restore,
@@ -55,7 +60,6 @@ from qwen_kvprep.journalfile import (
     present,
     read_journal,
     same_folder,
-    sha256,
 )
 from qwen_kvprep.untrusted import NotRegularFile, open_dir_under, read_regular, relpath_problem
 
@@ -132,6 +136,7 @@ class Journal:
 
     def _original(self, current: Present, path: Path) -> Entry:
         if current.kind == "symlink":
+            assert current.target is not None
             return {"kind": "symlink", "target": current.target, "written": []}
         if current.kind == "file":
             assert current.data is not None
@@ -188,8 +193,9 @@ class Journal:
             entry = self._original(current, path)
             table[key] = entry
         # intent first: a crash after this leaves a file the journal still knows as ours
-        entry["written"] = [w for w in entry["written"] or [] if w != new][-(WRITTEN_KEEP - 1) :]
-        entry["written"].append(new)
+        written = [w for w in entry["written"] or [] if w != new][-(WRITTEN_KEEP - 1) :]
+        written.append(new)
+        entry["written"] = written
         self._save()
         atomic_write_bytes(path, data, mode)
         self._drop_unused_stores()
@@ -216,11 +222,11 @@ class Journal:
             raise ValueError(f"{rel!r} {why}")
         return self._write(self._data["files"], rel, self.root / rel, data, mode)
 
-    def _group(self, root: str) -> dict[str, Any]:
-        for group in self._data["planted"]:
-            if group["root"] == root and same_folder(group["owner"], self.identity):
-                return group
-        group = {"root": root, "owner": dict(self.identity), "files": {}}
+    def _group(self, root: str) -> PlantedGroup:
+        for existing in self._data["planted"]:
+            if existing["root"] == root and same_folder(existing["owner"], self.identity):
+                return existing
+        group: PlantedGroup = {"root": root, "owner": self.identity.copy(), "files": {}}
         if not self.dry_run:
             self._data["planted"].append(group)
         return group

@@ -28,7 +28,7 @@ import shlex
 import stat
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import TYPE_CHECKING, Literal, Optional, TypedDict, Union
 
 from qwen_kvprep.common import (
     JOURNAL_FILE,
@@ -52,6 +52,11 @@ from qwen_kvprep.untrusted import (
     relpath_problem,
 )
 
+if TYPE_CHECKING:
+    from typing import TypeGuard
+
+    from qwen_kvprep.jsontypes import JSON, JSONObject
+
 JOURNAL_VERSION = 2
 ORIGINALS = "originals"
 # The files fix changes are a few KiB to a few hundred KiB.
@@ -62,18 +67,52 @@ _HEX64 = re.compile(r"[0-9a-f]{64}")
 STORE_NAME = re.compile(r"[0-9a-f]{16}|[0-9a-f]{64}")  # version 1 used 16 hex digits
 _KINDS = ("file", "symlink", "absent")
 
-# The journal in normal form, as check_journal returns it:
-#   {"version": 2, "files": {rel: Entry}, "planted": [{"root", "owner": Identity,
-#    "files": {rel: Entry}}]}
-JournalData = dict[str, Any]
-# One recorded path: {"kind": "file" | "symlink" | "absent", "written": [sha256] | None,
-# "store", "sha256", "mode" (a file), "target" (a symlink), "adopted"}
-Entry = dict[str, Any]
-# What identifies a prepared folder: {"path", "dev", "ino"}
-Identity = dict[str, Any]
+# What was at a recorded path before fix wrote it.
+Kind = Literal["file", "symlink", "absent"]
 
 
-def quote(path: Any) -> str:
+class _EntryKeys(TypedDict):
+    kind: Kind
+    # sha256 of each version fix wrote there, oldest first (None: a version 1 journal,
+    # which did not record them)
+    written: Optional[list[str]]
+
+
+class Entry(_EntryKeys, total=False):
+    """One recorded path, as check_journal returns it."""
+
+    store: str  # a file: where its original is kept, "originals/<sha256>"
+    sha256: Optional[str]  # a file: its original's sha256 (None: version 1)
+    mode: Optional[int]  # a file: its original's permission bits (None: version 1)
+    target: str  # a symlink: its target
+    adopted: bool  # already there, as fix would write it, when fix first planted it
+
+
+class Identity(TypedDict):
+    """What identifies a prepared folder: its absolute path and its inode."""
+
+    path: str
+    dev: int
+    ino: int
+
+
+class PlantedGroup(TypedDict):
+    """The files fix planted below one modules-cache root for one prepared folder."""
+
+    root: str  # absolute
+    owner: Identity
+    files: dict[str, Entry]  # relative to root
+
+
+class JournalData(TypedDict):
+    """The journal in normal form, as check_journal returns it."""
+
+    version: int
+    files: dict[str, Entry]  # relative to the checkpoint
+    planted: list[PlantedGroup]
+
+
+def quote(path: object) -> str:
     return shlex.quote(str(path))
 
 
@@ -146,13 +185,27 @@ class Invalid(Exception):
         self.why = why
 
 
-def _check_entry(entry: Any, where: str, version: int) -> Entry:
+def _known_kind(kind: JSON) -> TypeGuard[Kind]:
+    return kind in _KINDS
+
+
+def _digests(value: JSON) -> TypeGuard[list[str]]:
+    return isinstance(value, list) and all(
+        isinstance(w, str) and _HEX64.fullmatch(w) for w in value
+    )
+
+
+def _integer(value: JSON) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_entry(entry: JSON, where: str, version: int) -> Entry:
     if not isinstance(entry, dict):
         raise Invalid(where, "is not an object")
     kind = entry.get("kind")
-    if kind not in _KINDS:
+    if not _known_kind(kind):
         raise Invalid(where, f"has an unknown kind {kind!r}")
-    out: Entry = {"kind": kind}
+    out: Entry = {"kind": kind, "written": None}
     if kind == "file":
         store = entry.get("store")
         why = relpath_problem(store)
@@ -162,7 +215,7 @@ def _check_entry(entry: Any, where: str, version: int) -> Entry:
                 why = f"is not a file directly in {ORIGINALS}/"
         if why is not None:
             raise Invalid(where, f"keeps its original at {store!r}, which {why}")
-        out["store"] = store
+        out["store"] = str(store)
         digest = entry.get("sha256")
         if (version >= 2 or digest is not None) and (
             not isinstance(digest, str) or not _HEX64.fullmatch(digest)
@@ -184,9 +237,7 @@ def _check_entry(entry: Any, where: str, version: int) -> Entry:
     if written is None:
         # version 1 did not record what fix wrote: whatever is there counts as fix's
         out["written"] = None
-    elif not isinstance(written, list) or not all(
-        isinstance(w, str) and _HEX64.fullmatch(w) for w in written
-    ):
+    elif not _digests(written):
         raise Invalid(where, "has an invalid list of written sha256")
     else:
         out["written"] = list(written)[-WRITTEN_KEEP:]
@@ -195,7 +246,7 @@ def _check_entry(entry: Any, where: str, version: int) -> Entry:
     return out
 
 
-def _check_table(table: Any, where: str, version: int) -> dict[str, Entry]:
+def _check_table(table: JSON, where: str, version: int) -> dict[str, Entry]:
     if not isinstance(table, dict):
         raise Invalid(where, "is not an object")
     out = {}
@@ -207,21 +258,21 @@ def _check_table(table: Any, where: str, version: int) -> dict[str, Entry]:
     return out
 
 
-def _check_owner(owner: Any, where: str) -> Identity:
+def _check_owner(owner: JSON, where: str) -> Identity:
     if not isinstance(owner, dict):
         raise Invalid(where, "has no owner")
     path, dev, ino = owner.get("path"), owner.get("dev"), owner.get("ino")
     if not isinstance(path, str) or not os.path.isabs(path) or "\x00" in path:
         raise Invalid(where, "has an owner without an absolute path")
-    if not all(isinstance(v, int) and not isinstance(v, bool) for v in (dev, ino)):
+    if not (_integer(dev) and _integer(ino)):
         raise Invalid(where, "has an owner without a device and inode")
     return {"path": os.path.normpath(path), "dev": dev, "ino": ino}
 
 
-def _check_groups(groups: Any, version: int) -> list[dict[str, Any]]:
+def _check_groups(groups: JSON, version: int) -> list[PlantedGroup]:
     if not isinstance(groups, list):
         raise Invalid("planted", "is not a list")
-    out = []
+    out: list[PlantedGroup] = []
     for i, group in enumerate(groups):
         where = f"planted[{i}]"
         if not isinstance(group, dict):
@@ -239,7 +290,7 @@ def _check_groups(groups: Any, version: int) -> list[dict[str, Any]]:
     return out
 
 
-def _from_version_1(data: dict[str, Any], directory: Path, modules_root: Path) -> JournalData:
+def _from_version_1(data: JSONObject, directory: Path, modules_root: Path) -> JournalData:
     """Version 1 recorded planted files by absolute path: they are taken relative to this
     environment's modules root (anything else is refused), owned by `directory`."""
     files = _check_table(data.get("files", {}), "files", 1)
@@ -257,13 +308,13 @@ def _from_version_1(data: dict[str, Any], directory: Path, modules_root: Path) -
         if why is not None:
             raise Invalid(where, f"is outside the modules cache {root}")
         group[rel] = _check_entry(entry, where, 1)
-    groups = []
+    groups: list[PlantedGroup] = []
     if group:
         groups.append({"root": root, "owner": folder_identity(directory), "files": group})
     return {"version": JOURNAL_VERSION, "files": files, "planted": groups}
 
 
-def check_journal(data: Any, directory: Path, modules_root: Path) -> JournalData:
+def check_journal(data: JSON, directory: Path, modules_root: Path) -> JournalData:
     """The journal's content in normal form; Invalid names the entry that is wrong.
     `modules_root`: this environment's modules-cache root (a version 1 journal's planted
     files are taken relative to it)."""

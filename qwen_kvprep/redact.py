@@ -28,8 +28,9 @@ import re
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
+    import logging
     from collections.abc import Iterable, Mapping
-    from typing import Any, Optional
+    from typing import Optional
 
     from qwen_kvprep.findings import Finding
 
@@ -109,7 +110,7 @@ def scrub(text: str, environ: Optional[Mapping[str, str]] = None) -> str:
     return text
 
 
-def scrub_obj(obj: Any, environ: Optional[Mapping[str, str]] = None) -> Any:
+def scrub_obj(obj: object, environ: Optional[Mapping[str, str]] = None) -> object:
     """Scrub every string inside dicts, lists and tuples (keys too)."""
     if isinstance(obj, str):
         return scrub(obj, environ)
@@ -122,6 +123,13 @@ def scrub_obj(obj: Any, environ: Optional[Mapping[str, str]] = None) -> Any:
     return obj
 
 
+def scrub_mapping(
+    obj: Mapping[str, object], environ: Optional[Mapping[str, str]] = None
+) -> dict[str, object]:
+    """scrub_obj of a mapping with string keys, typed as one."""
+    return {scrub(k, environ): scrub_obj(v, environ) for k, v in obj.items()}
+
+
 def scrub_finding(f: Finding, environ: Optional[Mapping[str, str]] = None) -> Finding:
     from dataclasses import replace
 
@@ -130,7 +138,7 @@ def scrub_finding(f: Finding, environ: Optional[Mapping[str, str]] = None) -> Fi
         message=scrub(f.message, environ),
         fix=scrub(f.fix, environ) if f.fix is not None else None,
         paths=tuple(scrub(str(p), environ) for p in f.paths),
-        details=scrub_obj(dict(f.details), environ),
+        details=scrub_mapping(f.details, environ),
     )
 
 
@@ -144,7 +152,7 @@ def scrub_findings(
 # what libraries log
 
 
-def _scrub_record(record: Any) -> bool:
+def _scrub_record(record: logging.LogRecord) -> bool:
     try:
         message = record.getMessage()
     except Exception:  # a record that cannot be formatted is the library's problem

@@ -12,12 +12,12 @@ import json
 import os
 import sys
 from collections.abc import Iterable, Mapping, Sequence
-from typing import IO, TYPE_CHECKING, Any, Optional, Protocol
+from typing import IO, TYPE_CHECKING, Optional, Protocol, TypedDict, cast
 
 from qwen_kvprep import __version__
 from qwen_kvprep.checks import AREAS
 from qwen_kvprep.findings import Finding, Severity
-from qwen_kvprep.redact import scrub, scrub_findings, scrub_obj, sensitive_names
+from qwen_kvprep.redact import scrub, scrub_findings, scrub_mapping, sensitive_names
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -113,10 +113,10 @@ def summary_line(findings: Sequence[Finding]) -> str:
     return "summary: " + (", ".join(parts) if parts else "nothing checked")
 
 
-def document(findings: Sequence[Finding], **extra: object) -> dict[str, Any]:
+def document(findings: Sequence[Finding], **extra: object) -> dict[str, object]:
     """The `--json` document: schema and tool versions, ok, findings, then what the command
     adds."""
-    doc: dict[str, Any] = {
+    doc: dict[str, object] = {
         "schema_version": SCHEMA_VERSION,
         "tool_version": __version__,
         "ok": not any(f.severity is Severity.FAIL for f in findings),
@@ -134,7 +134,7 @@ def print_findings(findings: Sequence[Finding], as_json: bool, **extra: object) 
     """Findings as the `--json` document (with `extra`) or as text."""
     findings = scrub_findings(findings)
     if as_json:
-        emit(render_json(findings, **scrub_obj(extra)))
+        emit(render_json(findings, **scrub_mapping(extra)))
     else:
         emit(render_human(findings, colour=use_colour(sys.stdout)))
 
@@ -323,7 +323,50 @@ def _num(x: float) -> str:
     return f"{x:,.0f}" if float(x).is_integer() else f"{x:,.1f}"
 
 
-def _smoke_lines(smoke: dict[str, Any]) -> list[str]:
+class _KvBytes(TypedDict, total=False):
+    quantized: Optional[float]  # bytes per token; None: the quantized run did not quantize
+    unquantized: Optional[float]
+    ratio: Optional[float]
+    head_dim: Optional[int]
+    scale_bytes: Optional[int]
+    element_bytes: Optional[int]
+
+
+class _Agreement(TypedDict, total=False):
+    tokens: int
+    identical_tokens: int
+    first_divergence: Optional[int]  # None: the generations agree throughout
+    first_step_rel_logit_diff: Optional[float]
+
+
+class _PerRun(TypedDict, total=False):
+    quantized: Optional[float]
+    unquantized: Optional[float]
+
+
+class _PeakMemory(TypedDict, total=False):
+    kind: str  # "cuda_max_allocated" | the process's peak RSS
+    bytes: int
+
+
+class SmokeSummary(TypedDict, total=False):
+    """What the demo tells of the smoke summary (smoke.evaluate makes it; fix reports it
+    as its "smoke" result)."""
+
+    error: str
+    load_seconds: Optional[float]
+    device: str
+    device_name: str
+    layers: int
+    kernel_layers: int
+    kernel_calls: int
+    kv_bytes_per_token: _KvBytes
+    agreement: _Agreement
+    tokens_per_s: _PerRun
+    peak_memory: Optional[_PeakMemory]
+
+
+def _smoke_lines(smoke: SmokeSummary) -> list[str]:
     if not smoke:
         return []
     if smoke.get("error"):
@@ -342,13 +385,14 @@ def _smoke_lines(smoke: dict[str, Any]) -> list[str]:
         + ("" if k == n and n else ": the model FELL BACK to the slow torch path")
     )
     kv = smoke.get("kv_bytes_per_token") or {}
-    if kv.get("quantized") is not None and kv.get("unquantized"):
+    quantized, unquantized = kv.get("quantized"), kv.get("unquantized")
+    if quantized is not None and unquantized:
         line = (
-            f"KV cache per token: {_num(kv['quantized'])} bytes instead of "
-            f"{_num(kv['unquantized'])} ({kv['ratio']:.3f}x)"
+            f"KV cache per token: {_num(quantized)} bytes instead of "
+            f"{_num(unquantized)} ({kv['ratio']:.3f}x)"
         )
-        if kv.get("head_dim") and kv.get("scale_bytes") and kv.get("element_bytes"):
-            d, s, e = kv["head_dim"], kv["scale_bytes"], kv["element_bytes"]
+        d, s, e = kv.get("head_dim"), kv.get("scale_bytes"), kv.get("element_bytes")
+        if d and s and e:
             line += (
                 f": each head stores {d} one-byte codes + a {s}-byte scale + a {s}-byte zero "
                 f"point = {d + 2 * s} bytes for K and again for V, instead of {d * e}"
@@ -393,17 +437,34 @@ class DemoStory(Protocol):
     @property
     def findings(self) -> list[Finding]: ...
     @property
-    def extra(self) -> Mapping[str, Any]: ...
+    def extra(self) -> Mapping[str, object]: ...  # fix's results: "smoke", "cache_dir"...
     @property
-    def model(self) -> Mapping[str, Any]: ...
+    def model(self) -> Mapping[str, object]: ...  # DemoModel
     @property
     def seconds(self) -> Mapping[str, float]: ...
     @property
     def error(self) -> Optional[KvprepError]: ...
     @property
-    def background_build(self) -> Mapping[str, Any]: ...
+    def background_build(self) -> Mapping[str, object]: ...  # BuildTiming
     @property
     def ok(self) -> bool: ...
+
+
+class DemoModel(TypedDict):
+    """The tiny model the demo generated, as its story tells it."""
+
+    layers: int
+    heads: int
+    head_dim: int
+    dtype: str
+    weights_bytes: int
+
+
+class BuildTiming(TypedDict, total=False):
+    """The build the demo ran in the background, as its story tells it."""
+
+    compiled: bool
+    seconds: float
 
 
 # (heading, finding id prefixes, ids left out): the steps of fix as the demo tells them
@@ -420,7 +481,8 @@ _DEMO_STEPS: tuple[tuple[str, tuple[str, ...], tuple[str, ...]], ...] = (
 def render_demo(result: DemoStory) -> str:
     """What the demo did, numbered, in words a newcomer follows."""
     f = result.findings
-    m = result.model
+    # what the demo module put there, in the shapes above
+    m = cast("DemoModel", result.model)
     out = ["qwen-kvprep demo: the Int8 KV-cache path on a tiny random model (no download)", ""]
     step = 0
 
@@ -439,7 +501,7 @@ def render_demo(result: DemoStory) -> str:
                 f"{_size(m['weights_bytes'])} of weights, qwen-kvprep's own remote code"
             ],
         )
-    bg = result.background_build
+    bg = cast("BuildTiming", result.background_build)
     for head, prefixes, exclude in _DEMO_STEPS:
         items = [x.message + _mark(x) for x in _of(f, *prefixes) if x.id not in exclude]
         if prefixes[0] == "build.mode" and bg.get("compiled"):
@@ -449,7 +511,7 @@ def render_demo(result: DemoStory) -> str:
             items = ["every checkpoint check passed"]  # validate reports only problems
         if items:
             add(head, items)
-    smoke = result.extra.get("smoke") or {}
+    smoke = cast("SmokeSummary", result.extra.get("smoke") or {})
     if smoke:
         add("smoke test, in a child process", _smoke_lines(smoke))
     problems = [x for x in f if x.severity in (Severity.WARN, Severity.FAIL)]

@@ -6,6 +6,8 @@ from pathlib import Path
 
 from qwen_kvprep.common import KERNEL_FILES, sha256_file
 
+__all__ = ["KERNEL_FILES", "kernels_dir", "templates_dir", "vendored_kernel_hashes"]
+
 _PKG = Path(__file__).resolve().parent
 
 

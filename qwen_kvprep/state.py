@@ -18,12 +18,16 @@ import json
 from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Optional
 
 from qwen_kvprep import __version__
 from qwen_kvprep.common import STATE_DIRNAME, STATE_FILE, TRACKED_FILES, sha256_file
 from qwen_kvprep.journal import Journal
 from qwen_kvprep.statefile import STATE_VERSION, read_state
+
+if TYPE_CHECKING:
+    from qwen_kvprep.jsontypes import JSONObject
+    from qwen_kvprep.statefile import State, StateBuild, StateModules
 
 # Fields that change on every run without meaning anything changed.
 _VOLATILE = ("updated",)
@@ -33,7 +37,7 @@ def state_path(directory: Path) -> Path:
     return Path(directory) / STATE_DIRNAME / STATE_FILE
 
 
-def load_state(directory: Path) -> Optional[dict[str, Any]]:
+def load_state(directory: Path) -> Optional[State]:
     """The recorded state, or None if absent or unusable (damaged, of another version,
     against the schema: statefile.read_state, as prestart reads it)."""
     return read_state(str(directory))[0]
@@ -70,31 +74,40 @@ def package_versions(
     return out
 
 
-def new_state(directory: Path, **fields: Any) -> dict[str, Any]:
-    state: dict[str, Any] = {
+def new_state(
+    directory: Path,
+    *,
+    sources: Optional[JSONObject] = None,
+    build: Optional[StateBuild] = None,
+    modules: Optional[StateModules] = None,
+    smoke: Optional[JSONObject] = None,
+) -> State:
+    state: State = {
         "state_version": STATE_VERSION,
         "tool_version": __version__,
         "checkpoint": str(Path(directory).absolute()),
         "files": file_hashes(directory),
-        "sources": None,
+        "sources": sources,
         "packages": package_versions(),
-        "build": None,
-        "modules": None,
-        "smoke": None,
+        "build": build,
+        "modules": modules,
+        "smoke": smoke,
     }
-    state.update(fields)
     state["updated"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
     return state
 
 
-def same_state(a: Optional[dict[str, Any]], b: Optional[dict[str, Any]]) -> bool:
+def _lasting(state: State) -> dict[str, object]:
+    return {k: v for k, v in state.items() if k not in _VOLATILE}
+
+
+def same_state(a: Optional[State], b: Optional[State]) -> bool:
     if a is None or b is None:
         return a is b
-    strip = lambda d: {k: v for k, v in d.items() if k not in _VOLATILE}  # noqa: E731
-    return strip(a) == strip(b)
+    return _lasting(a) == _lasting(b)
 
 
-def save_state(journal: Journal, state: dict[str, Any]) -> bool:
+def save_state(journal: Journal, state: State) -> bool:
     """Record `state` (unless only its timestamp would change). Returns whether written."""
     if same_state(load_state(journal.root), state):
         return False
@@ -102,12 +115,12 @@ def save_state(journal: Journal, state: dict[str, Any]) -> bool:
     return not journal.dry_run
 
 
-def update_state(journal: Journal, **fields: Any) -> bool:
-    """Change some fields of the recorded state (the smoke step records its result)."""
+def update_state(journal: Journal, *, smoke: Optional[JSONObject]) -> bool:
+    """Record the smoke test's verdict in the recorded state."""
     state = load_state(journal.root)
     if state is None:
         return False
-    merged = {**state, **fields}
+    merged: State = {**state, "smoke": smoke}
     if same_state(state, merged):
         return False
     merged["updated"] = datetime.now(timezone.utc).isoformat(timespec="seconds")

@@ -15,6 +15,10 @@ it, so they agree on what a damaged state is. Standard library only (the fast pa
 In "modules", `folder` and `hub_folder` must lie inside `root` (they are used relative to
 it, moved to the modules root of the environment that reads them), and `files` may name
 only the kernel sources and the loader.
+
+A state that passed the check is a `State` (with `StateBuild`, `StateModules`). These
+TypedDicts exist for the type checker only (typing is not imported at run time here):
+import them under `if TYPE_CHECKING:`.
 """
 
 from __future__ import annotations
@@ -26,8 +30,44 @@ from qwen_kvprep.common import MODULE_FILES, STATE_DIRNAME, STATE_FILE, TRACKED_
 from qwen_kvprep.untrusted import describe_json_error, read_record, relpath_problem
 
 TYPE_CHECKING = False
-if TYPE_CHECKING:
-    from typing import Any, Optional
+if TYPE_CHECKING:  # typing costs milliseconds at import; only mypy needs it
+    from typing import Optional, TypedDict, TypeGuard
+
+    from qwen_kvprep.jsontypes import JSON, JSONObject
+
+    # What schema_problem guarantees of a state read back (fix writes every key; the
+    # ones in total=False classes may be missing from a state written by hand).
+
+    class _StateBuildKeys(TypedDict):
+        key: str  # the build-cache key
+        dir: str  # absolute: <cache>/builds/<key>
+        so: str  # the library's file name in `dir`
+
+    class StateBuild(_StateBuildKeys, total=False):
+        cuda: JSON  # whether it was built with CUDA (not checked)
+        arch_list: Optional[list[str]]  # the GPU architectures it was built for
+
+    class _StateModulesKeys(TypedDict):
+        root: str  # absolute: the modules-cache root fix planted into
+        folder: str  # absolute, inside root: the folder a load by path uses
+        files: dict[str, str]  # planted file name (a kernel source, the loader) -> sha256
+
+    class StateModules(_StateModulesKeys, total=False):
+        hub_folder: Optional[str]  # absolute, inside root: the folder a load by repo id uses
+
+    class _StateKeys(TypedDict):
+        state_version: int
+        tool_version: str
+        checkpoint: str  # absolute
+        files: dict[str, Optional[str]]  # tracked file name -> sha256 (None: absent)
+        packages: dict[str, Optional[str]]  # distribution -> version (None: not installed)
+
+    class State(_StateKeys, total=False):
+        sources: Optional[JSONObject]  # {"origin", "repo_id", "revision"} (not checked)
+        build: Optional[StateBuild]
+        modules: Optional[StateModules]
+        smoke: Optional[JSONObject]  # the smoke test's verdict (not checked)
+        updated: JSON  # ISO time of the last write (not checked)
 
 STATE_VERSION = 1
 _HEX64 = re.compile(r"[0-9a-f]{64}")
@@ -37,11 +77,11 @@ def state_file(target: str) -> str:
     return os.path.join(target, STATE_DIRNAME, STATE_FILE)
 
 
-def _abs(value: Any) -> bool:
+def _abs(value: object) -> bool:
     return isinstance(value, str) and os.path.isabs(value) and "\x00" not in value
 
 
-def _digest(value: Any) -> bool:
+def _digest(value: object) -> bool:
     return isinstance(value, str) and _HEX64.fullmatch(value) is not None
 
 
@@ -51,7 +91,7 @@ def inside(root: str, path: str) -> Optional[str]:
     return rel if rel == "." or relpath_problem(rel) is None else None
 
 
-def schema_problem(data: Any) -> Optional[str]:
+def schema_problem(data: JSON) -> Optional[str]:
     """Why `data` is not a state this version of qwen-kvprep wrote (None: it is)."""
     if not isinstance(data, dict):
         return "is not a JSON object"
@@ -83,7 +123,8 @@ def schema_problem(data: Any) -> Optional[str]:
             return "has a build that is not an object"
         if not isinstance(build.get("key"), str) or not _abs(build.get("dir")):
             return "has a build without a key and an absolute folder"
-        if not isinstance(build.get("so"), str) or "\x00" in build["so"]:
+        so = build.get("so")
+        if not isinstance(so, str) or "\x00" in so:
             return "has a build without its library"
         arch = build.get("arch_list")
         if arch is not None and (
@@ -113,7 +154,12 @@ def schema_problem(data: Any) -> Optional[str]:
     return None
 
 
-def read_state(target: str) -> tuple[Optional[dict[str, Any]], Optional[str]]:
+def _is_state(data: JSON, problem: Optional[str]) -> TypeGuard[State]:
+    """Whether `data` is a State, `problem` being what schema_problem said of it."""
+    return problem is None
+
+
+def read_state(target: str) -> tuple[Optional[State], Optional[str]]:
     """(state, None), (None, None) when there is none, or (None, why it is unusable)."""
     path = state_file(target)
     try:
@@ -123,6 +169,6 @@ def read_state(target: str) -> tuple[Optional[dict[str, Any]], Optional[str]]:
     except (OSError, ValueError) as exc:
         return None, f"{path} {describe_json_error(exc)}"
     problem = schema_problem(data)
-    if problem is not None:
+    if not _is_state(data, problem):
         return None, f"{path} {problem}"
     return data, None

@@ -25,7 +25,9 @@ import stat
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from collections.abc import Sequence
-    from typing import Any, Callable, Optional, Union
+    from typing import Callable, Optional, Union
+
+    from qwen_kvprep.jsontypes import JSON, JSONObject
 
     PathArg = Union[str, "os.PathLike[str]"]
 
@@ -168,8 +170,8 @@ class DuplicateKey(ValueError):
     pass
 
 
-def _unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
+def _unique(pairs: list[tuple[str, JSON]]) -> JSONObject:
+    out: JSONObject = {}
     for key, value in pairs:
         if key in out:
             raise DuplicateKey(f"the key {key!r} appears twice in one object")
@@ -177,10 +179,10 @@ def _unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def depth(value: Any, limit: int) -> int:
+def depth(value: JSON, limit: int) -> int:
     """How deeply `value` nests lists and objects, counted up to limit + 1 (no recursion)."""
     deepest = 0
-    stack = [(value, 1)]
+    stack: list[tuple[JSON, int]] = [(value, 1)]
     while stack:
         item, level = stack.pop()
         if isinstance(item, (dict, list)):
@@ -196,8 +198,8 @@ def depth(value: Any, limit: int) -> int:
 def load_json(
     raw: bytes,
     max_depth: int = RECORD_DEPTH,
-    pairs_hook: Optional[Callable[[list[tuple[str, Any]]], Any]] = None,
-) -> Any:
+    pairs_hook: Optional[Callable[[list[tuple[str, JSON]]], JSON]] = None,
+) -> JSON:
     """Strict UTF-8 JSON with unique keys, nested at most `max_depth` levels.
 
     Raises UnicodeDecodeError, json.JSONDecodeError (both ValueError), DuplicateKey or
@@ -205,7 +207,7 @@ def load_json(
     text = raw.decode("utf-8")
     hook = pairs_hook or _unique
     try:
-        data = json.loads(text, object_pairs_hook=hook)
+        data: JSON = json.loads(text, object_pairs_hook=hook)
     except RecursionError:
         raise ValueError(f"it nests more than {max_depth} levels deep") from None
     if depth(data, max_depth) > max_depth:
@@ -228,7 +230,7 @@ def describe_json_error(exc: BaseException) -> str:
     return f"is not acceptable: {exc}"
 
 
-def read_record(path: PathArg, limit: int = RECORD_LIMIT, max_depth: int = RECORD_DEPTH) -> Any:
+def read_record(path: PathArg, limit: int = RECORD_LIMIT, max_depth: int = RECORD_DEPTH) -> JSON:
     """One of our own JSON records from a folder we do not control: a regular file, at most
     `limit` bytes, strict JSON. Raises OSError (FileNotFoundError when absent) or
     ValueError."""
@@ -238,7 +240,7 @@ def read_record(path: PathArg, limit: int = RECORD_LIMIT, max_depth: int = RECOR
 # ------------------------------------------------------------------ recorded paths
 
 
-def relpath_problem(rel: Any) -> Optional[str]:
+def relpath_problem(rel: object) -> Optional[str]:
     """Why `rel` may not name a file below a root (None when it may): it must be a
     non-empty relative POSIX path in normal form, without `..`, `.` or empty parts."""
     if not isinstance(rel, str) or not rel:

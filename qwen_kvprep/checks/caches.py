@@ -4,7 +4,7 @@ transformers' modules cache, where the model code really runs from (`modules.`).
 from __future__ import annotations
 
 import shlex
-from typing import Any, Optional
+from typing import Optional
 
 from qwen_kvprep.buildcache.arch import covers
 from qwen_kvprep.checks.registry import (
@@ -17,10 +17,10 @@ from qwen_kvprep.checks.registry import (
     env_of,
 )
 from qwen_kvprep.common import KERNEL_FILES
+from qwen_kvprep.common import LOADER_FILE as LOADER
 from qwen_kvprep.findings import Finding, FindingsLike, fail, info, ok, skip, warn
 from qwen_kvprep.probe.binary import BinaryArchs, runs_on
 from qwen_kvprep.probe.caches import (
-    LOADER,
     BuildRecord,
     CacheFacts,
     LockFile,
@@ -62,7 +62,7 @@ def build_cache(facts: Facts) -> FindingsLike:
             f"build cache {acc.path}{state} is writable; {len(caches.builds)} build(s), "
             f"{len(usable)} for this torch",
             paths=[acc.path],
-            **details,
+            details=details,
         )
     message = (
         f"the build cache folder {acc.path} (from {acc.source}) cannot be written: {acc.reason}"
@@ -74,14 +74,14 @@ def build_cache(facts: Facts) -> FindingsLike:
             "but nothing new can be built",
             CACHE_FIX,
             paths=[acc.path],
-            **details,
+            details=details,
         )
     return fail(
         "build.cache",
         f"{message}, so the extension can be neither built nor published",
         CACHE_FIX,
         paths=[acc.path],
-        **details,
+        details=details,
     )
 
 
@@ -114,7 +114,7 @@ def _for_sources(builds: list[BuildRecord], facts: Facts) -> list[BuildRecord]:
 def _binary_on_gpu(b: BuildRecord, gpu: GpuInfo, label: str, rebuild: str) -> Finding:
     archs = b.archs
     cc = f"{gpu.capability[0]}.{gpu.capability[1]}"
-    d: dict[str, Any] = {
+    d: dict[str, object] = {
         "binary": b.so_path,
         "code": archs.labels() if archs else [],
         "gpu": gpu.label,
@@ -126,7 +126,7 @@ def _binary_on_gpu(b: BuildRecord, gpu: GpuInfo, label: str, rebuild: str) -> Fi
             f"{label}: cannot read {b.so_path}: {why}",
             rebuild.replace("ARCH", cc),
             paths=[b.dir],
-            **d,
+            details=d,
         )
     entry = runs_on(archs.entries, gpu.capability)
     if entry is None:
@@ -137,7 +137,7 @@ def _binary_on_gpu(b: BuildRecord, gpu: GpuInfo, label: str, rebuild: str) -> Fi
             "with `CUDA error: no kernel image is available for execution on the device`",
             rebuild.replace("ARCH", cc) + " (and `--force`)",
             paths=[b.dir],
-            **d,
+            details=d,
         )
     if entry.kind == "ptx":
         return info(
@@ -145,13 +145,13 @@ def _binary_on_gpu(b: BuildRecord, gpu: GpuInfo, label: str, rebuild: str) -> Fi
             f"{label} runs on GPU {gpu.index} {gpu.label} through PTX {entry.label} "
             "(JIT-compiled at first use; SASS for it would start faster)",
             paths=[b.dir],
-            **d,
+            details=d,
         )
     return ok(
         "build.arch",
         f"{label} carries {entry.label} for GPU {gpu.index} {gpu.label}",
         paths=[b.dir],
-        **d,
+        details=d,
     )
 
 
@@ -159,14 +159,14 @@ def _jit_on_gpu(archs: BinaryArchs, gpu: GpuInfo, fix: str) -> Finding:
     # Built by Qwen's original cpp_kernels.py in the modules cache: its arch flags come
     # from the nvcc version, not from the GPU.
     label = "the extension Qwen's original cpp_kernels.py built"
-    d: dict[str, Any] = {"binary": archs.path, "code": archs.labels(), "gpu": gpu.label}
+    d: dict[str, object] = {"binary": archs.path, "code": archs.labels(), "gpu": gpu.label}
     if archs.error:
         return warn(
             "build.arch",
             f"{label}: cannot read {archs.path}: {archs.error}",
             fix,
             paths=[archs.path],
-            **d,
+            details=d,
         )
     entry = runs_on(archs.entries, gpu.capability)
     if entry is None:
@@ -177,13 +177,13 @@ def _jit_on_gpu(archs: BinaryArchs, gpu: GpuInfo, fix: str) -> Finding:
             "kernel image is available for execution on the device`",
             fix,
             paths=[archs.path],
-            **d,
+            details=d,
         )
     return ok(
         "build.arch",
         f"{label} carries {entry.label} for GPU {gpu.index} {gpu.label}",
         paths=[archs.path],
-        **d,
+        details=d,
     )
 
 
@@ -254,7 +254,7 @@ def modules_cache(facts: Facts) -> FindingsLike:
             "modules.cache",
             f"modules cache {acc.path} (from {acc.source}) is writable",
             paths=[acc.path],
-            **details,
+            details=details,
         )
     message = (
         f"transformers' modules cache {acc.path} (from {acc.source}) cannot be written: "
@@ -271,10 +271,14 @@ def modules_cache(facts: Facts) -> FindingsLike:
             message + ", which works only while the copy there is already current",
             fix,
             paths=[acc.path],
-            **details,
+            details=details,
         )
     return fail(
-        "modules.cache", message + ", so loading the model fails", fix, paths=[acc.path], **details
+        "modules.cache",
+        message + ", so loading the model fails",
+        fix,
+        paths=[acc.path],
+        details=details,
     )
 
 
@@ -294,7 +298,7 @@ def _state_folder(caches: CacheFacts) -> Optional[str]:
 def _judge_folder(facts: Facts, mf: ModuleFolder, requested: bool) -> Finding:
     cp = facts.checkpoint
     fix = _fix_cmd(facts)
-    details: dict[str, Any] = {
+    details: dict[str, object] = {
         "folder": mf.path,
         "how": mf.how,
         "files": dict(mf.files),
@@ -308,13 +312,13 @@ def _judge_folder(facts: Facts, mf: ModuleFolder, requested: bool) -> Finding:
             "slow pure-torch path"
         )
         if requested:
-            return fail("modules.folder", message, fix, paths=[mf.path], **details)
+            return fail("modules.folder", message, fix, paths=[mf.path], details=details)
         return info(
             "modules.folder",
             message + " (the config does not ask for the kernel yet)",
             fix,
             paths=[mf.path],
-            **details,
+            details=details,
         )
     ckpt_sources = getattr(cp, "kernel_sources", None) or {}
     stale = [
@@ -327,7 +331,7 @@ def _judge_folder(facts: Facts, mf: ModuleFolder, requested: bool) -> Finding:
             "so the model builds or loads different kernels than the checkpoint holds",
             fix,
             paths=[mf.path],
-            **details,
+            details=details,
         )
     if mf.loader_is_ours is False:
         if getattr(cp, "loader_is_ours", False):
@@ -336,7 +340,7 @@ def _judge_folder(facts: Facts, mf: ModuleFolder, requested: bool) -> Finding:
                 f"{mf.path} still holds Qwen's original {LOADER}; transformers replaces it "
                 "with the checkpoint's (qwen-kvprep's loader) at the next load",
                 paths=[mf.path],
-                **details,
+                details=details,
             )
         message = (
             f"{mf.path} holds Qwen's original {LOADER}, which compiles the sources at import "
@@ -344,21 +348,21 @@ def _judge_folder(facts: Facts, mf: ModuleFolder, requested: bool) -> Finding:
             "from_pretrained fails with `FileNotFoundError: './cache_autogptq_cuda_256.cpp'`"
         )
         if requested:
-            return fail("modules.folder", message, fix, paths=[mf.path], **details)
-        return info("modules.folder", message, fix, paths=[mf.path], **details)
+            return fail("modules.folder", message, fix, paths=[mf.path], details=details)
+        return info("modules.folder", message, fix, paths=[mf.path], details=details)
     if mf.loader_is_ours is None:
         return info(
             "modules.folder",
             f"{mf.path} holds the kernel sources; transformers copies the loader {LOADER} "
             "in at the next load",
             paths=[mf.path],
-            **details,
+            details=details,
         )
     return ok(
         "modules.folder",
         f"{mf.path} holds the kernel sources and qwen-kvprep's loader",
         paths=[mf.path],
-        **details,
+        details=details,
     )
 
 
@@ -388,7 +392,7 @@ def modules_folder(facts: Facts) -> FindingsLike:
                 f"run `qwen-kvprep prestart {shlex.quote(str(cp.path))} -- CMD` or "
                 f"{_fix_cmd(facts)} with this environment",
                 paths=[primary.path],
-                **details,
+                details=details,
             )
         return info(
             "modules.folder",
@@ -397,7 +401,7 @@ def modules_folder(facts: Facts) -> FindingsLike:
             "sources there the model silently falls back to the slow path",
             _fix_cmd(facts),
             paths=[primary.path],
-            **details,
+            details=details,
         )
     return [_judge_folder(facts, mf, requested) for mf in existing]
 
@@ -424,7 +428,7 @@ def stale_lock(facts: Facts) -> FindingsLike:
         return ok("modules.stale_lock", f"no torch JIT lock files under {root}")
     out: list[Finding] = []
     for lock in caches.locks:
-        details: dict[str, Any] = {
+        details: dict[str, object] = {
             "lock": lock.path,
             "age_s": lock.age_s,
             "holders": [list(h) for h in lock.holders],
@@ -437,7 +441,7 @@ def stale_lock(facts: Facts) -> FindingsLike:
                     "modules.stale_lock",
                     f"{lock.path} is held by a running build: {who}",
                     paths=[lock.path],
-                    **details,
+                    details=details,
                 )
             )
         elif lock.unreadable:
@@ -449,7 +453,7 @@ def stale_lock(facts: Facts) -> FindingsLike:
                     "every later load of the model waits on it forever",
                     f"if no build is running: {clear}",
                     paths=[lock.path],
-                    **details,
+                    details=details,
                 )
             )
         else:
@@ -460,7 +464,7 @@ def stale_lock(facts: Facts) -> FindingsLike:
                     "it): every later load of the model waits on it forever",
                     clear,
                     paths=[lock.path],
-                    **details,
+                    details=details,
                 )
             )
     return out

@@ -14,13 +14,13 @@ from typing import Optional, Union
 
 from qwen_kvprep.checks.registry import CHECKPOINT, LISTED, check, checkpoint_of
 from qwen_kvprep.common import KERNEL_FILES
+from qwen_kvprep.common import LOADER_FILE as LOADER
 from qwen_kvprep.configjson import CONFIG
 from qwen_kvprep.findings import Finding, fail, info, ok, skip, warn
 from qwen_kvprep.probe.checkpoint import (
     BIN_INDEX,
     BIN_SINGLE,
     GENERATION_CONFIG,
-    LOADER,
     MODELING,
     REMOTE_CODE_FILES,
     ST_INDEX,

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import json
 import shlex
-from typing import Any, Union
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Union
 
 from qwen_kvprep.checks.checkpoint import redownload
 from qwen_kvprep.checks.registry import CHECKPOINT, CONFIG_PARSED, check, checkpoint_of
@@ -19,20 +20,23 @@ from qwen_kvprep.findings import Finding, fail, info, ok, skip, warn
 from qwen_kvprep.probe.checkpoint import CheckpointFacts
 from qwen_kvprep.probe.facts import Facts
 
-DEFAULTS: dict[str, Any] = {
+if TYPE_CHECKING:
+    from qwen_kvprep.jsontypes import JSON
+
+DEFAULTS: dict[str, JSON] = {
     "use_cache_quantization": False,
     "use_cache_kernel": False,
     "use_flash_attn": "auto",
 }
 
 
-def _config(facts: Facts) -> tuple[CheckpointFacts, dict[str, Any]]:
+def _config(facts: Facts) -> tuple[CheckpointFacts, dict[str, JSON]]:
     cp = checkpoint_of(facts)
     assert cp.config is not None, "declare needs=(CHECKPOINT, CONFIG_PARSED)"
     return cp, cp.config
 
 
-def _shown(cfg: dict[str, Any], key: str) -> str:
+def _shown(cfg: Mapping[str, JSON], key: str) -> str:
     if key not in cfg:
         return f"absent (default {json.dumps(DEFAULTS[key])})"
     return json.dumps(cfg[key])
@@ -104,7 +108,7 @@ def kv_cache(facts: Facts) -> Finding:
             "use_cache_kernel is on but use_cache_quantization is "
             f"{_shown(cfg, 'use_cache_quantization')}, so the kernel does nothing and the KV "
             "cache stays full size",
-            _fix_cmd(cp), paths=[path], **flags,
+            _fix_cmd(cp), paths=[path], details=flags,
         )
     if not quant:
         return warn(
@@ -112,19 +116,19 @@ def kv_cache(facts: Facts) -> Finding:
             f"Int8 KV cache is off (use_cache_quantization is "
             f"{_shown(cfg, 'use_cache_quantization')}), so the KV cache takes about twice the "
             "memory it needs",
-            _fix_cmd(cp), paths=[path], **flags,
+            _fix_cmd(cp), paths=[path], details=flags,
         )
     if not kernel:
         return warn(
             id,
             f"Int8 KV cache is on but use_cache_kernel is {_shown(cfg, 'use_cache_kernel')}, so "
             "every step dequantizes the whole cache in pure torch (the slow fallback)",
-            _fix_cmd(cp), paths=[path], **flags,
+            _fix_cmd(cp), paths=[path], details=flags,
         )
     return ok(id, "Int8 KV cache and its kernel are on (use_cache_quantization, use_cache_kernel)")
 
 
-def flash_attn_off(cfg: dict[str, Any]) -> bool:
+def flash_attn_off(cfg: Mapping[str, JSON]) -> bool:
     """Whether the config switches flash-attn off for certain.
 
     The remote code turns "auto" on whenever flash_attn imports and half precision is in

@@ -9,7 +9,8 @@ a toolchain problem is a warning (the next rebuild would fail), not a failure.
 from __future__ import annotations
 
 import shlex
-from typing import Any, Optional
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Optional
 
 from qwen_kvprep.checks.registry import CHECKPOINT, CUDA_TORCH, ENV, TORCH, check, env_of
 from qwen_kvprep.findings import Finding, FindingsLike, fail, info, ok, skip, warn
@@ -17,6 +18,9 @@ from qwen_kvprep.probe.binary import parse_arch_label, runs_on
 from qwen_kvprep.probe.caches import usable_builds
 from qwen_kvprep.probe.env import EnvFacts, version_tuple
 from qwen_kvprep.probe.facts import Facts
+
+if TYPE_CHECKING:
+    from qwen_kvprep.jsontypes import JSON
 
 MIN_CUDA = (11, 4)
 TRANSFORMERS_MIN = (4, 32)
@@ -116,7 +120,7 @@ def _build_present(facts: Facts) -> Optional[str]:
 
 
 def _toolchain_finding(
-    facts: Facts, id: str, message: str, fix: Optional[str], **details: Any
+    facts: Facts, id: str, message: str, fix: Optional[str], details: Mapping[str, object]
 ) -> Finding:
     present = _build_present(facts)
     if present:
@@ -124,9 +128,9 @@ def _toolchain_finding(
             id,
             f"{message} (only a rebuild needs this: a build for this torch exists in {present})",
             fix,
-            **details,
+            details=details,
         )
-    return fail(id, message, fix, **details)
+    return fail(id, message, fix, details=details)
 
 
 # ---------------------------------------------------------------------------------------
@@ -143,9 +147,11 @@ def python_version(facts: Facts) -> FindingsLike:
             f"Python {env.python_version} is too old: qwen-kvprep and the torch releases it "
             "supports need Python >= 3.9",
             "use Python 3.9 or newer",
-            **details,
+            details=details,
         )
-    return ok("env.python", f"Python {env.python_version} ({env.python_executable})", **details)
+    return ok(
+        "env.python", f"Python {env.python_version} ({env.python_executable})", details=details
+    )
 
 
 @check("env.torch", "torch importable and built for a usable CUDA", needs=(ENV,))
@@ -159,7 +165,7 @@ def torch_build(facts: Facts) -> FindingsLike:
             "cannot load and the kernel cannot be built",
             "pip install torch (for a GPU a CUDA build, e.g. "
             "`pip install torch --index-url https://download.pytorch.org/whl/cu121`)",
-            **details,
+            details=details,
         )
     if env.torch_hip:
         return warn(
@@ -167,14 +173,14 @@ def torch_build(facts: Facts) -> FindingsLike:
             f"torch {env.torch_version} is a ROCm build (HIP {env.torch_hip}): the Int8 KV "
             "kernel is CUDA code, so only its CPU path can be used",
             CUDA_TORCH_FIX,
-            **details,
+            details=details,
         )
     if env.torch_cuda is None:
         return info(
             "env.torch",
             f"torch {env.torch_version} is a CPU build: CPU kernel path only (the GPU kernel "
             "needs a CUDA build of torch)",
-            **details,
+            details=details,
         )
     cuda = _v(env.torch_cuda)
     if cuda is not None and cuda < MIN_CUDA:
@@ -183,7 +189,7 @@ def torch_build(facts: Facts) -> FindingsLike:
             f"torch {env.torch_version} is built for CUDA {env.torch_cuda}, older than the "
             f"{_vs(MIN_CUDA)} the kernel build needs",
             CUDA_TORCH_FIX,
-            **details,
+            details=details,
         )
     tv = _v(env.torch_version)
     if tv is not None and tv < (2, 0):
@@ -191,16 +197,18 @@ def torch_build(facts: Facts) -> FindingsLike:
             "env.torch",
             f"torch {env.torch_version} is older than 2.0, which qwen-kvprep is not tested with",
             "pip install 'torch>=2.0'",
-            **details,
+            details=details,
         )
-    return ok("env.torch", f"torch {env.torch_version} built for CUDA {env.torch_cuda}", **details)
+    return ok(
+        "env.torch", f"torch {env.torch_version} built for CUDA {env.torch_cuda}", details=details
+    )
 
 
 @check("env.gpu", "GPUs visible to torch and their compute capability", needs=(ENV,))
 def gpu(facts: Facts) -> FindingsLike:
     env = env_of(facts)
     labels = [g.label for g in env.gpus]
-    details: dict[str, Any] = {
+    details: dict[str, object] = {
         "gpus": labels,
         "source": env.gpu_source,
         "CUDA_VISIBLE_DEVICES": env.env_vars.get("CUDA_VISIBLE_DEVICES"),
@@ -210,9 +218,9 @@ def gpu(facts: Facts) -> FindingsLike:
             return info(
                 "env.gpu",
                 f"GPU(s) present: {', '.join(labels)} (torch is not importable)",
-                **details,
+                details=details,
             )
-        return skip("env.gpu", "torch is not importable (see env.torch)", **details)
+        return skip("env.gpu", "torch is not importable (see env.torch)", details=details)
     if env.torch_cuda is None:
         if env.gpus:
             return warn(
@@ -220,22 +228,22 @@ def gpu(facts: Facts) -> FindingsLike:
                 f"GPU(s) present ({', '.join(labels)}) but torch is a CPU build, so the model "
                 "and the kernel run on the CPU",
                 CUDA_TORCH_FIX,
-                **details,
+                details=details,
             )
-        return info("env.gpu", "no GPU (and torch is a CPU build)", **details)
+        return info("env.gpu", "no GPU (and torch is a CPU build)", details=details)
     if not env.gpus:
         if env.gpu_error:
             return warn(
                 "env.gpu",
                 f"torch found no usable GPU: {env.gpu_error}",
                 "check the NVIDIA driver (env.driver) and CUDA_VISIBLE_DEVICES",
-                **details,
+                details=details,
             )
         return info(
             "env.gpu",
             "no GPU visible: the kernel can be built here (no GPU needed) but runs only "
             "where a GPU is",
-            **details,
+            details=details,
         )
     out: list[Finding] = []
     torch_code = [e for e in (parse_arch_label(a) for a in env.torch_arch_flags) if e]
@@ -248,7 +256,7 @@ def gpu(facts: Facts) -> FindingsLike:
                     f"GPU {g.index} {g.label} is older than Volta: the Int8 KV kernel is built "
                     "for compute capability 7.0 and newer, so it cannot run there",
                     "run the model on a GPU of compute capability >= 7.0",
-                    **d,
+                    details=d,
                 )
             )
         elif torch_code and runs_on(torch_code, g.capability) is None:
@@ -259,11 +267,11 @@ def gpu(facts: Facts) -> FindingsLike:
                     f"(only {' '.join(env.torch_arch_flags)}), so every CUDA op fails with "
                     "`no kernel image is available for execution on the device`",
                     "install a torch built for a CUDA release that supports this GPU",
-                    **d,
+                    details=d,
                 )
             )
         else:
-            out.append(ok("env.gpu", f"GPU {g.index}: {g.label}", **d))
+            out.append(ok("env.gpu", f"GPU {g.index}: {g.label}", details=d))
     return out
 
 
@@ -297,7 +305,9 @@ def driver(facts: Facts) -> FindingsLike:
         "torch_cuda": env.torch_cuda,
     }
     if need is None:
-        return skip("env.driver", f"unrecognised torch CUDA version {env.torch_cuda!r}", **details)
+        return skip(
+            "env.driver", f"unrecognised torch CUDA version {env.torch_cuda!r}", details=details
+        )
     full = _full_driver_for(need)
     compat = _DRIVER_MINOR_COMPAT.get(need[0])
     target = full or compat or f"the release for CUDA {env.torch_cuda}"
@@ -308,9 +318,9 @@ def driver(facts: Facts) -> FindingsLike:
             return ok(
                 "env.driver",
                 "the driver runs the visible GPUs (its version could not be read)",
-                **details,
+                details=details,
             )
-        return info("env.driver", "no NVIDIA driver found (no GPU here)", **details)
+        return info("env.driver", "no NVIDIA driver found (no GPU here)", details=details)
     too_old = (
         f"the NVIDIA driver ({env.driver_version or 'CUDA ' + str(env.driver_cuda)}) is too old "
         f"for torch's CUDA {env.torch_cuda} runtime: CUDA fails to initialise with `CUDA driver "
@@ -322,7 +332,7 @@ def driver(facts: Facts) -> FindingsLike:
                 "env.driver",
                 f"NVIDIA driver {env.driver_version or '(version unknown)'} supports "
                 f"CUDA {env.driver_cuda}",
-                **details,
+                details=details,
             )
         if have[0] == need[0] and (
             env.driver_version is None or (compat and _driver_at_least(env.driver_version, compat))
@@ -333,15 +343,15 @@ def driver(facts: Facts) -> FindingsLike:
                 f"{env.torch_cuda}: it runs through minor-version compatibility, but PTX "
                 "newer than the driver cannot be JIT-compiled",
                 upgrade,
-                **details,
+                details=details,
             )
-        return fail("env.driver", too_old, upgrade, **details)
+        return fail("env.driver", too_old, upgrade, details=details)
     assert env.driver_version is not None
     if full and _driver_at_least(env.driver_version, full):
         return ok(
             "env.driver",
             f"NVIDIA driver {env.driver_version} supports CUDA {env.torch_cuda}",
-            **details,
+            details=details,
         )
     if compat and _driver_at_least(env.driver_version, compat):
         return warn(
@@ -350,9 +360,9 @@ def driver(facts: Facts) -> FindingsLike:
             "newer): it runs through minor-version compatibility, but PTX newer than the "
             "driver cannot be JIT-compiled",
             upgrade,
-            **details,
+            details=details,
         )
-    return fail("env.driver", too_old, upgrade, **details)
+    return fail("env.driver", too_old, upgrade, details=details)
 
 
 def _cuda_home_fix(env: EnvFacts) -> str:
@@ -386,7 +396,7 @@ def cuda_home(facts: Facts) -> FindingsLike:
             f"{env.cuda_home_source}={raw!r} is a path list, but torch uses it as one folder, "
             f"so `{raw}/bin/nvcc` does not exist and every CUDA build fails",
             fix,
-            **details,
+            details=details,
         )
     if env.cuda_home is None:
         return _toolchain_finding(
@@ -396,7 +406,7 @@ def cuda_home(facts: Facts) -> FindingsLike:
             "`CUDA_HOME environment variable is not set`; Qwen's own cpp_kernels.py: "
             '`TypeError` on `CUDA_HOME + "/bin/nvcc"`)',
             fix,
-            **details,
+            details=details,
         )
     if env.nvcc_path is None:
         return _toolchain_finding(
@@ -405,7 +415,7 @@ def cuda_home(facts: Facts) -> FindingsLike:
             f"CUDA_HOME resolves to {env.cuda_home} (from {env.cuda_home_source}), which has "
             f"no bin/nvcc: torch stops with `nvcc not found at '{env.cuda_home}/bin/nvcc'`",
             fix,
-            **details,
+            details=details,
         )
     if env.cudart_found is False:
         where = (
@@ -426,20 +436,20 @@ def cuda_home(facts: Facts) -> FindingsLike:
                     "env.cuda_home",
                     message + " (Qwen's original cpp_kernels.py builds this way)",
                     fix,
-                    **details,
+                    details=details,
                 )
             return warn(
                 "env.cuda_home",
                 message + f"; qwen-kvprep's own build uses {env.cuda_candidates[0]}, "
                 "torch's JIT builds do not",
                 fix,
-                **details,
+                details=details,
             )
-        return _toolchain_finding(facts, "env.cuda_home", message, fix, **details)
+        return _toolchain_finding(facts, "env.cuda_home", message, fix, details=details)
     return ok(
         "env.cuda_home",
         f"CUDA_HOME resolves to {env.cuda_home} (from {env.cuda_home_source})",
-        **details,
+        details=details,
     )
 
 
@@ -451,9 +461,9 @@ def nvcc(facts: Facts) -> FindingsLike:
     if env.nvcc_version is None:
         if env.nvcc_error:
             return _toolchain_finding(
-                facts, "env.nvcc", f"nvcc does not run: {env.nvcc_error}", fix, **details
+                facts, "env.nvcc", f"nvcc does not run: {env.nvcc_error}", fix, details=details
             )
-        return skip("env.nvcc", "no nvcc found (see env.cuda_home)", **details)
+        return skip("env.nvcc", "no nvcc found (see env.cuda_home)", details=details)
     nv = _v(env.nvcc_version)
     tc = _v(env.torch_cuda)
     assert nv is not None
@@ -464,7 +474,7 @@ def nvcc(facts: Facts) -> FindingsLike:
             f"nvcc {env.nvcc_version} is older than {_vs(MIN_CUDA)}, the oldest CUDA the "
             "kernel builds with",
             fix,
-            **details,
+            details=details,
         )
     out: list[Finding] = []
     if tc is not None and nv[0] != tc[0]:
@@ -477,7 +487,7 @@ def nvcc(facts: Facts) -> FindingsLike:
                 f"({env.nvcc_version}) mismatches the version that was used to compile "
                 f"PyTorch ({env.torch_cuda})`)",
                 f"{fix}, or install a torch built for CUDA {nv[0]}.x",
-                **details,
+                details=details,
             )
         )
     elif tc is not None and nv != tc:
@@ -487,7 +497,7 @@ def nvcc(facts: Facts) -> FindingsLike:
                 f"nvcc {env.nvcc_version} differs from torch's CUDA {env.torch_cuda} in the "
                 "minor version: torch builds with a warning and the result runs",
                 f"for an exact match use the CUDA {env.torch_cuda} toolkit ({fix})",
-                **details,
+                details=details,
             )
         )
     for g in env.gpus:
@@ -502,7 +512,7 @@ def nvcc(facts: Facts) -> FindingsLike:
                     "`nvcc fatal : Unsupported gpu architecture "
                     f"'compute_{g.capability[0]}{g.capability[1]}'`",
                     f"use a CUDA {nv[0] - 1}.x toolkit (and a torch built for it) for this GPU",
-                    **details,
+                    details=details,
                 )
             )
         elif first is not None and nv < first:
@@ -512,7 +522,7 @@ def nvcc(facts: Facts) -> FindingsLike:
                     f"nvcc {env.nvcc_version} predates GPU {g.index} {g.label} (needs "
                     f"{_vs(first)}): the kernel can run there only through PTX JIT",
                     f"use a CUDA toolkit >= {_vs(first)}",
-                    **details,
+                    details=details,
                 )
             )
     if not out:
@@ -520,7 +530,7 @@ def nvcc(facts: Facts) -> FindingsLike:
             ok(
                 "env.nvcc",
                 f"nvcc {env.nvcc_version} matches torch's CUDA {env.torch_cuda}",
-                **details,
+                details=details,
             )
         )
     return out
@@ -530,7 +540,7 @@ def nvcc(facts: Facts) -> FindingsLike:
 def host_compiler(facts: Facts) -> FindingsLike:
     env = env_of(facts)
     cxx = env.cxx
-    details: dict[str, Any] = {
+    details: dict[str, object] = {
         "cxx": cxx.command if cxx else None,
         "cxx_version": cxx.version if cxx else None,
         "nvcc_host": env.nvcc_host.command if env.nvcc_host else None,
@@ -545,7 +555,7 @@ def host_compiler(facts: Facts) -> FindingsLike:
             f"no C++ compiler: `{name}` is not on PATH, so the extension cannot be built "
             "(torch compiles the .cpp with $CXX or c++)",
             "install one (Debian/Ubuntu: `apt-get install g++`; RHEL: `dnf install gcc-c++`)",
-            **details,
+            details=details,
         )
     out: list[Finding] = []
     cv = _v(cxx.version, 1)
@@ -557,7 +567,7 @@ def host_compiler(facts: Facts) -> FindingsLike:
                 f"{cxx.command} is gcc {cxx.version}: torch's headers need C++17, which gcc "
                 f"before {_MIN_GCC} does not fully support",
                 f"install gcc >= {_MIN_GCC} and `export CXX=g++-N CC=gcc-N`",
-                **details,
+                details=details,
             )
         )
     nv = _v(env.nvcc_version)
@@ -571,7 +581,7 @@ def host_compiler(facts: Facts) -> FindingsLike:
                     f"nvcc's host compiler `{host.command}` is not on PATH, so the .cu file "
                     "cannot be compiled",
                     f"install gcc/g++ or `export CC={cxx.path}`",
-                    **details,
+                    details=details,
                 )
             )
         else:
@@ -594,7 +604,7 @@ def host_compiler(facts: Facts) -> FindingsLike:
                         "(torch hands $CC to nvcc as -ccbin)"
                         if host.kind == "gcc"
                         else f"install clang {limit} and point CC/CXX at it",
-                        **details,
+                        details=details,
                     )
                 )
             elif hv is None or limit is None:
@@ -603,7 +613,7 @@ def host_compiler(facts: Facts) -> FindingsLike:
                         "env.host_compiler",
                         f"nvcc's host compiler {host.command} ({host.kind} {host.version or '?'}): "
                         f"no known limit for nvcc {env.nvcc_version} to compare with",
-                        **details,
+                        details=details,
                     )
                 )
     if not out:
@@ -614,7 +624,7 @@ def host_compiler(facts: Facts) -> FindingsLike:
             ok(
                 "env.host_compiler",
                 f"{cxx.command} is {cxx.kind} {cxx.version or '?'}{extra}",
-                **details,
+                details=details,
             )
         )
     return out
@@ -629,7 +639,9 @@ def ninja(facts: Facts) -> FindingsLike:
         "beside_python": env.ninja_beside_python,
     }
     if env.ninja_path:
-        return ok("env.ninja", f"ninja {env.ninja_version or '?'} at {env.ninja_path}", **details)
+        return ok(
+            "env.ninja", f"ninja {env.ninja_version or '?'} at {env.ninja_path}", details=details
+        )
     if env.ninja_beside_python:
         folder = env.ninja_beside_python.rsplit("/", 1)[0]
         return _toolchain_finding(
@@ -639,7 +651,7 @@ def ninja(facts: Facts) -> FindingsLike:
             "`ninja` through PATH: the build stops with `RuntimeError: Ninja is required to "
             "load C++ extensions`",
             f'export PATH="{folder}:$PATH" (or activate the virtual environment)',
-            **details,
+            details=details,
         )
     return _toolchain_finding(
         facts,
@@ -647,7 +659,7 @@ def ninja(facts: Facts) -> FindingsLike:
         "ninja is not installed: the build stops with `RuntimeError: Ninja is required to "
         "load C++ extensions`",
         "pip install ninja",
-        **details,
+        details=details,
     )
 
 
@@ -656,7 +668,7 @@ def python_headers(facts: Facts) -> FindingsLike:
     env = env_of(facts)
     details = {"include": env.python_include}
     if env.python_h:
-        return ok("env.python_headers", f"Python.h found in {env.python_include}", **details)
+        return ok("env.python_headers", f"Python.h found in {env.python_include}", details=details)
     v = ".".join(env.python_version.split(".")[:2]) or "3"
     return _toolchain_finding(
         facts,
@@ -665,7 +677,7 @@ def python_headers(facts: Facts) -> FindingsLike:
         "`fatal error: Python.h: No such file or directory`",
         f"install the headers (Debian/Ubuntu: `apt-get install python{v}-dev`; RHEL: "
         "`dnf install python3-devel`)",
-        **details,
+        details=details,
     )
 
 
@@ -683,7 +695,7 @@ def transformers_version(facts: Facts) -> FindingsLike:
             "env.transformers",
             "transformers is not installed, so the model cannot be loaded",
             TRANSFORMERS_PIN_FIX,
-            **details,
+            details=details,
         )
     v = _v(ver)
     if v is None:
@@ -691,7 +703,7 @@ def transformers_version(facts: Facts) -> FindingsLike:
             "env.transformers",
             f"unrecognised transformers version {ver!r}",
             TRANSFORMERS_PIN_FIX,
-            **details,
+            details=details,
         )
     if v < TRANSFORMERS_MIN:
         return fail(
@@ -699,7 +711,7 @@ def transformers_version(facts: Facts) -> FindingsLike:
             f"transformers {ver} is older than 4.32: its generate() has a different "
             "signature from the one Qwen's remote code is written for",
             TRANSFORMERS_PIN_FIX,
-            **details,
+            details=details,
         )
     if v >= (5, 0):
         return fail(
@@ -707,7 +719,7 @@ def transformers_version(facts: Facts) -> FindingsLike:
             f"transformers {ver} cannot import Qwen's remote code (e.g. `cannot import name "
             "'DisjunctiveConstraint' from 'transformers'`)",
             TRANSFORMERS_PIN_FIX,
-            **details,
+            details=details,
         )
     if v >= TRANSFORMERS_IMPORT_BROKEN:
         return fail(
@@ -715,7 +727,7 @@ def transformers_version(facts: Facts) -> FindingsLike:
             f"transformers {ver} cannot import Qwen's remote code: `cannot import name "
             "'BeamSearchScorer' from 'transformers'`",
             TRANSFORMERS_PIN_FIX,
-            **details,
+            details=details,
         )
     if v >= TRANSFORMERS_FIRST_BROKEN:
         return fail(
@@ -724,15 +736,15 @@ def transformers_version(facts: Facts) -> FindingsLike:
             "'NoneType' object is not subscriptable` (it hands Qwen's code a DynamicCache "
             "where a tuple is expected)",
             TRANSFORMERS_PIN_FIX,
-            **details,
+            details=details,
         )
     if v >= TRANSFORMERS_QWEN_PIN:
         return ok(
             "env.transformers",
             f"transformers {ver} runs Qwen v1 (measured; Qwen itself pins < 4.38)",
-            **details,
+            details=details,
         )
-    return ok("env.transformers", f"transformers {ver} runs Qwen v1", **details)
+    return ok("env.transformers", f"transformers {ver} runs Qwen v1", details=details)
 
 
 @check("env.remote_requirements", "Packages the Qwen remote code imports", needs=(ENV,))
@@ -755,15 +767,17 @@ def remote_requirements(facts: Facts) -> FindingsLike:
             "requires the following packages that were not found in your environment: "
             f"{', '.join(missing)}`",
             f"pip install {' '.join(missing)}",
-            **details,
+            details=details,
         )
     listing = ", ".join(f"{m} {p.version or '?'}" for m, p in found.items())
     return ok(
-        "env.remote_requirements", f"remote-code requirements importable: {listing}", **details
+        "env.remote_requirements",
+        f"remote-code requirements importable: {listing}",
+        details=details,
     )
 
 
-def _config(facts: Facts) -> Optional[dict[str, Any]]:
+def _config(facts: Facts) -> Optional[dict[str, JSON]]:
     cp = facts.checkpoint
     cfg = getattr(cp, "config", None) if cp is not None else None
     return cfg if isinstance(cfg, dict) else None
@@ -773,7 +787,7 @@ def _config(facts: Facts) -> Optional[dict[str, Any]]:
 def flash_attn(facts: Facts) -> FindingsLike:
     env = env_of(facts)
     fa = env.package("flash_attn")
-    details: dict[str, Any] = {"flash_attn": fa.version if fa.found else None}
+    details: dict[str, object] = {"flash_attn": fa.version if fa.found else None}
     cfg = _config(facts)
     if facts.checkpoint is None or cfg is None:
         reason = "no checkpoint given" if facts.checkpoint is None else "config.json not readable"
@@ -782,9 +796,9 @@ def flash_attn(facts: Facts) -> FindingsLike:
                 "env.flash_attn",
                 f"flash-attn {fa.version or '(version unknown)'} is installed: a checkpoint "
                 f"with the quantized cache must set use_flash_attn false ({reason})",
-                **details,
+                details=details,
             )
-        return skip("env.flash_attn", reason, **details)
+        return skip("env.flash_attn", reason, details=details)
     use_flash = cfg.get("use_flash_attn", "auto")
     quant = cfg.get("use_cache_quantization") is True
     details.update(use_flash_attn=use_flash, use_cache_quantization=quant)
@@ -792,19 +806,19 @@ def flash_attn(facts: Facts) -> FindingsLike:
         return ok(
             "env.flash_attn",
             "flash-attn is not installed, so the flash path cannot turn on",
-            **details,
+            details=details,
         )
     if use_flash is False:
         return ok(
             "env.flash_attn",
             f"flash-attn {fa.version} is installed and use_flash_attn is false",
-            **details,
+            details=details,
         )
     if cfg.get("fp32") is True:
         return ok(
             "env.flash_attn",
             "flash-attn is installed but the model runs in fp32, so it stays off",
-            **details,
+            details=details,
         )
     fix = f"qwen-kvprep fix {shlex.quote(str(facts.checkpoint.path))} (sets use_flash_attn false)"
     if not quant:
@@ -813,7 +827,7 @@ def flash_attn(facts: Facts) -> FindingsLike:
             f"flash-attn {fa.version} is installed and use_flash_attn is {use_flash!r}: once "
             "the quantized cache is on, this must be false",
             fix,
-            **details,
+            details=details,
         )
     message = (
         f"flash-attn {fa.version} is installed and use_flash_attn is {use_flash!r} with the "
@@ -821,8 +835,8 @@ def flash_attn(facts: Facts) -> FindingsLike:
         "quantized tuples and fails with `'tuple' object has no attribute 'dtype'`"
     )
     if env.gpus or env.torch_is_cuda:
-        return fail("env.flash_attn", message, fix, **details)
-    return warn("env.flash_attn", message + " (no GPU here, so not yet)", fix, **details)
+        return fail("env.flash_attn", message, fix, details=details)
+    return warn("env.flash_attn", message + " (no GPU here, so not yet)", fix, details=details)
 
 
 @check(
@@ -854,12 +868,12 @@ def gptq(facts: Facts) -> FindingsLike:
             f"{' and '.join(missing)} (`ImportError: Loading a GPTQ quantized model requires "
             "optimum ... and auto-gptq`)",
             f"pip install {' '.join(missing)}",
-            **details,
+            details=details,
         )
     backend = next(b for b in backends if b.found)
     return ok(
         "env.gptq",
         f"GPTQ checkpoint: optimum {optimum.version or '?'} and "
         f"{backend.module} {backend.version or '?'} installed",
-        **details,
+        details=details,
     )

@@ -5,12 +5,16 @@ from __future__ import annotations
 
 import shlex
 from collections.abc import Mapping
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Optional
 
 from qwen_kvprep import catalogue
 from qwen_kvprep.checks.registry import CHECKPOINT, ENV, check, checkpoint_of
 from qwen_kvprep.findings import Finding, FindingsLike, fail, info, ok, skip, warn
 from qwen_kvprep.probe.facts import Facts
+
+if TYPE_CHECKING:
+    from qwen_kvprep.probe.caches import ModuleFolder
+    from qwen_kvprep.probe.env import EnvFacts
 
 _LABEL = {
     catalogue.OFFICIAL: "official",
@@ -36,18 +40,18 @@ def _judge(
     fix_cmd: str,
 ) -> Finding:
     kind, per_file = catalogue.classify_set(hashes, ours)
-    details: dict[str, Any] = {"where": where, "kind": kind, "files": dict(per_file)}
+    details: dict[str, object] = {"where": where, "kind": kind, "files": dict(per_file)}
     if kind == catalogue.OFFICIAL:
-        return ok("kernels.sources", f"{where}: Qwen's official kernel sources", **details)
+        return ok("kernels.sources", f"{where}: Qwen's official kernel sources", details=details)
     if kind == catalogue.OURS:
-        return ok("kernels.sources", f"{where}: qwen-kvprep's kernel sources", **details)
+        return ok("kernels.sources", f"{where}: qwen-kvprep's kernel sources", details=details)
     if kind == catalogue.MISSING:
         # The model then warns once and silently runs the slower pure-torch path.
         return warn(
             "kernels.sources",
             f"{where}: no kernel sources (the model falls back to the slow path)",
             fix_cmd,
-            **details,
+            details=details,
         )
     problem = (
         "the two files come from different sets (the .cpp binds the functions its own .cu defines)"
@@ -59,7 +63,7 @@ def _judge(
         "kernels.sources",
         f"{where}: {problem}: {_listing(per_file, hashes)}{note}",
         fix_cmd,
-        **details,
+        details=details,
     )
 
 
@@ -81,12 +85,12 @@ def kernel_sources(facts: Facts) -> FindingsLike:
     return out
 
 
-def _module_folders(facts: Facts) -> list[Any]:
+def _module_folders(facts: Facts) -> list[ModuleFolder]:
     folders = getattr(facts.caches, "module_folders", None) or ()
     return [f for f in folders if getattr(f, "exists", False)]
 
 
-def _env_torch(env: Any) -> tuple[Optional[str], Optional[str]]:
+def _env_torch(env: Optional[EnvFacts]) -> tuple[Optional[str], Optional[str]]:
     """(torch version, torch.version.cuda) from EnvFacts (probe/env.py): torch_cuda is
     None for a CPU-only build."""
     version = getattr(env, "torch_version", None)
@@ -117,14 +121,14 @@ def official_compat(facts: Facts) -> FindingsLike:
                 "kernels.official_compat",
                 f"the official kernel sources here cannot compile: {compat.reason}",
                 f"qwen-kvprep fix {shlex.quote(str(cp.path))} --source vendored",
-                **details,
+                details=details,
             )
-        return ok("kernels.official_compat", f"official sources: {compat.reason}", **details)
+        return ok("kernels.official_compat", f"official sources: {compat.reason}", details=details)
     if compat.status == "no":
         return info(
             "kernels.official_compat",
             f"Qwen's official sources would not compile here: {compat.reason}; "
             "qwen-kvprep's own kernels are used by default",
-            **details,
+            details=details,
         )
-    return info("kernels.official_compat", f"official sources: {compat.reason}", **details)
+    return info("kernels.official_compat", f"official sources: {compat.reason}", details=details)

@@ -16,7 +16,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Optional, TypedDict
 
 from qwen_kvprep.common import (
     JOURNAL_FILE,
@@ -33,6 +33,11 @@ from qwen_kvprep.common import LOADER_FILE as LOADER
 from qwen_kvprep.common import modules_cache_root as _modules_cache_root
 from qwen_kvprep.probe.binary import BinaryArchs, read_archs
 from qwen_kvprep.untrusted import read_record
+
+if TYPE_CHECKING:
+    from qwen_kvprep.jsontypes import JSON
+    from qwen_kvprep.probe.env import EnvFacts
+    from qwen_kvprep.statefile import State
 
 MODELING = "modeling_qwen.py"
 # The official cpp_kernels.py builds into <its folder>/build with torch's FileBaton, whose
@@ -62,7 +67,7 @@ class BuildRecord:
 
     dir: str
     key: str
-    manifest: Mapping[str, Any] = field(default_factory=dict)
+    manifest: Mapping[str, JSON] = field(default_factory=dict)
     so_path: Optional[str] = None
     so_exists: bool = False
     archs: Optional[BinaryArchs] = None  # None: CPU build, not read
@@ -71,7 +76,7 @@ class BuildRecord:
     def cuda(self) -> bool:
         return bool(self.manifest.get("cuda"))
 
-    def input(self, name: str) -> Any:
+    def input(self, name: str) -> JSON:
         inputs = self.manifest.get("inputs")
         return inputs.get(name) if isinstance(inputs, Mapping) else None
 
@@ -104,7 +109,7 @@ class CacheFacts:
     module_folders: tuple[ModuleFolder, ...] = ()  # for the checkpoint, if one was given
     locks: tuple[LockFile, ...] = ()
     locks_scanned: bool = False
-    state: Optional[Mapping[str, Any]] = None  # <checkpoint>/.qwen-kvprep/state.json
+    state: Optional[State] = None  # <checkpoint>/.qwen-kvprep/state.json
     state_error: Optional[str] = None
     state_dir: Optional[str] = None  # <checkpoint>/.qwen-kvprep, when given a checkpoint
     journal_present: bool = False
@@ -254,7 +259,7 @@ def _read_builds(cache: Path) -> tuple[BuildRecord, ...]:
     return tuple(out)
 
 
-def _read_state(directory: Path) -> tuple[Optional[Mapping[str, Any]], Optional[str]]:
+def _read_state(directory: Path) -> tuple[Optional[State], Optional[str]]:
     """The recorded state, read as prestart and fix read it (size, depth, schema)."""
     from qwen_kvprep.statefile import read_state
 
@@ -265,13 +270,23 @@ def _read_state(directory: Path) -> tuple[Optional[Mapping[str, Any]], Optional[
         return None, f"{path} cannot be read: {type(exc).__name__}: {exc}"
 
 
-def _read_journal(directory: Path, modules_root: Path) -> dict[str, Any]:
+class _JournalFacts(TypedDict, total=False):
+    """The CacheFacts _read_journal finds (those it leaves out keep their defaults)."""
+
+    state_dir: str
+    journal_present: bool
+    journal_error: str
+    revert_problems: tuple[str, ...]
+    revert_notes: tuple[str, ...]
+
+
+def _read_journal(directory: Path, modules_root: Path) -> _JournalFacts:
     """Whether DIR has a journal, whether it is sound, and whether revert would succeed:
     revert's own checks, run read-only."""
     from qwen_kvprep.errors import KvprepError
     from qwen_kvprep.journalfile import folder_identity, plan_revert, read_journal
 
-    out: dict[str, Any] = {"state_dir": str(directory / STATE_DIRNAME)}
+    out: _JournalFacts = {"state_dir": str(directory / STATE_DIRNAME)}
     out["journal_present"] = os.path.lexists(directory / STATE_DIRNAME / JOURNAL_FILE)
     if not out["journal_present"]:
         return out
@@ -375,7 +390,7 @@ def _locks(root: Path) -> tuple[LockFile, ...]:
 
 def probe_caches(
     directory: Optional[Path],
-    env: Any = None,
+    env: Optional[EnvFacts] = None,
     cache_dir: Optional[Path] = None,
     environ: Optional[Mapping[str, str]] = None,
 ) -> CacheFacts:
@@ -387,9 +402,9 @@ def probe_caches(
     cache, cache_source = build_cache_dir(cache_dir, environ)
     root, root_source = modules_cache_root(environ)
     folders: tuple[ModuleFolder, ...] = ()
-    state: Optional[Mapping[str, Any]] = None
+    state: Optional[State] = None
     state_error: Optional[str] = None
-    journal: dict[str, Any] = {}
+    journal: _JournalFacts = {}
     if directory is not None:
         folders = tuple(
             _probe_module_folder(p, how) for p, how in module_folder_candidates(directory, root)
@@ -411,7 +426,7 @@ def probe_caches(
     )
 
 
-def usable_builds(caches: Optional[CacheFacts], env: Any) -> list[BuildRecord]:
+def usable_builds(caches: Optional[CacheFacts], env: Optional[EnvFacts]) -> list[BuildRecord]:
     """Published builds whose ABI inputs fit the running torch and Python, the one fix
     recorded in the checkpoint's state first. (The loader matches the full key; the nvcc
     version and arch list are not known without running nvcc, so this is the ABI part.)"""

@@ -21,13 +21,18 @@ import struct
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath, PureWindowsPath
-from typing import Any, Optional
+from typing import TYPE_CHECKING, NamedTuple, Optional, TypedDict, Union
 
 from qwen_kvprep.common import KERNEL_FILES, LOADER_MARKER, sha256_file
 from qwen_kvprep.common import LOADER_FILE as LOADER
 from qwen_kvprep.configjson import CONFIG, parse_config_bytes, read_config_bytes
 from qwen_kvprep.errors import ConfigError, current_user
 from qwen_kvprep.untrusted import kind_of, open_regular, read_prefix
+
+if TYPE_CHECKING:
+    from typing import TypeGuard
+
+    from qwen_kvprep.jsontypes import JSON
 
 REMOTE_CODE_FILES = (
     "configuration_qwen.py",
@@ -127,7 +132,7 @@ class CheckpointFacts:
     files: tuple[str, ...] = ()  # top-level regular files (symlinks followed), sorted
     dangling: tuple[str, ...] = ()  # top-level symlinks whose target is gone
     special: tuple[tuple[str, str], ...] = ()  # (name, what): FIFOs, sockets, devices
-    config: Optional[dict[str, Any]] = None
+    config: Optional[dict[str, JSON]] = None
     config_error: Optional[str] = None
     config_error_line: Optional[int] = None  # where the JSON parser stopped
     config_is_symlink: bool = False
@@ -194,10 +199,11 @@ def _read_text(path: Path) -> Optional[str]:
         return None
 
 
-def load_json(text: str) -> tuple[Any, Optional[str], Optional[int]]:
+def load_json(text: str) -> tuple[JSON, Optional[str], Optional[int]]:
     """(data, error, line of the error); never raises, whatever the text."""
     try:
-        return json.loads(text), None, None
+        data: JSON = json.loads(text)
+        return data, None, None
     except json.JSONDecodeError as exc:
         return None, f"{exc.msg} at line {exc.lineno}, column {exc.colno}", exc.lineno
     except (ValueError, RecursionError) as exc:  # a hostile file nests 100,000 levels deep
@@ -300,13 +306,13 @@ def probe_shard(path: Path, name: str) -> ShardFacts:
     for key, meta in header.items():
         if key == "__metadata__":
             continue
-        problem = _tensor_problem(key, meta)
-        if problem is not None:
-            return _shard_error(name, size, problem, header_len=n)
-        begin, end = meta["data_offsets"]
+        tensor = _tensor(key, meta)
+        if isinstance(tensor, str):
+            return _shard_error(name, size, tensor, header_len=n)
+        begin, end = tensor.begin, tensor.end
         spans.append((begin, end, key))
         total += end - begin
-        dtype = meta["dtype"]
+        dtype = tensor.dtype
         numel_by_dtype[dtype] = numel_by_dtype.get(dtype, 0) + (end - begin) // DTYPE_SIZES[dtype]
     # safetensors requires the tensors to tile the data area exactly: no gap, no overlap.
     pos = 0
@@ -340,23 +346,39 @@ def probe_shard(path: Path, name: str) -> ShardFacts:
     )
 
 
-def _tensor_problem(key: str, meta: Any) -> Optional[str]:
-    """Why a header entry is not a valid tensor description (None when it is)."""
+class _Tensor(NamedTuple):
+    """A tensor as a safetensors header describes it: its dtype and its data's span."""
+
+    dtype: str
+    begin: int
+    end: int
+
+
+def _integer(value: JSON) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _shape(value: JSON) -> TypeGuard[list[int]]:
+    return isinstance(value, list) and all(_integer(d) and d >= 0 for d in value)
+
+
+def _span(value: JSON) -> TypeGuard[list[int]]:
+    if not isinstance(value, list) or len(value) != 2:
+        return False
+    begin, end = value
+    return _integer(begin) and _integer(end) and 0 <= begin <= end
+
+
+def _tensor(key: str, meta: JSON) -> Union[_Tensor, str]:
+    """The tensor a header entry describes, or why it is not a valid description."""
     if not isinstance(meta, dict):
         return f"describes tensor {key!r} with something that is not an object"
     dtype, shape, offsets = meta.get("dtype"), meta.get("shape"), meta.get("data_offsets")
     if not isinstance(dtype, str) or dtype not in DTYPE_SIZES:
         return f"gives tensor {key!r} an unknown dtype {dtype!r}"
-    if not isinstance(shape, list) or not all(
-        isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
-    ):
+    if not _shape(shape):
         return f"gives tensor {key!r} an invalid shape {shape!r}"
-    if (
-        not isinstance(offsets, list)
-        or len(offsets) != 2
-        or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
-        or not 0 <= offsets[0] <= offsets[1]
-    ):
+    if not _span(offsets):
         return f"gives tensor {key!r} invalid data_offsets {offsets!r}"
     numel = 1
     for d in shape:
@@ -367,13 +389,13 @@ def _tensor_problem(key: str, meta: Any) -> Optional[str]:
             f"gives tensor {key!r} ({dtype} {shape}) {offsets[1] - offsets[0]:,} bytes of data "
             f"where it needs {need:,}"
         )
-    return None
+    return _Tensor(dtype, offsets[0], offsets[1])
 
 
 # -- the weight index ----------------------------------------------------------------------
 
 
-def unsafe_member(name: Any) -> Optional[str]:
+def unsafe_member(name: object) -> Optional[str]:
     """Why `name` may not be opened as a file inside the checkpoint (None when it may).
 
     Judged on the text alone, without touching the file system: resolving symlinks would
@@ -402,7 +424,9 @@ def probe_index(root: Path, name: str) -> IndexFacts:
     data, error, _ = load_json(text)
     if error is not None:
         return IndexFacts(name, error=f"is not valid JSON ({error})")
-    wm = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(data, dict):
+        return IndexFacts(name, error="has no weight_map")
+    wm = data.get("weight_map")
     if not isinstance(wm, dict) or not wm:
         return IndexFacts(name, error="has no weight_map")
     safe: dict[str, str] = {}
@@ -413,8 +437,9 @@ def probe_index(root: Path, name: str) -> IndexFacts:
         if why is not None:
             refused.setdefault(str(fname), why)
             continue
-        safe[tensor] = fname
-        files.setdefault(fname, None)
+        member = str(fname)  # unsafe_member passes only non-empty strings
+        safe[tensor] = member
+        files.setdefault(member, None)
     missing = tuple(f for f in files if not os.path.isfile(root / f))
     meta = data.get("metadata")
     total = meta.get("total_size") if isinstance(meta, dict) else None
@@ -483,7 +508,7 @@ def imports_of(text: str) -> tuple[set[str], set[str]]:
     return {n.split(".")[0] for n in names if not n.startswith(".")}, rel
 
 
-def _auto_map_modules(data: Optional[Mapping[str, Any]]) -> set[str]:
+def _auto_map_modules(data: Optional[Mapping[str, JSON]]) -> set[str]:
     out: set[str] = set()
     auto_map = data.get("auto_map") if isinstance(data, Mapping) else None
     if not isinstance(auto_map, Mapping):
@@ -635,18 +660,32 @@ def _weights(
     return "none", (), None, []
 
 
+class _Where(TypedDict):
+    """The CheckpointFacts known before the folder is read: where it is, where it came
+    from, and what it holds that is neither a file nor a folder."""
+
+    path: Path
+    name: str
+    repo_id: Optional[str]
+    revision: Optional[str]
+    hub_cache_dir: Optional[Path]
+    is_git_checkout: bool
+    special: tuple[tuple[str, str], ...]
+
+
 def probe_checkpoint(path: Path) -> CheckpointFacts:
     """Everything the checkpoint and config checks need; never raises for a broken checkpoint."""
     path = Path(path)
     # normpath: "ckpt/" or "a/ckpt/." must give "ckpt", as transformers' basename would.
     name = Path(os.path.normpath(path.absolute())).name
     repo_id, revision, hub_root = hub_snapshot(path)
-    base: dict[str, Any] = {
-        "path": path, "name": name, "repo_id": repo_id, "revision": revision,
-        "hub_cache_dir": hub_root, "is_git_checkout": os.path.exists(path / ".git"),
-    }
+    is_git_checkout = os.path.exists(path / ".git")
     listing, dangling, special, listing_error = _list_dir(path)
-    base["special"] = tuple(special)
+    base: _Where = {
+        "path": path, "name": name, "repo_id": repo_id, "revision": revision,
+        "hub_cache_dir": hub_root, "is_git_checkout": is_git_checkout,
+        "special": tuple(special),
+    }
     if listing_error is not None:
         return CheckpointFacts(listing_error=listing_error, **base)
     files = set(listing)
@@ -664,7 +703,7 @@ def probe_checkpoint(path: Path) -> CheckpointFacts:
             if p is not None:
                 problems[fname] = p
 
-    config: Optional[dict[str, Any]] = None
+    config: Optional[dict[str, JSON]] = None
     config_error: Optional[str] = None
     config_error_line: Optional[int] = None
     config_path = path / CONFIG
@@ -714,7 +753,7 @@ def probe_checkpoint(path: Path) -> CheckpointFacts:
     if TIKTOKEN in files and TIKTOKEN not in problems:
         tiktoken_ranks, tiktoken_error, tiktoken_bad = probe_tiktoken(path / TIKTOKEN)
 
-    tokenizer_config: Optional[Mapping[str, Any]] = None
+    tokenizer_config: Optional[Mapping[str, JSON]] = None
     if TOKENIZER_CONFIG in files and TOKENIZER_CONFIG not in problems:
         loaded, _, _ = load_json(_read_text(path / TOKENIZER_CONFIG) or "null")
         tokenizer_config = loaded if isinstance(loaded, dict) else None

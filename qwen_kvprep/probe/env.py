@@ -24,7 +24,7 @@ import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional, Union
 
 from qwen_kvprep.common import resolve_cuda_home
 
@@ -577,7 +577,7 @@ def probe_env(environ: Optional[Mapping[str, str]] = None) -> EnvFacts:
     )
 
 
-def summary(facts: EnvFacts) -> dict[str, Any]:
+def summary(facts: EnvFacts) -> dict[str, Union[str, bool, None]]:
     """A flat, JSON-friendly view (for --report and --json extras)."""
     return {
         "python": f"{facts.python_version} ({facts.python_executable})",

@@ -8,11 +8,16 @@ missing part reports `skip`.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Optional
+
+if TYPE_CHECKING:  # the parts' modules import torch, filelock... only when probing
+    from qwen_kvprep.probe.caches import CacheFacts
+    from qwen_kvprep.probe.checkpoint import CheckpointFacts
+    from qwen_kvprep.probe.env import EnvFacts
 
 
 @dataclass(frozen=True)
 class Facts:
-    env: Optional[Any] = None  # probe.env.EnvFacts
-    checkpoint: Optional[Any] = None  # probe.checkpoint.CheckpointFacts
-    caches: Optional[Any] = None  # probe.caches.CacheFacts
+    env: Optional[EnvFacts] = None
+    checkpoint: Optional[CheckpointFacts] = None
+    caches: Optional[CacheFacts] = None

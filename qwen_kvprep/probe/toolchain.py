@@ -37,7 +37,7 @@ def cxx_standard(torch_version: str, cpp_extension_source: Optional[str] = None)
     """The `-std=` value torch's extension builder uses: read from its own source when it
     can be (so a future torch that moves on is followed), else from the version."""
     if cpp_extension_source:
-        found = set(_COMMON_STD.findall(cpp_extension_source))
+        found: set[str] = set(_COMMON_STD.findall(cpp_extension_source))
         if len(found) == 1:
             return found.pop()
     m = re.match(r"(\d+)\.(\d+)", torch_version)
