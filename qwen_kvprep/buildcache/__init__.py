@@ -77,7 +77,6 @@ class ChosenSources(Protocol):
 
 def sources_of(chosen: Optional[ChosenSources]) -> Mapping[str, bytes]:
     """The sources `fix` chose (ctx.sources.files), else the vendored ones."""
-    files = getattr(chosen, "files", None)
-    if isinstance(files, Mapping) and files:
-        return {str(k): bytes(v) for k, v in files.items() if str(k) in KERNEL_FILES}
+    if chosen is not None and chosen.files:
+        return {name: data for name, data in chosen.files.items() if name in KERNEL_FILES}
     return vendored_sources()
