@@ -24,10 +24,13 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 from qwen_kvprep.errors import KvprepError, UsageError
 from qwen_kvprep.findings import Finding, Severity, fail
+
+if TYPE_CHECKING:
+    from qwen_kvprep.jsontypes import JSONObject
 
 CHECKPOINT_NAME = "tiny-qwen"  # no dot: transformers turns the folder name into a module
 MARKER = ".qwen-kvprep-demo"
@@ -48,23 +51,24 @@ class DemoResult:
     checkpoint: Path
     kept: bool
     findings: list[Finding] = field(default_factory=list)
-    extra: dict[str, Any] = field(default_factory=dict)
-    model: dict[str, Any] = field(default_factory=dict)
+    extra: JSONObject = field(default_factory=dict)  # fix's (FixResult.extra)
+    model: JSONObject = field(default_factory=dict)  # what the tiny checkpoint is
     seconds: dict[str, float] = field(default_factory=dict)
     error: Optional[KvprepError] = None
-    background_build: dict[str, Any] = field(default_factory=dict)
+    background_build: JSONObject = field(default_factory=dict)  # BackgroundBuild.info
 
     @property
     def ok(self) -> bool:
         return self.error is None and not any(f.severity is Severity.FAIL for f in self.findings)
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> JSONObject:
+        seconds: JSONObject = {k: round(v, 3) for k, v in self.seconds.items()}
         return {
             "directory": str(self.base),
             "checkpoint": str(self.checkpoint),
             "kept": self.kept,
             "model": self.model,
-            "seconds": {k: round(v, 3) for k, v in self.seconds.items()},
+            "seconds": seconds,
             "background_build": self.background_build,
             "fix": {k: v for k, v in self.extra.items() if k != "smoke"},
             "smoke": self.extra.get("smoke"),
@@ -106,8 +110,8 @@ def _private_hf(base: Path) -> None:
         )
 
 
-def _model_info(checkpoint: Path) -> dict[str, Any]:
-    cfg = json.loads((checkpoint / "config.json").read_text(encoding="utf-8"))
+def _model_info(checkpoint: Path) -> JSONObject:
+    cfg: JSONObject = json.loads((checkpoint / "config.json").read_text(encoding="utf-8"))
     weights = sum(p.stat().st_size for p in checkpoint.glob("*.safetensors"))
     dtype = next((d for d in ("bf16", "fp16", "fp32") if cfg.get(d)), "auto")
     return {
@@ -134,7 +138,7 @@ class BackgroundBuild:
     def __init__(self, cache_dir: Optional[Path], notify: Echo) -> None:
         self.cache_dir = cache_dir
         self.notify = notify
-        self.info: dict[str, Any] = {}
+        self.info: JSONObject = {}  # what it did: compiled, key, mode, seconds; or error
         self.thread = threading.Thread(target=self._work, name="demo-build", daemon=True)
 
     def _work(self) -> None:

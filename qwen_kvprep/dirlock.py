@@ -21,8 +21,9 @@ import re
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, NoReturn, Optional
+from typing import Callable, NoReturn, Optional
 
 import filelock
 
@@ -32,9 +33,16 @@ from qwen_kvprep.findings import fail
 
 LOCK_FILE = "lock"
 
-# (thread, realpath of the state folder) -> [lock, depth]: the locks this process holds.
+
+@dataclass
+class _Held:
+    lock: filelock.BaseFileLock
+    depth: int  # how many folder_lock contexts of this thread hold it
+
+
+# (thread, realpath of the state folder) -> the lock this process holds there.
 # Per thread: another thread of this process waits like another process would.
-_HELD: dict[tuple[int, str], list[Any]] = {}
+_HELD: dict[tuple[int, str], _Held] = {}
 
 
 def lock_path(directory: Path) -> Path:
@@ -78,11 +86,11 @@ def folder_lock(
     key = (threading.get_ident(), os.path.realpath(state))
     held = _HELD.get(key)
     if held is not None:
-        held[1] += 1
+        held.depth += 1
         try:
             yield True
         finally:
-            held[1] -= 1
+            held.depth -= 1
         return
     path = state / LOCK_FILE
     deadline = time.monotonic() + timeout
@@ -125,7 +133,7 @@ def folder_lock(
                 _timed_out(path, timeout)
             continue  # removed under us by revert or a failed fix: lock the new one
         break
-    _HELD[key] = [lock, 1]
+    _HELD[key] = _Held(lock, 1)
     try:
         yield True
     finally:
@@ -167,7 +175,7 @@ def _refuse_links(state: Path, path: Path) -> None:
             )
 
 
-def _q(path: Any) -> str:
+def _q(path: object) -> str:
     import shlex
 
     return shlex.quote(str(path))

@@ -32,8 +32,8 @@ from qwen_kvprep.untrusted import open_dir_under, read_record, read_regular
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # typing costs milliseconds at import; only mypy needs it
-    from collections.abc import Sequence
-    from typing import Any, NoReturn, Optional
+    from collections.abc import Mapping, Sequence
+    from typing import NoReturn, Optional
 
 # Every option has an environment variable, because entrypoints are configured that way.
 ENV_DIR = "QWEN_KVPREP_DIR"
@@ -185,6 +185,15 @@ def parse_fast(args: Sequence[str]) -> Optional[Request]:
 
 # ------------------------------------------------------------------ the recorded state
 
+# statefile.read_state has checked the state against its schema; the reads below narrow
+# each part with isinstance all the same, which costs nothing and keeps this module's
+# reading of the state independent of how the schema's types are spelt.
+
+
+def _object(value: object) -> Mapping[str, object]:
+    """A JSON object's members; an empty object for null (or anything else)."""
+    return value if isinstance(value, dict) else {}
+
 
 def _normalize(name: str) -> str:
     # PEP 503 normalisation, as importlib.metadata applies it to names and folders.
@@ -249,20 +258,22 @@ def dist_version(name: str) -> Optional[str]:
         return None
 
 
-def _same_arch(asked: str, recorded: Sequence[str]) -> bool:
+def _same_arch(asked: str, recorded: object) -> bool:
     from qwen_kvprep.buildcache.arch import parse_arch_list
     from qwen_kvprep.errors import UsageError
 
+    if not isinstance(recorded, list):
+        return False  # a build without its arch list: fix records it again
     try:
         return tuple(parse_arch_list(asked, "--arch")) == tuple(recorded)
     except UsageError:
         return False  # the slow path reports it
 
 
-def _source_mismatch(source: Optional[str], state: dict[str, Any]) -> Optional[str]:
+def _source_mismatch(source: Optional[str], state: Mapping[str, object]) -> Optional[str]:
     """--source vendored|hub asks for particular kernel sources (an image whose baked build
     was compiled from qwen-kvprep's own must not pick up others it cannot compile)."""
-    recorded = state.get("files") or {}
+    recorded = _object(state.get("files"))
     if source == "vendored":
         from qwen_kvprep.resources import kernels_dir
 
@@ -270,13 +281,15 @@ def _source_mismatch(source: Optional[str], state: dict[str, Any]) -> Optional[s
             if recorded.get(name) != sha256_small(str(kernels_dir() / name)):
                 return f"--source vendored: {name} is not qwen-kvprep's own"
     elif source == "hub":
-        origin = (state.get("sources") or {}).get("origin")
+        origin = _object(state.get("sources")).get("origin")
         if origin != "hub":
             return f"--source hub: the kernel sources came from {origin}"
     return None
 
 
-def _modules_mismatch(state: dict[str, Any], target: str, planting: Planting) -> Optional[str]:
+def _modules_mismatch(
+    state: Mapping[str, object], target: str, planting: Planting
+) -> Optional[str]:
     """Whether the modules cache this process resolves to holds the planted copies.
 
     A fresh container starts with an empty modules cache (or another HF_HOME) while
@@ -289,8 +302,8 @@ def _modules_mismatch(state: dict[str, Any], target: str, planting: Planting) ->
     that only the sources and the loader are planted). Anything unexpected leaves the work
     to the slow path. What is planted is recorded in `planting`.
     """
-    modules = state.get("modules") or {}
-    planted = modules.get("files") or {}
+    modules = _object(state.get("modules"))
+    planted = _object(modules.get("files"))
     for name in KERNEL_FILES:
         if name not in planted:
             return f"the state records no modules-cache copy of {name}"
@@ -410,7 +423,7 @@ def state_mismatch(request: Request, planting: Optional[Planting] = None) -> Opt
         # the modules-cache folder transformers uses is named after the checkpoint folder
         return f"the state was recorded for {state.get('checkpoint')}, not {target}"
 
-    files = state.get("files") or {}
+    files = _object(state.get("files"))
     for rel in TRACKED_FILES:
         if rel not in files:
             return f"the state records no hash for {rel}"
@@ -418,13 +431,13 @@ def state_mismatch(request: Request, planting: Optional[Planting] = None) -> Opt
         if sha256_small(os.path.join(target, rel)) != digest:
             return f"{rel} changed since fix recorded it"
 
-    packages = state.get("packages") or {}
+    packages = _object(state.get("packages"))
     for name in PACKAGES:
         current = dist_version(name)
         if current != packages.get(name):
             return f"{name} is {current}, fix ran with {packages.get(name)}"
 
-    build = state.get("build")
+    build = _object(state.get("build"))
     if not build:
         return "no build is recorded"
     build_dir = str(build.get("dir"))

@@ -8,11 +8,14 @@ from __future__ import annotations
 import re
 import string
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Optional, TypedDict
 
 from qwen_kvprep import __version__
 from qwen_kvprep.errors import UsageError
 from qwen_kvprep.fsutil import atomic_write_text
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 # kind -> template file in templates/
 TEMPLATES = {
@@ -113,7 +116,21 @@ def variables(
     }
 
 
-def render(kind: str, **options: Any) -> str:
+class TemplateOptions(TypedDict, total=False):
+    """The keyword arguments of `render`: those of `variables` after `kind`."""
+
+    model_dir: str
+    arch: str
+    image: str
+    view_dir: Optional[str]
+    cache_dir: str
+    cuda: str
+    torch: str
+    name: Optional[str]
+    replicas: int
+
+
+def render(kind: str, **options: Unpack[TemplateOptions]) -> str:
     from qwen_kvprep.resources import templates_dir
 
     text = (templates_dir() / TEMPLATES[kind]).read_text(encoding="utf-8")

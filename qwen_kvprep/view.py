@@ -20,8 +20,12 @@ from qwen_kvprep.untrusted import read_record
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # typing costs milliseconds at import; the fast path does not need it
+    from collections.abc import Mapping
     from pathlib import Path
-    from typing import Any, Optional
+    from typing import Optional
+
+    from qwen_kvprep.findings import Finding
+    from qwen_kvprep.jsontypes import JSONObject
 
 MARKER = "view.json"
 VIEW_VERSION = 1
@@ -34,12 +38,18 @@ def marker_path(out: str) -> str:
     return os.path.join(out, STATE_DIRNAME, MARKER)
 
 
-def read_marker(out: str) -> Optional[dict[str, Any]]:
+def read_marker(out: str) -> Optional[JSONObject]:
+    """OUT's view.json as plain JSON (every reader compares it with what it expects):
+    {"view_version", "source", "linked": [names], "base": {name: sha256 or null}}."""
     try:
         data = read_record(marker_path(out))  # a regular file, size and depth limited
     except (OSError, ValueError):
         return None
     return data if isinstance(data, dict) else None
+
+
+def _object(value: object) -> Mapping[str, object]:
+    return value if isinstance(value, dict) else {}
 
 
 def source_entries(source: str) -> list[str]:
@@ -60,7 +70,7 @@ def view_mismatch(source: str, out: str) -> Optional[str]:
         return f"cannot list {source}: {exc.strerror}"
     if entries != marker.get("linked"):
         return f"the entries of {source} changed since the view was made"
-    base = marker.get("base") or {}
+    base = _object(marker.get("base"))
     for name in CHANGED_FILES:
         if sha256_small(os.path.join(source, name)) != base.get(name):
             return f"{name} in {source} changed since the view was made"
@@ -144,7 +154,7 @@ def prepare_view(source: Path, out: Path) -> ViewResult:
     out.mkdir(parents=True, exist_ok=True)
     result = ViewResult(out)
     marker = read_marker(str(out)) or {}
-    old_base: dict[str, Any] = marker.get("base") or {}
+    old_base = _object(marker.get("base"))
     entries = source_entries(str(source))
     base: dict[str, Optional[str]] = {}
     for name in CHANGED_FILES:
@@ -194,7 +204,7 @@ def prepare_view(source: Path, out: Path) -> ViewResult:
     return result
 
 
-def fix_target(source: Path, out: Path, dry_run: bool) -> tuple[Path, list[Any]]:
+def fix_target(source: Path, out: Path, dry_run: bool) -> tuple[Path, list[Finding]]:
     """For `fix --output`: the folder fix's steps run on, and a finding saying so.
 
     In dry-run nothing is created: the steps read the existing view, or the source itself

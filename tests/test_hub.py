@@ -35,7 +35,7 @@ from qwen_kvprep.findings import Finding, Severity
 from qwen_kvprep.journal import Journal
 from qwen_kvprep.resources import KERNEL_FILES
 from qwen_kvprep.steps import sources
-from qwen_kvprep.steps.fix import FixContext, FixOptions
+from qwen_kvprep.steps.context import FixContext, FixOptions
 from tests import needs
 
 CPP_NAME, CU_NAME = KERNEL_FILES

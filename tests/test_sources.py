@@ -18,7 +18,7 @@ from qwen_kvprep.findings import Finding, Severity, as_list
 from qwen_kvprep.journal import Journal
 from qwen_kvprep.probe.facts import Facts
 from qwen_kvprep.steps import sources
-from qwen_kvprep.steps.fix import FixContext, FixOptions
+from qwen_kvprep.steps.context import FixContext, FixOptions
 
 CPP_NAME, CU_NAME = resources.KERNEL_FILES
 OFFICIAL = {CPP_NAME: b"// official binding stand-in\n", CU_NAME: b"// official kernel stand-in\n"}

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Protocol
 
 from qwen_kvprep.buildcache.lock import DEFAULT_LOCK_TIMEOUT, lock_timeout
 from qwen_kvprep.buildcache.manifest import (
@@ -68,9 +68,15 @@ def vendored_sources() -> dict[str, bytes]:
     return read_sources(kernels_dir(), required=KERNEL_FILES)
 
 
-def sources_of(value: object) -> Mapping[str, bytes]:
+class ChosenSources(Protocol):
+    """What `fix` chose (steps.context.SourceSet): kernel source file name -> bytes."""
+
+    @property
+    def files(self) -> Mapping[str, bytes]: ...
+
+
+def sources_of(chosen: Optional[ChosenSources]) -> Mapping[str, bytes]:
     """The sources `fix` chose (ctx.sources.files), else the vendored ones."""
-    files = getattr(value, "files", None)
-    if isinstance(files, Mapping) and files:
-        return {str(k): bytes(v) for k, v in files.items() if str(k) in KERNEL_FILES}
+    if chosen is not None and chosen.files:
+        return {name: data for name, data in chosen.files.items() if name in KERNEL_FILES}
     return vendored_sources()

@@ -7,8 +7,11 @@ Run by builder.py as a plain script (it imports nothing from qwen-kvprep) becaus
 - a killed parent must take the build down with it (see _die_with_parent), so an orphan
   compiler never keeps writing into a folder that the next builder cleans up.
 
-Writes a JSON result to spec["result"]; the exit status is 0 only on success.
+Writes a JSON result (WorkerResult) to spec["result"]; the exit status is 0 only on
+success.
 """
+
+from __future__ import annotations
 
 import contextlib
 import json
@@ -17,11 +20,37 @@ import signal
 import sys
 import time
 import traceback
+from typing import TYPE_CHECKING, NoReturn, Optional, TypedDict
+
+if TYPE_CHECKING:
+    from types import FrameType
+
+
+class WorkerSpec(TypedDict):
+    """SPEC.json: what to compile and where (builder.py writes it)."""
+
+    parent: int  # the builder's pid: the build dies with it
+    name: str  # the extension's module name
+    sources: list[str]  # absolute paths of the files to compile
+    extra_cflags: list[str]
+    extra_cuda_cflags: list[str]
+    with_cuda: bool
+    build_directory: str
+    require: list[str]  # functions the built module must have
+    result: str  # where to write the WorkerResult
+
+
+class WorkerResult(TypedDict, total=False):
+    ok: bool
+    stage: str  # "build" | "import" (compiled, does not load) | "check" (incomplete)
+    so: Optional[str]  # the built library, on success
+    error: str  # "<exception type>: <message>", on failure
+    seconds: float
 
 
 def _descendants(root: int) -> list[int]:
     """Live processes below `root`, from /proc (Linux)."""
-    children: dict = {}
+    children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -40,7 +69,7 @@ def _descendants(root: int) -> list[int]:
     return found
 
 
-def _kill_tree(signum, frame):  # type: ignore[no-untyped-def]
+def _kill_tree(signum: int, frame: Optional[FrameType]) -> NoReturn:
     # ninja starts every compiler in a process group of its own, so killing our group is
     # not enough. As a child subreaper we adopt whatever loses its parent, so the tree
     # below us stays complete while it is being killed.
@@ -78,9 +107,9 @@ def _die_with_parent(parent: int) -> None:
 
 def main() -> int:
     with open(sys.argv[1], encoding="utf-8") as fh:
-        spec = json.load(fh)
+        spec: WorkerSpec = json.load(fh)
     _die_with_parent(int(spec["parent"]))
-    result = {"ok": False, "stage": "build"}
+    result: WorkerResult = {"ok": False, "stage": "build"}
     start = time.time()
     try:
         from torch.utils import cpp_extension
@@ -112,7 +141,8 @@ def main() -> int:
         missing = [f for f in spec["require"] if not hasattr(module, f)]
         if missing:
             raise RuntimeError(f"the built extension lacks {', '.join(missing)}")
-        result.update(ok=True, so=module.__file__)
+        result["ok"] = True
+        result["so"] = module.__file__
     except BaseException as exc:  # everything is reported through the result file
         traceback.print_exc()
         result["error"] = f"{type(exc).__name__}: {exc}"[-4000:]

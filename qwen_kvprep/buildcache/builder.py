@@ -20,10 +20,10 @@ import sys
 import tempfile
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import IO, TYPE_CHECKING, Callable, Optional
 
 import filelock
 
@@ -37,6 +37,8 @@ from qwen_kvprep.buildcache.manifest import (
     EXTENSION_NAME,
     MANIFEST,
     MANIFEST_VERSION,
+    BuildInputs,
+    Manifest,
     dumps,
     list_builds,
     problem,
@@ -48,6 +50,10 @@ from qwen_kvprep.errors import BuildError, SourceError
 from qwen_kvprep.findings import fail
 from qwen_kvprep.fsutil import fsync_dir
 from qwen_kvprep.probe.toolchain import NvccInfo, TorchInfo, nvcc_info, torch_info
+
+if TYPE_CHECKING:
+    from qwen_kvprep.buildcache._worker import WorkerSpec
+    from qwen_kvprep.jsontypes import JSON, JSONObject
 
 CPP, CU = KERNEL_FILES
 # What modeling_qwen.py calls; a build without them is refused before it is published.
@@ -73,7 +79,7 @@ def stderr_notify(message: str) -> None:
 @dataclass(frozen=True)
 class BuildPlan:
     key: str
-    inputs: dict[str, Any]
+    inputs: BuildInputs
     sources: Mapping[str, bytes]
     cuda: bool
     mode: str  # one plain sentence: what kind of build and why
@@ -93,11 +99,10 @@ class BuildResult:
     key: str
     dir: Path
     so: Path
-    manifest: dict[str, Any]
+    manifest: Manifest
     compiled: bool  # False: found in the cache
     waited: float = 0.0  # seconds spent waiting for another builder's lock
     jobs: Optional[str] = None
-    extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def cuda(self) -> bool:
@@ -107,20 +112,21 @@ class BuildResult:
     def arch_list(self) -> list[str]:
         return list(self.manifest["inputs"].get("arch_list") or [])
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> JSONObject:
+        arch_list: list[JSON] = list(self.arch_list)
         return {
             "key": self.key,
             "dir": str(self.dir),
             "so": str(self.so),
             "cuda": self.cuda,
-            "arch_list": self.arch_list,
+            "arch_list": arch_list,
             "compiled": self.compiled,
             "build_seconds": self.manifest.get("build_seconds"),
             "waited_seconds": round(self.waited, 3),
         }
 
 
-def build_key(inputs: Mapping[str, Any]) -> str:
+def build_key(inputs: BuildInputs) -> str:
     canonical = json.dumps(inputs, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
 
@@ -158,7 +164,7 @@ def plan_build(sources: Mapping[str, bytes], arch: Optional[str] = None) -> Buil
     cuda = nvcc is not None
     names = sorted(n for n in sources if n in KERNEL_FILES)
     std = f"-std={tinfo.cxx_std}"
-    inputs: dict[str, Any] = {
+    inputs: BuildInputs = {
         "sources": {n: sha256_bytes(sources[n]) for n in names},
         "flags": {
             "cflags": [*CFLAGS, std],
@@ -249,7 +255,7 @@ def find_build(layout: CacheLayout, key: str, verify: bool = True) -> Optional[B
         return None
     if problem(folder, manifest, check_hash=verify) is not None:
         return None
-    return BuildResult(key, folder, folder / str(manifest["so"]), manifest, compiled=False)
+    return BuildResult(key, folder, folder / manifest["so"], manifest, compiled=False)
 
 
 # What makes a published build loadable in this process; architectures and nvcc only
@@ -267,17 +273,19 @@ def find_compatible(
     image) or where the default architecture list differs (the visible GPU) must reuse
     that build rather than fall back to a CPU-only one or compile again.
     """
-    wanted = {k: plan.inputs[k] for k in _RUNTIME_INPUTS}
+    planned: Mapping[str, object] = plan.inputs
+    wanted = {k: planned[k] for k in _RUNTIME_INPUTS}
     for folder, manifest in list_builds(layout.builds):
         inputs = manifest["inputs"]
-        if not manifest.get("cuda") or any(inputs.get(k) != v for k, v in wanted.items()):
+        runtime: Mapping[str, object] = inputs
+        if not manifest.get("cuda") or any(runtime.get(k) != v for k, v in wanted.items()):
             continue
         arch_list = inputs.get("arch_list") or []
         if not all(archmod.covers(arch_list, cap) for cap in gpus):
             continue
         if problem(folder, manifest) is None:
-            key = str(manifest["key"])
-            return BuildResult(key, folder, folder / str(manifest["so"]), manifest, False)
+            key = manifest["key"]
+            return BuildResult(key, folder, folder / manifest["so"], manifest, False)
     return None
 
 
@@ -319,7 +327,7 @@ def _compile(plan: BuildPlan, layout: CacheLayout, waited: float, notify: Notify
             (src / name).write_bytes(data)
         compiled = [str(src / CPP)] + ([str(src / CU)] if plan.cuda else [])
         log_path = out / BUILD_LOG
-        spec = {
+        spec: WorkerSpec = {
             "parent": os.getpid(),
             "name": EXTENSION_NAME,
             "sources": compiled,
@@ -355,7 +363,7 @@ def _compile(plan: BuildPlan, layout: CacheLayout, waited: float, notify: Notify
         so_src = build / f"{EXTENSION_NAME}.so"
         so = out / so_src.name
         os.replace(so_src, so)
-        manifest = {
+        manifest: Manifest = {
             "manifest_version": MANIFEST_VERSION,
             "key": plan.key,
             "inputs": plan.inputs,
@@ -383,7 +391,7 @@ def _nvcc_threads(plan: BuildPlan, jobs: int) -> list[str]:
     return ["--threads", str(jobs)]
 
 
-def _run_worker(spec_path: Path, log: Any, env: dict[str, str], cwd: Path) -> None:
+def _run_worker(spec_path: Path, log: IO[bytes], env: dict[str, str], cwd: Path) -> None:
     worker = Path(__file__).with_name("_worker.py")
     proc = subprocess.Popen(
         [sys.executable, str(worker), str(spec_path)],
@@ -409,16 +417,18 @@ def _run_worker(spec_path: Path, log: Any, env: dict[str, str], cwd: Path) -> No
         raise
 
 
-def _read_result(path: Path) -> dict[str, Any]:
+def _read_result(path: Path) -> JSONObject:
+    """What the worker wrote to spec["result"] (its WorkerResult), read as plain JSON: a
+    killed worker may have left anything, and every reader has a default."""
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data: JSON = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return {"ok": False, "stage": "build", "error": "the build process died without a result"}
     return data if isinstance(data, dict) else {"ok": False}
 
 
 def _failure(
-    plan: BuildPlan, layout: CacheLayout, log_path: Path, result: dict[str, Any]
+    plan: BuildPlan, layout: CacheLayout, log_path: Path, result: JSONObject
 ) -> BuildError:
     stamp = datetime.now().strftime("%Y%m%dT%H%M%S")
     kept = layout.logs / f"{plan.key}-{stamp}-{os.getpid()}.log"

@@ -16,7 +16,7 @@ import socket
 import time
 from collections.abc import Iterator
 from datetime import datetime
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import filelock
 
@@ -25,6 +25,9 @@ from qwen_kvprep.common import ENV_LOCK_TIMEOUT
 from qwen_kvprep.errors import LockTimeout, UsageError
 from qwen_kvprep.findings import fail
 from qwen_kvprep.fsutil import atomic_write_text
+
+if TYPE_CHECKING:
+    from qwen_kvprep.jsontypes import JSON, JSONObject
 
 DEFAULT_LOCK_TIMEOUT = 600.0
 
@@ -46,15 +49,17 @@ def lock_timeout(option: Optional[float] = None) -> float:
     return max(0.0, value)
 
 
-def read_owner(layout: CacheLayout, key: str) -> Optional[dict[str, Any]]:
+def read_owner(layout: CacheLayout, key: str) -> Optional[JSONObject]:
+    """Who holds the key's lock, as its holder wrote it: {"pid", "host", "since"} (read as
+    plain JSON: only shown, and every field has a default)."""
     try:
-        data = json.loads(layout.owner_path(key).read_text(encoding="utf-8"))
+        data: JSON = json.loads(layout.owner_path(key).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
     return data if isinstance(data, dict) else None
 
 
-def describe_owner(owner: Optional[dict[str, Any]]) -> str:
+def describe_owner(owner: Optional[JSONObject]) -> str:
     if not owner:
         return "held by another process (it has not said who it is yet)"
     since = owner.get("since")

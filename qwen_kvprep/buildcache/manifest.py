@@ -1,20 +1,77 @@
 """manifest.json of a published build: its ABI inputs, the extension and its hash.
 
 Read by doctor and prestart too, so this module imports neither torch nor transformers.
+A manifest read back is checked against the types below before anything uses it.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Optional, TypedDict
 
 from qwen_kvprep.common import sha256_file
+
+if TYPE_CHECKING:
+    from typing import TypeGuard
+
+    from qwen_kvprep.jsontypes import JSON
 
 MANIFEST = "manifest.json"
 MANIFEST_VERSION = 1
 BUILD_LOG = "build.log"
 EXTENSION_NAME = "cache_autogptq_cuda_256"
+
+
+class BuildFlags(TypedDict, total=False):
+    """The compiler flags of a build. A plan always has all three; a manifest read back
+    is only required to hold well-typed ones (nothing reads them from a manifest)."""
+
+    cflags: list[str]
+    cuda_cflags: list[str]
+    with_cuda: bool
+
+
+class BuildInputs(TypedDict):
+    """Every input that makes a build binary-incompatible; the build key is their hash."""
+
+    sources: dict[str, str]  # kernel source file name -> sha256
+    flags: BuildFlags
+    torch: str  # torch.__version__, "+cu130" tag included
+    torch_cuda: Optional[str]  # torch.version.cuda; None for a CPU build of torch
+    cxx11_abi: bool
+    python_tag: str  # "cp311"
+    machine: str  # platform.machine()
+    arch_list: list[str]  # the GPU architectures compiled for ("8.0", "9.0+PTX")
+    nvcc: Optional[str]  # nvcc's version; None for a CPU-only build
+    tool_version: str  # qwen-kvprep's version
+
+
+class BuilderInfo(TypedDict):
+    pid: int
+    host: str
+    jobs: int
+
+
+class _ManifestKeys(TypedDict):
+    manifest_version: int
+    key: str
+    inputs: BuildInputs
+    cuda: bool
+    so: str  # the extension's file name in the build folder
+    so_sha256: str
+
+
+class Manifest(_ManifestKeys, total=False):
+    """What a build publishes; the keys of this class are written by every build but
+    not required of a manifest read back."""
+
+    build_seconds: float
+    created: str  # ISO time, UTC
+    covers: list[str]  # nvcc's architectures the arch list runs on
+    mode: str  # the plan's sentence: what kind of build and why
+    builder: BuilderInfo
+
 
 # The keys every manifest carries (extra ones are allowed and ignored by readers).
 REQUIRED = ("manifest_version", "key", "inputs", "cuda", "so", "so_sha256")
@@ -32,22 +89,78 @@ INPUT_KEYS = (
 )
 
 
-def read_manifest(build_dir: Path) -> Optional[dict[str, Any]]:
+def _strings(value: JSON) -> bool:
+    return isinstance(value, list) and all(isinstance(v, str) for v in value)
+
+
+def _str_or_none(value: JSON) -> bool:
+    return value is None or isinstance(value, str)
+
+
+def _number(value: JSON) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _valid_inputs(inputs: JSON) -> bool:
+    if not isinstance(inputs, dict) or any(k not in inputs for k in INPUT_KEYS):
+        return False
+    sources, flags = inputs["sources"], inputs["flags"]
+    return (
+        isinstance(sources, dict)
+        and all(isinstance(v, str) for v in sources.values())
+        and isinstance(flags, dict)
+        and all(_strings(flags[k]) for k in ("cflags", "cuda_cflags") if k in flags)
+        and isinstance(flags.get("with_cuda", False), bool)
+        and all(isinstance(inputs[k], str) for k in ("torch", "python_tag", "machine"))
+        and isinstance(inputs["tool_version"], str)
+        and _str_or_none(inputs["torch_cuda"])
+        and _str_or_none(inputs["nvcc"])
+        and isinstance(inputs["cxx11_abi"], bool)
+        and _strings(inputs["arch_list"])
+    )
+
+
+def _valid_builder(builder: JSON) -> bool:
+    return (
+        isinstance(builder, dict)
+        and isinstance(builder.get("pid"), int)
+        and isinstance(builder.get("host"), str)
+        and isinstance(builder.get("jobs"), int)
+    )
+
+
+def _is_manifest(data: JSON) -> TypeGuard[Manifest]:
+    """Whether `data` is a manifest this version of qwen-kvprep can use."""
+    if not isinstance(data, dict) or data.get("manifest_version") != MANIFEST_VERSION:
+        return False
+    if any(k not in data for k in REQUIRED) or not _valid_inputs(data["inputs"]):
+        return False
+    if not all(isinstance(data[k], str) for k in ("key", "so", "so_sha256")):
+        return False
+    optional = {
+        "build_seconds": _number,
+        "created": lambda v: isinstance(v, str),
+        "covers": _strings,
+        "mode": lambda v: isinstance(v, str),
+        "builder": _valid_builder,
+    }
+    return isinstance(data["cuda"], bool) and all(
+        check(data[k]) for k, check in optional.items() if k in data
+    )
+
+
+def read_manifest(build_dir: Path) -> Optional[Manifest]:
     """The parsed manifest, or None if it is missing, unreadable or not ours."""
     try:
-        data = json.loads((Path(build_dir) / MANIFEST).read_text(encoding="utf-8"))
+        data: JSON = json.loads((Path(build_dir) / MANIFEST).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
-    if not isinstance(data, dict) or data.get("manifest_version") != MANIFEST_VERSION:
-        return None
-    if any(k not in data for k in REQUIRED) or not isinstance(data["inputs"], dict):
-        return None
-    return data
+    return data if _is_manifest(data) else None
 
 
-def problem(build_dir: Path, manifest: dict[str, Any], check_hash: bool = True) -> Optional[str]:
+def problem(build_dir: Path, manifest: Manifest, check_hash: bool = True) -> Optional[str]:
     """Why this published build cannot be used, or None if it can."""
-    so = Path(build_dir) / str(manifest["so"])
+    so = Path(build_dir) / manifest["so"]
     if not so.is_file():
         return f"{so} is missing"
     if check_hash and sha256_file(so) != manifest["so_sha256"]:
@@ -55,9 +168,9 @@ def problem(build_dir: Path, manifest: dict[str, Any], check_hash: bool = True) 
     return None
 
 
-def list_builds(builds_root: Path) -> list[tuple[Path, dict[str, Any]]]:
+def list_builds(builds_root: Path) -> list[tuple[Path, Manifest]]:
     """Every readable published build, newest first."""
-    out: list[tuple[Path, dict[str, Any]]] = []
+    out: list[tuple[Path, Manifest]] = []
     try:
         entries = list(Path(builds_root).iterdir())
     except OSError:
@@ -70,5 +183,5 @@ def list_builds(builds_root: Path) -> list[tuple[Path, dict[str, Any]]]:
     return out
 
 
-def dumps(manifest: dict[str, Any]) -> str:
+def dumps(manifest: Manifest) -> str:
     return json.dumps(manifest, indent=2, sort_keys=True) + "\n"

@@ -1,7 +1,7 @@
 from __future__ import annotations
 
 import sys
-from typing import Any, NoReturn, Optional
+from typing import NoReturn, Optional
 
 import click
 
@@ -111,7 +111,7 @@ def prestart(
             fix=f"qwen-kvprep prestart DIR -- CMD ..., or set {ENV_DIR}",
         )
     path = existing_dir(directory)
-    command: list[Any] = ctx.meta.get(_COMMAND_KEY, [])
+    command: list[str] = ctx.meta.get(_COMMAND_KEY, [])
     run(
         Request(
             str(path),

@@ -8,17 +8,20 @@ import os
 import shlex
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Optional
 
 from qwen_kvprep.common import LOADER_FILE
 from qwen_kvprep.errors import KvprepError
 from qwen_kvprep.findings import Finding, info, ok, skip, warn
+from qwen_kvprep.steps.context import FixContext
 
 if TYPE_CHECKING:
     from qwen_kvprep.buildcache.builder import BuildPlan, BuildResult
+    from qwen_kvprep.buildcache.paths import CacheLayout
+    from qwen_kvprep.jsontypes import JSONObject
 
 
-def _degrade_gracefully(ctx: Any) -> list[Finding]:
+def _degrade_gracefully(ctx: FixContext) -> list[Finding]:
     """config.json already asks for the kernel; with the original cpp_kernels.py still in
     place the model would JIT-build at import and crash (docs/qwen-v1.md). Our loader instead
     raises ImportError there, and the model falls back with its warning."""
@@ -38,7 +41,9 @@ def _degrade_gracefully(ctx: Any) -> list[Finding]:
     ]
 
 
-def _reuse_compatible(layout: Any, plan: Any, arch_option: Optional[str]) -> Any:
+def _reuse_compatible(
+    layout: CacheLayout, plan: BuildPlan, arch_option: Optional[str]
+) -> Optional[BuildResult]:
     """An existing CUDA build to use instead of the plan, or None.
 
     Only when the plan is not what the user asked for by name: without nvcc (a runtime
@@ -68,7 +73,7 @@ def _no_kernel_for_gpus(plan: BuildPlan) -> bool:
     return not plan.cuda and plan.torch.cuda is not None
 
 
-def run(ctx: Any) -> None:
+def run(ctx: FixContext) -> None:
     from qwen_kvprep.buildcache import CacheLayout, resolve_cache_dir, sources_of
     from qwen_kvprep.buildcache.builder import ensure_build, find_build, plan_build
 
@@ -175,7 +180,7 @@ class CacheBuild:
     result: BuildResult
     cache_dir: Path
 
-    def to_json(self) -> dict[str, object]:
+    def to_json(self) -> JSONObject:
         return {"build": self.result.to_json(), "cache_dir": str(self.cache_dir),
                 "key": self.result.key}
 
@@ -193,7 +198,7 @@ def build_into_cache(
     from qwen_kvprep.buildcache import CacheLayout, read_sources, resolve_cache_dir
     from qwen_kvprep.buildcache import vendored_sources as vendored
     from qwen_kvprep.buildcache.builder import ensure_build, plan_build
-    from qwen_kvprep.resources import KERNEL_FILES
+    from qwen_kvprep.common import KERNEL_FILES
 
     layout = CacheLayout(resolve_cache_dir(cache_dir))
     sources = read_sources(source_dir, required=KERNEL_FILES[:1]) if source_dir else vendored()

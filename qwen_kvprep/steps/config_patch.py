@@ -11,14 +11,14 @@ import json
 import re
 from collections import OrderedDict
 from pathlib import Path
-from typing import Any
 
 from qwen_kvprep.configjson import CONFIG, parse_config, parse_config_bytes, read_config_bytes
 from qwen_kvprep.findings import Finding, info, ok
+from qwen_kvprep.steps.context import FixContext
 
 # flash-attn must be off explicitly: the remote code does not switch it off when the
 # cache is quantized, and the flash path then crashes on the quantized tuples.
-KV_FLAGS: OrderedDict[str, Any] = OrderedDict(
+KV_FLAGS: OrderedDict[str, bool] = OrderedDict(
     [("use_cache_quantization", True), ("use_cache_kernel", True), ("use_flash_attn", False)]
 )
 
@@ -42,7 +42,7 @@ def patch_text(text: str, path: Path) -> tuple[str, list[str]]:
     return new, changed
 
 
-def run(ctx: Any) -> None:
+def run(ctx: FixContext) -> None:
     """Fix step: patch <dir>/config.json (through the context's journal)."""
     path: Path = ctx.directory / CONFIG
     raw = read_config_bytes(path)

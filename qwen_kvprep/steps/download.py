@@ -19,9 +19,10 @@ import warnings
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
-from qwen_kvprep import catalogue, resources
+from qwen_kvprep import catalogue
+from qwen_kvprep.common import KERNEL_FILES
 from qwen_kvprep.errors import SourceError, UsageError
 from qwen_kvprep.findings import Finding, fail
 
@@ -60,7 +61,7 @@ def received_from_file(path: Path, keep_up_to: int) -> Received:
     return Received(size, head, h.hexdigest(), b"".join(chunks) if size <= keep_up_to else None)
 
 
-def verify(name: str, got: Received, where: str, **details: Any) -> Optional[Finding]:
+def verify(name: str, got: Received, where: str, **details: str) -> Optional[Finding]:
     """None when `got` is the official `name`; else a failing `kernels.verify` finding
     that says what was received (size, first bytes, sha256) and what was expected."""
     known = catalogue.known_good().files[name]
@@ -127,7 +128,7 @@ def _keep_unchanged(folder: Optional[Path]) -> Iterator[None]:
     if folder is None:
         yield
         return
-    absent = [n for n in resources.KERNEL_FILES if not os.path.lexists(folder / n)]
+    absent = [n for n in KERNEL_FILES if not os.path.lexists(folder / n)]
     try:
         yield
     finally:
@@ -287,7 +288,7 @@ def fetch_official(
 
     paths: dict[str, str] = {}
     with _keep_unchanged(checkpoint), _progress_bars(progress):
-        for name in resources.KERNEL_FILES:
+        for name in KERNEL_FILES:
             try:
                 paths[name] = hf_hub_download(
                     repo_id, name, revision=revision, local_files_only=offline

@@ -1,5 +1,5 @@
 """`fix`: validate → choose sources → patch config → build → loader → modules cache →
-state → smoke. Each step reads and extends one FixContext."""
+state → smoke. Each step reads and extends one FixContext (steps/context.py)."""
 
 from __future__ import annotations
 
@@ -8,51 +8,27 @@ import os
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 from qwen_kvprep.common import JOURNAL_FILE, STATE_DIRNAME
 from qwen_kvprep.errors import KvprepError
 from qwen_kvprep.findings import Finding
 from qwen_kvprep.journal import Journal, PlannedWrite
+from qwen_kvprep.steps.context import FixContext, FixOptions
 
+if TYPE_CHECKING:
+    from qwen_kvprep.jsontypes import JSONObject
+    from qwen_kvprep.probe.facts import Facts
 
-@dataclass(frozen=True)
-class FixOptions:
-    dry_run: bool = False
-    build: bool = True
-    smoke: bool = True
-    source: str = "auto"
-    repo_id: Optional[str] = None
-    revision: Optional[str] = None
-    cache_dir: Optional[Path] = None
-    arch: Optional[str] = None
-    smoke_timeout: Optional[float] = None
-    # --output OUT: fix a view of the directory in OUT and leave the directory untouched
-    output: Optional[Path] = None
-    # huggingface_hub's download bars: None = only when stderr is a terminal; False for --json
-    progress: Optional[bool] = None
-
-
-@dataclass
-class FixContext:
-    directory: Path
-    options: FixOptions
-    journal: Journal
-    findings: list[Finding] = field(default_factory=list)
-    facts: Any = None  # probe.facts.Facts with the checkpoint part
-    sources: Any = None  # chosen kernel sources (steps.sources)
-    build: Any = None  # the build used (steps.build)
-    extra: dict[str, Any] = field(default_factory=dict)  # JSON output additions
-
-    def add(self, *findings: Finding) -> None:
-        self.findings.extend(findings)
+# What callers of `run_fix` use; the steps themselves import steps/context.py.
+__all__ = ["FixOptions", "FixResult", "run_fix"]
 
 
 @dataclass(frozen=True)
 class FixResult:
     findings: list[Finding]
     planned: list[PlannedWrite]
-    extra: dict[str, Any]
+    extra: JSONObject
 
 
 # (module, condition): steps run in this order; a step raises a KvprepError to stop.
@@ -103,7 +79,7 @@ def run_fix(
 class _Early:
     """What the read-only checks before the first write found."""
 
-    facts: Any = None  # the validated checkpoint (DIR itself; None for a view)
+    facts: Optional[Facts] = None  # the validated checkpoint (DIR itself; None for a view)
     findings: list[Finding] = field(default_factory=list)
 
 

@@ -4,13 +4,12 @@ original for `revert`."""
 
 from __future__ import annotations
 
-from typing import Any
-
 from qwen_kvprep.common import LOADER_FILE
 from qwen_kvprep.findings import info, ok
+from qwen_kvprep.steps.context import FixContext
 
 
-def loader_bytes(ctx: Any) -> bytes:
+def loader_bytes(ctx: FixContext) -> bytes:
     """The rendered loader for this fix (also planted into the modules cache)."""
     from qwen_kvprep.buildcache import CacheLayout, resolve_cache_dir, sources_of
     from qwen_kvprep.buildcache.loader import render_loader, source_hashes
@@ -21,11 +20,11 @@ def loader_bytes(ctx: Any) -> bytes:
         ctx.directory,
         [root],
         source_hashes(sources_of(ctx.sources)),
-        getattr(build, "key", None),
+        build.key if build is not None else None,
     )
 
 
-def run(ctx: Any) -> None:
+def run(ctx: FixContext) -> None:
     path = ctx.directory / LOADER_FILE
     changed = ctx.journal.write(LOADER_FILE, loader_bytes(ctx))
     ctx.extra["loader"] = str(path)

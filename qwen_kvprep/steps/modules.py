@@ -12,14 +12,15 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 from qwen_kvprep.common import LOADER_FILE, modules_cache_root, sha256_bytes, sha256_file
 from qwen_kvprep.errors import CacheError
 from qwen_kvprep.findings import fail, info, ok, warn
+from qwen_kvprep.steps.context import FixContext
 
 
-def _plant_all(ctx: Any, folder: Path, files: dict[str, bytes]) -> list[str]:
+def _plant_all(ctx: FixContext, folder: Path, files: dict[str, bytes]) -> list[str]:
     from qwen_kvprep.dirlock import remove_leftover_temps
     from qwen_kvprep.modcache import transformers_root
 
@@ -50,7 +51,7 @@ def _plant_all(ctx: Any, folder: Path, files: dict[str, bytes]) -> list[str]:
     return changed
 
 
-def run(ctx: Any) -> None:
+def run(ctx: FixContext) -> None:
     from qwen_kvprep.buildcache import sources_of
     from qwen_kvprep.modcache import module_folder
     from qwen_kvprep.steps.loader import loader_bytes
@@ -117,13 +118,14 @@ def run(ctx: Any) -> None:
         )
 
 
-def _hub_folder(ctx: Any) -> Optional[Path]:
+def _hub_folder(ctx: FixContext) -> Optional[Path]:
     """The repo-id folder, when the checkpoint is a huggingface_hub cache snapshot."""
     from qwen_kvprep.modcache import hub_module_folder
 
-    checkpoint = getattr(ctx.facts, "checkpoint", None)
-    repo_id = getattr(checkpoint, "repo_id", None)
-    commit = getattr(checkpoint, "revision", None)
+    checkpoint = ctx.facts.checkpoint if ctx.facts is not None else None
+    if checkpoint is None:
+        return None
+    repo_id, commit = checkpoint.repo_id, checkpoint.revision
     if not repo_id or not commit or not re.fullmatch(r"[0-9a-f]{40}", str(commit)):
         return None
     return hub_module_folder(str(repo_id), str(commit))

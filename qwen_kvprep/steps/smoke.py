@@ -7,12 +7,12 @@ has already done its work, and the findings say what is still wrong.
 from __future__ import annotations
 
 import sys
-from typing import Any
 
 from qwen_kvprep.findings import warn
+from qwen_kvprep.steps.context import FixContext
 
 
-def run(ctx: Any) -> None:
+def run(ctx: FixContext) -> None:
     from qwen_kvprep.smoke import SmokeOptions, run_smoke
     from qwen_kvprep.smoke.progress import PhaseProgress
     from qwen_kvprep.smoke.protocol import DEFAULT_TIMEOUT_S

@@ -11,46 +11,24 @@ from __future__ import annotations
 
 import shlex
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Optional
 
 from qwen_kvprep import catalogue, resources
 from qwen_kvprep.common import KERNEL_FILES, sha256_bytes
 from qwen_kvprep.errors import SourceError, UsageError, current_user
 from qwen_kvprep.findings import Finding, fail, info, ok, warn
 from qwen_kvprep.steps import download
+from qwen_kvprep.steps.context import FixContext, SourceSet
 from qwen_kvprep.untrusted import NotRegularFile, read_regular
+
+if TYPE_CHECKING:
+    from qwen_kvprep.probe.facts import Facts
 
 SOURCES = ("auto", "vendored", "hub")
 
 
-@dataclass(frozen=True)
-class SourceSet:
-    """The two kernel source files the rest of `fix` builds and installs."""
-
-    origin: str  # "vendored" | "hub" | "checkpoint" (kept what the directory had)
-    kind: str  # catalogue.OFFICIAL | catalogue.OURS
-    files: Mapping[str, bytes]
-    repo_id: Optional[str] = None
-    revision: Optional[str] = None
-    commit: Optional[str] = None  # what the Hub resolved `revision` to
-
-    def hashes(self) -> dict[str, str]:
-        return {name: sha256_bytes(data) for name, data in self.files.items()}
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "origin": self.origin,
-            "kind": self.kind,
-            "repo_id": self.repo_id,
-            "revision": self.revision,
-            "commit": self.commit,
-            "files": self.hashes(),
-        }
-
-
-def run(ctx: Any) -> None:
+def run(ctx: FixContext) -> None:
     options = ctx.options
     source = options.source
     if source not in SOURCES:
@@ -135,7 +113,7 @@ def _compat_finding(compat: catalogue.Compat, severity: str) -> Finding:
     )
 
 
-def _auto(ctx: Any, kind: str, present: Mapping[str, Optional[bytes]]) -> SourceSet:
+def _auto(ctx: FixContext, kind: str, present: Mapping[str, Optional[bytes]]) -> SourceSet:
     if kind == catalogue.OURS:
         return SourceSet("checkpoint", catalogue.OURS, _complete(present))
     if kind == catalogue.OFFICIAL:
@@ -157,7 +135,7 @@ def _complete(present: Mapping[str, Optional[bytes]]) -> dict[str, bytes]:
     return {name: data for name, data in present.items() if data is not None}
 
 
-def _from_hub(ctx: Any, kind: str, present: Mapping[str, Optional[bytes]]) -> SourceSet:
+def _from_hub(ctx: FixContext, kind: str, present: Mapping[str, Optional[bytes]]) -> SourceSet:
     options = ctx.options
     compat = catalogue.official_compat(*_torch_info())
     if compat.status == "no" and options.build:
@@ -194,14 +172,17 @@ def _from_hub(ctx: Any, kind: str, present: Mapping[str, Optional[bytes]]) -> So
     fetched = download.fetch_official(
         repo_id,
         revision,
-        progress=getattr(options, "progress", None),
+        progress=options.progress,
         checkpoint=Path(ctx.directory),
     )
     return SourceSet("hub", catalogue.OFFICIAL, fetched.files, repo_id, revision, fetched.commit)
 
 
 def resolve_repo(
-    directory: Path, facts: Any, repo_option: Optional[str], revision_option: Optional[str]
+    directory: Path,
+    facts: Optional[Facts],
+    repo_option: Optional[str],
+    revision_option: Optional[str],
 ) -> tuple[Optional[str], str]:
     """(repo id, revision) for `--source hub`.
 
@@ -209,10 +190,12 @@ def resolve_repo(
     cache snapshot `.../models--ORG--NAME/snapshots/REV`). The revision: --revision, else
     the snapshot's commit when the repo is the snapshot's own, else "main".
     """
-    checkpoint = getattr(facts, "checkpoint", None)
-    own_repo = getattr(checkpoint, "repo_id", None)
-    own_revision = getattr(checkpoint, "revision", None)
-    if checkpoint is None:
+    checkpoint = facts.checkpoint if facts is not None else None
+    own_repo: Optional[str] = None
+    own_revision: Optional[str] = None
+    if checkpoint is not None:
+        own_repo, own_revision = checkpoint.repo_id, checkpoint.revision
+    else:
         from qwen_kvprep.probe.checkpoint import hub_snapshot
 
         own_repo, own_revision, _ = hub_snapshot(Path(directory))
@@ -240,7 +223,7 @@ def _describe(sources: SourceSet) -> str:
 
 
 def _install(
-    ctx: Any,
+    ctx: FixContext,
     chosen: SourceSet,
     per_file: Mapping[str, str],
     hashes: Mapping[str, Optional[str]],

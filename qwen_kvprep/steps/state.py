@@ -4,47 +4,53 @@ importing torch, that nothing changed since."""
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Optional
 
 from qwen_kvprep.common import KERNEL_FILES
 from qwen_kvprep.findings import info, ok
+from qwen_kvprep.steps.context import FixContext
+
+if TYPE_CHECKING:
+    from qwen_kvprep.jsontypes import JSON, JSONObject
 
 
-def _sources(ctx: Any) -> dict[str, Any]:
+def _sources(ctx: FixContext) -> JSONObject:
     chosen = ctx.sources
     if chosen is None:
         return {"origin": "vendored", "repo_id": None, "revision": None}
-    return {
-        "origin": getattr(chosen, "origin", "vendored"),
-        "repo_id": getattr(chosen, "repo_id", None),
-        "revision": getattr(chosen, "revision", None),
-    }
+    return {"origin": chosen.origin, "repo_id": chosen.repo_id, "revision": chosen.revision}
 
 
-def _build(ctx: Any) -> Any:
+def _build(ctx: FixContext) -> Optional[JSONObject]:
     build = ctx.build
     if build is None:
         return None
+    arch_list: list[JSON] = list(build.arch_list)
     return {
         "key": build.key,
         "dir": str(build.dir),
         "so": str(build.so),
         "cuda": build.cuda,
-        "arch_list": build.arch_list,
+        "arch_list": arch_list,
     }
 
 
-def _keep_origin(previous: dict[str, Any], state: dict[str, Any]) -> None:
+def _object(value: object) -> Mapping[str, object]:
+    return value if isinstance(value, dict) else {}
+
+
+def _keep_origin(previous: Mapping[str, object], state: dict[str, object]) -> None:
     """A re-run keeps the sources the previous fix installed (origin "checkpoint": "kept
     what the directory had"); those bytes still come from where the state says."""
-    same_files = all(
-        previous.get("files", {}).get(n) == state["files"].get(n) for n in KERNEL_FILES
-    )
-    if (state.get("sources") or {}).get("origin") == "checkpoint" and same_files:
+    previous_files = _object(previous.get("files", {}))
+    files = _object(state["files"])
+    same_files = all(previous_files.get(n) == files.get(n) for n in KERNEL_FILES)
+    if _object(state.get("sources") or {}).get("origin") == "checkpoint" and same_files:
         state["sources"] = previous.get("sources") or state["sources"]
 
 
-def run(ctx: Any) -> None:
+def run(ctx: FixContext) -> None:
     from qwen_kvprep.state import load_state, new_state, same_state, save_state, state_path
 
     path = state_path(ctx.directory)

@@ -6,12 +6,12 @@ unique keys, an object, a Qwen config: doctor and fix judge it by the same rules
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 from qwen_kvprep.checks import load_all, run_one
 from qwen_kvprep.errors import CheckpointError, ConfigError
 from qwen_kvprep.findings import Finding, Severity
 from qwen_kvprep.probe.facts import Facts
+from qwen_kvprep.steps.context import FixContext
 
 _ALSO = ("config.parse",)
 
@@ -39,7 +39,7 @@ def check(directory: Path) -> tuple[Facts, list[Finding]]:
     return facts, shown
 
 
-def run(ctx: Any) -> None:
+def run(ctx: FixContext) -> None:
     facts, findings = check(ctx.directory)
     ctx.add(*findings)
     ctx.facts = facts

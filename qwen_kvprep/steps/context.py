@@ -1,0 +1,81 @@
+"""What the steps of `fix` share: the options, the chosen kernel sources, and the context
+each step reads and extends.
+
+Every step module imports this one; `steps/fix.py` imports the steps by name when it runs
+them. Keeping these types here, below both, is what lets a step name `FixContext` without
+a step and `fix` importing each other.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Optional
+
+from qwen_kvprep.common import sha256_bytes
+from qwen_kvprep.findings import Finding
+from qwen_kvprep.journal import Journal
+
+if TYPE_CHECKING:
+    from qwen_kvprep.buildcache.builder import BuildResult
+    from qwen_kvprep.jsontypes import JSONObject
+    from qwen_kvprep.probe.facts import Facts
+
+
+@dataclass(frozen=True)
+class FixOptions:
+    dry_run: bool = False
+    build: bool = True
+    smoke: bool = True
+    source: str = "auto"
+    repo_id: Optional[str] = None
+    revision: Optional[str] = None
+    cache_dir: Optional[Path] = None
+    arch: Optional[str] = None
+    smoke_timeout: Optional[float] = None
+    # --output OUT: fix a view of the directory in OUT and leave the directory untouched
+    output: Optional[Path] = None
+    # huggingface_hub's download bars: None = only when stderr is a terminal; False for --json
+    progress: Optional[bool] = None
+
+
+@dataclass(frozen=True)
+class SourceSet:
+    """The two kernel source files the rest of `fix` builds and installs."""
+
+    origin: str  # "vendored" | "hub" | "checkpoint" (kept what the directory had)
+    kind: str  # catalogue.OFFICIAL | catalogue.OURS
+    files: Mapping[str, bytes]
+    repo_id: Optional[str] = None
+    revision: Optional[str] = None
+    commit: Optional[str] = None  # what the Hub resolved `revision` to
+
+    def hashes(self) -> dict[str, str]:
+        return {name: sha256_bytes(data) for name, data in self.files.items()}
+
+    def to_json(self) -> JSONObject:
+        files: JSONObject = dict(self.hashes())
+        return {
+            "origin": self.origin,
+            "kind": self.kind,
+            "repo_id": self.repo_id,
+            "revision": self.revision,
+            "commit": self.commit,
+            "files": files,
+        }
+
+
+@dataclass
+class FixContext:
+    directory: Path
+    options: FixOptions
+    journal: Journal
+    findings: list[Finding] = field(default_factory=list)
+    facts: Optional[Facts] = None  # with the checkpoint part, once validated
+    sources: Optional[SourceSet] = None  # chosen by steps/sources.py
+    build: Optional[BuildResult] = None  # the build used (steps/build.py)
+    extra: JSONObject = field(default_factory=dict)  # what fix adds to its JSON output
+
+    def add(self, *findings: Finding) -> None:
+        self.findings.extend(findings)
