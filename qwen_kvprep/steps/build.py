@@ -115,7 +115,7 @@ def run(ctx: FixContext) -> None:
                 f"{';'.join(reused.arch_list)}: it loads with this torch and runs on every "
                 "visible GPU, so nothing is compiled",
                 paths=[reused.dir],
-                **reused.to_json(),
+                details=reused.to_json(),
             )
         )
         return
@@ -155,7 +155,7 @@ def run(ctx: FixContext) -> None:
                 f"compiled build {short} in {result.manifest['build_seconds']:.0f} s "
                 f"({result.jobs})",
                 paths=[result.dir],
-                **result.to_json(),
+                details=result.to_json(),
             )
         )
     else:
@@ -167,7 +167,7 @@ def run(ctx: FixContext) -> None:
                 "build.build",
                 f"using the cached build {short}{waited}",
                 paths=[result.dir],
-                **result.to_json(),
+                details=result.to_json(),
             )
         )
 
@@ -207,9 +207,9 @@ def build_into_cache(
     result = ensure_build(plan, layout, force=force, timeout=lock_timeout)
     if result.compiled:
         message = f"compiled in {result.manifest['build_seconds']:.0f} s ({result.jobs})"
-        findings.append(info("build.build", message, paths=[result.dir], **result.to_json()))
+        findings.append(info("build.build", message, paths=[result.dir], details=result.to_json()))
     else:
         findings.append(
-            ok("build.build", "found in the cache", paths=[result.dir], **result.to_json())
+            ok("build.build", "found in the cache", paths=[result.dir], details=result.to_json())
         )
     return CacheBuild(findings, result, layout.root)

@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from qwen_kvprep.buildcache.builder import BuildResult
     from qwen_kvprep.jsontypes import JSONObject
     from qwen_kvprep.probe.facts import Facts
+    from qwen_kvprep.statefile import StateModules
 
 
 @dataclass(frozen=True)
@@ -75,6 +76,7 @@ class FixContext:
     facts: Optional[Facts] = None  # with the checkpoint part, once validated
     sources: Optional[SourceSet] = None  # chosen by steps/sources.py
     build: Optional[BuildResult] = None  # the build used (steps/build.py)
+    modules: Optional[StateModules] = None  # what steps/modules.py planted where
     extra: JSONObject = field(default_factory=dict)  # what fix adds to its JSON output
 
     def add(self, *findings: Finding) -> None:

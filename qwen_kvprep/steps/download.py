@@ -61,7 +61,7 @@ def received_from_file(path: Path, keep_up_to: int) -> Received:
     return Received(size, head, h.hexdigest(), b"".join(chunks) if size <= keep_up_to else None)
 
 
-def verify(name: str, got: Received, where: str, **details: str) -> Optional[Finding]:
+def verify(name: str, got: Received, where: str, **more: str) -> Optional[Finding]:
     """None when `got` is the official `name`; else a failing `kernels.verify` finding
     that says what was received (size, first bytes, sha256) and what was expected."""
     known = catalogue.known_good().files[name]
@@ -75,13 +75,15 @@ def verify(name: str, got: Received, where: str, **details: str) -> Optional[Fin
         f"sha256 {known.sha256[:16]}…); nothing was written",
         "use `--source vendored` (qwen-kvprep's own kernels); if a proxy or HF_ENDPOINT "
         "served this, fix that and remove the bad cached copy before retrying",
-        file=name,
-        received_size=got.size,
-        received_head=repr(got.head),
-        received_sha256=got.sha256,
-        expected_size=known.size,
-        expected_sha256=known.sha256,
-        **details,
+        details={
+            "file": name,
+            "received_size": got.size,
+            "received_head": repr(got.head),
+            "received_sha256": got.sha256,
+            "expected_size": known.size,
+            "expected_sha256": known.sha256,
+            **more,
+        },
     )
 
 

@@ -90,11 +90,14 @@ def run(ctx: FixContext) -> None:
                 paths=[folder],
             )
         )
+    hashes = {n: sha256_bytes(d) for n, d in files.items()}
+    hub = str(hub_folder) if hub_folder is not None else None
+    ctx.modules = {"root": str(env_root), "folder": str(folder), "files": hashes, "hub_folder": hub}
     ctx.extra["modules"] = {
         "root": str(env_root),
         "folder": str(folder),
-        "files": {n: sha256_bytes(d) for n, d in files.items()},
-        "hub_folder": str(hub_folder) if hub_folder is not None else None,
+        "files": dict(hashes),
+        "hub_folder": hub,
     }
     names = ", ".join(files)
     if changed:

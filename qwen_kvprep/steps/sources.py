@@ -242,7 +242,7 @@ def _install(
             "kernels.sources",
             f"using {_describe(chosen)}{action}",
             paths=[Path(ctx.directory) / n for n in written],
-            **chosen.to_json(),
+            details=chosen.to_json(),
         )
     )
     modified = {n: k for n, k in replaced.items() if k == catalogue.MODIFIED}

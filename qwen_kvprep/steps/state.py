@@ -4,7 +4,6 @@ importing torch, that nothing changed since."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import TYPE_CHECKING, Optional
 
 from qwen_kvprep.common import KERNEL_FILES
@@ -12,7 +11,8 @@ from qwen_kvprep.findings import info, ok
 from qwen_kvprep.steps.context import FixContext
 
 if TYPE_CHECKING:
-    from qwen_kvprep.jsontypes import JSON, JSONObject
+    from qwen_kvprep.jsontypes import JSONObject
+    from qwen_kvprep.statefile import State, StateBuild
 
 
 def _sources(ctx: FixContext) -> JSONObject:
@@ -22,31 +22,24 @@ def _sources(ctx: FixContext) -> JSONObject:
     return {"origin": chosen.origin, "repo_id": chosen.repo_id, "revision": chosen.revision}
 
 
-def _build(ctx: FixContext) -> Optional[JSONObject]:
+def _build(ctx: FixContext) -> Optional[StateBuild]:
     build = ctx.build
     if build is None:
         return None
-    arch_list: list[JSON] = list(build.arch_list)
     return {
         "key": build.key,
         "dir": str(build.dir),
         "so": str(build.so),
         "cuda": build.cuda,
-        "arch_list": arch_list,
+        "arch_list": build.arch_list,
     }
 
 
-def _object(value: object) -> Mapping[str, object]:
-    return value if isinstance(value, dict) else {}
-
-
-def _keep_origin(previous: Mapping[str, object], state: dict[str, object]) -> None:
+def _keep_origin(previous: State, state: State) -> None:
     """A re-run keeps the sources the previous fix installed (origin "checkpoint": "kept
     what the directory had"); those bytes still come from where the state says."""
-    previous_files = _object(previous.get("files", {}))
-    files = _object(state["files"])
-    same_files = all(previous_files.get(n) == files.get(n) for n in KERNEL_FILES)
-    if _object(state.get("sources") or {}).get("origin") == "checkpoint" and same_files:
+    same_files = all(previous["files"].get(n) == state["files"].get(n) for n in KERNEL_FILES)
+    if (state.get("sources") or {}).get("origin") == "checkpoint" and same_files:
         state["sources"] = previous.get("sources") or state["sources"]
 
 
@@ -61,7 +54,7 @@ def run(ctx: FixContext) -> None:
         ctx.directory,
         sources=_sources(ctx),
         build=_build(ctx),
-        modules=ctx.extra.get("modules"),
+        modules=ctx.modules,
     )
     previous = load_state(ctx.directory)
     if previous is not None:
