@@ -57,7 +57,7 @@ class ModelOutput(Protocol):
     def past_key_values(self) -> object: ...  # passed back in; read with legacy_cache
 
 
-# One typed entry point for each transformers loader (their signatures are untyped).
+# One typed entry point for each transformers loader: theirs return Any or are unannotated.
 
 
 def pretrained_tokenizer(source: Union[str, Path]) -> PreTrainedTokenizerBase:
