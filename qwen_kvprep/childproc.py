@@ -35,13 +35,50 @@ import time
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any, Callable, Optional
+from typing import IO, Callable, Generic, Literal, Optional, TypedDict, TypeVar, Union, cast
+
+from qwen_kvprep.jsontypes import JSON
 
 PHASE_START = "start"
 PHASE_DONE = "done"
 
-EventCallback = Callable[[dict[str, Any]], None]
+
+class PhaseEvent(TypedDict):
+    event: Literal["phase"]
+    phase: str
+    t: float  # time.time() when the phase started
+
+
+class ProgressEvent(TypedDict):
+    event: Literal["progress"]
+    phase: str
+    done: int
+    total: int
+
+
+class ErrorEvent(TypedDict):
+    event: Literal["error"]
+    phase: str
+    type: str  # the exception's class name
+    message: str
+    traceback: str
+
+
+class ResultEvent(TypedDict):
+    event: Literal["result"]
+    result: object  # the child's own result type; JSON once it has travelled
+
+
+Event = Union[PhaseEvent, ProgressEvent, ErrorEvent, ResultEvent]
+# what a display is shown: every event but the result and the error
+ShownEvent = Union[PhaseEvent, ProgressEvent]
+
+EventCallback = Callable[[ShownEvent], None]
 CommandFactory = Callable[[int], list[str]]  # the event descriptor -> argv
+
+# The result a child sent: JSON as it arrives; smoke and profile each know the type their
+# own child builds.
+R = TypeVar("R")
 
 # How long a child gets to exit after SIGTERM before SIGKILL: enough for Python to run
 # its exit handlers, short enough that a wedged CUDA context does not stall the CLI.
@@ -51,7 +88,7 @@ _LOG_TAIL_BYTES = 64 * 1024
 
 
 @dataclass
-class ChildOutcome:
+class ChildOutcome(Generic[R]):
     """What the child said and how it ended."""
 
     pid: Optional[int] = None  # also the id of its process group
@@ -59,8 +96,8 @@ class ChildOutcome:
     timed_out: bool = False
     elapsed: float = 0.0
     phase: str = PHASE_START
-    result: Optional[dict[str, Any]] = None
-    error: Optional[dict[str, Any]] = None
+    result: Optional[R] = None
+    error: Optional[ErrorEvent] = None
     log_tail: list[str] = field(default_factory=list)
     bad_lines: int = 0  # lines on the event pipe that were not JSON
 
@@ -89,12 +126,15 @@ def child_env(extra: Optional[dict[str, str]] = None) -> dict[str, str]:
 
 
 def _read_events(
-    fd: int, outcome: ChildOutcome, lock: threading.Lock, on_event: Optional[EventCallback]
+    fd: int,
+    outcome: ChildOutcome[JSON],
+    lock: threading.Lock,
+    on_event: Optional[EventCallback],
 ) -> None:
     with os.fdopen(fd, "r", encoding="utf-8", errors="replace") as stream:
         for line in stream:
             try:
-                event = json.loads(line)
+                event: JSON = json.loads(line)
             except ValueError:
                 with lock:
                     outcome.bad_lines += 1
@@ -108,10 +148,12 @@ def _read_events(
                 elif kind == "result":
                     outcome.result = event.get("result")
                 elif kind == "error":
-                    outcome.error = event
+                    # written by `child_main` below, in the same installation
+                    outcome.error = cast(ErrorEvent, event)
             if kind not in ("result", "error") and on_event is not None:
                 with contextlib.suppress(Exception):  # progress display must not break a run
-                    on_event(event)
+                    # the phase and progress events of `Events` below
+                    on_event(cast(ShownEvent, event))
 
 
 def kill_group(proc: subprocess.Popen[bytes]) -> None:
@@ -155,10 +197,10 @@ def run_events_child(
     on_event: Optional[EventCallback] = None,
     env: Optional[dict[str, str]] = None,
     prefix: str = "qwen-kvprep-child-",
-) -> ChildOutcome:
+) -> ChildOutcome[JSON]:
     """Run `command(fd)` in its own session, bounded by `timeout` seconds, and collect the
     events it writes to descriptor `fd`. Never raises for what the child does."""
-    outcome = ChildOutcome()
+    outcome: ChildOutcome[JSON] = ChildOutcome()
     lock = threading.Lock()
     with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
         log_path = Path(tmp) / "child.log"
@@ -218,7 +260,7 @@ class Events:
         self.stream = stream
         self.phase = PHASE_START
 
-    def send(self, obj: dict[str, Any]) -> None:
+    def send(self, obj: Event) -> None:
         self.stream.write(json.dumps(obj, default=str) + "\n")
         self.stream.flush()
 
@@ -227,7 +269,7 @@ class Events:
         self.send({"event": "phase", "phase": phase, "t": time.time()})
 
 
-def child_main(fd: Optional[int], work: Callable[[Events], dict[str, Any]]) -> int:
+def child_main(fd: Optional[int], work: Callable[[Events], object]) -> int:
     """Run `work` in a child: its result, or the exception it raised, as events on `fd`
     (stdout when None, for running a child by hand)."""
     stream = os.fdopen(fd, "w", encoding="utf-8") if fd is not None else sys.stdout

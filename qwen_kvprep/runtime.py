@@ -15,10 +15,105 @@ import logging
 import resource
 import sys
 import warnings
-from collections.abc import Iterator
-from typing import Any, Optional
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Optional, Protocol, TypedDict, Union, cast
 
+if TYPE_CHECKING:
+    import torch
+    from transformers.configuration_utils import PretrainedConfig
+    from transformers.modeling_utils import PreTrainedModel
+    from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+
+    # What Qwen's remote code caches per layer: (key, value), each a tensor, or with the
+    # Int8 cache a (codes, scale, zero) triple.
+    CachedKV = Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+    LayerCache = tuple[CachedKV, CachedKV]
+    LegacyCache = Sequence[LayerCache]
+
+# The attributes of Qwen's attention layers read and switched here. Named once: nn.Module's
+# __setattr__ is typed for tensors and modules, so they are set with setattr.
 FLAG = "use_cache_quantization"
+KERNELS = "cache_kernels"  # the loaded extension module, or None on the fallback path
+CALLS = "kernel_calls"  # qwen-kvprep's own model code counts its kernel calls
+
+
+class KernelInfo(TypedDict):
+    """What a layer's `cache_kernels` is."""
+
+    loaded: bool
+    module: Optional[str]
+    file: Optional[str]
+    compiled: bool  # a compiled extension, not a Python stand-in
+
+
+class ModelOutput(Protocol):
+    """What the forward of a causal LM returns (transformers' CausalLMOutputWithPast)."""
+
+    @property
+    def logits(self) -> torch.Tensor: ...
+
+    @property
+    def past_key_values(self) -> object: ...  # passed back in; read with legacy_cache
+
+
+# One typed entry point for each transformers loader: theirs return Any or are unannotated.
+
+
+def pretrained_tokenizer(source: Union[str, Path]) -> PreTrainedTokenizerBase:
+    from transformers import AutoTokenizer
+
+    # untyped in transformers: AutoTokenizer.from_pretrained(path, *inputs, **kwargs)
+    tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(  # type: ignore[no-untyped-call]
+        source, trust_remote_code=True
+    )
+    return tokenizer
+
+
+def pretrained_config(source: Union[str, Path], **flags: object) -> PretrainedConfig:
+    from transformers import AutoConfig
+
+    config: PretrainedConfig = AutoConfig.from_pretrained(source, trust_remote_code=True, **flags)
+    return config
+
+
+def pretrained_model(source: Union[str, Path], **kwargs: object) -> PreTrainedModel:
+    from transformers import AutoModelForCausalLM
+
+    model: PreTrainedModel = AutoModelForCausalLM.from_pretrained(
+        source, trust_remote_code=True, **kwargs
+    )
+    return model
+
+
+def model_from_config(config: PretrainedConfig, **kwargs: object) -> PreTrainedModel:
+    from transformers import AutoModelForCausalLM
+
+    # untyped in transformers: _BaseAutoModelClass.from_config(config, **kwargs)
+    model: PreTrainedModel = AutoModelForCausalLM.from_config(  # type: ignore[no-untyped-call]
+        config, trust_remote_code=True, **kwargs
+    )
+    return model
+
+
+def moved_to_gpu(model: PreTrainedModel) -> PreTrainedModel:
+    """`model.to("cuda")`: PreTrainedModel.to is wrapped in functools.wraps, which hides
+    it from type checkers as a method; nn.Module.to returns the module itself."""
+    module: torch.nn.Module = model
+    return cast("PreTrainedModel", module.to("cuda"))
+
+
+def input_device(model: PreTrainedModel) -> torch.device:
+    """Where the model takes its input ids: the device of its input embeddings."""
+    import torch
+
+    try:
+        weight = model.get_input_embeddings().weight
+    except (AttributeError, NotImplementedError):  # remote code without the accessor
+        weight = None
+    if isinstance(weight, torch.Tensor):
+        return weight.device
+    return next(model.parameters()).device
 
 
 class _Capture(logging.Handler):
@@ -63,7 +158,9 @@ def rss_peak_bytes() -> int:
     return int(peak if sys.platform == "darwin" else peak * 1024)
 
 
-def resolve_device(requested: str, torch: Any) -> str:
+def resolve_device(requested: str) -> str:
+    import torch
+
     if requested == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     if requested == "cuda" and not torch.cuda.is_available():
@@ -78,11 +175,11 @@ def has_accelerate() -> bool:
     return importlib.util.find_spec("accelerate") is not None
 
 
-def flagged_modules(model: Any) -> list[tuple[str, Any]]:
+def flagged_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
     return [(n, m) for n, m in model.named_modules() if hasattr(m, FLAG)]
 
 
-def attention_layers(model: Any) -> list[tuple[str, Any]]:
+def attention_layers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
     """The leaf-most modules carrying the quantization flag: the attention layers (the
     model-level module carries the flag too, to read the cache length)."""
     flagged = flagged_modules(model)
@@ -92,13 +189,17 @@ def attention_layers(model: Any) -> list[tuple[str, Any]]:
     ]
 
 
-def set_cache_quantization(model: Any, on: bool) -> list[tuple[Any, Any]]:
+# (module or config, the value its flag had)
+SavedFlags = list[tuple[object, object]]
+
+
+def set_cache_quantization(model: torch.nn.Module, on: bool) -> SavedFlags:
     """Switch the quantized cache of a loaded model; returns what to restore.
 
     The layers read their own attribute; the config is switched too in case some code
     path reads it at run time. The kernel stays loaded, so switching back costs nothing.
     """
-    targets = [m for _, m in flagged_modules(model)]
+    targets: list[object] = [m for _, m in flagged_modules(model)]
     config = getattr(model, "config", None)
     if config is not None and hasattr(config, FLAG):
         targets.append(config)
@@ -108,13 +209,13 @@ def set_cache_quantization(model: Any, on: bool) -> list[tuple[Any, Any]]:
     return saved
 
 
-def restore(saved: list[tuple[Any, Any]]) -> None:
+def restore(saved: SavedFlags) -> None:
     for m, value in saved:
         setattr(m, FLAG, value)
 
 
-def kernel_info(module: Any) -> dict[str, Any]:
-    kernels = getattr(module, "cache_kernels", None)
+def kernel_info(module: torch.nn.Module) -> KernelInfo:
+    kernels: object = getattr(module, KERNELS, None)
     if kernels is None:
         return {"loaded": False, "module": None, "file": None, "compiled": False}
     path = getattr(kernels, "__file__", None)
@@ -131,23 +232,23 @@ class CountingKernels:
     """Stands in for a layer's `cache_kernels` and counts calls into the extension, so
     "the kernel ran" is observed rather than inferred from the attribute being set."""
 
-    def __init__(self, inner: Any) -> None:
+    def __init__(self, inner: object) -> None:
         self._inner = inner
         self.calls = 0
 
-    def __getattr__(self, name: str) -> Any:
+    def __getattr__(self, name: str) -> object:
         attr = getattr(self._inner, name)
         if not callable(attr):
             return attr
 
-        def counted(*args: Any, **kwargs: Any) -> Any:
+        def counted(*args: object, **kwargs: object) -> object:
             self.calls += 1
             return attr(*args, **kwargs)
 
         return counted
 
 
-def tensors_in(obj: Any) -> list[Any]:
+def tensors_in(obj: object) -> list[torch.Tensor]:
     """Every tensor in a nest of tuples and lists (a cache, quantized or not)."""
     import torch
 
@@ -158,10 +259,11 @@ def tensors_in(obj: Any) -> list[Any]:
     return []
 
 
-def legacy_cache(past: Any) -> Any:
+def legacy_cache(past: object) -> LegacyCache:
     # newer transformers may hand back a Cache object; the remote code itself uses tuples
     to_legacy = getattr(past, "to_legacy_cache", None)
-    return to_legacy() if callable(to_legacy) else past
+    # in the layout of Qwen's remote code (see LegacyCache); readers of it stay defensive
+    return cast("LegacyCache", to_legacy() if callable(to_legacy) else past)
 
 
 class KernelCounter:
@@ -172,21 +274,21 @@ class KernelCounter:
     CountingKernels proxy. A layer without a loaded extension counts 0.
     """
 
-    def __init__(self, layers: list[tuple[str, Any]]) -> None:
+    def __init__(self, layers: list[tuple[str, torch.nn.Module]]) -> None:
         self.modules = [m for _, m in layers]
         self.proxies: list[Optional[CountingKernels]] = []
         for mod in self.modules:
             proxy = None
-            if hasattr(mod, "kernel_calls"):
-                mod.kernel_calls = 0
-            elif getattr(mod, "cache_kernels", None) is not None:
-                proxy = CountingKernels(mod.cache_kernels)
-                mod.cache_kernels = proxy
+            if hasattr(mod, CALLS):
+                setattr(mod, CALLS, 0)
+            elif getattr(mod, KERNELS, None) is not None:
+                proxy = CountingKernels(getattr(mod, KERNELS))
+                setattr(mod, KERNELS, proxy)
             self.proxies.append(proxy)
 
     def calls(self) -> list[int]:
         return [
-            p.calls if p is not None else int(getattr(m, "kernel_calls", 0) or 0)
+            p.calls if p is not None else int(getattr(m, CALLS, 0) or 0)
             for m, p in zip(self.modules, self.proxies)
         ]
 
@@ -194,14 +296,14 @@ class KernelCounter:
         return sum(1 for c in self.calls() if c > 0)
 
 
-def cache_nbytes(past: Any) -> int:
+def cache_nbytes(past: object) -> int:
     """Bytes of every tensor the model returned as its cache (codes, scales and zero
     points for the quantized one). numel * element_size, not storage size: key/value may
     be views of one projection output, but what a cache holds is their logical size."""
     return sum(t.numel() * t.element_size() for t in tensors_in(legacy_cache(past)))
 
 
-def cache_length(past: Any) -> Optional[int]:
+def cache_length(past: object) -> Optional[int]:
     """Tokens in the cache: ((q, scale, zero), ...) is [b, h, s, d]; (key, value) plain is
     [b, s, h, d] (the layouts of Qwen's remote code)."""
     layers = legacy_cache(past)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from qwen_kvprep.errors import UsageError
 
 _NO_GPU_FIX = "pass the card's memory, e.g. --gpu-memory 80GiB (or 24GB, 81920MiB)"
@@ -19,7 +17,7 @@ def visible_gpu_memory() -> tuple[int, str]:
             f"torch cannot be imported ({exc}), so the GPU's memory is unknown",
             fix=_NO_GPU_FIX,
         ) from exc
-    cuda: Any = torch.cuda
+    cuda = torch.cuda
     if not cuda.is_available() or cuda.device_count() == 0:
         raise UsageError(
             "no GPU is visible to torch, so --gpu-memory has no default", fix=_NO_GPU_FIX

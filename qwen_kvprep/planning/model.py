@@ -14,10 +14,11 @@ import shlex
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 from qwen_kvprep.configjson import CONFIG, parse_config
 from qwen_kvprep.errors import CheckpointError, ConfigError, UsageError
+from qwen_kvprep.jsontypes import JSON, JSONObject
 from qwen_kvprep.probe.checkpoint import (
     BIN_INDEX,
     DTYPE_SIZES,
@@ -87,7 +88,7 @@ def _doctor(path: Path) -> str:
     )
 
 
-def read_config(path: Path) -> dict[str, Any]:
+def read_config(path: Path) -> JSONObject:
     config_path = path / CONFIG
     if not config_path.is_file():
         raise CheckpointError(
@@ -106,7 +107,7 @@ def read_config(path: Path) -> dict[str, Any]:
     return dict(parse_config(text, config_path))
 
 
-def _positive_int(config: Mapping[str, Any], key: str, path: Path) -> int:
+def _positive_int(config: Mapping[str, JSON], key: str, path: Path) -> int:
     value = config.get(key)
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ConfigError(
@@ -116,13 +117,13 @@ def _positive_int(config: Mapping[str, Any], key: str, path: Path) -> int:
     return value
 
 
-def _optional_int(config: Mapping[str, Any], key: str) -> Optional[int]:
+def _optional_int(config: Mapping[str, JSON], key: str) -> Optional[int]:
     value = config.get(key)
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def resolve_dtype(
-    config: Mapping[str, Any], requested: Optional[str], gptq: bool
+    config: Mapping[str, JSON], requested: Optional[str], gptq: bool
 ) -> tuple[str, str]:
     """(dtype, why) as QWenLMHeadModel resolves it, unless `requested` overrides it."""
     if requested is not None:
@@ -146,12 +147,13 @@ def resolve_dtype(
     return "bf16", "none of bf16/fp16/fp32 set: bf16, as the remote code picks on a GPU with bf16"
 
 
-def read_gptq(path: Path, config: Mapping[str, Any]) -> Optional[Gptq]:
+def read_gptq(path: Path, config: Mapping[str, JSON]) -> Optional[Gptq]:
     """The GPTQ parameters from config.json's quantization_config or quantize_config.json."""
-    qc: Any = config.get("quantization_config")
+    qc: JSON = config.get("quantization_config")
     if not (isinstance(qc, Mapping) and str(qc.get("quant_method", "")).lower() == "gptq"):
         qc = None
         if (path / QUANTIZE_CONFIG).is_file():
+            loaded: JSON
             try:
                 loaded, _, _ = load_json((path / QUANTIZE_CONFIG).read_text(encoding="utf-8"))
             except OSError:

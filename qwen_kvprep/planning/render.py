@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Optional, TypedDict
 
 from qwen_kvprep.plan import CUBLAS_WORKSPACE_BYTES, CUDA_CONTEXT_BYTES, kv_bytes_per_token
 from qwen_kvprep.planning.capacity import PlanResult
@@ -10,6 +10,59 @@ from qwen_kvprep.planning.model import ModelFacts
 from qwen_kvprep.planning.sizes import gib, human
 
 MODE_LABEL = {"unquantized": "unquantized cache", "int8": "Int8 cache"}
+
+
+class GptqJSON(TypedDict):
+    bits: int
+    group_size: int
+
+
+class ModelJSON(TypedDict):
+    layers: int
+    heads: int
+    head_dim: int
+    hidden: int
+    intermediate: int
+    vocab: int
+    dtype: str
+    gptq: Optional[GptqJSON]
+    seq_length: Optional[int]
+    max_position_embeddings: Optional[int]
+
+
+class KvBytesJSON(TypedDict):
+    unquantized: int
+    int8: int
+
+
+class RowJSON(TypedDict):
+    batch: int
+    tokens: int
+    unquantized_bytes: int
+    int8_bytes: int
+    unquantized_oom: bool
+    int8_oom: bool
+
+
+class PlanJSON(TypedDict):
+    """The "plan" object of `plan --json`."""
+
+    directory: str
+    model: ModelJSON
+    weights_bytes: int
+    weights_source: str
+    kv_bytes_per_token: KvBytesJSON
+    gpu_memory_bytes: int
+    gpu_memory_source: str
+    cuda_context_bytes: int
+    prompt_tokens: int
+    prefill_chunk: Optional[int]
+    table: list[RowJSON]
+    max_batch: dict[str, int]  # per mode, at max_batch_at_tokens
+    max_batch_at_tokens: int
+    max_tokens: dict[str, int]  # per mode, at max_tokens_at_batch
+    max_tokens_at_batch: int
+    assumptions: list[str]
 
 
 def assumptions(facts: ModelFacts, plan: PlanResult) -> list[str]:
@@ -35,7 +88,7 @@ def assumptions(facts: ModelFacts, plan: PlanResult) -> list[str]:
     ]
 
 
-def payload(facts: ModelFacts, plan: PlanResult, gpu_source: str) -> dict[str, Any]:
+def payload(facts: ModelFacts, plan: PlanResult, gpu_source: str) -> PlanJSON:
     shape = plan.shape
     return {
         "directory": str(facts.path),

@@ -15,12 +15,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 from qwen_kvprep.findings import Finding
+from qwen_kvprep.profile.document import ProfileDocument
 from qwen_kvprep.profile.progress import ProgressBar
 from qwen_kvprep.profile.protocol import RANDOM_SEED
-from qwen_kvprep.profile.runner import Measurements, ProfileError, ProfileOptions
+from qwen_kvprep.profile.runner import Measurements, ProfileError, ProfileOptions, ProfileRow
 
 __all__ = ["ProfileError", "ProfileOptions", "ProfileReport", "profile_and_plot", "run_profile"]
 
@@ -28,11 +29,11 @@ __all__ = ["ProfileError", "ProfileOptions", "ProfileReport", "profile_and_plot"
 @dataclass(frozen=True)
 class ProfileReport:
     findings: list[Finding]
-    profile: dict[str, Any]  # the "profile" object of --json
+    profile: ProfileDocument  # the "profile" object of --json
     measurements: Measurements
 
 
-def max_batch(rows: list[dict[str, Any]]) -> dict[str, Optional[int]]:
+def max_batch(rows: list[ProfileRow]) -> dict[str, Optional[int]]:
     """Per mode, the largest batch that ran to the end (no OOM, no error)."""
     out: dict[str, Optional[int]] = {}
     for mode in ("unquantized", "int8"):
@@ -62,7 +63,7 @@ def run_profile(
                    if r.outcome is not None and r.outcome.result is not None
                    and r.outcome.result.get("layers") is not None), None)
     findings = evaluate(found, source, units, layers, options.timeout, plan_problem)
-    profile: dict[str, Any] = {
+    profile: ProfileDocument = {
         "directory": str(source.directory),
         "source": source.to_json(),
         "device": found.device,
@@ -85,7 +86,7 @@ def run_profile(
         },
         "rows": rows,
         "max_batch": max_batch(rows),
-        "quality": (found.quality.row or None) if found.quality is not None else None,
+        "quality": found.quality.quality if found.quality is not None else None,
     }
     return ProfileReport(findings, profile, found)
 

@@ -34,7 +34,8 @@ import shutil
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Optional
+from types import ModuleType
+from typing import TYPE_CHECKING, Optional, Union
 
 from qwen_kvprep.childproc import Events, child_main
 from qwen_kvprep.profile.protocol import (
@@ -46,6 +47,13 @@ from qwen_kvprep.profile.protocol import (
     TASK_QUALITY,
     TASK_RUN,
     ChildSpec,
+    DeviceInfo,
+    Generation,
+    Loaded,
+    ProbeResult,
+    QualityRunResult,
+    RunAnswer,
+    RunResult,
 )
 from qwen_kvprep.runtime import (
     KernelCounter,
@@ -54,16 +62,27 @@ from qwen_kvprep.runtime import (
     cache_nbytes,
     captured_warnings,
     has_accelerate,
+    input_device,
+    model_from_config,
+    moved_to_gpu,
+    pretrained_config,
+    pretrained_model,
     resolve_device,
     rss_peak_bytes,
 )
+
+if TYPE_CHECKING:
+    from transformers.modeling_utils import PreTrainedModel
+
+    from qwen_kvprep.jsontypes import JSONObject
+    from qwen_kvprep.runtime import ModelOutput
 
 # At most this often a progress event during decoding: enough for a live bar, and a
 # negligible cost next to a forward.
 _PROGRESS_EVERY_S = 0.25
 
 
-def mode_flags(mode: str) -> dict[str, Any]:
+def mode_flags(mode: str) -> dict[str, bool]:
     quantized = mode == "int8"
     return {
         "use_cache_quantization": quantized,
@@ -72,7 +91,7 @@ def mode_flags(mode: str) -> dict[str, Any]:
     }
 
 
-def resolve_dtype(spec: ChildSpec, device: str, torch: Any) -> str:
+def resolve_dtype(spec: ChildSpec, device: str) -> str:
     """--dtype, else the flag config.json sets, else what Qwen's remote code picks when
     none is set (bf16 where the GPU supports it, else fp16 from compute capability 7,
     else fp32; fp32 on a CPU)."""
@@ -80,6 +99,9 @@ def resolve_dtype(spec: ChildSpec, device: str, torch: Any) -> str:
         return spec.dtype
     import json
 
+    import torch
+
+    cfg: JSONObject
     try:
         cfg = json.loads((Path(spec.source) / "config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
@@ -105,13 +127,13 @@ def plant_kernels(source: Path) -> None:
         shutil.copyfile(source / name, folder / name)
 
 
-def load(spec: ChildSpec, device: str, torch: Any) -> tuple[Any, dict[str, Any]]:
-    from transformers import AutoConfig, AutoModelForCausalLM
+def load(spec: ChildSpec, device: str) -> tuple[PreTrainedModel, Loaded]:
+    import torch
 
     source = Path(spec.source)
     if spec.plant_kernels:
         plant_kernels(source)
-    dtype = resolve_dtype(spec, device, torch)
+    dtype = resolve_dtype(spec, device)
     torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
     # All three precision flags explicitly, so the remote code's own resolution agrees.
     flags = dict(mode_flags(spec.mode), bf16=dtype == "bf16", fp16=dtype == "fp16",
@@ -119,41 +141,42 @@ def load(spec: ChildSpec, device: str, torch: Any) -> tuple[Any, dict[str, Any]]
     with captured_warnings() as messages:
         t0 = time.perf_counter()
         if spec.random_weights:
-            config = AutoConfig.from_pretrained(source, trust_remote_code=True, **flags)
+            config = pretrained_config(source, **flags)
             torch.manual_seed(spec.seed)
             with torch.device(device):
-                model = AutoModelForCausalLM.from_config(
-                    config, trust_remote_code=True, torch_dtype=torch_dtype
-                )
+                model = model_from_config(config, torch_dtype=torch_dtype)
         else:
-            kwargs: dict[str, Any] = {}
+            kwargs: dict[str, dict[str, int]] = {}
             if device == "cuda" and has_accelerate():
                 # the whole model on the one GPU measured: an offload to the host would
                 # hide exactly the memory this command is about
                 kwargs["device_map"] = {"": 0}
-            model = AutoModelForCausalLM.from_pretrained(
-                source, trust_remote_code=True, torch_dtype=torch_dtype, **flags, **kwargs
-            )
+            model = pretrained_model(source, torch_dtype=torch_dtype, **flags, **kwargs)
             if device == "cuda" and "device_map" not in kwargs:
-                model = model.to("cuda")
+                model = moved_to_gpu(model)
         model.eval()
-        _sync(device, torch)
+        _sync(device)
         load_s = time.perf_counter() - t0
     return model, {"dtype": dtype, "load_seconds": load_s, "load_warnings": messages}
 
 
-def _sync(device: str, torch: Any) -> None:
+def _sync(device: str) -> None:
     if device == "cuda":
+        import torch
+
         torch.cuda.synchronize()
 
 
-def peak_bytes(device: str, torch: Any) -> int:
+def peak_bytes(device: str) -> int:
     if device == "cuda":
+        import torch
+
         return int(torch.cuda.max_memory_allocated())
     return rss_peak_bytes()
 
 
-def oom_types(torch: Any) -> tuple[type[BaseException], ...]:
+def oom_types(torch: ModuleType) -> tuple[type[BaseException], ...]:
+    """The out-of-memory exceptions the torch module `torch` defines, and MemoryError."""
     found: list[type[BaseException]] = [MemoryError]
     for owner in (torch, getattr(torch, "cuda", None)):
         cls = getattr(owner, "OutOfMemoryError", None)
@@ -162,7 +185,7 @@ def oom_types(torch: Any) -> tuple[type[BaseException], ...]:
     return tuple(found)
 
 
-def is_oom(exc: BaseException, torch: Any) -> bool:
+def is_oom(exc: BaseException, torch: ModuleType) -> bool:
     """Whether `exc` (or what it was raised from) is an allocator running out of memory."""
     seen: set[int] = set()
     current: Optional[BaseException] = exc
@@ -183,7 +206,7 @@ def is_oom(exc: BaseException, torch: Any) -> bool:
     return False
 
 
-def simulate_oom(batch: int, torch: Any) -> None:
+def simulate_oom(batch: int, torch: ModuleType) -> None:
     """Test-only (ENV_SIMULATE_OOM): fail the batch's allocation like a full device."""
     limit = os.environ.get(ENV_SIMULATE_OOM)
     if limit and batch > int(limit):
@@ -194,16 +217,9 @@ def simulate_oom(batch: int, torch: Any) -> None:
         )
 
 
-def input_device(model: Any) -> Any:
-    try:
-        return model.get_input_embeddings().weight.device
-    except (AttributeError, NotImplementedError):  # remote code without the accessor
-        return next(model.parameters()).device
+def generate(model: PreTrainedModel, spec: ChildSpec, device: str, ev: Events) -> Generation:
+    import torch
 
-
-def generate(
-    model: Any, spec: ChildSpec, device: str, ev: Events, torch: Any
-) -> dict[str, Any]:
     batch, prompt, new = spec.batch, spec.prompt_tokens, spec.new_tokens
     chunk = spec.prefill_chunk or prompt
     gen = torch.Generator().manual_seed(spec.seed)
@@ -212,18 +228,18 @@ def generate(
     ids = row.repeat(batch, 1).to(input_device(model))
     with torch.inference_mode():
         ev.start(PHASE_PREFILL)
-        _sync(device, torch)
+        _sync(device)
         t0 = time.perf_counter()
-        past = None
+        past: object = None
         for start in range(0, prompt, chunk):
-            out = model(input_ids=ids[:, start : start + chunk], past_key_values=past,
-                        use_cache=True)
+            out: ModelOutput = model(input_ids=ids[:, start : start + chunk],
+                                     past_key_values=past, use_cache=True)
             past = out.past_key_values
             last = out.logits[:, -1, :]
             del out
         token = last.argmax(dim=-1)
         del last
-        _sync(device, torch)
+        _sync(device)
         t1 = time.perf_counter()
         ev.start(PHASE_DECODE)
         shown = time.monotonic()
@@ -236,7 +252,7 @@ def generate(
                 shown = time.monotonic()
                 ev.send({"event": "progress", "phase": PHASE_DECODE, "done": step + 1,
                          "total": new})
-        _sync(device, torch)
+        _sync(device)
         t2 = time.perf_counter()
     return {
         "cached_tokens": cache_length(past),
@@ -248,17 +264,19 @@ def generate(
     }
 
 
-def run_generation(spec: ChildSpec, device: str, ev: Events, torch: Any) -> dict[str, Any]:
-    result: dict[str, Any] = {"oom": False, "error": None}
+def run_generation(spec: ChildSpec, device: str, ev: Events) -> RunAnswer:
+    import torch
+
+    result: RunAnswer = {"oom": False, "error": None}
     counter: Optional[KernelCounter] = None
     try:
         ev.start(PHASE_LOAD)
-        model, loaded = load(spec, device, torch)
-        result.update(loaded)
+        model, loaded = load(spec, device)
+        result = {**result, **loaded}
         layers = attention_layers(model)
         result["layers"] = len(layers)
         counter = KernelCounter(layers)
-        result.update(generate(model, spec, device, ev, torch))
+        result = {**result, **generate(model, spec, device, ev)}
     except BaseException as exc:
         if not is_oom(exc, torch):
             raise
@@ -267,7 +285,7 @@ def run_generation(spec: ChildSpec, device: str, ev: Events, torch: Any) -> dict
         result["error"] = f"{type(exc).__name__}: {_first_line(exc)}"
     result["kernel_layers"] = counter.kernel_layers() if counter is not None else 0
     result["kernel_calls"] = counter.calls() if counter is not None else []
-    result["peak_bytes"] = peak_bytes(device, torch)
+    result["peak_bytes"] = peak_bytes(device)
     return result
 
 
@@ -276,65 +294,71 @@ def _first_line(exc: BaseException) -> str:
     return text.splitlines()[0] if text else ""
 
 
-def device_info(device: str, torch: Any) -> dict[str, Any]:
+def device_info(device: str) -> ProbeResult:
     import platform
 
+    import torch
     import transformers
 
     from qwen_kvprep import __version__
 
-    info: dict[str, Any] = {"kind": device}
+    info: DeviceInfo
     if device == "cuda":
         props = torch.cuda.get_device_properties(0)
         enabled = getattr(torch.backends.cuda, "cudnn_sdp_enabled", None)
-        info.update(
-            name=props.name,
-            total_bytes=int(props.total_memory),
-            capability=f"{props.major}.{props.minor}",
-            count=torch.cuda.device_count(),
+        info = {
+            "kind": device,
+            "name": props.name,
+            "total_bytes": int(props.total_memory),
+            "capability": f"{props.major}.{props.minor}",
+            "count": torch.cuda.device_count(),
             # None: a torch without a cuDNN attention backend
-            cudnn_attention=bool(enabled()) if enabled is not None else None,
-        )
+            "cudnn_attention": bool(enabled()) if enabled is not None else None,
+        }
     else:
+        total: Optional[int]
         try:
             total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         except (ValueError, OSError, AttributeError):
             total = None
-        info.update(name=platform.processor() or platform.machine(), total_bytes=total,
-                    threads=torch.get_num_threads())
-    versions = {
-        "qwen_kvprep": __version__,
-        "torch": torch.__version__,
-        "torch_cuda": torch.version.cuda,
-        "transformers": transformers.__version__,
-        "python": platform.python_version(),
+        info = {"kind": device, "name": platform.processor() or platform.machine(),
+                "total_bytes": total, "threads": torch.get_num_threads()}
+    return {
+        "device": info,
+        "versions": {
+            "qwen_kvprep": __version__,
+            "torch": torch.__version__,
+            "torch_cuda": torch.version.cuda,
+            "transformers": transformers.__version__,
+            "python": platform.python_version(),
+        },
     }
-    return {"device": info, "versions": versions}
 
 
-def work(spec: ChildSpec, ev: Events) -> dict[str, Any]:
+def work(spec: ChildSpec, ev: Events) -> Union[ProbeResult, RunResult, QualityRunResult]:
     import torch
 
-    device = resolve_device(spec.device, torch)
+    device = resolve_device(spec.device)
     if not spec.cudnn_attention:
         switch = getattr(torch.backends.cuda, "enable_cudnn_sdp", None)
         if switch is not None:
             switch(False)
-    result = device_info(device, torch)
+    result = device_info(device)
     if spec.task == TASK_PROBE:
         return result
     if spec.task == TASK_RUN:
-        result.update(run_generation(spec, device, ev, torch))
-    elif spec.task == TASK_QUALITY:
+        run: RunResult = {**result, **run_generation(spec, device, ev)}
+        return run
+    if spec.task == TASK_QUALITY:
         from qwen_kvprep.profile.quality import run_quality
 
         ev.start(PHASE_LOAD)
-        model, loaded = load(spec, device, torch)
-        result.update(loaded)
-        result["quality"] = run_quality(model, spec, device, ev)
-    else:
-        raise ValueError(f"unknown task {spec.task!r}")
-    return result
+        model, loaded = load(spec, device)
+        quality: QualityRunResult = {
+            **result, **loaded, "quality": run_quality(model, spec, device, ev)
+        }
+        return quality
+    raise ValueError(f"unknown task {spec.task!r}")
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -343,8 +367,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--spec", required=True, help="the task, as ChildSpec JSON")
     args = parser.parse_args(argv)
     spec = ChildSpec.from_json(args.spec)
-    task: Callable[[Events], dict[str, Any]] = lambda ev: work(spec, ev)  # noqa: E731
-    return child_main(args.fd, task)
+    return child_main(args.fd, lambda ev: work(spec, ev))
 
 
 if __name__ == "__main__":

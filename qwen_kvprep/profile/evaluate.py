@@ -13,12 +13,17 @@ from __future__ import annotations
 
 import shlex
 from collections.abc import Sequence
-from typing import Any, Optional
+from typing import Optional
 
 from qwen_kvprep.findings import Finding, fail, info, ok, skip, warn
-from qwen_kvprep.profile.predict import expected_kv_bytes
+from qwen_kvprep.profile.predict import PerToken, expected_kv_bytes
 from qwen_kvprep.profile.protocol import MODES
-from qwen_kvprep.profile.runner import Measurements, RunRecord, failure_text
+from qwen_kvprep.profile.runner import (
+    Measurements,
+    ProfileRow,
+    QualityRecord,
+    failure_text,
+)
 from qwen_kvprep.profile.source import ModelSource
 from qwen_kvprep.smoke.evaluate import known_cause
 
@@ -40,17 +45,20 @@ def human_bytes(n: Optional[float]) -> str:
 
 def run_failures(m: Measurements, source: ModelSource, timeout: float) -> list[Finding]:
     out: list[Finding] = []
-    records = [*m.runs, *([m.quality] if m.quality is not None else [])]
-    for rec in records:
-        outcome = rec.outcome
-        if outcome is None or outcome.result is not None or rec.row.get("oom"):
-            continue
-        what = "quality run" if rec.spec.task == "quality" else (
-            f"{rec.spec.mode} run at batch {rec.spec.batch}")
+    # (spec, outcome) of every child that gave no answer without running out of memory
+    failed = [(rec.spec, rec.outcome) for rec in m.runs
+              if rec.outcome is not None and rec.outcome.result is None
+              and not rec.row.get("oom")]
+    if m.quality is not None and m.quality.outcome.result is None:
+        failed.append((m.quality.spec, m.quality.outcome))
+    for spec, outcome in failed:
+        what = "quality run" if spec.task == "quality" else (
+            f"{spec.mode} run at batch {spec.batch}")
         message = f"the {what} failed: {failure_text(outcome, timeout)}"
         if outcome.log_tail:
             message += "\n      last lines of its output:\n" + _quote(outcome.log_tail)
-        error_text = str((outcome.error or {}).get("message") or "")
+        err = outcome.error
+        error_text = str((err.get("message") if err else None) or "")
         fix = known_cause(error_text + "\n" + "\n".join(outcome.log_tail),
                           shlex.quote(str(source.directory)))
         if fix is None and outcome.timed_out:
@@ -60,15 +68,15 @@ def run_failures(m: Measurements, source: ModelSource, timeout: float) -> list[F
             fix=fix or f"run `qwen-kvprep smoke {shlex.quote(str(source.directory))}` to see "
             "whether the model loads and generates at all",
             paths=[source.directory],
-            mode=rec.spec.mode, batch=rec.spec.batch, phase=outcome.phase,
+            mode=spec.mode, batch=spec.batch, phase=outcome.phase,
             timed_out=outcome.timed_out, returncode=outcome.returncode,
             log_tail=outcome.log_tail,
-            traceback=(outcome.error or {}).get("traceback"),
+            traceback=err.get("traceback") if err else None,
         ))
     return out
 
 
-def oom_finding(rows: list[dict[str, Any]]) -> Optional[Finding]:
+def oom_finding(rows: list[ProfileRow]) -> Optional[Finding]:
     parts = []
     for mode in MODES:
         hit = [r["batch"] for r in rows if r["mode"] == mode and r["oom"]]
@@ -81,17 +89,20 @@ def oom_finding(rows: list[dict[str, Any]]) -> Optional[Finding]:
 
 
 def kernel_finding(
-    rows: list[dict[str, Any]], layers: Optional[int], source: ModelSource
+    rows: list[ProfileRow], layers: Optional[int], source: ModelSource
 ) -> Finding:
-    ran = [r for r in rows if r["mode"] == "int8" and r.get("kernel_layers") is not None
-           and not r["oom"] and not r["error"]]
+    ran: list[int] = []  # the kernel layers of every Int8 run that finished
+    for r in rows:
+        used = r.get("kernel_layers")
+        if r["mode"] == "int8" and used is not None and not r["oom"] and not r["error"]:
+            ran.append(used)
     if not ran:
         return skip("profile.kernel", "no Int8 run finished, so kernel use is unknown")
-    short = [r for r in ran if layers is None or r["kernel_layers"] < layers]
+    short = [used for used in ran if layers is None or used < layers]
     if not short:
         return ok("profile.kernel",
                   f"every Int8 run used the compiled kernel in all {layers} layers")
-    worst = min(r["kernel_layers"] for r in short)
+    worst = min(short)
     if source.random_weights:
         fix = ("build the extension for this torch: `qwen-kvprep build` (then run profile "
                "again)")
@@ -104,11 +115,11 @@ def kernel_finding(
         "fallback's, not the kernel's",
         fix=fix,
         paths=[source.directory],
-        kernel_layers=[r["kernel_layers"] for r in short],
+        kernel_layers=short,
     )
 
 
-def kv_finding(rows: list[dict[str, Any]], per_token: dict[str, Optional[int]]) -> Finding:
+def kv_finding(rows: list[ProfileRow], per_token: PerToken) -> Finding:
     checked = [r for r in rows if r.get("kv_bytes") is not None]
     if not checked or per_token.get("int8") is None:
         return skip("profile.kv_bytes", "no finished run (or no model shape) to check")
@@ -133,10 +144,10 @@ def kv_finding(rows: list[dict[str, Any]], per_token: dict[str, Optional[int]]) 
     )
 
 
-def quality_finding(rec: Optional[RunRecord]) -> Optional[Finding]:
-    if rec is None or not rec.row:
+def quality_finding(rec: Optional[QualityRecord]) -> Optional[Finding]:
+    if rec is None or not rec.quality:
         return None  # not asked for, or it failed (run_failures says why)
-    q = rec.row
+    q = rec.quality
     ppl_u, ppl_q = q.get("ppl_unquantized"), q.get("ppl_int8")
     ppl = (f"perplexity {ppl_u:.4g} unquantized, {ppl_q:.4g} Int8"
            if ppl_u is not None and ppl_q is not None else "perplexity out of range")
@@ -151,7 +162,7 @@ def quality_finding(rec: Optional[RunRecord]) -> Optional[Finding]:
 def evaluate(
     m: Measurements,
     source: ModelSource,
-    per_token: dict[str, Optional[int]],
+    per_token: PerToken,
     layers: Optional[int],
     timeout: float,
     plan_problem: Optional[str] = None,

@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import io
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from qwen_kvprep.errors import UsageError
 from qwen_kvprep.fsutil import atomic_write_bytes
+
+if TYPE_CHECKING:
+    from qwen_kvprep.profile.document import ProfileDocument
 
 FORMATS = (".svg", ".png")
 INSTALL = "pip install 'qwen-kvprep[plot]'"
@@ -34,7 +37,7 @@ def check_plot_target(path: Path) -> None:
                         fix=INSTALL) from None
 
 
-def write_plot(profile: dict[str, Any], path: Path) -> Path:
+def write_plot(profile: ProfileDocument, path: Path) -> Path:
     import matplotlib
 
     matplotlib.use("Agg")  # a file, never a window (and no display needed)

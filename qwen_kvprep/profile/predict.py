@@ -4,11 +4,17 @@ size per token that the measured cache bytes are checked against."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Optional
 
 from qwen_kvprep.errors import KvprepError
 from qwen_kvprep.plan import ModelShape, kv_bytes_per_token, model_shape, predict_peak_bytes
 from qwen_kvprep.profile.protocol import MODES
+
+if TYPE_CHECKING:
+    from qwen_kvprep.profile.runner import ProfileRow
+
+# KV-cache bytes of one token per mode (None without a model shape)
+PerToken = dict[str, Optional[int]]
 
 
 def shape_of(directory: Path, dtype: Optional[str]) -> tuple[Optional[ModelShape], Optional[str]]:
@@ -21,12 +27,12 @@ def shape_of(directory: Path, dtype: Optional[str]) -> tuple[Optional[ModelShape
         return None, str(exc)
 
 
-def per_token(shape: Optional[ModelShape]) -> dict[str, Optional[int]]:
+def per_token(shape: Optional[ModelShape]) -> PerToken:
     return {m: (kv_bytes_per_token(shape, m) if shape is not None else None) for m in MODES}
 
 
 def fill_predictions(
-    rows: list[dict[str, Any]], shape: Optional[ModelShape], prefill_chunk: Optional[int]
+    rows: list[ProfileRow], shape: Optional[ModelShape], prefill_chunk: Optional[int]
 ) -> None:
     for row in rows:
         row["predicted_bytes"] = (
@@ -37,9 +43,10 @@ def fill_predictions(
         )
 
 
-def expected_kv_bytes(row: dict[str, Any], per_token: dict[str, Optional[int]]) -> Optional[int]:
+def expected_kv_bytes(row: ProfileRow, per_token: PerToken) -> Optional[int]:
     """batch x cached tokens x bytes per token: what the cache must hold, exactly."""
     unit = per_token.get(row["mode"])
-    if unit is None or row.get("cached_tokens") is None:
+    cached = row.get("cached_tokens")
+    if unit is None or cached is None:
         return None
-    return int(row["batch"]) * int(row["cached_tokens"]) * unit
+    return int(row["batch"]) * int(cached) * unit

@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import IO, Any, Optional
+from typing import IO, TYPE_CHECKING, Optional
 
 from qwen_kvprep.profile.protocol import PHASE_WORDS
 from qwen_kvprep.smoke.progress import wants_progress
+
+if TYPE_CHECKING:
+    from qwen_kvprep.childproc import ShownEvent
 
 _WIDTH = 24
 
@@ -33,7 +36,7 @@ class ProgressBar:
         self.label, self.detail = label, PHASE_WORDS["start"]
         self._draw()
 
-    def event(self, event: dict[str, Any]) -> None:
+    def event(self, event: ShownEvent) -> None:
         phase = str(event.get("phase", ""))
         words = PHASE_WORDS.get(phase, phase)
         if event.get("event") == "progress" and event.get("total"):

@@ -1,11 +1,12 @@
-"""What the profile parent and its children agree on: modes, defaults, phases and the
-specification of one child's task. Light imports only (the CLI imports it)."""
+"""What the profile parent and its children agree on: modes, defaults, phases, the
+specification of one child's task and what a child answers. Light imports only (the CLI
+imports it)."""
 
 from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass
-from typing import Any, Optional
+from typing import Optional, TypedDict
 
 MODES = ("unquantized", "int8")
 DEVICES = ("auto", "cpu", "cuda")
@@ -75,6 +76,114 @@ class ChildSpec:
 
     @classmethod
     def from_json(cls, text: str) -> ChildSpec:
-        data: dict[str, Any] = json.loads(text)
-        return cls(**data)
+        # what to_json wrote: this class's own fields
+        return cls(**json.loads(text))
 
+
+# -- what a child answers ----------------------------------------------------------------
+
+
+class _Device(TypedDict):
+    kind: str  # "cuda" or "cpu"
+    name: str
+    total_bytes: Optional[int]  # None: the host's memory could not be read
+
+
+class DeviceInfo(_Device, total=False):
+    """The device measured; the other keys depend on its kind."""
+
+    # cuda
+    capability: str  # "9.0"
+    count: int
+    cudnn_attention: Optional[bool]  # None: a torch without a cuDNN attention backend
+    # cpu
+    threads: int
+
+
+class Versions(TypedDict):
+    qwen_kvprep: str
+    torch: str
+    torch_cuda: Optional[str]
+    transformers: str
+    python: str
+
+
+class ProbeResult(TypedDict):
+    """Every child's answer starts with this; the probe's is nothing else."""
+
+    device: DeviceInfo
+    versions: Versions
+
+
+class Loaded(TypedDict):
+    dtype: str  # as the model was loaded: bf16, fp16 or fp32
+    load_seconds: float
+    load_warnings: list[str]
+
+
+class Generation(TypedDict):
+    """The prefill and decode of one run."""
+
+    cached_tokens: Optional[int]
+    kv_bytes: int
+    prefill_seconds: float
+    decode_seconds: float
+    prefill_tokens_per_s: Optional[float]
+    decode_tokens_per_s: Optional[float]
+
+
+class QualityResult(TypedDict):
+    """The teacher-forced comparison of both caches (the "quality" object of --json)."""
+
+    tokens: int  # positions scored
+    text: str  # where the text came from
+    prefill_tokens: int
+    top1_agreement: float
+    ppl_unquantized: Optional[float]  # None: out of range
+    ppl_int8: Optional[float]
+    mean_abs_logit_diff: float
+    max_abs_logit_diff: float
+    layers: int
+    kernel_layers: int
+
+
+class RunAnswer(TypedDict, total=False):
+    """What a run adds to the probe's answer: `oom` and `error`, what `Loaded` and
+    `Generation` hold as far as it got before running out of memory (in `oom_phase`), the
+    kernel counts and the memory peak. A quality run adds `Loaded` alone."""
+
+    oom: bool
+    error: Optional[str]
+    # Loaded
+    dtype: str
+    load_seconds: float
+    load_warnings: list[str]
+    layers: int  # attention layers
+    # Generation
+    cached_tokens: Optional[int]
+    kv_bytes: int
+    prefill_seconds: float
+    decode_seconds: float
+    prefill_tokens_per_s: Optional[float]
+    decode_tokens_per_s: Optional[float]
+    oom_phase: str
+    kernel_layers: int  # layers that called the compiled kernel
+    kernel_calls: list[int]  # per layer
+    peak_bytes: int
+
+
+class RunResult(ProbeResult, RunAnswer):
+    """The answer of a run."""
+
+
+class QualityRunResult(ProbeResult, Loaded):
+    """The answer of a quality run."""
+
+    quality: QualityResult
+
+
+class ProfileResult(ProbeResult, RunAnswer, total=False):
+    """A child's answer as the parent reads it, whatever the task: the probe's, a
+    RunResult or a QualityRunResult."""
+
+    quality: QualityResult

@@ -28,17 +28,25 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Optional
 
 from qwen_kvprep.childproc import Events
 from qwen_kvprep.profile.passage import PASSAGE
-from qwen_kvprep.profile.protocol import PHASE_QUALITY, ChildSpec
+from qwen_kvprep.profile.protocol import PHASE_QUALITY, ChildSpec, QualityResult
 from qwen_kvprep.runtime import (
     KernelCounter,
     attention_layers,
+    input_device,
+    pretrained_tokenizer,
     restore,
     set_cache_quantization,
 )
+
+if TYPE_CHECKING:
+    import torch
+    from transformers.modeling_utils import PreTrainedModel
+
+    from qwen_kvprep.runtime import ModelOutput
 
 QUALITY_PREFILL_TOKENS = 32
 # A long TEXTFILE is cut here: 2 x this many forwards is already minutes on a large model.
@@ -47,15 +55,16 @@ QUALITY_MAX_TOKENS = 2048
 QUALITY_SYNTHETIC_TOKENS = 512
 
 
-def text_ids(spec: ChildSpec, vocab: int, torch: Any) -> tuple[list[int], str]:
+def text_ids(spec: ChildSpec, vocab: int) -> tuple[list[int], str]:
     """The token ids to score and where they come from."""
     if spec.random_weights:
-        gen = torch.Generator().manual_seed(spec.seed + 1)
-        ids = torch.randint(0, vocab, (QUALITY_SYNTHETIC_TOKENS,), generator=gen).tolist()
-        return ids, "synthetic token ids (random weights: no tokenizer is used)"
-    from transformers import AutoTokenizer
+        import torch
 
-    tokenizer = AutoTokenizer.from_pretrained(spec.source, trust_remote_code=True)
+        gen = torch.Generator().manual_seed(spec.seed + 1)
+        drawn = torch.randint(0, vocab, (QUALITY_SYNTHETIC_TOKENS,), generator=gen)
+        ids: list[int] = drawn.tolist()
+        return ids, "synthetic token ids (random weights: no tokenizer is used)"
+    tokenizer = pretrained_tokenizer(spec.source)
     if spec.text_file:
         text = Path(spec.text_file).read_text(encoding="utf-8", errors="replace")
         where = spec.text_file
@@ -74,23 +83,21 @@ def _perplexity(nll_sum: float, tokens: int) -> Optional[float]:
     return math.exp(mean) if mean < 700 else None
 
 
-def run_quality(model: Any, spec: ChildSpec, device: str, ev: Events) -> dict[str, Any]:
+def run_quality(
+    model: PreTrainedModel, spec: ChildSpec, device: str, ev: Events
+) -> QualityResult:
     import torch
     import torch.nn.functional as F
 
-    ids_list, source = text_ids(spec, int(model.config.vocab_size), torch)
-    try:
-        where = model.get_input_embeddings().weight.device
-    except (AttributeError, NotImplementedError):
-        where = next(model.parameters()).device
-    ids = torch.tensor([ids_list], dtype=torch.long, device=where)
+    ids_list, source = text_ids(spec, int(model.config.vocab_size))
+    ids = torch.tensor([ids_list], dtype=torch.long, device=input_device(model))
     total = ids.shape[1]
     prefill = min(QUALITY_PREFILL_TOKENS, total - 1)
     spans = [(0, prefill)] + [(t, t + 1) for t in range(prefill, total - 1)]
 
     layers = attention_layers(model)
     counter = KernelCounter(layers)
-    past: dict[bool, Any] = {False: None, True: None}
+    past: dict[bool, object] = {False: None, True: None}
     agree = 0
     nll = {False: 0.0, True: 0.0}
     abs_sum = 0.0
@@ -99,11 +106,11 @@ def run_quality(model: Any, spec: ChildSpec, device: str, ev: Events) -> dict[st
     ev.start(PHASE_QUALITY)
     with torch.inference_mode():
         for i, (a, b) in enumerate(spans):
-            logits: dict[bool, Any] = {}
+            logits: dict[bool, torch.Tensor] = {}
             for quantized in (False, True):
                 saved = set_cache_quantization(model, quantized)
                 try:
-                    out = model(input_ids=ids[:, a:b], past_key_values=past[quantized],
+                    out: ModelOutput = model(input_ids=ids[:, a:b], past_key_values=past[quantized],
                                 use_cache=True)
                 finally:
                     restore(saved)

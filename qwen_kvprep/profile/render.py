@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Optional
 
 from qwen_kvprep.profile.evaluate import human_bytes
+
+if TYPE_CHECKING:
+    from qwen_kvprep.profile.document import ProfileDocument
+    from qwen_kvprep.profile.protocol import QualityResult
+    from qwen_kvprep.profile.runner import ProfileRow
 
 _COLUMNS = (
     ("mode", "<"),
@@ -23,7 +28,7 @@ def _rate(value: Optional[float]) -> str:
     return "-" if value is None else f"{value:,.1f}"
 
 
-def _cells(row: dict[str, Any], layers: Optional[int]) -> list[str]:
+def _cells(row: ProfileRow, layers: Optional[int]) -> list[str]:
     kernel = "-" if row["kernel_layers"] is None or row["oom"] else str(row["kernel_layers"])
     if row["mode"] == "int8" and kernel != "-" and layers:
         kernel = f"{row['kernel_layers']}/{layers}"
@@ -46,7 +51,7 @@ def _cells(row: dict[str, Any], layers: Optional[int]) -> list[str]:
     ]
 
 
-def table(rows: list[dict[str, Any]], layers: Optional[int]) -> str:
+def table(rows: list[ProfileRow], layers: Optional[int]) -> str:
     body = [_cells(r, layers) for r in rows]
     heads = [c for c, _ in _COLUMNS]
     widths = [max(len(h), *(len(b[i]) for b in body)) if body else len(h)
@@ -60,7 +65,7 @@ def table(rows: list[dict[str, Any]], layers: Optional[int]) -> str:
     return "\n".join([line(heads), *(line(b) for b in body)])
 
 
-def summary(profile: dict[str, Any]) -> str:
+def summary(profile: ProfileDocument) -> str:
     """Largest batch that fit per mode (a "+" where the mode never ran out of memory, so
     its limit lies beyond) with the gain, and the decode speed of int8 against unquantized
     at batch 1."""
@@ -91,7 +96,7 @@ def summary(profile: dict[str, Any]) -> str:
     return "summary: " + "; ".join(parts)
 
 
-def quality_block(q: Optional[dict[str, Any]]) -> Optional[str]:
+def quality_block(q: Optional[QualityResult]) -> Optional[str]:
     if not q:
         return None
 
@@ -109,7 +114,7 @@ def quality_block(q: Optional[dict[str, Any]]) -> Optional[str]:
     ])
 
 
-def render_text(profile: dict[str, Any]) -> str:
+def render_text(profile: ProfileDocument) -> str:
     d = profile["device"]
     head = (
         f"profile of {profile['directory']}"

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import signal
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional, TypedDict, cast
 
 from qwen_kvprep.childproc import ChildOutcome, child_env, run_events_child
 from qwen_kvprep.errors import KvprepError
@@ -33,6 +33,11 @@ from qwen_kvprep.profile.protocol import (
     TASK_QUALITY,
     TASK_RUN,
     ChildSpec,
+    DeviceInfo,
+    ProbeResult,
+    ProfileResult,
+    QualityResult,
+    Versions,
 )
 from qwen_kvprep.profile.source import ModelSource
 
@@ -55,6 +60,28 @@ ROW_FIELDS = (
     "error",
     "seconds",
 )
+
+
+class ProfileRow(TypedDict):
+    """One run of the plan contract (ROW_FIELDS, in that order): a row of --json."""
+
+    mode: str
+    batch: int
+    prompt_tokens: int
+    new_tokens: int
+    cached_tokens: Optional[int]
+    kv_bytes: Optional[int]
+    peak_bytes: Optional[int]
+    prefill_tokens_per_s: Optional[float]
+    decode_tokens_per_s: Optional[float]
+    kernel_layers: Optional[int]
+    oom: bool
+    predicted_bytes: Optional[int]  # plan's prediction, filled in afterwards
+    error: Optional[str]
+    seconds: float
+
+
+ProfileOutcome = ChildOutcome[ProfileResult]
 
 
 class ProfileError(KvprepError):
@@ -81,18 +108,27 @@ class RunRecord:
     """One child's outcome beside the row made from it (the findings need both)."""
 
     spec: ChildSpec
-    outcome: Optional[ChildOutcome]  # None: skipped
-    row: dict[str, Any]
+    outcome: Optional[ProfileOutcome]  # None: skipped
+    row: ProfileRow
+
+
+@dataclass
+class QualityRecord:
+    """The quality child's outcome beside its answer."""
+
+    spec: ChildSpec
+    outcome: ProfileOutcome
+    quality: Optional[QualityResult]  # None: the child gave none
 
 
 @dataclass
 class Measurements:
-    device: dict[str, Any]
-    versions: dict[str, Any]
+    device: DeviceInfo
+    versions: Versions
     batches: tuple[int, ...]
     new_tokens: int
     runs: list[RunRecord] = field(default_factory=list)
-    quality: Optional[RunRecord] = None
+    quality: Optional[QualityRecord] = None
     dtype: Optional[str] = None  # as the runs loaded the model
 
 
@@ -103,7 +139,7 @@ def _command(spec: ChildSpec, fd: int) -> list[str]:
 
 def run_child(
     spec: ChildSpec, source: ModelSource, timeout: float, bar: Optional[ProgressBar], label: str
-) -> ChildOutcome:
+) -> ProfileOutcome:
     if bar is not None:
         bar.start(label)
     outcome = run_events_child(
@@ -115,10 +151,12 @@ def run_child(
     )
     if bar is not None:
         bar.finish_step()
-    return outcome
+    # the child is qwen_kvprep.profile.child of this very installation (child_env puts it
+    # first on the path): its result is one of the answers in profile.protocol
+    return cast(ProfileOutcome, outcome)
 
 
-def failure_text(outcome: ChildOutcome, timeout: float) -> str:
+def failure_text(outcome: ProfileOutcome, timeout: float) -> str:
     """One line: why a child gave no result."""
     doing = PHASE_WORDS.get(outcome.phase, outcome.phase)
     if outcome.timed_out:
@@ -136,7 +174,7 @@ def failure_text(outcome: ChildOutcome, timeout: float) -> str:
     return f"exited with status {code} while {doing}, without a result"
 
 
-def killed_for_memory(outcome: ChildOutcome) -> bool:
+def killed_for_memory(outcome: ProfileOutcome) -> bool:
     """SIGKILL from nobody we know of: on Linux, the kernel's out-of-memory killer."""
     return (
         not outcome.timed_out
@@ -145,36 +183,57 @@ def killed_for_memory(outcome: ChildOutcome) -> bool:
     )
 
 
-def make_row(spec: ChildSpec, outcome: ChildOutcome, timeout: float) -> dict[str, Any]:
-    row: dict[str, Any] = dict.fromkeys(ROW_FIELDS)
-    row.update(mode=spec.mode, batch=spec.batch, prompt_tokens=spec.prompt_tokens,
-               new_tokens=spec.new_tokens, oom=False, seconds=round(outcome.elapsed, 2))
+def _row(
+    spec: ChildSpec, seconds: float, oom: bool = False, error: Optional[str] = None
+) -> ProfileRow:
+    """The row of a run that measured nothing."""
+    return {
+        "mode": spec.mode,
+        "batch": spec.batch,
+        "prompt_tokens": spec.prompt_tokens,
+        "new_tokens": spec.new_tokens,
+        "cached_tokens": None,
+        "kv_bytes": None,
+        "peak_bytes": None,
+        "prefill_tokens_per_s": None,
+        "decode_tokens_per_s": None,
+        "kernel_layers": None,
+        "oom": oom,
+        "predicted_bytes": None,
+        "error": error,
+        "seconds": seconds,
+    }
+
+
+def make_row(spec: ChildSpec, outcome: ProfileOutcome, timeout: float) -> ProfileRow:
+    seconds = round(outcome.elapsed, 2)
     result = outcome.result
     if result is None:
-        row["error"] = failure_text(outcome, timeout)
-        if killed_for_memory(outcome):
-            row["oom"] = True
-            row["error"] += " (on Linux usually the kernel's out-of-memory killer)"
-        return row
-    for key in ("cached_tokens", "kv_bytes", "peak_bytes", "prefill_tokens_per_s",
-                "decode_tokens_per_s", "kernel_layers", "error"):
-        row[key] = result.get(key)
-    row["oom"] = bool(result.get("oom"))
-    if spec.mode != "int8":
-        row["kernel_layers"] = 0
-    return row
+        error = failure_text(outcome, timeout)
+        oom = killed_for_memory(outcome)
+        if oom:
+            error += " (on Linux usually the kernel's out-of-memory killer)"
+        return _row(spec, seconds, oom=oom, error=error)
+    return {
+        **_row(spec, seconds),
+        "cached_tokens": result.get("cached_tokens"),
+        "kv_bytes": result.get("kv_bytes"),
+        "peak_bytes": result.get("peak_bytes"),
+        "prefill_tokens_per_s": result.get("prefill_tokens_per_s"),
+        "decode_tokens_per_s": result.get("decode_tokens_per_s"),
+        "kernel_layers": result.get("kernel_layers") if spec.mode == "int8" else 0,
+        "oom": bool(result.get("oom")),
+        "error": result.get("error"),
+    }
 
 
-def skipped_row(spec: ChildSpec, reason: str, oom: bool) -> dict[str, Any]:
-    row: dict[str, Any] = dict.fromkeys(ROW_FIELDS)
-    row.update(mode=spec.mode, batch=spec.batch, prompt_tokens=spec.prompt_tokens,
-               new_tokens=spec.new_tokens, oom=oom, error=reason, seconds=0.0)
-    return row
+def skipped_row(spec: ChildSpec, reason: str, oom: bool) -> ProfileRow:
+    return _row(spec, 0.0, oom=oom, error=reason)
 
 
 def probe(
     source: ModelSource, options: ProfileOptions, bar: Optional[ProgressBar]
-) -> dict[str, Any]:
+) -> ProbeResult:
     spec = ChildSpec(task=TASK_PROBE, source=str(source.load_from), device=options.device,
                      cudnn_attention=options.cudnn_attention)
     outcome = run_child(spec, source, min(options.timeout, _PROBE_TIMEOUT_S), bar,
@@ -222,7 +281,7 @@ def measure(
     stopped: dict[str, tuple[str, bool]] = {}  # mode -> (reason, oom)
     for batch in batches:
         for mode in MODES:
-            spec = _with(base, mode=mode, batch=batch)
+            spec = replace(base, mode=mode, batch=batch)
             if mode in stopped:
                 reason, oom = stopped[mode]
                 found.runs.append(RunRecord(spec, None, skipped_row(spec, reason, oom)))
@@ -239,17 +298,11 @@ def measure(
             elif row["error"]:
                 stopped[mode] = (f"skipped: the run at batch {batch} failed", False)
     if options.quality:
-        spec = _with(base, task=TASK_QUALITY, mode="int8", batch=1,
-                     text_file=str(options.quality_text) if options.quality_text else None)
+        spec = replace(base, task=TASK_QUALITY, mode="int8", batch=1,
+                       text_file=str(options.quality_text) if options.quality_text else None)
         outcome = run_child(spec, source, options.timeout, bar, "quality")
-        row = dict((outcome.result or {}).get("quality") or {})
-        found.quality = RunRecord(spec, outcome, row)
+        quality = outcome.result.get("quality") if outcome.result is not None else None
+        found.quality = QualityRecord(spec, outcome, quality or None)
         if outcome.result is not None and outcome.result.get("dtype"):
             found.dtype = found.dtype or str(outcome.result["dtype"])
     return found
-
-
-def _with(spec: ChildSpec, **changes: Any) -> ChildSpec:
-    from dataclasses import replace
-
-    return replace(spec, **changes)

@@ -18,11 +18,12 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional, TypedDict
 
 from qwen_kvprep.common import KERNEL_FILES, LOADER_FILE
 from qwen_kvprep.errors import CheckpointError, ConfigError
 from qwen_kvprep.findings import fail
+from qwen_kvprep.jsontypes import JSON, JSONObject
 
 CONFIG = "config.json"
 MODELING = "modeling_qwen.py"
@@ -30,6 +31,14 @@ _AUTO_MAP = {
     "AutoConfig": "configuration_qwen.QWenConfig",
     "AutoModelForCausalLM": "modeling_qwen.QWenLMHeadModel",
 }
+
+
+class SourceInfo(TypedDict):
+    """Where a profile's model came from (the "source" object of --json)."""
+
+    weights: str  # "checkpoint" or "random"
+    remote_code: str
+    loaded_from: Optional[str]  # None with random weights: a temporary folder
 
 
 @dataclass(frozen=True)
@@ -42,7 +51,7 @@ class ModelSource:
     child_env: dict[str, str] = field(default_factory=dict)
     loader_is_ours: bool = False  # the checkpoint's cpp_kernels.py is qwen-kvprep's loader
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> SourceInfo:
         return {
             "weights": "random" if self.random_weights else "checkpoint",
             "remote_code": self.remote_code,
@@ -50,10 +59,10 @@ class ModelSource:
         }
 
 
-def read_config(directory: Path) -> dict[str, Any]:
+def read_config(directory: Path) -> JSONObject:
     path = directory / CONFIG
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data: JSON = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         message = f"{directory} has no {CONFIG}"
         fix = "point profile at a Qwen (v1) checkpoint folder (config.json is the minimum)"
@@ -138,7 +147,7 @@ def model_source(directory: Path, random_weights: bool) -> Iterator[ModelSource]
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _assemble(directory: Path, folder: Path, config: dict[str, Any], has_code: bool) -> None:
+def _assemble(directory: Path, folder: Path, config: JSONObject, has_code: bool) -> None:
     from qwen_kvprep.buildcache import read_sources, resolve_cache_dir, vendored_sources
     from qwen_kvprep.buildcache.loader import render_loader, source_hashes
     from qwen_kvprep.tiny import REMOTE_CODE_DIR, REMOTE_FILES

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 from qwen_kvprep.findings import Finding
-from qwen_kvprep.smoke.evaluate import evaluate, expected_ratio
-from qwen_kvprep.smoke.runner import ChildOutcome, PhaseCallback, SmokeOptions, run_child
+from qwen_kvprep.smoke.evaluate import SmokeSummary, evaluate, expected_ratio
+from qwen_kvprep.smoke.runner import PhaseCallback, SmokeOptions, SmokeOutcome, run_child
 
 __all__ = ["SmokeOptions", "SmokeReport", "expected_ratio", "run_smoke", "smoke_and_record"]
 
@@ -21,8 +21,8 @@ __all__ = ["SmokeOptions", "SmokeReport", "expected_ratio", "run_smoke", "smoke_
 @dataclass(frozen=True)
 class SmokeReport:
     findings: list[Finding]
-    summary: dict[str, Any]  # the "smoke" object of --json and of state.json
-    outcome: ChildOutcome
+    summary: SmokeSummary  # the "smoke" object of --json and of state.json
+    outcome: SmokeOutcome
 
     @property
     def ok(self) -> bool:

@@ -20,15 +20,20 @@ import argparse
 import statistics
 import sys
 import time
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional, TypedDict
 
 from qwen_kvprep.childproc import Events, child_main
 from qwen_kvprep.runtime import (
     FLAG,
+    KERNELS,
     CountingKernels,
     attention_layers,
     captured_warnings,
+    input_device,
     kernel_info,
+    moved_to_gpu,
+    pretrained_model,
+    pretrained_tokenizer,
     resolve_device,
     restore,
     set_cache_quantization,
@@ -47,7 +52,22 @@ from qwen_kvprep.smoke.protocol import (
     PHASE_UNQUANTIZED,
     PHASE_WARMUP,
     RESULT_VERSION,
+    CacheLayer,
+    CacheSummary,
+    Comparison,
+    FirstStep,
+    LayerRow,
+    ModeRun,
+    PeakMemory,
+    SmokeResult,
 )
+
+if TYPE_CHECKING:
+    import torch
+    from transformers.modeling_utils import PreTrainedModel
+    from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+
+    from qwen_kvprep.runtime import LayerCache, LegacyCache, ModelOutput
 
 # Logits are compared only while both runs share a prefix, i.e. up to the first
 # divergence; keeping more steps than this costs memory (vocab x 4 bytes each) for nothing.
@@ -55,19 +75,19 @@ KEEP_LOGITS_STEPS = 64
 WARMUP_TOKENS = 3
 
 
-def load_model(directory: str, device: str) -> tuple[Any, Any, float, list[str]]:
+def load_model(
+    directory: str, device: str
+) -> tuple[PreTrainedTokenizerBase, PreTrainedModel, float, list[str]]:
     """Tokenizer and model as a server loads them; also the warnings printed meanwhile."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     with captured_warnings() as messages:
         t0 = time.perf_counter()
-        tokenizer = AutoTokenizer.from_pretrained(directory, trust_remote_code=True)
-        kwargs: dict[str, Any] = {}
+        tokenizer = pretrained_tokenizer(directory)
+        kwargs: dict[str, str] = {}
         if device == "cuda" and _has_accelerate():
             kwargs["device_map"] = "auto"  # what Qwen's own instructions use
-        model = AutoModelForCausalLM.from_pretrained(directory, trust_remote_code=True, **kwargs)
+        model = pretrained_model(directory, **kwargs)
         if device == "cuda" and "device_map" not in kwargs:
-            model = model.to("cuda")
+            model = moved_to_gpu(model)
         model.eval()
         if device == "cuda":
             import torch
@@ -77,55 +97,80 @@ def load_model(directory: str, device: str) -> tuple[Any, Any, float, list[str]]
     return tokenizer, model, load_s, messages
 
 
-def cache_layout(layer_past: Any, batch: int, tokens: int) -> dict[str, Any]:
+def _dtype_name(t: torch.Tensor) -> str:
+    return str(t.dtype).replace("torch.", "")
+
+
+def cache_layout(layer_past: LayerCache, batch: int, tokens: int) -> CacheLayer:
     """Describe one layer's cache entry: quantized ((q, scale, zero), (q, scale, zero))
     with q [b, h, s, d] uint8 and scale/zero [b, h, s, 1], or plain (key, value)."""
+    import torch
+
     # numel * element_size, not storage size: key/value may be views of one projection
     # output, but what a cache holds per token is their logical size
     nbytes = sum(t.numel() * t.element_size() for t in _tensors(layer_past))
-    info: dict[str, Any] = {"bytes": nbytes}
     parts = list(layer_past) if isinstance(layer_past, (tuple, list)) else []
-    if len(parts) == 2 and all(isinstance(p, (tuple, list)) and len(p) == 3 for p in parts):
-        q, scale, zero = parts[0]
-        vq, vscale, vzero = parts[1]
-        info.update(
-            layout="quantized",
-            q_dtype=str(q.dtype).replace("torch.", ""),
-            v_dtype=str(vq.dtype).replace("torch.", ""),
-            q_shape=list(q.shape),
-            scale_shape=list(scale.shape),
-            zero_shape=list(zero.shape),
-            scale_dtype=str(scale.dtype).replace("torch.", ""),
-            scale_bytes=scale.element_size(),
-        )
+    triples = [p for p in parts if isinstance(p, (tuple, list)) and len(p) == 3]
+    if len(parts) == 2 and len(triples) == 2:
+        q, scale, zero = triples[0]
+        vq, vscale, vzero = triples[1]
         heads, head_dim = (q.shape[1], q.shape[3]) if q.dim() == 4 else (None, None)
         want_q = [batch, heads, tokens, head_dim]
         want_s = [batch, heads, tokens, 1]
-        info["heads"], info["head_dim"] = heads, head_dim
-        info["per_token"] = (
-            all(list(t.shape) == want_s for t in (scale, zero, vscale, vzero))
-            and list(q.shape) == want_q
-            and list(vq.shape) == want_q
-        )
-    elif len(parts) == 2 and all(hasattr(p, "dtype") for p in parts):
-        info.update(
-            layout="plain",
-            dtype=str(parts[0].dtype).replace("torch.", ""),
-            shape=list(parts[0].shape),
-            element_bytes=parts[0].element_size(),
-        )
-    else:
-        info["layout"] = "unknown"
-    return info
+        return {
+            "bytes": nbytes,
+            "layout": "quantized",
+            "q_dtype": _dtype_name(q),
+            "v_dtype": _dtype_name(vq),
+            "q_shape": list(q.shape),
+            "scale_shape": list(scale.shape),
+            "zero_shape": list(zero.shape),
+            "scale_dtype": _dtype_name(scale),
+            "scale_bytes": scale.element_size(),
+            "heads": heads,
+            "head_dim": head_dim,
+            "per_token": (
+                all(list(t.shape) == want_s for t in (scale, zero, vscale, vzero))
+                and list(q.shape) == want_q
+                and list(vq.shape) == want_q
+            ),
+        }
+    plain = [p for p in parts if isinstance(p, torch.Tensor)]
+    if len(parts) == 2 and len(plain) == 2:
+        return {
+            "bytes": nbytes,
+            "layout": "plain",
+            "dtype": _dtype_name(plain[0]),
+            "shape": list(plain[0].shape),
+            "element_bytes": plain[0].element_size(),
+        }
+    return {"bytes": nbytes, "layout": "unknown"}
+
+
+class Generated(TypedDict):
+    """A greedy run as `greedy` returns it: with the logits `compare_runs` needs."""
+
+    tokens: list[int]
+    step_logits: list[torch.Tensor]
+    prefill_seconds: float
+    decode_seconds: float
+    decode_tokens_per_s: Optional[float]
+
+
+class Measured(Generated):
+    """A greedy run with its cache and its memory peak."""
+
+    cache: CacheSummary
+    peak_memory: PeakMemory
 
 
 def greedy(
-    model: Any,
-    input_ids: Any,
+    model: PreTrainedModel,
+    input_ids: torch.Tensor,
     new_tokens: int,
-    on_prefill: Callable[[Any], None],
+    on_prefill: Callable[[LegacyCache], None],
     device: str,
-) -> dict[str, Any]:
+) -> Generated:
     """N greedy tokens through the model's forward with its cache; raw first-step logits."""
     import torch
 
@@ -136,7 +181,7 @@ def greedy(
     with torch.inference_mode():
         sync()
         t0 = time.perf_counter()
-        out = model(input_ids=input_ids, use_cache=True)
+        out: ModelOutput = model(input_ids=input_ids, use_cache=True)
         logits = out.logits[:, -1, :].float()
         token = logits.argmax(dim=-1)
         step_logits = [logits[0].cpu()]
@@ -170,13 +215,13 @@ def greedy(
     }
 
 
-def _cache_summary(past: Any, batch: int, tokens: int) -> dict[str, Any]:
+def _cache_summary(past: LegacyCache, batch: int, tokens: int) -> CacheSummary:
     layers = [cache_layout(lp, batch, tokens) for lp in past]
     total = sum(layer["bytes"] for layer in layers)
     return {"layers": layers, "bytes_per_token": total / (batch * tokens)}
 
 
-def _peak(device: str) -> dict[str, Any]:
+def _peak(device: str) -> PeakMemory:
     if device == "cuda":
         import torch
 
@@ -192,11 +237,11 @@ def _reset_peak(device: str) -> None:
 
 
 def run_mode(
-    model: Any, input_ids: Any, new_tokens: int, device: str, quantized: bool
-) -> dict[str, Any]:
+    model: PreTrainedModel, input_ids: torch.Tensor, new_tokens: int, device: str, quantized: bool
+) -> Measured:
     """One greedy run with every flagged module's quantization flag set to `quantized`."""
     saved = set_cache_quantization(model, quantized)
-    cache: dict[str, Any] = {}
+    caches: list[CacheSummary] = []  # the cache after the prompt: greedy reports it once
     batch, tokens = int(input_ids.shape[0]), int(input_ids.shape[1])
     _reset_peak(device)
     try:
@@ -204,17 +249,15 @@ def run_mode(
             model,
             input_ids,
             new_tokens,
-            lambda past: cache.update(_cache_summary(past, batch, tokens)),
+            lambda past: caches.append(_cache_summary(past, batch, tokens)),
             device,
         )
     finally:
         restore(saved)
-    run["cache"] = cache
-    run["peak_memory"] = _peak(device)
-    return run
+    return {**run, "cache": caches[0], "peak_memory": _peak(device)}
 
 
-def compare_runs(q: dict[str, Any], u: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+def compare_runs(q: Generated, u: Generated) -> tuple[FirstStep, Comparison]:
     """Logit differences while the two runs still share a prefix (before the first
     different token, and at it), and how close a call the first divergence was."""
     qt, ut = q["tokens"], u["tokens"]
@@ -230,13 +273,13 @@ def compare_runs(q: dict[str, Any], u: dict[str, Any]) -> tuple[dict[str, Any], 
         worst_abs = max(worst_abs, diff)
         worst_rel = max(worst_rel, diff / span if span > 0 else 0.0)
     ref0 = ul[0]
-    first = {
+    first: FirstStep = {
         "max_abs_logit_diff": float((ql[0] - ref0).abs().max()),
         "logit_range": float(ref0.max() - ref0.min()),
         "argmax_quantized": int(ql[0].argmax()),
         "argmax_unquantized": int(ref0.argmax()),
     }
-    comparison: dict[str, Any] = {
+    comparison: Comparison = {
         "tokens": len(ut),
         "identical_tokens": sum(a == b for a, b in zip(qt, ut)),
         "first_divergence": diverged,
@@ -259,60 +302,43 @@ def compare_runs(q: dict[str, Any], u: dict[str, Any]) -> tuple[dict[str, Any], 
 
 def smoke(
     directory: str, device_req: str, prompt: str, new_tokens: int, ev: Events
-) -> dict[str, Any]:
+) -> SmokeResult:
     import torch
     import transformers
 
-    device = resolve_device(device_req, torch)
-    result: dict[str, Any] = {
-        "result_version": RESULT_VERSION,
-        "device": device,
-        "device_name": torch.cuda.get_device_name(0) if device == "cuda" else "cpu",
-        "torch": torch.__version__,
-        "torch_cuda": torch.version.cuda,
-        "transformers": transformers.__version__,
-        "cpu_threads": torch.get_num_threads(),
-        "prompt": prompt,
-        "max_new_tokens": new_tokens,
-    }
+    device = resolve_device(device_req)
+    device_name = torch.cuda.get_device_name(0) if device == "cuda" else "cpu"
+    cpu_threads = torch.get_num_threads()
 
     ev.start(PHASE_LOAD)
     tokenizer, model, load_s, messages = load_model(directory, device)
-    result["load_seconds"] = load_s
-    result["load_warnings"] = messages
-    result["model_dtype"] = str(next(model.parameters()).dtype).replace("torch.", "")
+    model_dtype = _dtype_name(next(model.parameters()))
     code = sys.modules.get(type(model).__module__)
-    result["model_code"] = getattr(code, "__file__", None)
-    result["peak_after_load"] = _peak(device)
+    peak_after_load = _peak(device)
 
     ev.start(PHASE_INSPECT)
     layers = attention_layers(model)
-    layer_rows: list[dict[str, Any]] = []
+    layer_rows: list[LayerRow] = []
     proxies: list[Optional[CountingKernels]] = []
     for name, mod in layers:
-        row = {
+        row: LayerRow = {
             "name": name,
             "use_cache_quantization": bool(getattr(mod, FLAG, False)),
             "use_cache_kernel": bool(getattr(mod, "use_cache_kernel", False)),
             "kernel": kernel_info(mod),
+            "kernel_calls": 0,  # counted in the quantized run below
         }
         layer_rows.append(row)
-        if getattr(mod, "cache_kernels", None) is not None:
-            proxy = CountingKernels(mod.cache_kernels)
-            mod.cache_kernels = proxy
+        if getattr(mod, KERNELS, None) is not None:
+            proxy = CountingKernels(getattr(mod, KERNELS))
+            setattr(mod, KERNELS, proxy)
             proxies.append(proxy)
         else:
             proxies.append(None)
-    result["layers"] = layer_rows
     ids = tokenizer.encode(prompt)
     if not ids:
         raise ValueError(f"the tokenizer turned the prompt {prompt!r} into no tokens")
-    try:
-        input_device = model.get_input_embeddings().weight.device
-    except (AttributeError, NotImplementedError):  # remote code without the accessor
-        input_device = next(model.parameters()).device
-    input_ids = torch.tensor([ids], dtype=torch.long, device=input_device)
-    result["prompt_tokens"] = len(ids)
+    input_ids = torch.tensor([ids], dtype=torch.long, device=input_device(model))
 
     quantized_on = any(r["use_cache_quantization"] for r in layer_rows)
     ev.start(PHASE_WARMUP)
@@ -329,22 +355,51 @@ def smoke(
     for row, (_, mod), counter in zip(layer_rows, layers, proxies):
         row["kernel_calls"] = counter.calls if counter is not None else 0
         if counter is not None:
-            mod.cache_kernels = counter._inner  # the model as it was
+            setattr(mod, KERNELS, counter._inner)  # the model as it was
     ev.start(PHASE_UNQUANTIZED)
     u = run_mode(model, input_ids, new_tokens, device, quantized=False)
 
-    result["first_step"], result["comparison"] = compare_runs(q, u)
-    for key, run in (("quantized", q), ("unquantized", u)):
-        run.pop("step_logits")
-        run["text"] = tokenizer.decode(run["tokens"])
-        result[key] = run
-    result["quantized"]["enabled"] = quantized_on
-    result["peak_memory"] = _peak(device) if device != "cuda" else {
-        "kind": "cuda_max_allocated",
-        "bytes": max(q["peak_memory"]["bytes"], u["peak_memory"]["bytes"],
-                     result["peak_after_load"]["bytes"]),
+    first_step, comparison = compare_runs(q, u)
+    return {
+        "result_version": RESULT_VERSION,
+        "device": device,
+        "device_name": device_name,
+        "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda,
+        "transformers": transformers.__version__,
+        "cpu_threads": cpu_threads,
+        "prompt": prompt,
+        "max_new_tokens": new_tokens,
+        "load_seconds": load_s,
+        "load_warnings": messages,
+        "model_dtype": model_dtype,
+        "model_code": getattr(code, "__file__", None),
+        "peak_after_load": peak_after_load,
+        "layers": layer_rows,
+        "prompt_tokens": len(ids),
+        "first_step": first_step,
+        "comparison": comparison,
+        "quantized": {**_sent(q, tokenizer), "enabled": quantized_on},
+        "unquantized": _sent(u, tokenizer),
+        "peak_memory": _peak(device) if device != "cuda" else {
+            "kind": "cuda_max_allocated",
+            "bytes": max(q["peak_memory"]["bytes"], u["peak_memory"]["bytes"],
+                         peak_after_load["bytes"]),
+        },
     }
-    return result
+
+
+def _sent(run: Measured, tokenizer: PreTrainedTokenizerBase) -> ModeRun:
+    """A run as the result carries it: its text instead of its logits."""
+    return {
+        "tokens": run["tokens"],
+        "prefill_seconds": run["prefill_seconds"],
+        "decode_seconds": run["decode_seconds"],
+        "decode_tokens_per_s": run["decode_tokens_per_s"],
+        "cache": run["cache"],
+        "peak_memory": run["peak_memory"],
+        "text": tokenizer.decode(run["tokens"]),
+    }
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -27,13 +27,132 @@ from __future__ import annotations
 
 import shlex
 import signal
-from typing import Any, Optional
+from typing import Optional, TypedDict
 
 from qwen_kvprep.findings import Finding, Severity, fail, info, ok, skip, warn
-from qwen_kvprep.smoke.protocol import FALLBACK_WARNINGS, LOAD_PHASES, PHASE_WORDS
-from qwen_kvprep.smoke.runner import ChildOutcome, SmokeOptions
+from qwen_kvprep.smoke.protocol import (
+    FALLBACK_WARNINGS,
+    LOAD_PHASES,
+    PHASE_WORDS,
+    CacheLayer,
+    CacheSummary,
+    PeakMemory,
+    SmokeResult,
+)
+from qwen_kvprep.smoke.runner import SmokeOptions, SmokeOutcome
 
 MAX_REL_LOGIT_DIFF = 0.05
+
+
+class ByMode(TypedDict):
+    """One figure for each cache (None where it was not measured)."""
+
+    quantized: Optional[float]
+    unquantized: Optional[float]
+
+
+class _KvBytes(TypedDict):
+    quantized: Optional[float]
+    unquantized: Optional[float]
+    ratio: Optional[float]
+    expected_ratio: Optional[float]  # what the format predicts
+
+
+class KvBytes(_KvBytes, total=False):
+    """KV-cache bytes per token of each run; the model's cache geometry where both
+    layouts were recognised."""
+
+    head_dim: int
+    heads: Optional[int]
+    layers: int
+    scale_bytes: Optional[int]
+    element_bytes: Optional[int]
+
+
+class SmokeNumbers(TypedDict):
+    """What was measured: in the summary and in smoke.measure's details."""
+
+    kv_bytes_per_token: KvBytes
+    tokens_per_s: ByMode
+    prefill_seconds: ByMode
+    load_seconds: Optional[float]
+    peak_memory: Optional[PeakMemory]
+    # per run (the allocator's peak is reset before each): CUDA only, RSS never drops
+    peak_memory_by_run: Optional[ByMode]
+
+
+class Agreement(TypedDict, total=False):
+    """smoke.agreement's details: all of them, or none when the runs were not compared."""
+
+    tokens: int
+    identical_tokens: int
+    fraction: Optional[float]
+    first_divergence: Optional[int]
+    first_step_max_abs_logit_diff: Optional[float]
+    first_step_logit_range: Optional[float]
+    first_step_rel_logit_diff: float
+    max_rel_logit_diff: float
+    divergence_rel_margin: Optional[float]
+    threshold_rel_logit_diff: float
+
+
+class Texts(TypedDict):
+    quantized: Optional[str]
+    unquantized: Optional[str]
+
+
+class _SummaryHead(TypedDict):
+    ok: bool
+    device_requested: str
+    timeout_s: float
+    timed_out: bool
+    elapsed_seconds: float
+
+
+class SmokeSummary(_SummaryHead, total=False):
+    """The "smoke" object of --json and of state.json: `phase` and `error` when the child
+    gave no result, the rest when it did."""
+
+    phase: str
+    error: str
+    device: Optional[str]
+    device_name: Optional[str]
+    torch: Optional[str]
+    torch_cuda: Optional[str]
+    transformers: Optional[str]
+    model_dtype: Optional[str]
+    cpu_threads: Optional[int]
+    model_code: Optional[str]
+    layers: int
+    kernel_layers: int
+    kernel_calls: int
+    kernel_files: list[str]
+    prompt: Optional[str]
+    prompt_tokens: Optional[int]
+    max_new_tokens: Optional[int]
+    agreement: Agreement
+    text: Texts
+    kv_bytes_per_token: KvBytes
+    tokens_per_s: ByMode
+    prefill_seconds: ByMode
+    load_seconds: Optional[float]
+    peak_memory: Optional[PeakMemory]
+    peak_memory_by_run: Optional[ByMode]
+
+
+class _FailureDetails(TypedDict):
+    phase: str
+    timed_out: bool
+    returncode: Optional[int]
+    elapsed_seconds: float
+    log_tail: list[str]
+
+
+class FailureDetails(_FailureDetails, total=False):
+    """smoke.load's or smoke.run's details; the exception when the child reported one."""
+
+    exception: dict[str, Optional[str]]  # its type and message
+    traceback: Optional[str]
 
 
 def _q(path: object) -> str:
@@ -99,11 +218,16 @@ def _signal_name(code: int) -> str:
         return f"signal {-code}"
 
 
-def _failure(outcome: ChildOutcome, options: SmokeOptions, directory: str) -> Finding:
-    phase = outcome.error.get("phase", outcome.phase) if outcome.error else outcome.phase
+def _failed_phase(outcome: SmokeOutcome) -> str:
+    """The phase the child failed in: as its error says, else the last one it announced."""
+    return outcome.error.get("phase", outcome.phase) if outcome.error else outcome.phase
+
+
+def _failure(outcome: SmokeOutcome, options: SmokeOptions, directory: str) -> Finding:
+    phase = _failed_phase(outcome)
     fid = "smoke.load" if phase in LOAD_PHASES else "smoke.run"
     doing = PHASE_WORDS.get(phase, phase)
-    details: dict[str, Any] = {
+    details: FailureDetails = {
         "phase": phase,
         "timed_out": outcome.timed_out,
         "returncode": outcome.returncode,
@@ -146,7 +270,7 @@ def _failure(outcome: ChildOutcome, options: SmokeOptions, directory: str) -> Fi
     )
 
 
-def _quantization(result: dict[str, Any], directory: str) -> Finding:
+def _quantization(result: SmokeResult, directory: str) -> Finding:
     layers = result.get("layers") or []
     if not layers:
         return fail(
@@ -199,7 +323,7 @@ def _quantization(result: dict[str, Any], directory: str) -> Finding:
     )
 
 
-def _fallback_warnings(result: dict[str, Any], log_tail: list[str]) -> list[str]:
+def _fallback_warnings(result: SmokeResult, log_tail: list[str]) -> list[str]:
     said = list(result.get("load_warnings") or [])
     known = [w for w in said if any(k in w for k in FALLBACK_WARNINGS)]
     if not known:  # model code that print()s instead of warning
@@ -207,7 +331,7 @@ def _fallback_warnings(result: dict[str, Any], log_tail: list[str]) -> list[str]
     return list(dict.fromkeys(known))
 
 
-def _kernel(result: dict[str, Any], log_tail: list[str], directory: str) -> Finding:
+def _kernel(result: SmokeResult, log_tail: list[str], directory: str) -> Finding:
     layers = result.get("layers") or []
     if not layers or not all(row.get("use_cache_quantization") for row in layers):
         return skip("smoke.kernel", "not checked: the quantized cache is off")
@@ -263,10 +387,11 @@ def _kernel(result: dict[str, Any], log_tail: list[str], directory: str) -> Find
     )
 
 
-def _agreement(result: dict[str, Any], directory: str) -> Finding:
+def _agreement(result: SmokeResult, directory: str) -> tuple[Finding, Agreement]:
+    """The finding, and its details for the summary."""
     q = result.get("quantized") or {}
     if not q.get("enabled"):
-        return skip("smoke.agreement", "not compared: the quantized cache is off")
+        return skip("smoke.agreement", "not compared: the quantized cache is off"), {}
     cmp_ = result.get("comparison") or {}
     first = result.get("first_step") or {}
     n = int(cmp_.get("tokens") or 0)
@@ -275,7 +400,7 @@ def _agreement(result: dict[str, Any], directory: str) -> Finding:
     rel = float(cmp_.get("max_rel_logit_diff") or 0.0)
     span = float(first.get("logit_range") or 0.0)
     first_rel = (float(first.get("max_abs_logit_diff") or 0.0) / span) if span > 0 else 0.0
-    details = {
+    details: Agreement = {
         "tokens": n,
         "identical_tokens": same,
         "fraction": (same / n) if n else None,
@@ -317,7 +442,7 @@ def _agreement(result: dict[str, Any], directory: str) -> Finding:
             fix=fix,
             paths=[directory],
             **details,
-        )
+        ), details
     if div is None:
         text = f"quantized and unquantized generations agree on {same}/{n} tokens; {logit_text}"
     else:
@@ -325,7 +450,7 @@ def _agreement(result: dict[str, Any], directory: str) -> Finding:
             f"generations agree on the first {div}/{n} tokens, then part at a near-tie "
             f"(margin {margin:.1%} of the logit range); {logit_text}"
         )
-    return ok("smoke.agreement", text, **details)
+    return ok("smoke.agreement", text, **details), details
 
 
 def _num(n: float) -> str:
@@ -341,28 +466,39 @@ def _bytes(n: int) -> str:
     return f"{n} B"
 
 
-def measurements(result: dict[str, Any]) -> dict[str, Any]:
+def _first_layer(cache: CacheSummary) -> Optional[CacheLayer]:
+    layers = cache.get("layers") or []
+    return layers[0] if layers else None
+
+
+def measurements(result: SmokeResult) -> SmokeNumbers:
     """The numbers of the summary object: bytes per token, speed, memory, times."""
     q = result.get("quantized") or {}
     u = result.get("unquantized") or {}
     qc, uc = q.get("cache") or {}, u.get("cache") or {}
     q_bpt, u_bpt = qc.get("bytes_per_token"), uc.get("bytes_per_token")
-    kv: dict[str, Any] = {
+    kv: KvBytes = {
         "quantized": q_bpt if q.get("enabled") else None,
         "unquantized": u_bpt,
         "ratio": (q_bpt / u_bpt) if q.get("enabled") and q_bpt and u_bpt else None,
         "expected_ratio": None,
     }
-    ql = (qc.get("layers") or [{}])[0]
-    ul = (uc.get("layers") or [{}])[0]
-    if ql.get("layout") == "quantized" and ul.get("layout") == "plain" and ql.get("head_dim"):
-        kv["head_dim"] = ql["head_dim"]
+    ql, ul = _first_layer(qc), _first_layer(uc)
+    head_dim = ql.get("head_dim") if ql is not None else None
+    if (
+        ql is not None
+        and ul is not None
+        and ql.get("layout") == "quantized"
+        and ul.get("layout") == "plain"
+        and head_dim
+    ):
+        kv["head_dim"] = head_dim
         kv["heads"] = ql.get("heads")
         kv["layers"] = len(qc.get("layers") or [])
         kv["scale_bytes"] = ql.get("scale_bytes")
         kv["element_bytes"] = ul.get("element_bytes")
         kv["expected_ratio"] = expected_ratio(
-            int(ql["head_dim"]), int(ql["scale_bytes"]), int(ul["element_bytes"])
+            int(head_dim), int(ql["scale_bytes"]), int(ul["element_bytes"])
         )
     return {
         "kv_bytes_per_token": kv,
@@ -386,7 +522,7 @@ def measurements(result: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _measure(m: dict[str, Any], result: dict[str, Any]) -> Finding:
+def _measure(m: SmokeNumbers, result: SmokeResult) -> Finding:
     kv = m["kv_bytes_per_token"]
     parts = []
     if kv["quantized"] is not None and kv["unquantized"]:
@@ -402,13 +538,13 @@ def _measure(m: dict[str, Any], result: dict[str, Any]) -> Finding:
         parts.append(
             f"{tps['quantized']:.0f} tokens/s quantized, {tps['unquantized']:.0f} unquantized"
         )
-    peak = m.get("peak_memory") or {}
-    if peak.get("bytes"):
+    peak = m.get("peak_memory")
+    if peak is not None and peak.get("bytes"):
         what = "GPU peak" if peak.get("kind") == "cuda_max_allocated" else "peak RSS"
         parts.append(f"{what} {_bytes(int(peak['bytes']))}")
     text = f"on {result.get('device_name', result.get('device'))}: " + "; ".join(parts)
-    exp = kv.get("expected_ratio")
-    if kv.get("ratio") is not None and exp is not None and abs(kv["ratio"] - exp) > 1e-6:
+    ratio, exp = kv.get("ratio"), kv.get("expected_ratio")
+    if ratio is not None and exp is not None and abs(ratio - exp) > 1e-6:
         return warn(
             "smoke.measure",
             text + f"; the format predicts {exp:.3f}x: the cache holds more than the format",
@@ -418,11 +554,11 @@ def _measure(m: dict[str, Any], result: dict[str, Any]) -> Finding:
 
 
 def evaluate(
-    outcome: ChildOutcome, options: SmokeOptions, directory: str
-) -> tuple[list[Finding], dict[str, Any]]:
+    outcome: SmokeOutcome, options: SmokeOptions, directory: str
+) -> tuple[list[Finding], SmokeSummary]:
     """Findings (ids smoke.load, smoke.run, smoke.quantization, smoke.kernel,
     smoke.agreement, smoke.measure) and the summary object for --json and the state."""
-    summary: dict[str, Any] = {
+    summary: SmokeSummary = {
         "ok": False,
         "device_requested": options.device,
         "timeout_s": options.timeout,
@@ -432,10 +568,11 @@ def evaluate(
     result = outcome.result
     if result is None:
         finding = _failure(outcome, options, directory)
-        summary["phase"] = finding.details.get("phase")
+        summary["phase"] = _failed_phase(outcome)
         summary["error"] = finding.message.split("\n", 1)[0]
         return [finding], summary
 
+    agreement_finding, agreement = _agreement(result, directory)
     findings = [
         ok(
             "smoke.load",
@@ -447,41 +584,40 @@ def evaluate(
         ),
         _quantization(result, directory),
         _kernel(result, outcome.log_tail, directory),
-        _agreement(result, directory),
+        agreement_finding,
     ]
     m = measurements(result)
     findings.append(_measure(m, result))
     layers = result.get("layers") or []
-    agreement = next(f for f in findings if f.id == "smoke.agreement")
-    summary.update(
-        ok=not any(f.severity is Severity.FAIL for f in findings),
-        device=result.get("device"),
-        device_name=result.get("device_name"),
-        torch=result.get("torch"),
-        torch_cuda=result.get("torch_cuda"),
-        transformers=result.get("transformers"),
-        model_dtype=result.get("model_dtype"),
-        cpu_threads=result.get("cpu_threads"),
-        model_code=result.get("model_code"),
-        layers=len(layers),
-        kernel_layers=sum(
+    return findings, {
+        **summary,
+        "ok": not any(f.severity is Severity.FAIL for f in findings),
+        "device": result.get("device"),
+        "device_name": result.get("device_name"),
+        "torch": result.get("torch"),
+        "torch_cuda": result.get("torch_cuda"),
+        "transformers": result.get("transformers"),
+        "model_dtype": result.get("model_dtype"),
+        "cpu_threads": result.get("cpu_threads"),
+        "model_code": result.get("model_code"),
+        "layers": len(layers),
+        "kernel_layers": sum(
             1
             for row in layers
             if (row.get("kernel") or {}).get("compiled") and row.get("kernel_calls")
         ),
-        kernel_calls=sum(int(row.get("kernel_calls") or 0) for row in layers),
-        kernel_files=sorted(
+        "kernel_calls": sum(int(row.get("kernel_calls") or 0) for row in layers),
+        "kernel_files": sorted(
             {str(row["kernel"]["file"]) for row in layers if (row.get("kernel") or {}).get("file")}
         ),
-        prompt=result.get("prompt"),
-        prompt_tokens=result.get("prompt_tokens"),
-        max_new_tokens=result.get("max_new_tokens"),
-        agreement={k: v for k, v in agreement.details.items()},
-        text={
+        "prompt": result.get("prompt"),
+        "prompt_tokens": result.get("prompt_tokens"),
+        "max_new_tokens": result.get("max_new_tokens"),
+        "agreement": agreement,
+        "text": {
             "quantized": (result.get("quantized") or {}).get("text"),
             "unquantized": (result.get("unquantized") or {}).get("text"),
         },
         **m,
-    )
-    return findings, summary
+    }
 

@@ -5,12 +5,17 @@ or stderr, where model code and compilers print whatever they like):
 
     {"event": "phase", "phase": "load"}            a phase starts
     {"event": "error", "phase": ..., "type": ..., "message": ..., "traceback": ...}
-    {"event": "result", "result": {...}}            everything measured (see child.py)
+    {"event": "result", "result": {...}}            everything measured: SmokeResult
 
 Kept free of heavy imports: both the CLI process and the child import it.
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING, Literal, Optional, TypedDict
+
+if TYPE_CHECKING:
+    from qwen_kvprep.runtime import KernelInfo
 
 RESULT_VERSION = 1
 
@@ -49,3 +54,116 @@ FALLBACK_WARNINGS = (
     "KV cache kernel source files (.cpp and .cu) not found.",
     "Failed to import KV cache kernels.",
 )
+
+
+# -- the result --------------------------------------------------------------------------
+
+
+class LayerRow(TypedDict):
+    """One attention layer of the loaded model."""
+
+    name: str
+    use_cache_quantization: bool
+    use_cache_kernel: bool
+    kernel: KernelInfo
+    kernel_calls: int  # calls into the extension during the quantized run
+
+
+class _CacheLayout(TypedDict):
+    bytes: int
+    layout: Literal["quantized", "plain", "unknown"]
+
+
+class CacheLayer(_CacheLayout, total=False):
+    """One layer's cache entry after the prompt; which other keys it has depends on the
+    layout."""
+
+    # quantized: ((q, scale, zero), (q, scale, zero))
+    q_dtype: str
+    v_dtype: str
+    q_shape: list[int]
+    scale_shape: list[int]
+    zero_shape: list[int]
+    scale_dtype: str
+    scale_bytes: int
+    heads: Optional[int]
+    head_dim: Optional[int]
+    per_token: bool  # one scale and zero point per token and head
+    # plain: (key, value)
+    dtype: str
+    shape: list[int]
+    element_bytes: int
+
+
+class CacheSummary(TypedDict):
+    layers: list[CacheLayer]
+    bytes_per_token: float
+
+
+class PeakMemory(TypedDict):
+    kind: Literal["cuda_max_allocated", "rss_high_water"]
+    bytes: int
+
+
+class ModeRun(TypedDict):
+    """One greedy generation with one cache."""
+
+    tokens: list[int]
+    prefill_seconds: float
+    decode_seconds: float
+    decode_tokens_per_s: Optional[float]
+    cache: CacheSummary
+    peak_memory: PeakMemory
+    text: str
+
+
+class QuantizedRun(ModeRun):
+    enabled: bool  # whether the model as configured has the quantized cache on
+
+
+class FirstStep(TypedDict):
+    """The first generated token's logits, quantized against unquantized."""
+
+    max_abs_logit_diff: float
+    logit_range: float
+    argmax_quantized: int
+    argmax_unquantized: int
+
+
+class Comparison(TypedDict):
+    """Both runs compared while they share a prefix."""
+
+    tokens: int
+    identical_tokens: int
+    first_divergence: Optional[int]
+    steps_compared: int
+    max_abs_logit_diff: float
+    max_rel_logit_diff: float
+    divergence_margin: Optional[float]
+    divergence_rel_margin: Optional[float]
+
+
+class SmokeResult(TypedDict):
+    """Everything the child measured (the "result" event)."""
+
+    result_version: int
+    device: str
+    device_name: str
+    torch: str
+    torch_cuda: Optional[str]
+    transformers: str
+    cpu_threads: int
+    prompt: str
+    max_new_tokens: int
+    load_seconds: float
+    load_warnings: list[str]
+    model_dtype: str
+    model_code: Optional[str]
+    peak_after_load: PeakMemory
+    layers: list[LayerRow]
+    prompt_tokens: int
+    first_step: FirstStep
+    comparison: Comparison
+    quantized: QuantizedRun
+    unquantized: ModeRun
+    peak_memory: PeakMemory

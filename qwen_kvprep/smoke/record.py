@@ -4,12 +4,16 @@ prestart can tell, without importing torch, that this checkpoint was proven to w
 from __future__ import annotations
 
 import datetime
-import importlib
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Optional
 
 from qwen_kvprep import __version__
 from qwen_kvprep.journal import Journal
+from qwen_kvprep.state import load_state, state_path, update_state
+
+if TYPE_CHECKING:
+    from qwen_kvprep.smoke.evaluate import SmokeSummary
 
 # What a later reader needs; the generated text and log tails stay out of the state.
 _KEEP = (
@@ -42,9 +46,10 @@ _AGREEMENT_KEEP = (
 )
 
 
-def state_entry(summary: dict[str, Any]) -> dict[str, Any]:
-    entry = {k: summary[k] for k in _KEEP if k in summary}
-    agreement = summary.get("agreement") or {}
+def state_entry(summary: SmokeSummary) -> dict[str, object]:
+    fields: Mapping[str, object] = summary
+    entry = {k: fields[k] for k in _KEEP if k in fields}
+    agreement: Mapping[str, object] = summary.get("agreement") or {}
     if agreement:
         entry["agreement"] = {k: agreement.get(k) for k in _AGREEMENT_KEEP}
     entry["tool_version"] = __version__
@@ -53,29 +58,25 @@ def state_entry(summary: dict[str, Any]) -> dict[str, Any]:
 
 
 def record_smoke(
-    directory: Path, summary: dict[str, Any], journal: Optional[Journal] = None
+    directory: Path, summary: SmokeSummary, journal: Optional[Journal] = None
 ) -> Optional[Path]:
     """Store the verdict in an existing state.json; returns its path, or None when there is
-    no state to update (the checkpoint was never fixed, or this install has no state
-    module): smoke alone does not create one, since prestart trusts a state as "fixed"."""
-    try:
-        state_mod: Any = importlib.import_module("qwen_kvprep.state")
-    except ImportError:
-        return None
-    if not isinstance(state_mod.load_state(Path(directory)), dict):
+    no state to update (the checkpoint was never fixed): smoke alone does not create one,
+    since prestart trusts a state as "fixed"."""
+    if not isinstance(load_state(Path(directory)), dict):
         return None
     if journal is not None:
         if journal.dry_run:
             return None
-        state_mod.update_state(journal, smoke=state_entry(summary))
-        return Path(state_mod.state_path(Path(directory)))
+        update_state(journal, smoke=state_entry(summary))
+        return Path(state_path(Path(directory)))
     # `qwen-kvprep smoke DIR` on its own: take the folder's lock, as fix and revert do
     from qwen_kvprep.buildcache.builder import stderr_notify
     from qwen_kvprep.buildcache.lock import lock_timeout
     from qwen_kvprep.dirlock import folder_lock
 
     with folder_lock(Path(directory), "qwen-kvprep command", lock_timeout(), stderr_notify):
-        if not isinstance(state_mod.load_state(Path(directory)), dict):
+        if not isinstance(load_state(Path(directory)), dict):
             return None  # reverted meanwhile: nothing to record the verdict in
-        state_mod.update_state(Journal(Path(directory)), smoke=state_entry(summary))
-    return Path(state_mod.state_path(Path(directory)))
+        update_state(Journal(Path(directory)), smoke=state_entry(summary))
+    return Path(state_path(Path(directory)))

@@ -9,19 +9,27 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Callable, Optional, cast
 
-from qwen_kvprep.childproc import ChildOutcome, child_env, run_events_child, tail_lines
+from qwen_kvprep.childproc import (
+    ChildOutcome,
+    ShownEvent,
+    child_env,
+    run_events_child,
+    tail_lines,
+)
 from qwen_kvprep.smoke.protocol import (
     DEFAULT_MAX_NEW_TOKENS,
     DEFAULT_PROMPT,
     DEFAULT_TIMEOUT_S,
+    SmokeResult,
 )
 
 __all__ = [
     "ChildOutcome",
     "PhaseCallback",
     "SmokeOptions",
+    "SmokeOutcome",
     "child_command",
     "child_env",
     "run_child",
@@ -29,6 +37,7 @@ __all__ = [
 ]
 
 PhaseCallback = Callable[[str], None]
+SmokeOutcome = ChildOutcome[SmokeResult]
 
 
 @dataclass(frozen=True)
@@ -58,15 +67,18 @@ def child_command(directory: Path, options: SmokeOptions, fd: int) -> list[str]:
 
 def run_child(
     directory: Path, options: SmokeOptions, on_phase: Optional[PhaseCallback] = None
-) -> ChildOutcome:
-    def on_event(event: dict[str, Any]) -> None:
+) -> SmokeOutcome:
+    def on_event(event: ShownEvent) -> None:
         if on_phase is not None and event.get("event") == "phase":
             on_phase(str(event.get("phase")))
 
-    return run_events_child(
+    outcome = run_events_child(
         # looked up at call time, so tests can stand in a child of their own
         lambda fd: child_command(directory, options, fd),
         options.timeout,
         on_event,
         prefix="qwen-kvprep-smoke-",
     )
+    # the child is qwen_kvprep.smoke.child of this very installation (child_env puts it
+    # first on the path): its result is the SmokeResult it builds
+    return cast(SmokeOutcome, outcome)

@@ -40,11 +40,16 @@ import json
 import math
 import shutil
 from collections import Counter
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Optional, Union
 
 from qwen_kvprep.common import KERNEL_FILES
 from qwen_kvprep.errors import UsageError
+from qwen_kvprep.jsontypes import JSON, JSONObject
+
+if TYPE_CHECKING:
+    import torch
 
 REMOTE_CODE_DIR = Path(__file__).resolve().parent / "remote"
 
@@ -71,7 +76,7 @@ class _Remove:
         return "REMOVE"
 
 
-REMOVE: Any = _Remove()
+REMOVE = _Remove()
 """Value for `config_overrides` that deletes the key from config.json."""
 
 # The text the BPE merges are learnt from. Its content only shapes which merges exist;
@@ -150,7 +155,7 @@ def _config(
     intermediate: int,
     vocab_size: int,
     dtype: str,
-) -> dict[str, Any]:
+) -> JSONObject:
     hidden = heads * head_dim
     return {
         "architectures": ["QWenLMHeadModel"],
@@ -189,7 +194,7 @@ def _config(
     }
 
 
-_GPTQ = {
+_GPTQ: JSONObject = {
     "bits": 4,
     "group_size": 128,
     "damp_percent": 0.01,
@@ -224,7 +229,7 @@ def _weights(
     n_tokens: int,
     dtype: str,
     seed: int,
-) -> dict[str, Any]:
+) -> dict[str, torch.Tensor]:
     """Weights in Qwen's tensor names and order, deterministic from `seed`.
 
     Purely random weights make a model whose top-2 logits are so close that bf16
@@ -256,11 +261,11 @@ def _weights(
     hidden = heads * head_dim
     gen = torch.Generator().manual_seed(seed)
 
-    def normal(shape: tuple[int, ...], std: float) -> Any:
+    def normal(shape: tuple[int, ...], std: float) -> torch.Tensor:
         return torch.randn(shape, generator=gen, dtype=torch.float32) * std
 
     wte = normal((vocab_size, hidden), 1.0)
-    tensors: dict[str, Any] = {"transformer.wte.weight": wte}
+    tensors: dict[str, torch.Tensor] = {"transformer.wte.weight": wte}
     for i in range(layers):
         p = f"transformer.h.{i}."
         c_attn_w = normal((3 * hidden, hidden), 1.0 / math.sqrt(hidden))
@@ -278,8 +283,9 @@ def _weights(
         tensors[p + "mlp.c_proj.weight"] = normal((hidden, ff), 2 * _SIDE / math.sqrt(ff))
     tensors["transformer.ln_f.weight"] = torch.ones(hidden)
 
-    def unit(x: Any) -> Any:
-        return x / x.norm(dim=-1, keepdim=True)
+    def unit(x: torch.Tensor) -> torch.Tensor:
+        norm: torch.Tensor = x.norm(dim=-1, keepdim=True)  # Tensor.norm is unannotated
+        return x / norm
 
     n_plain = n_tokens - N_SPECIAL_TOKENS
     # what layer 0 reads (ln_1 of the embedding) and what head 0 writes for it
@@ -306,7 +312,12 @@ def _weights(
 
 
 def _previous_token_head(
-    c_attn_w: Any, c_attn_b: Any, c_proj: Any, head_dim: int, hidden: int, gen: Any
+    c_attn_w: torch.Tensor,
+    c_attn_b: torch.Tensor,
+    c_proj: torch.Tensor,
+    head_dim: int,
+    hidden: int,
+    gen: torch.Generator,
 ) -> None:
     """Turns head 0 of a layer into "attend to the previous position" (in place).
 
@@ -354,7 +365,7 @@ def _shard(names: list[str], sizes: dict[str, int], shards: int) -> list[list[st
     return groups
 
 
-def _write_json(path: Path, data: dict[str, Any]) -> None:
+def _write_json(path: Path, data: JSONObject) -> None:
     path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
@@ -372,7 +383,7 @@ def generate_checkpoint(
     legacy_bin: bool = False,
     gptq: bool = False,
     kernel_sources: Optional[Path] = None,
-    config_overrides: Optional[dict[str, Any]] = None,
+    config_overrides: Optional[Mapping[str, Union[JSON, _Remove]]] = None,
 ) -> Path:
     """Write a tiny Qwen v1 checkpoint into `dest` (created; must be absent or empty).
 
@@ -413,7 +424,7 @@ def generate_checkpoint(
     if gptq:
         config["quantization_config"] = dict(_GPTQ, quant_method="gptq")
     for key, value in (config_overrides or {}).items():
-        if value is REMOVE:
+        if isinstance(value, _Remove):  # REMOVE, its only instance
             config.pop(key, None)
         else:
             config[key] = value
@@ -465,7 +476,9 @@ def generate_checkpoint(
     return dest
 
 
-def _write_weights(dest: Path, tensors: dict[str, Any], *, shards: int, legacy_bin: bool) -> None:
+def _write_weights(
+    dest: Path, tensors: dict[str, torch.Tensor], *, shards: int, legacy_bin: bool
+) -> None:
     import torch
 
     if legacy_bin:
@@ -488,7 +501,7 @@ def _write_weights(dest: Path, tensors: dict[str, Any], *, shards: int, legacy_b
         # safetensors creates 0600 files; downloaded checkpoints are world-readable
         (dest / fname).chmod(0o644)
         weight_map.update({n: fname for n in group})
-    index = {
+    index: JSONObject = {
         "metadata": {"total_size": sum(sizes.values())},
         "weight_map": dict(sorted(weight_map.items())),
     }
