@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Optional
 
 from qwen_kvprep import __version__
 from qwen_kvprep.journal import Journal
+from qwen_kvprep.jsontypes import JSONObject, as_json_object
 from qwen_kvprep.state import load_state, state_path, update_state
 
 if TYPE_CHECKING:
@@ -46,15 +47,15 @@ _AGREEMENT_KEEP = (
 )
 
 
-def state_entry(summary: SmokeSummary) -> dict[str, object]:
+def state_entry(summary: SmokeSummary) -> JSONObject:
     fields: Mapping[str, object] = summary
-    entry = {k: fields[k] for k in _KEEP if k in fields}
+    entry: dict[str, object] = {k: fields[k] for k in _KEEP if k in fields}
     agreement: Mapping[str, object] = summary.get("agreement") or {}
     if agreement:
         entry["agreement"] = {k: agreement.get(k) for k in _AGREEMENT_KEEP}
     entry["tool_version"] = __version__
     entry["checked"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-    return entry
+    return as_json_object(entry)
 
 
 def record_smoke(

@@ -9,6 +9,7 @@ from __future__ import annotations
 import sys
 
 from qwen_kvprep.findings import warn
+from qwen_kvprep.jsontypes import as_json_object
 from qwen_kvprep.steps.context import FixContext
 
 
@@ -27,7 +28,7 @@ def run(ctx: FixContext) -> None:
         on_phase=PhaseProgress(sys.stderr) if show else None,
     )
     ctx.add(*report.findings)
-    ctx.extra["smoke"] = report.summary
+    ctx.extra["smoke"] = as_json_object(report.summary)
     try:
         record_smoke(ctx.directory, report.summary, ctx.journal)
     except OSError as exc:
