@@ -1,6 +1,6 @@
-"""Shared set-up of the safety tests (issue 12): prepared folders made through the real
-Journal without transformers (milliseconds), a sandbox with an `outside/` folder that
-nothing may touch, and tree snapshots that also see folders, links and special files."""
+"""Shared set-up of the safety tests: prepared folders made through the real
+Journal without transformers (milliseconds) and a sandbox with an `outside/` folder that
+nothing may touch."""
 
 from __future__ import annotations
 
@@ -8,9 +8,6 @@ import hashlib
 import importlib.metadata
 import json
 import os
-import stat
-import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -18,6 +15,7 @@ from typing import Any, Optional
 from qwen_kvprep import __version__
 from qwen_kvprep.journal import Journal
 from qwen_kvprep.resources import KERNEL_FILES
+from tests.treesnap import Snapshot, snapshot
 
 CONFIG = {
     "architectures": ["QWenLMHeadModel"],
@@ -37,28 +35,6 @@ def sha(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def tree(root: Path) -> dict[str, Any]:
-    """Everything under `root`: files with bytes and mode, links with targets, folders,
-    special files by kind. Never follows a link, never opens anything but regular files."""
-    out: dict[str, Any] = {}
-    if not os.path.lexists(root):
-        return out
-    for dirpath, dirnames, filenames in os.walk(root):
-        for name in sorted(dirnames + filenames):
-            full = Path(dirpath) / name
-            rel = str(full.relative_to(root))
-            st = full.lstat()
-            if stat.S_ISLNK(st.st_mode):
-                out[rel] = ("link", os.readlink(full))
-            elif stat.S_ISDIR(st.st_mode):
-                out[rel] = ("dir", stat.S_IMODE(st.st_mode))
-            elif stat.S_ISREG(st.st_mode):
-                out[rel] = ("file", full.read_bytes(), stat.S_IMODE(st.st_mode))
-            else:
-                out[rel] = ("special", stat.S_IFMT(st.st_mode))
-    return out
-
-
 @dataclass
 class Prepared:
     root: Path  # the sandbox
@@ -66,7 +42,7 @@ class Prepared:
     modules: Path  # HF_MODULES_CACHE
     folder: Path  # its transformers_modules/<name>
     outside: Path  # what nothing may touch
-    pristine: dict[str, Any]  # tree(directory) before the fix
+    pristine: Snapshot  # snapshot(directory) before the fix
 
 
 def write_state(directory: Path, modules: Path, folder: Path, build: Optional[Path] = None,
@@ -121,7 +97,7 @@ def prepare(root: Path, name: str = "Tiny-Chat", official_copy: bool = True,
     (directory / "cpp_kernels.py").write_bytes(OFFICIAL_LOADER)
     (directory / "modeling_qwen.py").write_text("# model code\n")
     os.chmod(directory / "config.json", 0o640)
-    pristine = tree(directory)
+    pristine = snapshot(directory)
     modules = root / "modules"
     folder = modules / "transformers_modules" / name
     folder.mkdir(parents=True, exist_ok=True)
@@ -138,16 +114,6 @@ def prepare(root: Path, name: str = "Tiny-Chat", official_copy: bool = True,
     j.register_user(folder)
     write_state(directory, modules, folder, fake_build(root) if build else None)
     return Prepared(root, directory, modules, folder, outside, pristine)
-
-
-def kvprep(*args: str, env: Optional[dict[str, str]] = None, timeout: float = 120,
-           cwd: Optional[Path] = None, prefix: tuple[str, ...] = ()
-           ) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [*prefix, sys.executable, "-m", "qwen_kvprep", *args],
-        capture_output=True, text=True, timeout=timeout, env=env or dict(os.environ),
-        cwd=str(cwd) if cwd else None,
-    )
 
 
 def journal_data(directory: Path) -> dict[str, Any]:

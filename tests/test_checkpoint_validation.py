@@ -15,7 +15,6 @@ import io
 import json
 import os
 import shutil
-import stat
 import struct
 import time
 from pathlib import Path
@@ -25,7 +24,6 @@ import pytest
 
 from qwen_kvprep.checks import load_all, run_one
 from qwen_kvprep.checks.checkpoint import PLACEHOLDER_REPO, redownload, refetch
-from qwen_kvprep.cli import main
 from qwen_kvprep.findings import Finding, Severity
 from qwen_kvprep.probe import checkpoint as probe_mod
 from qwen_kvprep.probe.checkpoint import (
@@ -36,6 +34,9 @@ from qwen_kvprep.probe.checkpoint import (
 )
 from qwen_kvprep.probe.facts import Facts
 from qwen_kvprep.tiny import generate_checkpoint
+from tests import treesnap
+from tests.cli import document, invoke
+from tests.treesnap import Snapshot
 
 MY_AREAS = ("checkpoint", "config")
 FIX_DRY = ["fix", "--dry-run", "--no-build", "--no-smoke", "--json"]
@@ -71,48 +72,14 @@ def ckpt(template: Path, work: Path) -> Path:
     return dest
 
 
-Entry = tuple[Any, ...]
-
-# The snapshot reads everything, forbidden files included: it keeps the unguarded functions.
-_lstat, _readlink, _open = os.lstat, os.readlink, builtins.open
-
-
-def snapshot(root: Path) -> dict[str, Entry]:
-    """Paths, kinds, bytes, symlink targets, modes and mtimes of everything under root.
-
-    FIFOs are recorded without being opened (one of them stands for a file that must never
-    be read)."""
-    top = _lstat(root)
-    out: dict[str, Entry] = {".": ("dir", top.st_mode, top.st_mtime_ns)}
-    for dirpath, dirnames, filenames in os.walk(root):
-        for name in sorted(dirnames + filenames):
-            full = os.path.join(dirpath, name)
-            rel = os.path.relpath(full, root)
-            st = _lstat(full)
-            if stat.S_ISLNK(st.st_mode):
-                out[rel] = ("link", _readlink(full), st.st_mtime_ns)
-            elif stat.S_ISDIR(st.st_mode):
-                out[rel] = ("dir", st.st_mode, st.st_mtime_ns)
-            elif stat.S_ISREG(st.st_mode):
-                with _open(full, "rb") as fh:
-                    digest = hashlib.sha256(fh.read()).hexdigest()
-                out[rel] = ("file", digest, st.st_size, st.st_mode, st.st_mtime_ns)
-            else:
-                out[rel] = ("other", st.st_mode, st.st_mtime_ns)
-    return out
+def snapshot(root: Path) -> Snapshot:
+    """Modification times too, and files by hash: the shards are the bulk of a checkpoint."""
+    return treesnap.snapshot(root, digest=True, mtimes=True)
 
 
-def run_cli(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, dict[str, Any]]:
-    capsys.readouterr()
-    with pytest.raises(SystemExit) as exc:
-        main(args)
-    out = capsys.readouterr().out
-    code = exc.value.code
-    assert isinstance(code, int), code
-    try:
-        return code, json.loads(out)
-    except ValueError:
-        pytest.fail(f"`qwen-kvprep {' '.join(args)}` printed no JSON (exit {code}):\n{out}")
+def run_cli(args: list[str]) -> tuple[int, dict[str, Any]]:
+    res = invoke(*args)
+    return res.returncode, document(res)
 
 
 def by_id(doc: dict[str, Any], id: str) -> list[dict[str, Any]]:
@@ -132,7 +99,6 @@ def direct(directory: Path) -> list[Finding]:
 def assert_case(
     directory: Path,
     root: Path,
-    capsys: pytest.CaptureFixture[str],
     id: str,
     severity: str,
 ) -> list[dict[str, Any]]:
@@ -140,7 +106,7 @@ def assert_case(
 
     Returns doctor's findings with that id."""
     before = snapshot(root)
-    _, doc = run_cli(["doctor", str(directory), "--json"], capsys)
+    _, doc = run_cli(["doctor", str(directory), "--json"])
     assert snapshot(root) == before, "doctor changed the tree"
     found = by_id(doc, id)
     assert found, f"no {id} finding in {[f['id'] for f in doc['findings']]}"
@@ -149,7 +115,7 @@ def assert_case(
         assert "crashed" not in f["message"], f
     # A failing checkpoint check must also stop `fix` at its first step.
     code, fixdoc = run_cli(
-        ["fix", str(directory), "--dry-run", "--no-build", "--no-smoke", "--json"], capsys
+        ["fix", str(directory), "--dry-run", "--no-build", "--no-smoke", "--json"]
     )
     assert snapshot(root) == before, "fix --dry-run changed the tree"
     if severity == "fail" and id.startswith("checkpoint."):
@@ -162,9 +128,7 @@ def assert_case(
 # -- healthy ---------------------------------------------------------------------------------
 
 
-def test_healthy_checkpoint_has_no_failure(
-    ckpt: Path, work: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_healthy_checkpoint_has_no_failure(ckpt: Path, work: Path) -> None:
     findings = direct(ckpt)
     ids = {f.id for f in findings}
     mine = {c.id for c in load_all().values() if c.area in MY_AREAS}
@@ -172,7 +136,7 @@ def test_healthy_checkpoint_has_no_failure(
     bad = [f for f in findings if f.severity in (Severity.FAIL, Severity.SKIP)]
     assert not bad, bad
     before = snapshot(work)
-    _, doc = run_cli(["doctor", str(ckpt), "--json"], capsys)
+    _, doc = run_cli(["doctor", str(ckpt), "--json"])
     assert not [
         f for f in doc["findings"] if f["id"].split(".")[0] in MY_AREAS and f["severity"] == "fail"
     ]
@@ -187,13 +151,9 @@ def test_healthy_checkpoint_has_no_failure(
     assert {"tiktoken", "einops", "transformers_stream_generator"} <= set(facts.requirements)
 
 
-def test_fix_validate_step_passes_a_healthy_checkpoint(
-    ckpt: Path, work: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_fix_validate_step_passes_a_healthy_checkpoint(ckpt: Path, work: Path) -> None:
     before = snapshot(work)
-    _, doc = run_cli(
-        ["fix", str(ckpt), "--dry-run", "--no-build", "--no-smoke", "--json"], capsys
-    )
+    _, doc = run_cli(["fix", str(ckpt), "--dry-run", "--no-build", "--no-smoke", "--json"])
     assert snapshot(work) == before
     assert not [f for f in doc["findings"] if f["id"].startswith("checkpoint.")
                 and f["severity"] == "fail"]
@@ -214,11 +174,11 @@ def _shards(d: Path) -> list[Path]:
     return sorted(d.glob("model-*.safetensors"))
 
 
-def test_truncated_shard(ckpt: Path, work: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_truncated_shard(ckpt: Path, work: Path) -> None:
     shard = _shards(ckpt)[1]
     with open(shard, "r+b") as fh:
         fh.truncate(shard.stat().st_size // 2)
-    found = assert_case(ckpt, work, capsys, "checkpoint.shards", "fail")
+    found = assert_case(ckpt, work, "checkpoint.shards", "fail")
     f = next(x for x in found if x["severity"] == "fail")
     assert f["paths"] == [str(shard)]
     assert "cut short" in f["message"] and "MetadataIncompleteBuffer" in f["message"]
@@ -227,10 +187,10 @@ def test_truncated_shard(ckpt: Path, work: Path, capsys: pytest.CaptureFixture[s
     assert "--force-download" in f["fix"]
 
 
-def test_lfs_pointer_shard(ckpt: Path, work: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_lfs_pointer_shard(ckpt: Path, work: Path) -> None:
     shard = _shards(ckpt)[0]
     shard.write_bytes(LFS_POINTER)
-    found = assert_case(ckpt, work, capsys, "checkpoint.content", "fail")
+    found = assert_case(ckpt, work, "checkpoint.content", "fail")
     assert found[0]["paths"] == [str(shard)]
     assert found[0]["details"]["kind"] == "lfs-pointer"
     assert "1,964,065,176" in found[0]["message"]
@@ -246,10 +206,10 @@ def test_lfs_pointer_in_a_git_clone_suggests_git_lfs_pull(ckpt: Path) -> None:
     assert f.fix is not None and f.fix.startswith(f"git -C {ckpt} lfs pull --include=")
 
 
-def test_missing_shard(ckpt: Path, work: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_missing_shard(ckpt: Path, work: Path) -> None:
     shard = _shards(ckpt)[0]
     shard.unlink()
-    found = assert_case(ckpt, work, capsys, "checkpoint.index", "fail")
+    found = assert_case(ckpt, work, "checkpoint.index", "fail")
     f = next(x for x in found if x["severity"] == "fail")
     assert f["paths"] == [str(shard)]
     assert f"hf download {PLACEHOLDER_REPO} {shard.name} --local-dir" in f["fix"]
@@ -303,7 +263,7 @@ def guard(monkeypatch: pytest.MonkeyPatch) -> Callable[[Path], list[str]]:
 
 
 def test_index_escaping_the_directory_is_refused_and_never_opened(
-    ckpt: Path, work: Path, capsys: pytest.CaptureFixture[str], guard: Callable[[Path], list[str]]
+    ckpt: Path, work: Path, guard: Callable[[Path], list[str]]
 ) -> None:
     outside = work / "outside.safetensors"
     os.mkfifo(outside)  # reading it would block forever: proof by hanging, guarded below
@@ -312,7 +272,7 @@ def test_index_escaping_the_directory_is_refused_and_never_opened(
     _edit_index(ckpt, lambda d: d["weight_map"].update(
         {k: "../outside.safetensors" for k, v in d["weight_map"].items() if v == victim}
     ))
-    found = assert_case(ckpt, work, capsys, "checkpoint.index", "fail")
+    found = assert_case(ckpt, work, "checkpoint.index", "fail")
     f = next(x for x in found if x["severity"] == "fail")
     assert "../outside.safetensors" in f["message"] and "never opens" in f["message"]
     assert f["details"]["refused"] == {
@@ -322,7 +282,7 @@ def test_index_escaping_the_directory_is_refused_and_never_opened(
 
 
 def test_absolute_path_in_index_is_refused_and_never_opened(
-    ckpt: Path, work: Path, capsys: pytest.CaptureFixture[str], guard: Callable[[Path], list[str]]
+    ckpt: Path, work: Path, guard: Callable[[Path], list[str]]
 ) -> None:
     outside = work / "abs.safetensors"
     shutil.copy(_shards(ckpt)[0], outside)  # a valid shard: only the name gives it away
@@ -331,7 +291,7 @@ def test_absolute_path_in_index_is_refused_and_never_opened(
     _edit_index(ckpt, lambda d: d["weight_map"].update(
         {k: str(outside) for k, v in d["weight_map"].items() if v == victim}
     ))
-    found = assert_case(ckpt, work, capsys, "checkpoint.index", "fail")
+    found = assert_case(ckpt, work, "checkpoint.index", "fail")
     f = next(x for x in found if x["severity"] == "fail")
     assert f["details"]["refused"] == {str(outside): "is an absolute path"}
     assert touched == []
@@ -378,9 +338,9 @@ def test_index_total_size_and_misplaced_tensors(ckpt: Path) -> None:
 # -- remote code, tokenizer, config ----------------------------------------------------------
 
 
-def test_html_instead_of_python(ckpt: Path, work: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_html_instead_of_python(ckpt: Path, work: Path) -> None:
     (ckpt / "modeling_qwen.py").write_bytes(HTML_PAGE)
-    found = assert_case(ckpt, work, capsys, "checkpoint.content", "fail")
+    found = assert_case(ckpt, work, "checkpoint.content", "fail")
     assert found[0]["details"]["kind"] == "html"
     assert found[0]["paths"] == [str(ckpt / "modeling_qwen.py")]
     assert "modeling_qwen.py" in found[0]["fix"]
@@ -388,56 +348,52 @@ def test_html_instead_of_python(ckpt: Path, work: Path, capsys: pytest.CaptureFi
     assert [f.severity for f in remote] == [Severity.SKIP]
 
 
-def test_remote_code_too_old(ckpt: Path, work: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_remote_code_too_old(ckpt: Path, work: Path) -> None:
     # The shape of the August-2023 modeling file: the model, but no quantized cache at all.
     (ckpt / "modeling_qwen.py").write_text(
         "import torch\nfrom transformers import PreTrainedModel\n\n"
         "class QWenLMHeadModel(PreTrainedModel):\n    pass\n"
     )
-    found = assert_case(ckpt, work, capsys, "checkpoint.remote_code", "fail")
+    found = assert_case(ckpt, work, "checkpoint.remote_code", "fail")
     assert "silently ignored" in found[0]["message"]
     assert "update the remote code" in found[0]["fix"]
     assert "modeling_qwen.py" in found[0]["fix"]
 
 
-def test_invalid_config_names_the_line(
-    ckpt: Path, work: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_invalid_config_names_the_line(ckpt: Path, work: Path) -> None:
     lines = (ckpt / "config.json").read_text().splitlines()
     lines[4] = lines[4].rstrip(",") + ",,"  # line 5: a doubled comma
     (ckpt / "config.json").write_text("\n".join(lines) + "\n")
-    found = assert_case(ckpt, work, capsys, "config.parse", "fail")
+    found = assert_case(ckpt, work, "config.parse", "fail")
     assert "line 5" in found[0]["message"]
     assert "repair line 5" in found[0]["fix"]
     # fix --dry-run refuses with the same line, from the config patch step.
-    code, doc = run_cli([*FIX_DRY, str(ckpt)], capsys)
+    code, doc = run_cli([*FIX_DRY, str(ckpt)])
     assert code == 1 and "line 5" in doc["error"]["message"]
 
 
-def test_lfs_tiktoken(ckpt: Path, work: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_lfs_tiktoken(ckpt: Path, work: Path) -> None:
     (ckpt / "qwen.tiktoken").write_bytes(LFS_POINTER)
-    found = assert_case(ckpt, work, capsys, "checkpoint.content", "fail")
+    found = assert_case(ckpt, work, "checkpoint.content", "fail")
     assert found[0]["paths"] == [str(ckpt / "qwen.tiktoken")]
     tok = [f for f in direct(ckpt) if f.id == "checkpoint.tokenizer"]
     assert [f.severity for f in tok] == [Severity.SKIP]
 
 
-def test_bad_tiktoken_line_is_named(
-    ckpt: Path, work: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_bad_tiktoken_line_is_named(ckpt: Path, work: Path) -> None:
     path = ckpt / "qwen.tiktoken"
     lines = path.read_bytes().splitlines()
     lines[6] = b"not*base64 7"
     path.write_bytes(b"\n".join(lines) + b"\n")
-    found = assert_case(ckpt, work, capsys, "checkpoint.tokenizer", "fail")
+    found = assert_case(ckpt, work, "checkpoint.tokenizer", "fail")
     assert "line 7" in found[0]["message"]
     assert found[0]["details"]["line"] == 7
 
 
-def test_dotted_directory(ckpt: Path, work: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_dotted_directory(ckpt: Path, work: Path) -> None:
     dotted = work / "qwen-7b-v1.0"
     ckpt.rename(dotted)
-    found = assert_case(dotted, work, capsys, "checkpoint.dirname", "fail")
+    found = assert_case(dotted, work, "checkpoint.dirname", "fail")
     assert "transformers_modules.qwen-7b-v1'" in found[0]["message"]
     assert "ln -s" in found[0]["fix"] and "qwen-7b-v1_0" in found[0]["fix"]
 
@@ -459,12 +415,10 @@ def _as_hub_snapshot(src: Path, hub: Path, repo: str, rev: str) -> Path:
     return snap
 
 
-def test_symlinked_config_in_a_hub_snapshot(
-    template: Path, work: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_symlinked_config_in_a_hub_snapshot(template: Path, work: Path) -> None:
     rev = "a" * 40
     snap = _as_hub_snapshot(template, work / "hub", "Qwen/Qwen-7B-Chat", rev)
-    found = assert_case(snap, work, capsys, "config.symlink", "info")
+    found = assert_case(snap, work, "config.symlink", "info")
     assert "never write the blob" in found[0]["message"]
     facts = probe_checkpoint(snap)
     assert facts.config_is_symlink
@@ -481,16 +435,14 @@ def test_symlinked_config_in_a_hub_snapshot(
     )
 
 
-def test_truncated_blob_in_a_hub_snapshot(
-    template: Path, work: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_truncated_blob_in_a_hub_snapshot(template: Path, work: Path) -> None:
     rev = "b" * 40
     snap = _as_hub_snapshot(template, work / "hub", "Qwen/Qwen-1_8B-Chat", rev)
     shard = _shards(snap)[0]
     blob = shard.resolve()
     with open(blob, "r+b") as fh:
         fh.truncate(100)
-    found = assert_case(snap, work, capsys, "checkpoint.shards", "fail")
+    found = assert_case(snap, work, "checkpoint.shards", "fail")
     assert found[0]["fix"] == (
         f"hf download Qwen/Qwen-1_8B-Chat {shard.name} --revision {rev} "
         f"--cache-dir {work / 'hub'} --force-download"
@@ -504,9 +456,9 @@ def test_dangling_snapshot_symlink(template: Path, work: Path) -> None:
     assert f and "tokenization_qwen.py" in f[0].message and "blob" in f[0].message
 
 
-def test_legacy_pytorch_bin(work: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_legacy_pytorch_bin(work: Path) -> None:
     d = generate_checkpoint(work / "Qwen-7B-Chat", legacy_bin=True)
-    found = assert_case(d, work, capsys, "checkpoint.files", "info")
+    found = assert_case(d, work, "checkpoint.files", "info")
     f = next(x for x in found if x["severity"] == "info")
     assert "August-2023" in f["message"]
     assert f["paths"] == [str(d / "pytorch_model.bin")]
@@ -516,9 +468,9 @@ def test_legacy_pytorch_bin(work: Path, capsys: pytest.CaptureFixture[str]) -> N
     assert probe_checkpoint(d).weights_layout == "pytorch-bin"
 
 
-def test_gptq_recognised(work: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_gptq_recognised(work: Path) -> None:
     d = generate_checkpoint(work / "Qwen-tiny-Int4", gptq=True)
-    found = assert_case(d, work, capsys, "checkpoint.gptq", "info")
+    found = assert_case(d, work, "checkpoint.gptq", "info")
     assert "auto-gptq" in found[0]["fix"] and "optimum" in found[0]["fix"]
     assert probe_checkpoint(d).gptq is True
     # Recognised from config.json's quantization_config alone too.
@@ -527,16 +479,14 @@ def test_gptq_recognised(work: Path, capsys: pytest.CaptureFixture[str]) -> None
     assert facts.gptq and facts.gptq_source == "config.json quantization_config"
 
 
-def test_missing_requirement(
-    ckpt: Path, work: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_missing_requirement(ckpt: Path, work: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     real = importlib.util.find_spec
 
     def fake(name: str, *a: Any, **k: Any) -> Any:
         return None if name == "einops" else real(name, *a, **k)
 
     monkeypatch.setattr(importlib.util, "find_spec", fake)
-    found = assert_case(ckpt, work, capsys, "checkpoint.requirements", "fail")
+    found = assert_case(ckpt, work, "checkpoint.requirements", "fail")
     assert found[0]["fix"] == "pip install einops"
     assert "not found in your environment: einops" in found[0]["message"]
 

@@ -3,45 +3,34 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 from qwen_kvprep import __version__
-
-
-def run(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "qwen_kvprep", *args],
-        capture_output=True,
-        text=True,
-        cwd=cwd,
-        timeout=120,
-    )
+from tests.cli import kvprep
 
 
 def test_version() -> None:
-    res = run("--version")
+    res = kvprep("--version")
     assert res.returncode == 0
     assert __version__ in res.stdout
 
 
 def test_unknown_option_is_usage_error() -> None:
-    res = run("doctor", "--no-such-option")
+    res = kvprep("doctor", "--no-such-option")
     assert res.returncode == 2
     assert "Traceback" not in res.stderr
 
 
 def test_missing_directory_is_usage_error(tmp_path: Path) -> None:
     for cmd in (["doctor"], ["fix"], ["revert"]):
-        res = run(*cmd, str(tmp_path / "nope"))
+        res = kvprep(*cmd, str(tmp_path / "nope"))
         assert res.returncode == 2, (cmd, res.stderr)
         assert "no such directory" in res.stderr
         assert "Traceback" not in res.stderr
 
 
 def test_unknown_check_id_is_usage_error() -> None:
-    res = run("doctor", "--check", "env.no_such_check")
+    res = kvprep("doctor", "--check", "env.no_such_check")
     assert res.returncode == 2
     assert "--list-checks" in res.stderr
 
@@ -51,7 +40,7 @@ def test_fix_refuses_invalid_config_without_traceback(tmp_path: Path) -> None:
     d.mkdir()
     (d / "config.json").write_text('{\n  "model_type": "qwen",\n  oops\n}\n')
     before = (d / "config.json").read_bytes()
-    res = run("fix", str(d), "--no-build", "--no-smoke")
+    res = kvprep("fix", str(d), "--no-build", "--no-smoke")
     assert res.returncode == 1
     assert "Traceback" not in res.stderr
     assert (d / "config.json").read_bytes() == before
@@ -61,7 +50,7 @@ def test_json_error_document_is_one_object(tmp_path: Path) -> None:
     d = tmp_path / "ckpt"
     d.mkdir()
     (d / "config.json").write_text("{ broken")
-    res = run("fix", str(d), "--no-build", "--no-smoke", "--json")
+    res = kvprep("fix", str(d), "--no-build", "--no-smoke", "--json")
     assert res.returncode == 1
     doc = json.loads(res.stdout)
     assert doc["schema_version"] == 1

@@ -5,11 +5,10 @@ import os
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
 
-from qwen_kvprep.cli import cli
 from qwen_kvprep.errors import ConfigError
 from qwen_kvprep.steps.config_patch import KV_FLAGS, patch_text
+from tests.cli import invoke
 from tests.treesnap import snapshot
 
 ORIGINAL = """{
@@ -127,9 +126,9 @@ def test_journal_dry_run_writes_nothing(tmp_path: Path, monkeypatch: pytest.Monk
 
 def test_revert_without_journal_says_nothing_to_do(tmp_path: Path) -> None:
     d = _minimal_checkpoint(tmp_path)
-    res = CliRunner().invoke(cli, ["revert", str(d)])
-    assert res.exit_code == 0
-    assert "nothing to revert" in res.output
+    res = invoke("revert", str(d))
+    assert res.returncode == 0
+    assert "nothing to revert" in res.stdout
 
 
 def test_dry_run_rendering_diffs_small_files_and_summarises_large_ones(tmp_path: Path) -> None:

@@ -11,12 +11,14 @@ import re
 import shutil
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import pytest
 
 from tests import needs
+from tests.cli import ENTRY, kvprep
 from tests.treesnap import snapshot
 
 REPO = Path(__file__).resolve().parent.parent
@@ -121,10 +123,9 @@ def base_env(tmp: Path, **extra: str) -> dict[str, str]:
 
 
 def doctor(
-    *args: str, env: dict[str, str], cwd: Path, prefix: Optional[list[str]] = None
+    *args: str, env: dict[str, str], cwd: Path, entry: Sequence[str] = ENTRY
 ) -> subprocess.CompletedProcess[str]:
-    cmd = [*(prefix or []), sys.executable, "-m", "qwen_kvprep", "doctor", *args]
-    return subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=cwd, timeout=300)
+    return kvprep("doctor", *args, env=env, cwd=cwd, timeout=300, entry=entry)
 
 
 def parse(res: subprocess.CompletedProcess[str]) -> dict[str, Any]:
@@ -326,28 +327,14 @@ def test_doctor_without_torch_and_transformers(tiny: Path, tmp_path: Path) -> No
         assert spec is not None and spec.submodule_search_locations
         (site / name).symlink_to(next(iter(spec.submodule_search_locations)))
     env = base_env(tmp_path, PYTHONPATH=f"{site}{os.pathsep}{REPO}")
-    python = tmp_path / "venv" / "bin" / "python"
-    res = subprocess.run(
-        [str(python), "-m", "qwen_kvprep", "doctor", "--json", str(tiny)],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=tmp_path,
-        timeout=300,
-    )
+    bare = (str(tmp_path / "venv" / "bin" / "python"), "-m", "qwen_kvprep")
+    res = doctor("--json", str(tiny), env=env, cwd=tmp_path, entry=bare)
     ids = by_id(parse(res))
     assert ids["env.torch"][0]["severity"] == "fail"
     assert ids["env.transformers"][0]["severity"] == "fail"
     assert "transformers>=4.32,<4.54" in ids["env.transformers"][0]["fix"]
     assert ids["env.python"][0]["severity"] == "ok"
-    report = subprocess.run(
-        [str(python), "-m", "qwen_kvprep", "doctor", "--report", str(tiny)],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=tmp_path,
-        timeout=300,
-    )
+    report = doctor("--report", str(tiny), env=env, cwd=tmp_path, entry=bare)
     assert report.returncode == 1 and "Traceback" not in report.stderr
     assert "not importable" in report.stdout and "not installed" in report.stdout
 
@@ -386,7 +373,7 @@ def test_doctor_on_a_read_only_file_system(tiny: Path, tmp_path: Path) -> None:
         "sh",
         str(root),
     ]
-    doc = parse(doctor("--json", str(copy), env=env, cwd=tmp_path, prefix=prefix))
+    doc = parse(doctor("--json", str(copy), env=env, cwd=tmp_path, entry=(*prefix, *ENTRY)))
     assert snapshot(root) == before
     ids = by_id(doc)
     cache = ids["build.cache"][0]

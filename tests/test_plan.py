@@ -6,8 +6,6 @@ import json
 import os
 import shutil
 import struct
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +26,7 @@ from qwen_kvprep.planning.capacity import Scenario, make_plan, max_batch, max_to
 from qwen_kvprep.planning.model import Gptq, read_model, weights_from_config
 from qwen_kvprep.planning.sizes import parse_int_list, parse_size
 from qwen_kvprep.tiny import generate_checkpoint
+from tests.cli import kvprep
 
 DATA = Path(__file__).parent / "data"
 QWEN_7B = DATA / "qwen-7b-chat-config"
@@ -36,16 +35,6 @@ QWEN_1_8B = DATA / "qwen-1_8b-chat-config"
 QWEN_72B = DATA / "qwen-72b-chat-config"
 GIB = 1024**3
 MIB = 1024**2
-
-
-def run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "qwen_kvprep", *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, **(env or {})},
-    )
 
 
 def config_only(src: Path, dest: Path) -> Path:
@@ -385,7 +374,7 @@ def test_prediction_matches_live_tensors_of_the_tiny_model(
 
 
 def test_cli_json(tmp_path: Path) -> None:
-    res = run("plan", str(QWEN_7B), "--gpu-memory", "80GiB", "--json")
+    res = kvprep("plan", str(QWEN_7B), "--gpu-memory", "80GiB", "--json")
     assert res.returncode == 0, res.stderr
     doc = json.loads(res.stdout)
     assert doc["ok"] is True and doc["schema_version"] == 1
@@ -407,7 +396,7 @@ def test_cli_json(tmp_path: Path) -> None:
 
 
 def test_cli_text_tables() -> None:
-    res = run("plan", str(QWEN_7B), "--gpu-memory", "80GiB", "--tokens", "1024,512,8192")
+    res = kvprep("plan", str(QWEN_7B), "--gpu-memory", "80GiB", "--tokens", "1024,512,8192")
     assert res.returncode == 0, res.stderr
     out = res.stdout
     assert "Peak GPU memory (GiB) by batch, 1,024 tokens cached" in out
@@ -418,39 +407,39 @@ def test_cli_text_tables() -> None:
 
 def test_cli_on_a_tiny_checkpoint(tmp_path: Path) -> None:
     d = generate_checkpoint(tmp_path / "tiny")
-    res = run("plan", str(d), "--gpu-memory", "1GiB", "--batch", "1,2", "--tokens", "64,128")
+    res = kvprep("plan", str(d), "--gpu-memory", "1GiB", "--batch", "1,2", "--tokens", "64,128")
     assert res.returncode == 0, res.stderr
     assert "safetensors headers of 2 files" in res.stdout
 
 
 def test_cli_needs_gpu_memory_without_a_gpu() -> None:
-    res = run("plan", str(QWEN_7B), env={"CUDA_VISIBLE_DEVICES": ""})
+    res = kvprep("plan", str(QWEN_7B), env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
     assert res.returncode == 2
     assert "--gpu-memory" in res.stderr and "Traceback" not in res.stderr
 
 
 def test_cli_errors(tmp_path: Path) -> None:
-    res = run("plan", str(QWEN_7B), "--gpu-memory", "80G")
+    res = kvprep("plan", str(QWEN_7B), "--gpu-memory", "80G")
     assert res.returncode == 2 and "GiB" in res.stderr and "Traceback" not in res.stderr
-    res = run("plan", str(QWEN_7B), "--gpu-memory", "80GiB", "--batch", "0")
+    res = kvprep("plan", str(QWEN_7B), "--gpu-memory", "80GiB", "--batch", "0")
     assert res.returncode == 2 and "--batch" in res.stderr
-    res = run(
+    res = kvprep(
         "plan", str(QWEN_7B), "--gpu-memory", "80GiB", "--tokens", "8", "--prompt-tokens", "9"
     )
     assert res.returncode == 2 and "--prompt-tokens" in res.stderr
     empty = tmp_path / "empty"
     empty.mkdir()
-    res = run("plan", str(empty), "--gpu-memory", "80GiB")
+    res = kvprep("plan", str(empty), "--gpu-memory", "80GiB")
     assert res.returncode == 1 and "no config.json" in res.stderr
     assert "hf download" in res.stderr and "Traceback" not in res.stderr
     bad = tmp_path / "bad"
     bad.mkdir()
     (bad / "config.json").write_text('{"model_type": "qwen",\n oops}\n')
-    res = run("plan", str(bad), "--gpu-memory", "80GiB", "--json")
+    res = kvprep("plan", str(bad), "--gpu-memory", "80GiB", "--json")
     assert res.returncode == 1 and "Traceback" not in res.stderr
     doc = json.loads(res.stdout)
     assert doc["ok"] is False and "line 2" in doc["error"]["message"]
-    res = run("plan", str(tmp_path / "nope"), "--gpu-memory", "80GiB")
+    res = kvprep("plan", str(tmp_path / "nope"), "--gpu-memory", "80GiB")
     assert res.returncode == 2 and "no such directory" in res.stderr
 
 

@@ -23,7 +23,9 @@ import pytest
 from qwen_kvprep.fastpath import Request, state_mismatch
 from qwen_kvprep.resources import KERNEL_FILES
 from tests import needs
-from tests.safety_kit import MODULE_FILES, kvprep, prepare, sha, tree
+from tests.cli import ENTRY, invoke, kvprep
+from tests.safety_kit import MODULE_FILES, prepare, sha
+from tests.treesnap import snapshot
 
 ROOT_ONLY = pytest.mark.skipif(
     os.geteuid() != 0, reason="needs root: mounts a tmpfs (read-only or full file system)"
@@ -89,14 +91,14 @@ def test_a_tampered_state_never_makes_prestart_write_outside_the_modules_cache(
         shutil.rmtree(p.folder)
         p.folder.symlink_to(p.outside / "dir")
     (p.directory / ".qwen-kvprep" / "state.json").write_text(json.dumps(state))
-    outside = tree(p.outside)
+    outside = snapshot(p.outside)
     reason = state_mismatch(Request(str(p.directory)))
     assert reason is not None
-    assert tree(p.outside) == outside
+    assert snapshot(p.outside) == outside
     res = kvprep("prestart", str(p.directory), "--allow-fallback", "--", "true",
                  env=dict(os.environ))
     no_traceback(res)
-    assert tree(p.outside) == outside
+    assert snapshot(p.outside) == outside
 
 
 def test_a_sound_state_plants_into_a_fresh_modules_cache(
@@ -187,7 +189,7 @@ def test_a_read_only_dir_names_output(tiny: Path, tmp_path: Path, env: dict[str,
     with tmpfs(tmp_path / "ro", "64m") as mnt:
         ckpt = copy_of(tiny, mnt)
         subprocess.run(["mount", "-o", "remount,ro", str(mnt)], check=True)
-        before = tree(ckpt)
+        before = snapshot(ckpt)
         res = kvprep("fix", str(ckpt), "--no-build", "--no-smoke", env=env, timeout=300)
         no_traceback(res)
         assert res.returncode == 1
@@ -195,13 +197,13 @@ def test_a_read_only_dir_names_output(tiny: Path, tmp_path: Path, env: dict[str,
         res = kvprep("prestart", str(ckpt), "--", "true", env=env, timeout=300)
         no_traceback(res)
         assert res.returncode == 1 and "--output" in res.stderr
-        assert tree(ckpt) == before
+        assert snapshot(ckpt) == before
         # and --output works: the way out the message names
         out = tmp_path / "view" / "Tiny-Chat"
         res = kvprep("fix", str(ckpt), "--output", str(out), "--no-build", "--no-smoke",
                      env=env, timeout=300)
         assert res.returncode == 0, res.stderr
-        assert tree(ckpt) == before
+        assert snapshot(ckpt) == before
 
 
 @ROOT_ONLY
@@ -212,18 +214,18 @@ def test_a_full_disk_says_so_and_leaves_no_empty_state_folder(
     with tmpfs(tmp_path / "full", f"{size}k") as mnt:
         ckpt = copy_of(tiny, mnt)
         fill(mnt)
-        before = tree(ckpt)
+        before = snapshot(ckpt)
         res = kvprep("fix", str(ckpt), "--no-build", "--no-smoke", env=env, timeout=300)
         no_traceback(res)
         assert res.returncode == 1
         assert "no space left" in res.stderr and str(mnt) in res.stderr, res.stderr
-        assert tree(ckpt) == before  # no empty .qwen-kvprep/, no temporary file
+        assert snapshot(ckpt) == before  # no empty .qwen-kvprep/, no temporary file
         # space again: the same fix now works, and revert is exact
         (mnt / "filler").unlink()
         res = kvprep("fix", str(ckpt), "--no-build", "--no-smoke", env=env, timeout=300)
         assert res.returncode == 0, res.stderr
         assert kvprep("revert", str(ckpt), env=env).returncode == 0
-        assert tree(ckpt) == before
+        assert snapshot(ckpt) == before
 
 
 @ROOT_ONLY
@@ -264,14 +266,14 @@ def test_permission_denied_names_the_path_and_the_user(
     ckpt = copy_of(tiny, tmp_path / "models")
     os.chmod(ckpt, 0o555)
     try:
-        before = tree(ckpt)
+        before = snapshot(ckpt)
         res = kvprep("fix", str(ckpt), "--no-build", "--no-smoke", env=env, timeout=300,
-                     prefix=prefix)
+                     entry=(*prefix, *ENTRY))
         no_traceback(res)
         assert res.returncode == 1
         assert "permission denied" in res.stderr and str(ckpt) in res.stderr
         assert "root (uid 0)" in res.stderr
-        assert tree(ckpt) == before
+        assert snapshot(ckpt) == before
     finally:
         os.chmod(ckpt, 0o755)
 
@@ -282,7 +284,7 @@ def test_an_unreadable_file_gets_a_permission_hint_not_a_download(
     prefix = _without_root_powers()
     ckpt = copy_of(tiny, tmp_path / "models")
     os.chmod(ckpt / "qwen.tiktoken", 0o000)
-    res = kvprep("doctor", str(ckpt), "--json", env=env, prefix=prefix)
+    res = kvprep("doctor", str(ckpt), "--json", env=env, entry=(*prefix, *ENTRY))
     no_traceback(res)
     doc = json.loads(res.stdout)
     (content,) = [f for f in doc["findings"] if f["id"] == "checkpoint.content"]
@@ -326,11 +328,11 @@ def test_a_refused_fix_leaves_the_folder_byte_identical_and_doctor_agrees(
 ) -> None:
     ckpt = copy_of(tiny, tmp_path / "models")
     (ckpt / "config.json").write_bytes(config)
-    before = tree(ckpt)
+    before = snapshot(ckpt)
     res = kvprep("fix", str(ckpt), "--no-build", "--no-smoke", env=env, timeout=300)
     no_traceback(res)
     assert res.returncode == 1
-    assert tree(ckpt) == before  # no kernel source, no .qwen-kvprep/, nothing
+    assert snapshot(ckpt) == before  # no kernel source, no .qwen-kvprep/, nothing
     assert not (tmp_path / "hf" / "modules").exists()
     doc = json.loads(kvprep("doctor", str(ckpt), "--json", "--check", "config.parse",
                             env=env).stdout)
@@ -351,11 +353,11 @@ def test_fix_refuses_a_damaged_journal_and_rewrites_a_damaged_state(
     journal = ckpt / ".qwen-kvprep" / "journal.json"
     good = journal.read_bytes()
     journal.write_bytes(good[: len(good) // 3])
-    before = tree(ckpt)
+    before = snapshot(ckpt)
     res = kvprep("fix", str(ckpt), "--no-build", "--no-smoke", env=env, timeout=300)
     no_traceback(res)
     assert res.returncode == 1 and "journal" in res.stderr and "by hand" in res.stderr
-    assert tree(ckpt) == before
+    assert snapshot(ckpt) == before
     journal.write_bytes(good)
     (ckpt / ".qwen-kvprep" / "state.json").write_text("[" * 50_000)
     res = kvprep("fix", str(ckpt), "--no-build", "--no-smoke", "--json", env=env, timeout=300)
@@ -437,22 +439,14 @@ def test_cmd_options_are_cmds_own(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     assert "\nerror: " in res.stderr and '"schema_version"' not in res.stderr, res.stderr
 
 
-def test_own_options_stop_at_the_double_dash(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    from qwen_kvprep.cli import main
-
+def test_own_options_stop_at_the_double_dash(tmp_path: Path) -> None:
     missing = str(tmp_path / "nope")
-    with pytest.raises(SystemExit) as done:
-        main(["prestart", missing, "--", "x", "--json", "--debug"])
-    out = capsys.readouterr()
-    assert done.value.code == 2 and out.out == ""  # CMD's --json: no JSON document
-    assert f"error: no such directory: {missing}" in out.err and "Traceback" not in out.err
-    with pytest.raises(SystemExit) as done:
-        main(["fix", missing, "--json"])
-    out = capsys.readouterr()
-    assert done.value.code == 2
-    assert json.loads(out.out)["error"]["message"] == f"no such directory: {missing}"
+    out = invoke("prestart", missing, "--", "x", "--json", "--debug")
+    assert out.returncode == 2 and out.stdout == ""  # CMD's --json: no JSON document
+    assert f"error: no such directory: {missing}" in out.stderr and "Traceback" not in out.stderr
+    out = invoke("fix", missing, "--json")
+    assert out.returncode == 2
+    assert json.loads(out.stdout)["error"]["message"] == f"no such directory: {missing}"
 
 
 # ------------------------------------------------------------------ 12. secrets
@@ -623,12 +617,12 @@ def test_hub_snapshot_layout_fix_tamper_revert(
         blob = repo / "blobs" / sha(f.read_bytes())
         shutil.copy(f, blob)
         (snap / f.name).symlink_to(os.path.relpath(blob, snap))
-    blobs = tree(repo / "blobs")
-    before = tree(snap)
+    blobs = snapshot(repo / "blobs")
+    before = snapshot(snap)
     res = kvprep("fix", str(snap), "--no-build", "--no-smoke", env=env, timeout=300)
     assert res.returncode == 0, res.stderr
     assert not (snap / "config.json").is_symlink()
-    assert tree(repo / "blobs") == blobs
+    assert snapshot(repo / "blobs") == blobs
     journal = json.loads((snap / ".qwen-kvprep" / "journal.json").read_text())
     assert journal["files"]["config.json"]["kind"] == "symlink"
     good = json.loads(json.dumps(journal))
@@ -640,7 +634,7 @@ def test_hub_snapshot_layout_fix_tamper_revert(
     (snap / ".qwen-kvprep" / "journal.json").write_text(json.dumps(good))
     res = kvprep("revert", str(snap), env=env)
     assert res.returncode == 0, res.stderr
-    assert tree(snap) == before and tree(repo / "blobs") == blobs
+    assert snapshot(snap) == before and snapshot(repo / "blobs") == blobs
 
 
 def test_state_written_by_fix_passes_its_own_schema(
@@ -662,7 +656,7 @@ def test_replicas_making_one_new_output_view_together(
     """Three fixes of one read-only DIR into the same new OUT at once: they take turns on
     OUT's lock; none removes what another made, and the view is complete."""
     ckpt = copy_of(tiny, tmp_path / "models")
-    before = tree(ckpt)
+    before = snapshot(ckpt)
     out = tmp_path / "prepared" / "Tiny-Chat"
     procs = [
         subprocess.Popen([sys.executable, "-m", "qwen_kvprep", "fix", str(ckpt), "--output",
@@ -673,7 +667,7 @@ def test_replicas_making_one_new_output_view_together(
     for proc in procs:
         _, err = proc.communicate(timeout=600)
         assert proc.returncode == 0, err[-3000:]
-    assert tree(ckpt) == before
+    assert snapshot(ckpt) == before
     journal = json.loads((out / ".qwen-kvprep" / "journal.json").read_text())
     assert journal["files"]["config.json"]["kind"] == "symlink"  # the original kept once
     assert json.loads((out / "config.json").read_text())["use_cache_kernel"] is True

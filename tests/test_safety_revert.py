@@ -21,17 +21,17 @@ from qwen_kvprep.errors import KvprepError, StateError
 from qwen_kvprep.journal import USERS_DIRNAME, Journal
 from qwen_kvprep.resources import KERNEL_FILES
 from qwen_kvprep.steps.revert import revert_checkpoint
+from tests.cli import document, invoke, kvprep
 from tests.safety_kit import (
     MODULE_FILES,
     OFFICIAL_LOADER,
     journal_data,
-    kvprep,
     prepare,
     save_journal,
     sha,
-    tree,
     write_state,
 )
+from tests.treesnap import snapshot
 
 
 @pytest.fixture()
@@ -43,9 +43,9 @@ def modules_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, st
 
 def _assert_untouched(p: Any, before_dir: dict[str, Any], before_modules: dict[str, Any],
                       before_outside: dict[str, Any]) -> None:
-    assert tree(p.directory) == before_dir
-    assert tree(p.modules) == before_modules
-    assert tree(p.outside) == before_outside
+    assert snapshot(p.directory) == before_dir
+    assert snapshot(p.modules) == before_modules
+    assert snapshot(p.outside) == before_outside
 
 
 # ------------------------------------------------------------------ the journal as it should be
@@ -53,14 +53,14 @@ def _assert_untouched(p: Any, before_dir: dict[str, Any], before_modules: dict[s
 
 def test_revert_restores_everything_and_leaves_nothing(tmp_path: Path, modules_env: Any) -> None:
     p = prepare(tmp_path)
-    outside = tree(p.outside)
+    outside = snapshot(p.outside)
     res = kvprep("revert", str(p.directory), env=modules_env)
     assert res.returncode == 0, res.stderr
-    assert tree(p.directory) == p.pristine  # byte for byte, modes too, no .qwen-kvprep
+    assert snapshot(p.directory) == p.pristine  # byte for byte, modes too, no .qwen-kvprep
     assert (p.folder / "cpp_kernels.py").read_bytes() == OFFICIAL_LOADER  # its original
     assert not any((p.folder / n).exists() for n in KERNEL_FILES)
     assert not (p.folder / USERS_DIRNAME).exists()
-    assert tree(p.outside) == outside
+    assert snapshot(p.outside) == outside
     again = kvprep("revert", str(p.directory), env=modules_env)
     assert again.returncode == 0 and "nothing to revert" in again.stdout
 
@@ -116,7 +116,7 @@ def test_fix_and_revert_racing_never_lose_an_original(
     from qwen_kvprep.tiny import generate_checkpoint
 
     ckpt = generate_checkpoint(tmp_path / "Race-Chat")
-    pristine = tree(ckpt)
+    pristine = snapshot(ckpt)
     env = {**os.environ, "HF_HOME": str(tmp_path / "hf"),
            "HF_MODULES_CACHE": str(tmp_path / "hf" / "modules"),
            "QWEN_KVPREP_CACHE": str(shared_build_cache), "HF_HUB_OFFLINE": "1"}
@@ -131,7 +131,7 @@ def test_fix_and_revert_racing_never_lose_an_original(
         assert "Traceback" not in err
     res = kvprep("revert", str(ckpt), env=env)
     assert res.returncode == 0, res.stderr
-    assert tree(ckpt) == pristine
+    assert snapshot(ckpt) == pristine
     folder = tmp_path / "hf" / "modules" / "transformers_modules" / "Race-Chat"
     assert not any((folder / n).exists() for n in KERNEL_FILES)
 
@@ -205,13 +205,13 @@ def test_revert_without_the_originals_changes_nothing_and_says_how_to_recover(
         target = tmp_path / "models" / "Copy-Chat"
         shutil.copytree(p.directory, target, symlinks=True,
                         ignore=shutil.ignore_patterns("originals"))
-    before = tree(target), tree(p.modules), tree(p.outside)
+    before = snapshot(target), snapshot(p.modules), snapshot(p.outside)
     res = kvprep("revert", str(target), env=modules_env)
     assert res.returncode == 1
     assert "Traceback" not in res.stderr and "internal error" not in res.stderr
     assert "config.json" in res.stderr and "missing" in res.stderr
     assert "nothing was changed" in res.stderr and "by hand" in res.stderr
-    assert (tree(target), tree(p.modules), tree(p.outside)) == before
+    assert (snapshot(target), snapshot(p.modules), snapshot(p.outside)) == before
     assert (target / "config.json").exists()
 
 
@@ -248,11 +248,11 @@ def test_a_journal_pointing_outside_is_refused_or_confined(
 ) -> None:
     p = prepare(tmp_path)
     _tamper(p, how)
-    outside = tree(p.outside)
-    before = tree(p.directory), tree(p.modules)
+    outside = snapshot(p.outside)
+    before = snapshot(p.directory), snapshot(p.modules)
     res = kvprep("revert", str(p.directory), env=modules_env)
     assert "Traceback" not in res.stderr
-    assert tree(p.outside) == outside
+    assert snapshot(p.outside) == outside
     if how == "root-elsewhere":
         # a group for another modules root: its absent originals are listed, never removed
         assert res.returncode == 0, res.stderr
@@ -260,7 +260,7 @@ def test_a_journal_pointing_outside_is_refused_or_confined(
     else:
         assert res.returncode == 1, res.stdout + res.stderr
         assert "nothing was changed" in res.stderr
-        assert (tree(p.directory), tree(p.modules)) == before
+        assert (snapshot(p.directory), snapshot(p.modules)) == before
 
 
 @pytest.mark.parametrize("what", ["original", "originals-folder", "target-folder"])
@@ -282,11 +282,11 @@ def test_symlinks_in_the_way_are_never_followed(
             shutil.copy(p.folder / name, p.outside / "dir" / name)
         shutil.rmtree(p.folder)
         p.folder.symlink_to(p.outside / "dir")
-    outside = tree(p.outside)
+    outside = snapshot(p.outside)
     res = kvprep("revert", str(p.directory), env=modules_env)
     assert res.returncode == 1, res.stdout + res.stderr
     assert "Traceback" not in res.stderr
-    assert tree(p.outside) == outside  # the link's target is neither deleted nor read
+    assert snapshot(p.outside) == outside  # the link's target is neither deleted nor read
     assert "nothing was changed" in res.stderr
 
 
@@ -295,11 +295,11 @@ def test_a_changed_original_is_not_restored(tmp_path: Path, modules_env: Any) ->
     data = journal_data(p.directory)
     store = p.directory / ".qwen-kvprep" / data["files"]["config.json"]["store"]
     store.write_text('{"model_type": "not what was there"}')
-    before = tree(p.directory), tree(p.modules)
+    before = snapshot(p.directory), snapshot(p.modules)
     res = kvprep("revert", str(p.directory), env=modules_env)
     assert res.returncode == 1
     assert "config.json" in res.stderr and "changed since fix kept it" in res.stderr
-    assert (tree(p.directory), tree(p.modules)) == before
+    assert (snapshot(p.directory), snapshot(p.modules)) == before
 
 
 # ------------------------------------------------------------------ 4. copies
@@ -316,7 +316,7 @@ def test_reverting_a_copy_leaves_what_the_original_folder_uses(
     assert res.returncode == 0, res.stderr
     assert "still prepared" in res.stdout
     assert {n: (p.folder / n).read_bytes() for n in MODULE_FILES} == planted
-    assert tree(copy) == p.pristine  # the copy itself is restored
+    assert snapshot(copy) == p.pristine  # the copy itself is restored
     # the original folder still reverts completely
     res = kvprep("revert", str(p.directory), env=modules_env)
     assert res.returncode == 0, res.stderr
@@ -449,42 +449,36 @@ DAMAGE: dict[str, Callable[[Path], None]] = {
 }
 
 
-def _doctor_json(directory: Path, capsys: pytest.CaptureFixture[str]) -> dict[str, Any]:
+def _doctor_json(directory: Path) -> dict[str, Any]:
     """`qwen-kvprep doctor DIR --json` through the real entry point, in this process (the
     environment probe imports torch once, not once per case)."""
-    from qwen_kvprep.cli import main
-
-    capsys.readouterr()
-    with pytest.raises(SystemExit):
-        main(["doctor", str(directory), "--json"])
-    out = capsys.readouterr()
-    assert "Traceback" not in out.err and "internal error" not in out.err, out.err
-    return dict(json.loads(out.out))
+    res = invoke("doctor", str(directory), "--json")
+    assert "Traceback" not in res.stderr and "internal error" not in res.stderr, res.stderr
+    return document(res)
 
 
 @pytest.mark.parametrize("damage", sorted(DAMAGE))
 @pytest.mark.parametrize("record", ["journal.json", "state.json"])
 def test_damaged_records_are_findings_and_refusals_never_tracebacks(
     tmp_path: Path, modules_env: Any, record: str, damage: str,
-    capsys: pytest.CaptureFixture[str],
 ) -> None:
     p = prepare(tmp_path)
     DAMAGE[damage](p.directory / ".qwen-kvprep" / record)
-    before = tree(p.directory), tree(p.modules), tree(p.outside)
-    doc = _doctor_json(p.directory, capsys)
+    before = snapshot(p.directory), snapshot(p.modules), snapshot(p.outside)
+    doc = _doctor_json(p.directory)
     ids = {f["id"]: f for f in doc["findings"]}
     assert "env.python" in ids and "checkpoint.files" in ids  # doctor finished
     finding = ids["state.journal" if record == "journal.json" else "state.record"]
     assert finding["severity"] == "fail" and finding["fix"], finding
-    assert (tree(p.directory), tree(p.modules), tree(p.outside)) == before
+    assert (snapshot(p.directory), snapshot(p.modules), snapshot(p.outside)) == before
     res = kvprep("revert", str(p.directory), env=modules_env)
     assert "Traceback" not in res.stderr and "internal error" not in res.stderr
     if record == "journal.json":
         assert res.returncode == 1 and "nothing was changed" in res.stderr, res.stderr
-        assert (tree(p.directory), tree(p.modules), tree(p.outside)) == before
+        assert (snapshot(p.directory), snapshot(p.modules), snapshot(p.outside)) == before
     else:  # the state is not needed to revert
         assert res.returncode == 0, res.stderr
-        assert tree(p.directory) == p.pristine
+        assert snapshot(p.directory) == p.pristine
 
 
 def test_prestart_treats_a_damaged_state_as_not_prepared(tmp_path: Path, modules_env: Any) -> None:
@@ -597,7 +591,7 @@ def test_randomised_tampering_never_escapes_and_never_crashes(
         monkeypatch.setenv("HF_MODULES_CACHE", str(root / "modules"))
         p = prepare(root, build=True)
         what = _mutate_file(p, rng)
-        outside = tree(p.outside)
+        outside = snapshot(p.outside)
         around = sorted(os.listdir(root)), sorted(os.listdir(root / "models"))
         try:
             reason = state_mismatch(Request(str(p.directory)))
@@ -611,7 +605,7 @@ def test_randomised_tampering_never_escapes_and_never_crashes(
                 revert_checkpoint(p.directory)
         except Exception as exc:  # pragma: no cover - the failure being looked for
             raise AssertionError(f"round {i} ({what}): {type(exc).__name__}: {exc}") from exc
-        assert tree(p.outside) == outside, (i, what)
+        assert snapshot(p.outside) == outside, (i, what)
         assert (sorted(os.listdir(root)), sorted(os.listdir(root / "models"))) == around, what
 
 
@@ -630,7 +624,7 @@ def test_version_1_journals_still_revert(tmp_path: Path, modules_env: Any) -> No
     save_journal(p.directory, v1)
     res = kvprep("revert", str(p.directory), env=modules_env)
     assert res.returncode == 0, res.stderr
-    assert tree(p.directory) == p.pristine
+    assert snapshot(p.directory) == p.pristine
     assert (p.folder / "cpp_kernels.py").read_bytes() == OFFICIAL_LOADER
 
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import sys
 import textwrap
 import time
@@ -23,6 +22,7 @@ from qwen_kvprep.smoke.evaluate import MAX_REL_LOGIT_DIFF, evaluate
 from qwen_kvprep.smoke.protocol import FALLBACK_WARNINGS
 from qwen_kvprep.smoke.record import state_entry
 from qwen_kvprep.smoke.runner import ChildOutcome, SmokeOptions, run_child, tail_lines
+from tests.cli import document, kvprep
 
 # -- the bytes-per-token formula ----------------------------------------------------------
 
@@ -412,17 +412,8 @@ def test_child_reports_an_unusable_directory(tmp_path: Path) -> None:
 
 
 def cli(*args: str, timeout: float = 300) -> tuple[int, dict[str, Any], str]:
-    res = subprocess.run(
-        [sys.executable, "-m", "qwen_kvprep", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-    try:
-        doc = json.loads(res.stdout)
-    except ValueError:
-        raise AssertionError(f"no JSON on stdout:\n{res.stdout}\n{res.stderr}") from None
-    return res.returncode, doc, res.stderr
+    res = kvprep(*args, timeout=timeout)
+    return res.returncode, document(res), res.stderr
 
 
 def _fixed(dest: Path, smoke: bool = False, **knobs: Any) -> dict[str, Any]:
@@ -464,12 +455,7 @@ def test_fixed_checkpoint_passes_with_the_kernel_in_every_layer(
     assert state["smoke"]["kv_bytes_per_token"]["ratio"] == pytest.approx(132 / 256)
 
     # and `smoke` alone, human output
-    res = subprocess.run(
-        [sys.executable, "-m", "qwen_kvprep", "smoke", str(ckpt), "--max-new-tokens", "4"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    res = kvprep("smoke", str(ckpt), "--max-new-tokens", "4", timeout=300)
     assert res.returncode == 0, res.stdout + res.stderr
     assert "ran in all 2 layers" in res.stdout and "1,056 bytes instead of 2,048" in res.stdout
     assert "smoke [" not in res.stderr  # no progress lines when stderr is not a terminal

@@ -8,7 +8,6 @@ import os
 import re
 import shlex
 import subprocess
-import sys
 from pathlib import Path
 
 import click
@@ -17,6 +16,7 @@ import yaml
 
 from qwen_kvprep.cli import cli
 from qwen_kvprep.templating import TEMPLATES, render
+from tests.cli import kvprep
 
 
 def assert_cli_accepts(args: list[str]) -> None:
@@ -165,21 +165,16 @@ def test_unsafe_or_unloadable_values_are_refused(option: str, value: str) -> Non
         render("docker", **{option: value})
 
 
-def run_cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "qwen_kvprep", *args],
-                          capture_output=True, text=True, cwd=cwd, timeout=120)
-
-
 def test_template_command_prints_and_writes(tmp_path: Path) -> None:
-    res = run_cli("template", "k8s", "--model-dir", "/models/Qwen-7B-Chat")
+    res = kvprep("template", "k8s", "--model-dir", "/models/Qwen-7B-Chat")
     assert res.returncode == 0, res.stderr
     assert list(yaml.safe_load_all(res.stdout))
     out = tmp_path / "entrypoint.sh"
-    res = run_cli("template", "entrypoint", "-o", str(out))
+    res = kvprep("template", "entrypoint", "-o", str(out))
     assert res.returncode == 0, res.stderr
     assert res.stdout == ""
     assert out.read_text().startswith("#!/bin/sh")
     assert os.access(out, os.X_OK)
-    res = run_cli("template", "docker", "--image", "bad image")
+    res = kvprep("template", "docker", "--image", "bad image")
     assert res.returncode == 2
     assert "Traceback" not in res.stderr

@@ -13,23 +13,7 @@ from qwen_kvprep import view
 from qwen_kvprep.errors import RefusedError, UsageError
 from qwen_kvprep.fsutil import atomic_write_text
 from qwen_kvprep.steps.fix import FixOptions, run_fix
-
-
-def snapshot(root: Path) -> dict[str, tuple[object, ...]]:
-    """Bytes, link targets, modes and mtimes of every entry: any change shows."""
-    out: dict[str, tuple[object, ...]] = {}
-    for dirpath, dirnames, filenames in os.walk(root):
-        for name in sorted(dirnames + filenames):
-            full = Path(dirpath) / name
-            st = full.lstat()
-            rel = str(full.relative_to(root))
-            if full.is_symlink():
-                out[rel] = ("link", os.readlink(full), st.st_mtime_ns)
-            elif full.is_dir():
-                out[rel] = ("dir", st.st_mode, st.st_mtime_ns)
-            else:
-                out[rel] = ("file", full.read_bytes(), st.st_mode, st.st_mtime_ns)
-    return out
+from tests.treesnap import snapshot
 
 
 @pytest.fixture()
@@ -153,11 +137,11 @@ def test_fix_with_output_leaves_the_source_untouched(tmp_path: Path) -> None:
     from qwen_kvprep.tiny import generate_checkpoint
 
     src = generate_checkpoint(tmp_path / "Tiny-Chat")
-    before = snapshot(src)
+    before = snapshot(src, mtimes=True)
     out = tmp_path / "prepared" / "Tiny-Chat"
     # the steps that need torch/transformers/a build are not part of this check
     result = run_fix(src, FixOptions(build=False, smoke=False, output=out))
-    assert snapshot(src) == before
+    assert snapshot(src, mtimes=True) == before
     config = json.loads((out / "config.json").read_text())
     assert config["use_cache_quantization"] is True
     assert not (out / "config.json").is_symlink()
@@ -168,4 +152,4 @@ def test_fix_with_output_leaves_the_source_untouched(tmp_path: Path) -> None:
 
     revert_checkpoint(out)
     assert os.readlink(out / "config.json") == str(src / "config.json")
-    assert snapshot(src) == before
+    assert snapshot(src, mtimes=True) == before
