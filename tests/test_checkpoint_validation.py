@@ -38,7 +38,7 @@ from tests import treesnap
 from tests.cli import document, invoke
 from tests.treesnap import Snapshot
 
-MY_AREAS = ("checkpoint", "config")
+VALIDATED_AREAS = ("checkpoint", "config")
 FIX_DRY = ["fix", "--dry-run", "--no-build", "--no-smoke", "--json"]
 LFS_POINTER = (
     b"version https://git-lfs.github.com/spec/v1\n"
@@ -91,7 +91,7 @@ def direct(directory: Path) -> list[Finding]:
     facts = Facts(checkpoint=probe_checkpoint(directory))
     out: list[Finding] = []
     for chk in load_all().values():
-        if chk.area in MY_AREAS:
+        if chk.area in VALIDATED_AREAS:
             out.extend(run_one(chk, facts))
     return out
 
@@ -131,14 +131,16 @@ def assert_case(
 def test_healthy_checkpoint_has_no_failure(ckpt: Path, work: Path) -> None:
     findings = direct(ckpt)
     ids = {f.id for f in findings}
-    mine = {c.id for c in load_all().values() if c.area in MY_AREAS}
+    mine = {c.id for c in load_all().values() if c.area in VALIDATED_AREAS}
     assert ids == mine  # every check spoke
     bad = [f for f in findings if f.severity in (Severity.FAIL, Severity.SKIP)]
     assert not bad, bad
     before = snapshot(work)
     _, doc = run_cli(["doctor", str(ckpt), "--json"])
     assert not [
-        f for f in doc["findings"] if f["id"].split(".")[0] in MY_AREAS and f["severity"] == "fail"
+        f
+        for f in doc["findings"]
+        if f["id"].split(".")[0] in VALIDATED_AREAS and f["severity"] == "fail"
     ]
     assert snapshot(work) == before
     facts = probe_checkpoint(ckpt)

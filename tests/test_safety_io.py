@@ -1,4 +1,4 @@
-"""Issue 12, the inputs and the outputs: a tampered state.json, FIFOs, read-only and full
+"""The inputs and the outputs: a tampered state.json, FIFOs, read-only and full
 file systems, permissions, leftover temporary files, invalid config.json, prestart's CMD,
 secrets in output, quoting, and huge files. Each case: a clear error or the right thing,
 nothing outside DIR and the modules cache touched, no traceback."""

@@ -1,4 +1,4 @@
-"""Issue 12, the records: revert, the journal and the state hold against races, tampering,
+"""The records: revert, the journal and the state hold against races, tampering,
 copies and damaged files. Nothing outside DIR and the modules cache is ever touched, no
 user file is lost, and no traceback reaches the user."""
 
@@ -364,7 +364,7 @@ def test_another_folder_of_the_same_name_keeps_the_planted_files(
 
 @pytest.mark.slow
 def test_cp_a_of_a_fixed_tiny_checkpoint(tmp_path: Path, shared_build_cache: Path) -> None:
-    """The issue's case on a real fix: revert of a copy must not make DIR's model fall
+    """On a real fix: revert of a copy must not make DIR's model fall
     back (its modules-cache folder keeps the sources and the loader)."""
     from qwen_kvprep.tiny import generate_checkpoint
 

@@ -216,7 +216,7 @@ def text(check_id: str, f: Facts) -> str:
     return "\n".join(f"{x.message} || {x.fix}" for x in run(check_id, f))
 
 
-MY_CHECKS = [
+ENV_AND_CACHE_CHECKS = [
     "env.python",
     "env.torch",
     "env.gpu",

@@ -8,15 +8,15 @@ import pytest
 from qwen_kvprep.checks import REGISTRY, Check, run_checks
 from qwen_kvprep.findings import Severity
 from qwen_kvprep.probe.facts import Facts
-from tests.checks.facts import MY_CHECKS, facts, run
+from tests.checks.facts import ENV_AND_CACHE_CHECKS, facts, run
 
 
 def test_all_checks_registered() -> None:
-    for cid in MY_CHECKS:
+    for cid in ENV_AND_CACHE_CHECKS:
         assert cid in REGISTRY, cid
 
 
-@pytest.mark.parametrize("cid", MY_CHECKS)
+@pytest.mark.parametrize("cid", ENV_AND_CACHE_CHECKS)
 def test_every_check_skips_without_its_facts(cid: str) -> None:
     found = run(cid, Facts())
     assert all(x.severity is Severity.SKIP for x in found), found
@@ -42,5 +42,5 @@ def test_a_crashing_check_is_its_own_failing_finding(monkeypatch: pytest.MonkeyP
 
 def test_checks_on_garbage_facts_crash_into_findings() -> None:
     # A fact of the wrong type must not take the whole doctor down.
-    found = run_checks(Facts(env="not EnvFacts", caches=42), MY_CHECKS)  # type: ignore[arg-type]
-    assert {f.id for f in found} == set(MY_CHECKS)
+    found = run_checks(Facts(env="not EnvFacts", caches=42), ENV_AND_CACHE_CHECKS)  # type: ignore[arg-type]
+    assert {f.id for f in found} == set(ENV_AND_CACHE_CHECKS)

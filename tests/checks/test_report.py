@@ -7,7 +7,7 @@ import pytest
 
 from qwen_kvprep.checks import run_checks
 from qwen_kvprep.findings import Finding, Severity
-from tests.checks.facts import MY_CHECKS, caches, ckpt, env_facts, facts
+from tests.checks.facts import ENV_AND_CACHE_CHECKS, caches, ckpt, env_facts, facts
 
 
 def test_scrub() -> None:
@@ -44,7 +44,7 @@ def test_report_markdown_has_versions_and_no_secrets(monkeypatch: pytest.MonkeyP
     env = env_facts(
         env_vars={"HF_HOME": f"/home/u/{token}/hf", "CUDA_HOME": "/usr/local/cuda-12.1"}
     )
-    found = run_checks(facts(env, checkpoint=ckpt(), cache=caches()), MY_CHECKS)
+    found = run_checks(facts(env, checkpoint=ckpt(), cache=caches()), ENV_AND_CACHE_CHECKS)
     md = report_markdown(facts(env, checkpoint=ckpt(), cache=caches()), found)
     assert token not in md
     assert "HF_TOKEN" in md  # named as set, value hidden
