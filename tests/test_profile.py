@@ -237,14 +237,18 @@ def test_is_oom_knows_every_allocator() -> None:
 
     from qwen_kvprep.profile.child import is_oom
 
-    assert is_oom(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2 GiB"), torch)
+    # torch.OutOfMemoryError (newer torch) is an alias of torch.cuda.OutOfMemoryError, which
+    # every torch >= 2.0 has
+    oom_error = torch.cuda.OutOfMemoryError
+    assert is_oom(oom_error("CUDA out of memory. Tried to allocate 2 GiB"), torch)
+    assert is_oom(oom_error("Tried to allocate 2 GiB"), torch)
     assert is_oom(MemoryError(), torch)
     assert is_oom(RuntimeError("[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: "
                                "can't allocate memory: you tried to allocate 8 bytes"), torch)
     try:
         try:
-            raise torch.OutOfMemoryError("CUDA out of memory")
-        except torch.OutOfMemoryError as inner:
+            raise oom_error("CUDA out of memory")
+        except oom_error as inner:
             raise ValueError("loading failed") from inner
     except ValueError as outer:
         assert is_oom(outer, torch)
