@@ -19,6 +19,7 @@ import pytest
 
 from qwen_kvprep import __version__, prestart
 from qwen_kvprep.prestart import Request, parse_fast, state_mismatch
+from tests.toolkit import NO_TOOLKIT
 
 HEAVY = ("torch", "transformers", "huggingface_hub")
 # The fast path also avoids these: each would add milliseconds to every container start.
@@ -436,11 +437,12 @@ def tiny_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture()
 def model_env(tmp_path: Path, shared_build_cache: Path) -> Iterator[dict[str, str]]:
     """A container's view of the world: a fresh HF home and modules cache, the shared
-    build cache (compiled once per session), one compile job (2 shared cores)."""
+    build cache (compiled once per session), one compile job (2 shared cores), no CUDA
+    toolkit (the CPU-only build, whatever nvcc the machine has)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("QWEN_KVPREP_")}
     env.update(HF_HOME=str(tmp_path / "hf"), HF_MODULES_CACHE=str(tmp_path / "hf" / "modules"),
                QWEN_KVPREP_CACHE=str(shared_build_cache), MAX_JOBS="1",
-               HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+               HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", **NO_TOOLKIT)
     yield env
 
 

@@ -37,6 +37,7 @@ from qwen_kvprep.profile.runner import (
     measure,
 )
 from qwen_kvprep.profile.source import ModelSource
+from tests.toolkit import NO_TOOLKIT
 
 # The tiny checkpoint: 2 layers x K and V x 2 heads x 128 dims; bf16 unquantized, or
 # 128 one-byte codes + a bf16 scale + a bf16 zero point per token and head.
@@ -353,7 +354,7 @@ def test_bad_options_are_usage_errors(tmp_path: Path) -> None:
 def _env(tmp: Path, cache: Path, **extra: str) -> dict[str, str]:
     env = dict(os.environ)
     env.update(HF_HOME=str(tmp / "hf-home"), HF_MODULES_CACHE=str(tmp / "hf-home" / "modules"),
-               QWEN_KVPREP_CACHE=str(cache), OMP_NUM_THREADS="1")
+               QWEN_KVPREP_CACHE=str(cache), OMP_NUM_THREADS="1", **NO_TOOLKIT)
     env.pop(ENV_SIMULATE_OOM, None)
     env.update(extra)
     return env
