@@ -25,8 +25,9 @@ from typing import Any, Optional, Union
 from urllib.parse import unquote
 
 import huggingface_hub
+import huggingface_hub.utils as hf_utils
 import pytest
-from huggingface_hub import constants, file_download
+from huggingface_hub import file_download
 from huggingface_hub.utils import _http as hf_http
 from huggingface_hub.utils import reset_sessions
 from packaging.version import Version
@@ -139,9 +140,12 @@ def _point_hf_at(monkeypatch: pytest.MonkeyPatch, endpoint: str, cache: Path) ->
     set_hf_constant(monkeypatch, "HF_HUB_CACHE", str(cache))
     set_hf_constant(monkeypatch, "HF_HUB_OFFLINE", False)
     set_hf_constant(monkeypatch, "HF_TOKEN_PATH", str(cache.parent / "no-token"))
-    # huggingface_hub < 0.20 also reads a token from its old place, ~/.huggingface/token
-    if hasattr(constants, "_OLD_HF_TOKEN_PATH"):
-        set_hf_constant(monkeypatch, "_OLD_HF_TOKEN_PATH", str(cache.parent / "no-old-token"))
+    # huggingface_hub 0.19 reads the token through HfFolder, whose token paths (the current
+    # one and the old ~/.huggingface/token) were fixed when it was imported
+    folder = getattr(hf_utils, "HfFolder", None)
+    for attr in ("path_token", "_old_path_token"):
+        if isinstance(getattr(folder, attr, None), Path):
+            monkeypatch.setattr(folder, attr, cache.parent / f"no-token-{attr}")
 
 
 @pytest.fixture()
