@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -276,8 +277,14 @@ def test_no_build_loader_finds_a_matching_build_by_its_manifest(
 ) -> None:
     """fix --no-build renders no build key: the loader matches the running torch against
     the manifests in the cache (here: the build the first fix made)."""
+    first = json.loads((fixed["ckpt"] / ".qwen-kvprep" / "state.json").read_text())
+    built = Path(first["build"]["so"])
+    # a cache that holds this build alone: the shared one may also hold other tests' builds
+    # for this torch (a CPU-only one beside this CUDA one), and the loader may take any
+    cache = tmp_path / "cache"
+    shutil.copytree(built.parent, cache / "builds" / built.parent.name)
     ckpt = generate_checkpoint(tmp_path / "nobuild", dtype="fp32")
-    env = _env(tmp_path, Path(fixed["env"]["QWEN_KVPREP_CACHE"]))
+    env = _env(tmp_path, cache)
     done = _kvprep(["fix", str(ckpt), "--no-build", "--no-smoke", "--json"], env, tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     assert _findings(done.stdout)["build.build"]["severity"] == "skip"
@@ -294,6 +301,5 @@ def test_no_build_loader_finds_a_matching_build_by_its_manifest(
     )
     assert loaded.returncode == 0, loaded.stderr[-3000:]
     files = json.loads(next(x for x in loaded.stdout.splitlines() if x.startswith("FILES "))[6:])
-    first = json.loads((fixed["ckpt"] / ".qwen-kvprep" / "state.json").read_text())
-    assert files == [first["build"]["so"]] * len(files)
+    assert files == [str(cache / "builds" / built.parent.name / built.name)] * len(files)
     assert "compiling" not in loaded.stderr  # found, not built
