@@ -53,11 +53,16 @@ def shared_build_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def isolated_hf(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, shared_build_cache: Path
 ) -> Iterator[Path]:
-    """Private HF_HOME / HF_MODULES_CACHE per test; the shared build cache."""
+    """Private HF_HOME / HF_MODULES_CACHE per test; the shared build cache, and no CUDA
+    toolkit (tests/toolkit.py): the build is the CPU-only one whatever nvcc the machine has."""
+    from tests.toolkit import NO_TOOLKIT
+
     home = tmp_path / "hf-home"
     monkeypatch.setenv("HF_HOME", str(home))
     monkeypatch.setenv("HF_MODULES_CACHE", str(home / "modules"))
     monkeypatch.setenv("QWEN_KVPREP_CACHE", str(shared_build_cache))
+    for name, value in NO_TOOLKIT.items():
+        monkeypatch.setenv(name, value)
     yield home
 
 

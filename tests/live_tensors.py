@@ -45,7 +45,8 @@ class LiveTensors(TorchDispatchMode):
             # drop what died since the last op first: the peak is the moment this op's
             # outputs exist beside everything still referenced
             self._sweep()
-            for leaf in pytree.tree_leaves(out):
+            # tree_flatten, not tree_leaves: torch 2.1 has only the former
+            for leaf in pytree.tree_flatten(out)[0]:
                 if isinstance(leaf, torch.Tensor):
                     self.add(leaf)
             self.peak = max(self.peak, self.total)

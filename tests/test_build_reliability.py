@@ -23,6 +23,7 @@ import pytest
 from qwen_kvprep.resources import KERNEL_FILES
 from qwen_kvprep.tiny import generate_checkpoint
 from tests import needs
+from tests.toolkit import NO_TOOLKIT
 from tests.treesnap import snapshot
 
 pytestmark = pytest.mark.slow
@@ -37,6 +38,7 @@ def _env(tmp: Path, cache: Path, **extra: str) -> dict[str, str]:
         HF_MODULES_CACHE=str(tmp / "hf-home" / "modules"),
         QWEN_KVPREP_CACHE=str(cache),
         MAX_JOBS=os.environ.get("MAX_JOBS", "2"),
+        **NO_TOOLKIT,  # the CPU-only build, whatever nvcc the machine has
     )
     env.update(extra)
     return env

@@ -203,6 +203,13 @@ def _cuda_plan(monkeypatch: pytest.MonkeyPatch, arch: str = "8.0;9.0", **kw: Any
     return builder.plan_build(kw.get("sources", vendored_sources()), arch)
 
 
+def _plan_without_nvcc(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """This torch's plan with no toolkit found, whatever nvcc this machine has: a CPU-only
+    plan, for tests of the cache rather than of the toolchain."""
+    monkeypatch.setattr(builder, "nvcc_info", lambda: (None, "no nvcc: the test has none"))
+    return builder.plan_build(vendored_sources(), None)
+
+
 def test_cuda_plan_inputs_and_key(monkeypatch: pytest.MonkeyPatch) -> None:
     plan = _cuda_plan(monkeypatch)
     assert plan.cuda and plan.arch_list == ("8.0", "9.0")
@@ -300,9 +307,11 @@ def fake_worker(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
     return behaviour
 
 
-def test_build_published_then_found(tmp_path: Path, fake_worker: dict[str, Any]) -> None:
+def test_build_published_then_found(
+    tmp_path: Path, fake_worker: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
     layout = CacheLayout(tmp_path / "cache")
-    plan = builder.plan_build(vendored_sources(), None)
+    plan = _plan_without_nvcc(monkeypatch)
     first = builder.ensure_build(plan, layout, notify=lambda m: None)
     assert first.compiled and fake_worker["calls"] == 1
     assert first.dir == layout.build_dir(plan.key) and first.so.is_file()
@@ -319,18 +328,22 @@ def test_build_published_then_found(tmp_path: Path, fake_worker: dict[str, Any])
     assert list(layout.tmp.iterdir()) == []  # the replaced build is gone too
 
 
-def test_damaged_build_is_rebuilt(tmp_path: Path, fake_worker: dict[str, Any]) -> None:
+def test_damaged_build_is_rebuilt(
+    tmp_path: Path, fake_worker: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
     layout = CacheLayout(tmp_path / "cache")
-    plan = builder.plan_build(vendored_sources(), None)
+    plan = _plan_without_nvcc(monkeypatch)
     built = builder.ensure_build(plan, layout, notify=lambda m: None)
     built.so.write_bytes(b"truncated")
     assert builder.find_build(layout, plan.key) is None
     assert builder.ensure_build(plan, layout, notify=lambda m: None).compiled
 
 
-def test_found_build_needs_no_writable_cache(tmp_path: Path, fake_worker: dict[str, Any]) -> None:
+def test_found_build_needs_no_writable_cache(
+    tmp_path: Path, fake_worker: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
     layout = CacheLayout(tmp_path / "cache")
-    plan = builder.plan_build(vendored_sources(), None)
+    plan = _plan_without_nvcc(monkeypatch)
     builder.ensure_build(plan, layout, notify=lambda m: None)
     for sub in ("tmp", "locks"):  # what a build would write to
         (layout.root / sub).rename(layout.root / f"{sub}.gone")
@@ -339,10 +352,10 @@ def test_found_build_needs_no_writable_cache(tmp_path: Path, fake_worker: dict[s
 
 
 def test_leftovers_of_killed_builds_are_collected(
-    tmp_path: Path, fake_worker: dict[str, Any]
+    tmp_path: Path, fake_worker: dict[str, Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     layout = CacheLayout(tmp_path / "cache")
-    plan = builder.plan_build(vendored_sources(), None)
+    plan = _plan_without_nvcc(monkeypatch)
     layout.ensure_writable()
     dead = layout.tmp / f"{plan.key}.999999.abc"
     (dead / "build").mkdir(parents=True)
@@ -358,10 +371,10 @@ def test_leftovers_of_killed_builds_are_collected(
 
 
 def test_failed_build_quotes_errors_and_keeps_log(
-    tmp_path: Path, fake_worker: dict[str, Any]
+    tmp_path: Path, fake_worker: dict[str, Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     layout = CacheLayout(tmp_path / "cache")
-    plan = builder.plan_build(vendored_sources(), None)
+    plan = _plan_without_nvcc(monkeypatch)
     fake_worker.update(ok=False, log=LOG_GNU)
     with pytest.raises(BuildError) as err:
         builder.ensure_build(plan, layout, notify=lambda m: None)

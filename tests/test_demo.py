@@ -18,6 +18,7 @@ from qwen_kvprep.demo import MARKER, DemoResult, _prepare_base
 from qwen_kvprep.errors import UsageError
 from qwen_kvprep.findings import fail, info, ok
 from qwen_kvprep.render import render_demo
+from tests.toolkit import NO_TOOLKIT
 
 
 def _smoke_summary() -> dict[str, Any]:
@@ -144,6 +145,7 @@ def _demo(*args: str, env: dict[str, str]) -> tuple[subprocess.CompletedProcess[
 def test_demo_from_a_cold_cache_in_under_a_minute(tmp_path: Path) -> None:
     env = dict(os.environ)
     env["QWEN_KVPREP_CACHE"] = str(tmp_path / "cold-build-cache")  # nothing built yet
+    env.update(NO_TOOLKIT)  # the CPU-only build, whatever nvcc the machine has
     env.setdefault("MAX_JOBS", "1")
     for var in ("HF_HOME", "HF_MODULES_CACHE"):
         env.pop(var, None)  # the demo uses private ones under its folder

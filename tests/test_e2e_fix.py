@@ -5,14 +5,17 @@ attention layer's quantized cache through our compiled extension (not the pure-t
 fallback), with scores that match the fallback's within fp16 tolerance.
 
 Runs on the CPU, so it needs no GPU: with a CPU torch the extension is the kernels' .cpp
-alone; with a CUDA torch and nvcc it is the CUDA build, whose CPU path runs here. The build
-cache is the session's shared one (compiled once).
+alone; with a CUDA torch and an nvcc of its CUDA major version it is the CUDA build, whose
+CPU path runs here; with a CUDA torch and no such nvcc, the CPU-only build (the toolkit is
+made explicit: tests/toolkit.py). The build cache is the session's shared one (compiled
+once).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -26,6 +29,7 @@ from qwen_kvprep.common import KERNEL_FILES, sha256_file
 from qwen_kvprep.probe.toolchain import nvcc_info
 from qwen_kvprep.resources import kernels_dir
 from qwen_kvprep.tiny import generate_checkpoint
+from tests.toolkit import matching_toolkit
 from tests.treesnap import snapshot
 
 pytestmark = pytest.mark.slow
@@ -83,6 +87,7 @@ def _env(tmp: Path, cache: Path) -> dict[str, str]:
     env["HF_HOME"] = str(tmp / "hf-home")
     env["HF_MODULES_CACHE"] = str(tmp / "hf-home" / "modules")
     env["QWEN_KVPREP_CACHE"] = str(cache)
+    env.update(matching_toolkit())
     env.pop("TRANSFORMERS_CACHE", None)
     return env
 
@@ -115,7 +120,7 @@ def fixed(tmp_path_factory: pytest.TempPathFactory, shared_build_cache: Path) ->
     return {"tmp": tmp, "ckpt": ckpt, "env": env, "fix": _findings(done.stdout)}
 
 
-def test_fix_reports_every_step(fixed: dict[str, Any]) -> None:
+def test_fix_reports_every_step(fixed: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
     findings = fixed["fix"]
     for fid in (
         "config.patch",
@@ -126,14 +131,20 @@ def test_fix_reports_every_step(fixed: dict[str, Any]) -> None:
         "checkpoint.state",
     ):
         assert fid in findings, sorted(findings)
+    for fid in ("config.patch", "build.build", "build.loader", "modules.plant", "checkpoint.state"):
         assert findings[fid]["severity"] in ("ok", "info"), findings[fid]
     # the build this torch and toolkit call for: CPU-only with a CPU torch (or without
     # nvcc), CUDA with a CUDA torch and a matching nvcc, as the builder itself decides
+    monkeypatch.setenv("CUDA_HOME", fixed["env"]["CUDA_HOME"])
     plan = plan_build({n: (kernels_dir() / n).read_bytes() for n in KERNEL_FILES})
     assert findings["build.mode"]["message"] == plan.mode
     expected = "CUDA build" if plan.cuda else "CPU-only build"
     assert findings["build.mode"]["message"].startswith(expected)
     assert plan.cuda == bool(torch_is_cuda() and nvcc_info()[0] is not None)
+    # a CUDA torch with a CPU-only build leaves GPU users without the kernel: said loudly
+    loud = torch_is_cuda() and not plan.cuda
+    mode = findings["build.mode"]
+    assert mode["severity"] == ("warn" if loud else "info"), mode
 
 
 def test_new_process_elsewhere_uses_the_extension_in_every_layer(fixed: dict[str, Any]) -> None:
@@ -267,8 +278,14 @@ def test_no_build_loader_finds_a_matching_build_by_its_manifest(
 ) -> None:
     """fix --no-build renders no build key: the loader matches the running torch against
     the manifests in the cache (here: the build the first fix made)."""
+    first = json.loads((fixed["ckpt"] / ".qwen-kvprep" / "state.json").read_text())
+    built = Path(first["build"]["so"])
+    # a cache that holds this build alone: the shared one may also hold other tests' builds
+    # for this torch (a CPU-only one beside this CUDA one), and the loader may take any
+    cache = tmp_path / "cache"
+    shutil.copytree(built.parent, cache / "builds" / built.parent.name)
     ckpt = generate_checkpoint(tmp_path / "nobuild", dtype="fp32")
-    env = _env(tmp_path, Path(fixed["env"]["QWEN_KVPREP_CACHE"]))
+    env = _env(tmp_path, cache)
     done = _kvprep(["fix", str(ckpt), "--no-build", "--no-smoke", "--json"], env, tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     assert _findings(done.stdout)["build.build"]["severity"] == "skip"
@@ -285,6 +302,5 @@ def test_no_build_loader_finds_a_matching_build_by_its_manifest(
     )
     assert loaded.returncode == 0, loaded.stderr[-3000:]
     files = json.loads(next(x for x in loaded.stdout.splitlines() if x.startswith("FILES "))[6:])
-    first = json.loads((fixed["ckpt"] / ".qwen-kvprep" / "state.json").read_text())
-    assert files == [first["build"]["so"]] * len(files)
+    assert files == [str(cache / "builds" / built.parent.name / built.name)] * len(files)
     assert "compiling" not in loaded.stderr  # found, not built

@@ -24,10 +24,13 @@ from types import SimpleNamespace
 from typing import Any, Optional, Union
 from urllib.parse import unquote
 
+import huggingface_hub
+import huggingface_hub.utils as hf_utils
 import pytest
-from huggingface_hub import constants, file_download
+from huggingface_hub import file_download
 from huggingface_hub.utils import _http as hf_http
 from huggingface_hub.utils import reset_sessions
+from packaging.version import Version
 
 from qwen_kvprep import catalogue
 from qwen_kvprep.errors import SourceError, UsageError
@@ -37,6 +40,7 @@ from qwen_kvprep.resources import KERNEL_FILES
 from qwen_kvprep.steps import sources
 from qwen_kvprep.steps.context import FixContext, FixOptions
 from tests import needs
+from tests.hf_settings import set_hf_constant
 
 CPP_NAME, CU_NAME = KERNEL_FILES
 # Stand-ins for Qwen's files (which cannot be shipped); the known-good list is swapped for
@@ -47,6 +51,10 @@ GOOD = {CPP_NAME: CPP, CU_NAME: CU}
 REPO = "Qwen/Qwen-7B-Chat"
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 HTML = b"<!DOCTYPE html>\n<html><head><title>Sign in</title></head><body>proxy</body></html>\n"
+
+# The back-off waits of huggingface_hub's own retries when the HEAD request gets a 5xx or
+# no connection: 5 retries from 0.31 on, none before (0.19 to 0.30 try once).
+HUB_RETRIES = [1, 2, 4, 8, 8] if Version(huggingface_hub.__version__) >= Version("0.31") else []
 
 _ROUTE = re.compile(r"^/(?P<repo>[^/]+/[^/]+)/resolve/(?P<rev>[^/]+)/(?P<file>[^?]+)")
 
@@ -127,12 +135,17 @@ def _point_hf_at(monkeypatch: pytest.MonkeyPatch, endpoint: str, cache: Path) ->
     monkeypatch.setenv("HF_HUB_CACHE", str(cache))
     monkeypatch.delenv("HF_TOKEN", raising=False)
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
-    monkeypatch.setattr(constants, "ENDPOINT", endpoint)
-    monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", template)
-    monkeypatch.setattr(file_download, "HUGGINGFACE_CO_URL_TEMPLATE", template)
-    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
-    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
-    monkeypatch.setattr(constants, "HF_TOKEN_PATH", str(cache.parent / "no-token"))
+    set_hf_constant(monkeypatch, "ENDPOINT", endpoint)
+    set_hf_constant(monkeypatch, "HUGGINGFACE_CO_URL_TEMPLATE", template)
+    set_hf_constant(monkeypatch, "HF_HUB_CACHE", str(cache))
+    set_hf_constant(monkeypatch, "HF_HUB_OFFLINE", False)
+    set_hf_constant(monkeypatch, "HF_TOKEN_PATH", str(cache.parent / "no-token"))
+    # huggingface_hub 0.19 reads the token through HfFolder, whose token paths (the current
+    # one and the old ~/.huggingface/token) were fixed when it was imported
+    folder = getattr(hf_utils, "HfFolder", None)
+    for attr in ("path_token", "_old_path_token"):
+        if isinstance(getattr(folder, attr, None), Path):
+            monkeypatch.setattr(folder, attr, cache.parent / f"no-token-{attr}")
 
 
 @pytest.fixture()
@@ -145,8 +158,8 @@ def fake_hub(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[FakeHu
     thread.start()
     fake.endpoint = f"http://127.0.0.1:{server.server_address[1]}"
     _point_hf_at(monkeypatch, fake.endpoint, tmp_path / "hf-cache")
-    # huggingface_hub retries 5xx and connection errors 5 times with 1+2+4+8+8 s of
-    # back-off: keep the waits (to assert on them) but do not spend them.
+    # huggingface_hub may retry with back-off (HUB_RETRIES): keep the waits (to assert on
+    # them) but do not spend them.
     monkeypatch.setattr(hf_http, "time", SimpleNamespace(sleep=fake.sleeps.append))
     monkeypatch.setattr(file_download, "time", SimpleNamespace(sleep=fake.sleeps.append))
     reset_sessions()
@@ -362,9 +375,9 @@ def test_server_error_500_after_hubs_retries(fake_hub: FakeHub, ckpt: Path) -> N
     assert f.id == "kernels.fetch"
     assert f.details["status"] == 500
     assert "500" in f.message and fake_hub.endpoint in f.message
-    # huggingface_hub's own retry policy ran (1 try + 5 retries); we added none.
-    assert [m for m, _ in fake_hub.requests] == ["HEAD"] * 6
-    assert fake_hub.sleeps == [1, 2, 4, 8, 8]
+    # huggingface_hub's own retry policy ran (1 try + its retries); we added none.
+    assert [m for m, _ in fake_hub.requests] == ["HEAD"] * (1 + len(HUB_RETRIES))
+    assert fake_hub.sleeps == HUB_RETRIES
 
 
 def test_server_error_uses_a_cached_copy(fake_hub: FakeHub, ckpt: Path, tmp_path: Path) -> None:
@@ -394,7 +407,7 @@ def test_server_down(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, ckpt: Path
     assert f.id == "kernels.fetch"
     assert "could not get" in f.message and "ConnectionError" in f.message
     assert f.details["endpoint"] == endpoint
-    assert sleeps == [1, 2, 4, 8, 8]  # huggingface_hub retried, we did not
+    assert sleeps == HUB_RETRIES  # huggingface_hub retried (or not), we did not
 
 
 # -- offline -----------------------------------------------------------------------------------
@@ -402,7 +415,7 @@ def test_offline_without_cached_copy(
     fake_hub: FakeHub, monkeypatch: pytest.MonkeyPatch, ckpt: Path
 ) -> None:
     fake_hub.serve(GOOD)
-    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    set_hf_constant(monkeypatch, "HF_HUB_OFFLINE", True)
     f = refused(ckpt, repo_id=REPO)
     assert f.id == "kernels.fetch"
     assert "HF_HUB_OFFLINE" in f.message
@@ -419,7 +432,7 @@ def test_offline_with_cached_copy(
     other.mkdir()
     run_hub(other, repo_id=REPO)
     seen = len(fake_hub.requests)
-    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    set_hf_constant(monkeypatch, "HF_HUB_OFFLINE", True)
     ctx = run_hub(ckpt, repo_id=REPO)
     assert len(fake_hub.requests) == seen
     assert (ckpt / CPP_NAME).read_bytes() == CPP
@@ -434,7 +447,7 @@ def test_offline_cached_copy_is_still_verified(
     other.mkdir()
     with pytest.raises(SourceError):
         run_hub(other, repo_id=REPO)  # the HTML page is now in the huggingface_hub cache
-    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    set_hf_constant(monkeypatch, "HF_HUB_OFFLINE", True)
     f = refused(ckpt, repo_id=REPO)
     assert f.id == "kernels.verify"
     # it names the cached blob, the file to delete
@@ -493,7 +506,7 @@ def test_checkpoint_already_official_needs_no_network(
 ) -> None:
     for name, body in GOOD.items():
         (ckpt / name).write_bytes(body)
-    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    set_hf_constant(monkeypatch, "HF_HUB_OFFLINE", True)
     ctx = run_hub(ckpt, repo_id=REPO)
     assert fake_hub.requests == []
     assert (ctx.sources.origin, ctx.sources.kind) == ("checkpoint", catalogue.OFFICIAL)

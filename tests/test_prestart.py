@@ -19,6 +19,7 @@ import pytest
 
 from qwen_kvprep import __version__, common, fastpath
 from qwen_kvprep.fastpath import Request, parse_fast, state_mismatch
+from tests.toolkit import NO_TOOLKIT
 
 HEAVY = ("torch", "transformers", "huggingface_hub")
 # The fast path also avoids these: each would add milliseconds to every container start.
@@ -299,6 +300,18 @@ def imported_top_level(path: Path) -> set[str]:
     return {line.split(".")[0] for line in path.read_text().split()}
 
 
+def loaded_at_start(tmp_path: Path, script: bool) -> set[str]:
+    """The modules this interpreter has loaded when the first line of a program started as
+    prestart is (a script, or `python -m`) runs: none of them is the fast path's doing.
+    `python -m` on Python 3.9 loads typing itself (runpy -> importlib.util -> importlib.abc)."""
+    probe = tmp_path / "kvprep_start_probe.py"
+    probe.write_text("import sys\nprint('\\n'.join(sorted(sys.modules)))\n")
+    head = [sys.executable, str(probe)] if script else [sys.executable, "-m", probe.stem]
+    res = subprocess.run(head, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    return set(res.stdout.split())
+
+
 @pytest.mark.parametrize("script", [True, False], ids=["console-script", "python-m"])
 def test_fast_path_execs_cmd_and_imports_nothing_heavy(
     fake: Path, tmp_path: Path, script: bool
@@ -314,7 +327,8 @@ def test_fast_path_execs_cmd_and_imports_nothing_heavy(
     assert "is ready" in res.stderr
     modules = set(dump.read_text().split())
     assert "qwen_kvprep.fastpath" in modules
-    assert not [m for m in AVOIDED if m in modules]
+    interpreter = loaded_at_start(tmp_path, script)
+    assert not [m for m in AVOIDED if m in modules and m not in interpreter]
 
 
 def test_fast_path_imports_seen_by_importtime(fake: Path) -> None:
@@ -424,11 +438,12 @@ def tiny_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture()
 def model_env(tmp_path: Path, shared_build_cache: Path) -> Iterator[dict[str, str]]:
     """A container's view of the world: a fresh HF home and modules cache, the shared
-    build cache (compiled once per session), one compile job (2 shared cores)."""
+    build cache (compiled once per session), one compile job (2 shared cores), no CUDA
+    toolkit (the CPU-only build, whatever nvcc the machine has)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("QWEN_KVPREP_")}
     env.update(HF_HOME=str(tmp_path / "hf"), HF_MODULES_CACHE=str(tmp_path / "hf" / "modules"),
                QWEN_KVPREP_CACHE=str(shared_build_cache), MAX_JOBS="1",
-               HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+               HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", **NO_TOOLKIT)
     yield env
 
 

@@ -37,6 +37,7 @@ from qwen_kvprep.profile.runner import (
     measure,
 )
 from qwen_kvprep.profile.source import ModelSource
+from tests.toolkit import NO_TOOLKIT
 
 # The tiny checkpoint: 2 layers x K and V x 2 heads x 128 dims; bf16 unquantized, or
 # 128 one-byte codes + a bf16 scale + a bf16 zero point per token and head.
@@ -237,14 +238,18 @@ def test_is_oom_knows_every_allocator() -> None:
 
     from qwen_kvprep.profile.child import is_oom
 
-    assert is_oom(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2 GiB"), torch)
+    # torch.OutOfMemoryError (newer torch) is an alias of torch.cuda.OutOfMemoryError, which
+    # every torch >= 2.0 has
+    oom_error = torch.cuda.OutOfMemoryError
+    assert is_oom(oom_error("CUDA out of memory. Tried to allocate 2 GiB"), torch)
+    assert is_oom(oom_error("Tried to allocate 2 GiB"), torch)
     assert is_oom(MemoryError(), torch)
     assert is_oom(RuntimeError("[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: "
                                "can't allocate memory: you tried to allocate 8 bytes"), torch)
     try:
         try:
-            raise torch.OutOfMemoryError("CUDA out of memory")
-        except torch.OutOfMemoryError as inner:
+            raise oom_error("CUDA out of memory")
+        except oom_error as inner:
             raise ValueError("loading failed") from inner
     except ValueError as outer:
         assert is_oom(outer, torch)
@@ -349,7 +354,7 @@ def test_bad_options_are_usage_errors(tmp_path: Path) -> None:
 def _env(tmp: Path, cache: Path, **extra: str) -> dict[str, str]:
     env = dict(os.environ)
     env.update(HF_HOME=str(tmp / "hf-home"), HF_MODULES_CACHE=str(tmp / "hf-home" / "modules"),
-               QWEN_KVPREP_CACHE=str(cache), OMP_NUM_THREADS="1")
+               QWEN_KVPREP_CACHE=str(cache), OMP_NUM_THREADS="1", **NO_TOOLKIT)
     env.pop(ENV_SIMULATE_OOM, None)
     env.update(extra)
     return env

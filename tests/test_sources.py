@@ -212,11 +212,11 @@ def test_hub_refuses_official_sources_torch_cannot_build(
 def test_hub_without_build_only_warns_about_torch(
     ckpt: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from huggingface_hub import constants
+    from tests.hf_settings import set_hf_constant
 
     monkeypatch.setattr(sources, "_torch_info", lambda: NEW_TORCH)
-    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
-    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(ckpt.parent / "empty-cache"))
+    set_hf_constant(monkeypatch, "HF_HUB_OFFLINE", True)
+    set_hf_constant(monkeypatch, "HF_HUB_CACHE", str(ckpt.parent / "empty-cache"))
     opts = FixOptions(source="hub", repo_id="Qwen/Qwen-7B-Chat", build=False, progress=False)
     ctx = FixContext(ckpt, opts, Journal(ckpt))
     with pytest.raises(SourceError) as info:  # offline and nothing cached: stops at the fetch

@@ -24,6 +24,9 @@ REPO = Path(__file__).resolve().parents[1]
 VENV453_PYTHON = REPO / ".venv453" / "bin" / "python"
 VENV_CUDA_PYTHON = REPO / ".venv-cuda" / "bin" / "python"  # CUDA build of torch, no GPU
 KERNEL_FILES = ("cache_autogptq_cuda_256.cpp", "cache_autogptq_cuda_kernel_256.cu")
+# Its greedy continuation keeps the top two scores at least 1.9 apart on every stack
+# tried (torch 2.1, 2.13 and 2.14; transformers 4.32 and 4.53): far from a near-tie.
+PROMPT = "What is two plus two?"
 
 # Stand-in for the compiled extension: the two functions the model calls, in plain torch,
 # asserting the calling convention (fp16 contiguous inputs, uint8 cache, zeroed output).
@@ -364,7 +367,7 @@ def _scenario(ckpt: Path, out: Path) -> None:
         "reloaded_same": tok2(text)["input_ids"] == ids,
     }
 
-    enc = tok("What is two plus two? The key value cache", return_tensors="pt")
+    enc = tok(PROMPT, return_tensors="pt")
     n_prompt = enc["input_ids"].shape[1]
 
     def load(**kw: Any) -> Any:
@@ -372,6 +375,13 @@ def _scenario(ckpt: Path, out: Path) -> None:
 
     def greedy(model: Any) -> list[int]:
         return model.generate(**enc, max_new_tokens=12, do_sample=False)[0, n_prompt:].tolist()
+
+    def margins(model: Any) -> list[float]:
+        """How far apart the top two scores of each greedy step are."""
+        out = model.generate(**enc, max_new_tokens=12, do_sample=False, output_scores=True,
+                             return_dict_in_generate=True)
+        top = torch.stack(out.scores)[:, 0].float().topk(2, dim=-1).values
+        return (top[:, 0] - top[:, 1]).tolist()
 
     def kv_warnings(caught: list[Any]) -> list[str]:
         return sorted({str(w.message) for w in caught if "KV cache" in str(w.message)})
@@ -397,6 +407,7 @@ def _scenario(ckpt: Path, out: Path) -> None:
         }
         past = plain(**enc, use_cache=True).past_key_values
         res["plain"]["past"] = [[str(t.dtype), list(t.shape)] for t in past[0]]
+        res["plain"]["margins"] = margins(plain)
         response, history = plain.chat(tok, "Hello!", history=None, max_new_tokens=6)
         res["chat"] = {"response_is_str": isinstance(response, str), "history": len(history)}
         res["chat_stream"] = list(plain.chat_stream(tok, "Hello!", max_new_tokens=6))
@@ -456,7 +467,7 @@ def _scenario(ckpt: Path, out: Path) -> None:
         tok.pad_token = "<|endoftext|>"
         tok.padding_side = "left"
         batch = tok(
-            ["What is two plus two? The key value cache", "Hello"],
+            [PROMPT, "Hello"],
             return_tensors="pt",
             padding=True,
         )
@@ -585,7 +596,10 @@ def test_quantized_cache_falls_back_without_sources(scenario: Any) -> None:
     assert fb["past"] == [triple, triple]
     assert fb["past_after_step"] == [[1, 2, n + 1, 128], [1, 2, n + 1, 1], [1, 2, n + 1, 1]]
     assert fb["scale_zero_constant_per_head"]
-    # the tiny model is built so that the 8-bit cache does not change greedy decoding
+    # the tiny model is built so that the 8-bit cache does not change greedy decoding: it
+    # moves the scores by ~0.13 at most (qwen_kvprep/tiny), and PROMPT keeps clear of the
+    # rare near-ties (some prompts meet one within 12 tokens, on some torch releases)
+    assert min(scenario["plain"]["margins"]) >= 0.25, scenario["plain"]["margins"]
     assert fb["tokens"] == scenario["plain"]["tokens"]
 
 

@@ -102,6 +102,22 @@ def _ratio(out: torch.Tensor, ref: torch.Tensor, mag: torch.Tensor, rel: float) 
     return bench_kernels.error_ratio(out, ref, mag, rel)
 
 
+# CPU torch 2.1 has neither an fp16 matmul nor an fp16 softmax; on the CPU both are
+# computed in fp32 and rounded to fp16, which is what a GPU's fp16 GEMM does too (fp32
+# accumulation, an fp16 result).
+def _fp16_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """torch.matmul of two fp16 tensors: the model's own fallback."""
+    if a.is_cuda:
+        return a @ b
+    return (a.float() @ b.float()).half()
+
+
+def _fp16_softmax(x: torch.Tensor) -> torch.Tensor:
+    if x.is_cuda:
+        return torch.softmax(x, dim=-1)
+    return torch.softmax(x.float(), dim=-1).half()
+
+
 def paths_for(device: str) -> list[tuple[str, Optional[tuple[int, ...]]]]:
     """(label, cuda_tuning settings to force it) for every path that may serve a case."""
     if device != "cuda":
@@ -114,8 +130,8 @@ def check_case(ext: ModuleType, case: Case, device: str, seed: int = 0) -> dict[
     g = torch.Generator(device=device).manual_seed(seed + case.seq * 31 + case.q)
     b, h, q, n = case.b, case.h, case.q, case.seq
     query = torch.randn(b, h, q, D, generator=g, device=device).half()
-    probs = torch.softmax(
-        torch.randn(b, h, q, n, generator=g, device=device, dtype=torch.float16) * 4, dim=-1
+    probs = _fp16_softmax(
+        torch.randn(b, h, q, n, generator=g, device=device, dtype=torch.float16) * 4
     )
     k_t = _cache((b, h, D, n), case.offset, g, device)
     v_q = _cache((b, h, n, D), case.offset, g, device)
@@ -152,8 +168,8 @@ def check_case(ext: ModuleType, case: Case, device: str, seed: int = 0) -> dict[
     worst_fb = {"qk": 0.0, "pv": 0.0}
     for j, i in enumerate(picks):
         bi, hi = divmod(i, h)
-        fb_qk = query[bi, hi] @ (k_s[bi, hi] * (k_t[bi, hi].T - k_z[bi, hi])).T
-        fb_pv = probs[bi, hi] @ (v_s[bi, hi] * (v_q[bi, hi] - v_z[bi, hi]))
+        fb_qk = _fp16_matmul(query[bi, hi], (k_s[bi, hi] * (k_t[bi, hi].T - k_z[bi, hi])).T)
+        fb_pv = _fp16_matmul(probs[bi, hi], v_s[bi, hi] * (v_q[bi, hi] - v_z[bi, hi]))
         worst_fb["qk"] = max(worst_fb["qk"], _ratio(fb_qk, *refs["qk"][j], rel("default", "qk")))
         worst_fb["pv"] = max(worst_fb["pv"], _ratio(fb_pv, *refs["pv"][j], rel("default", "pv")))
     result["fallback"] = worst_fb
