@@ -13,7 +13,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -23,6 +22,7 @@ import pytest
 from qwen_kvprep.resources import KERNEL_FILES
 from qwen_kvprep.tiny import generate_checkpoint
 from tests import needs
+from tests.cli import ENTRY, kvprep
 from tests.toolkit import NO_TOOLKIT
 from tests.treesnap import snapshot
 
@@ -46,7 +46,7 @@ def _env(tmp: Path, cache: Path, **extra: str) -> dict[str, str]:
 
 def _start(args: list[str], env: dict[str, str], cwd: Path, **kw: Any) -> subprocess.Popen[str]:
     return subprocess.Popen(
-        [sys.executable, "-m", "qwen_kvprep", *args],
+        [*ENTRY, *args],
         env=env,
         cwd=str(cwd),
         stdout=subprocess.PIPE,
@@ -57,14 +57,7 @@ def _start(args: list[str], env: dict[str, str], cwd: Path, **kw: Any) -> subpro
 
 
 def _run(args: list[str], env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "qwen_kvprep", *args],
-        env=env,
-        cwd=str(cwd),
-        capture_output=True,
-        text=True,
-        timeout=1800,
-    )
+    return kvprep(*args, env=env, cwd=cwd, timeout=1800)
 
 
 def _build_finding(stdout: str) -> dict[str, Any]:
@@ -180,15 +173,8 @@ def test_read_only_cache_is_a_clear_error(tmp_path: Path, command: str) -> None:
             needs.skip("non-root", "cannot make a folder read-only for this user here")
         ckpt = generate_checkpoint(tmp_path / "tiny")
         args = ["build"] if command == "build" else ["fix", str(ckpt), "--no-smoke"]
-        done = subprocess.run(
-            [sys.executable, "-m", "qwen_kvprep", *args],
-            env=_env(tmp_path, cache),
-            cwd=str(tmp_path),
-            capture_output=True,
-            text=True,
-            timeout=600,
-            preexec_fn=preexec,
-        )
+        done = kvprep(*args, env=_env(tmp_path, cache), cwd=tmp_path, timeout=600,
+                      preexec_fn=preexec)
     finally:
         cache.chmod(0o755)
     assert done.returncode == 1, done.stdout + done.stderr

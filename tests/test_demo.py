@@ -7,7 +7,6 @@ import json
 import os
 import resource
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -18,6 +17,7 @@ from qwen_kvprep.demo import MARKER, DemoResult, _prepare_base
 from qwen_kvprep.errors import UsageError
 from qwen_kvprep.findings import fail, info, ok
 from qwen_kvprep.render import render_demo
+from tests.cli import kvprep
 from tests.toolkit import NO_TOOLKIT
 
 
@@ -127,13 +127,7 @@ def _demo(*args: str, env: dict[str, str]) -> tuple[subprocess.CompletedProcess[
     """Run the demo; also its CPU seconds and the load, to tell a slow run from a busy host."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.monotonic()
-    res = subprocess.run(
-        [sys.executable, "-m", "qwen_kvprep", "demo", *args],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
-    )
+    res = kvprep("demo", *args, env=env, timeout=600)
     wall = time.monotonic() - t0
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)

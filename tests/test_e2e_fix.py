@@ -29,6 +29,7 @@ from qwen_kvprep.common import KERNEL_FILES, sha256_file
 from qwen_kvprep.probe.toolchain import nvcc_info
 from qwen_kvprep.resources import kernels_dir
 from qwen_kvprep.tiny import generate_checkpoint
+from tests.cli import kvprep
 from tests.toolkit import matching_toolkit
 from tests.treesnap import snapshot
 
@@ -93,14 +94,7 @@ def _env(tmp: Path, cache: Path) -> dict[str, str]:
 
 
 def _kvprep(args: list[str], env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "qwen_kvprep", *args],
-        env=env,
-        cwd=str(cwd),
-        capture_output=True,
-        text=True,
-        timeout=1800,
-    )
+    return kvprep(*args, env=env, cwd=cwd, timeout=1800)
 
 
 def _findings(stdout: str) -> dict[str, dict[str, Any]]:

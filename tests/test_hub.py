@@ -10,18 +10,15 @@ the Hub does, which is how huggingface_hub tells a missing repo from a missing f
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import re
-import subprocess
-import sys
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, Optional, Union
+from typing import Any, Optional
 from urllib.parse import unquote
 
 import huggingface_hub
@@ -40,7 +37,9 @@ from qwen_kvprep.resources import KERNEL_FILES
 from qwen_kvprep.steps import sources
 from qwen_kvprep.steps.context import FixContext, FixOptions
 from tests import needs
+from tests.cli import document, kvprep
 from tests.hf_settings import set_hf_constant
+from tests.treesnap import snapshot
 
 CPP_NAME, CU_NAME = KERNEL_FILES
 # Stand-ins for Qwen's files (which cannot be shipped); the known-good list is swapped for
@@ -189,25 +188,6 @@ def ckpt(tmp_path: Path) -> Path:
     return d
 
 
-Tree = dict[str, Union[tuple[str, str], tuple[str, bytes]]]
-
-
-def tree(root: Path) -> Tree:
-    """Every entry under `root` with its bytes (or link target): 'unchanged' means this."""
-    out: Tree = {}
-    for dirpath, dirnames, filenames in os.walk(root):
-        for name in dirnames + filenames:
-            p = Path(dirpath) / name
-            rel = str(p.relative_to(root))
-            if p.is_symlink():
-                out[rel] = ("link", os.readlink(p))
-            elif p.is_file():
-                out[rel] = ("file", p.read_bytes())
-            else:
-                out[rel] = ("dir", b"")
-    return out
-
-
 def run_hub(directory: Path, **options: Any) -> FixContext:
     options.setdefault("progress", False)
     opts = FixOptions(source="hub", smoke=False, **options)
@@ -218,10 +198,10 @@ def run_hub(directory: Path, **options: Any) -> FixContext:
 
 def refused(directory: Path, **options: Any) -> Finding:
     """Run, expect a SourceError with one finding, and check nothing changed."""
-    before = tree(directory)
+    before = snapshot(directory)
     with pytest.raises(SourceError) as info:
         run_hub(directory, **options)
-    assert tree(directory) == before
+    assert snapshot(directory) == before
     findings = info.value.findings
     assert len(findings) == 1, findings
     assert findings[0].severity is Severity.FAIL
@@ -254,9 +234,9 @@ def test_good_files_are_fetched_verified_and_written(fake_hub: FakeHub, ckpt: Pa
 
 def test_dry_run_verifies_but_writes_nothing(fake_hub: FakeHub, ckpt: Path) -> None:
     fake_hub.serve(GOOD)
-    before = tree(ckpt)
+    before = snapshot(ckpt)
     ctx = run_hub(ckpt, repo_id=REPO, dry_run=True)
-    assert tree(ckpt) == before
+    assert snapshot(ckpt) == before
     assert sorted(p.path.name for p in ctx.journal.planned) == sorted(KERNEL_FILES)
     assert "would write" in ctx.findings[-1].message
 
@@ -487,12 +467,12 @@ def test_snapshot_dir_left_unchanged_on_refusal(fake_hub: FakeHub, tmp_path: Pat
 
 
 def test_hub_needs_a_repo_id(ckpt: Path) -> None:
-    before = tree(ckpt)
+    before = snapshot(ckpt)
     with pytest.raises(UsageError) as info:
         run_hub(ckpt)
     assert "--repo-id" in info.value.message
     assert REPO in (info.value.fix or "")
-    assert tree(ckpt) == before
+    assert snapshot(ckpt) == before
 
 
 def test_malformed_repo_id(ckpt: Path) -> None:
@@ -515,32 +495,10 @@ def test_checkpoint_already_official_needs_no_network(
 
 # -- the real command, with the real environment variables --------------------------------------
 def _cli(directory: Path, env: dict[str, str], *extra: str) -> tuple[int, dict[str, Any]]:
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "qwen_kvprep",
-            "fix",
-            str(directory),
-            "--source",
-            "hub",
-            "--repo-id",
-            REPO,
-            "--no-build",
-            "--no-smoke",
-            "--json",
-            *extra,
-        ],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=Path(__file__).resolve().parents[1],
-    )
-    try:
-        return proc.returncode, json.loads(proc.stdout)
-    except ValueError:
-        raise AssertionError(f"no JSON on stdout:\n{proc.stdout}\n{proc.stderr}") from None
+    res = kvprep("fix", str(directory), "--source", "hub", "--repo-id", REPO, "--no-build",
+                 "--no-smoke", "--json", *extra, env=env, timeout=300,
+                 cwd=Path(__file__).resolve().parents[1])
+    return res.returncode, document(res)
 
 
 @pytest.fixture()
@@ -557,14 +515,14 @@ def test_cli_honours_hf_environment(fake_hub: FakeHub, tiny: Path, tmp_path: Pat
         HF_HOME=str(tmp_path / "cli-hf-home"),
         HF_HUB_DISABLE_TELEMETRY="1",
     )
-    before = tree(tiny)
+    before = snapshot(tiny)
     code, doc = _cli(tiny, env)
     assert code == 1 and doc["ok"] is False
     verify = [f for f in doc["findings"] if f["id"] == "kernels.verify"]
     assert {f["details"]["file"] for f in verify} == set(KERNEL_FILES)
     assert all(f["details"]["received_head"].startswith("b'<!DOCTYPE") for f in verify)
     assert any(path.endswith(CPP_NAME) for _, path in fake_hub.requests)
-    assert tree(tiny) == before
+    assert snapshot(tiny) == before
     # HF_HOME decided where huggingface_hub cached what it got
     assert list((tmp_path / "cli-hf-home" / "hub").glob("models--Qwen--Qwen-7B-Chat/blobs/*"))
 
@@ -576,4 +534,4 @@ def test_cli_honours_hf_environment(fake_hub: FakeHub, tiny: Path, tmp_path: Pat
     (fetch,) = [f for f in doc["findings"] if f["id"] == "kernels.fetch"]
     assert "HF_HUB_OFFLINE" in fetch["message"] and "--source vendored" in fetch["fix"]
     assert fake_hub.requests == []
-    assert tree(tiny) == before
+    assert snapshot(tiny) == before

@@ -19,7 +19,9 @@ import pytest
 
 from qwen_kvprep import __version__, common, fastpath
 from qwen_kvprep.fastpath import Request, parse_fast, state_mismatch
+from tests.cli import ENTRY, kvprep
 from tests.toolkit import NO_TOOLKIT
+from tests.treesnap import snapshot
 
 HEAVY = ("torch", "transformers", "huggingface_hub")
 # The fast path also avoids these: each would add milliseconds to every container start.
@@ -36,11 +38,8 @@ def run_prestart(
     *args: str, env: Optional[dict[str, str]] = None, timeout: float = 900, script: bool = False
 ) -> subprocess.CompletedProcess[str]:
     """Run prestart as a container would: in its own process, through the real entry."""
-    head = [str(CONSOLE_SCRIPT)] if script else [sys.executable, "-m", "qwen_kvprep"]
-    return subprocess.run(
-        [*head, "prestart", *args],
-        capture_output=True, text=True, timeout=timeout, env=env or dict(os.environ),
-    )
+    entry = (str(CONSOLE_SCRIPT),) if script else ENTRY
+    return kvprep("prestart", *args, env=env, timeout=timeout, entry=entry)
 
 
 # ------------------------------------------------------------------ argument parsing
@@ -349,7 +348,7 @@ def test_fast_path_imports_seen_by_importtime(fake: Path) -> None:
 def test_the_command_replaces_prestart(fake: Path) -> None:
     # exec, not a child: the pid CMD sees is the one prestart was started with
     proc = subprocess.Popen(
-        [sys.executable, "-m", "qwen_kvprep", "prestart", str(fake), "-q", "--",
+        [*ENTRY, "prestart", str(fake), "-q", "--",
          sys.executable, "-c", "import os; print(os.getpid())"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
@@ -453,19 +452,6 @@ def copy_of(template: Path, where: Path, name: Optional[str] = None) -> Path:
     return dest
 
 
-def snapshot(root: Path) -> dict[str, tuple[Any, ...]]:
-    out: dict[str, tuple[Any, ...]] = {}
-    for dirpath, dirnames, filenames in os.walk(root):
-        for name in dirnames + filenames:
-            full = Path(dirpath) / name
-            st = full.lstat()
-            kind = "link" if full.is_symlink() else "dir" if full.is_dir() else "file"
-            content = os.readlink(full) if kind == "link" else (
-                full.read_bytes() if kind == "file" else b"")
-            out[str(full.relative_to(root))] = (kind, content, st.st_mode, st.st_mtime_ns)
-    return out
-
-
 @pytest.mark.slow
 def test_fresh_modules_cache_is_planted_and_the_kernel_runs(
     tiny_template: Path, tmp_path: Path, model_env: dict[str, str]
@@ -524,7 +510,7 @@ def test_output_view_of_a_read_only_checkpoint(
     ckpt = copy_of(tiny_template, tmp_path / "ro")
     # root ignores modes, so read-only is proven by comparing, not by EACCES
     subprocess.run(["chmod", "-R", "a-w", str(ckpt)], check=True)
-    before = snapshot(ckpt)
+    before = snapshot(ckpt, mtimes=True)
     try:
         out = tmp_path / "prepared" / "Tiny-Chat"
         env = {**model_env, "QWEN_KVPREP_OUTPUT": str(out)}  # the env form of --output
@@ -534,7 +520,7 @@ def test_output_view_of_a_read_only_checkpoint(
         assert "KERNEL-OK" in res.stdout
         res = run_prestart(str(ckpt), "--output", str(out), env=model_env)
         assert res.returncode == 0 and "is ready" in res.stderr, res.stderr
-        after = snapshot(ckpt)
+        after = snapshot(ckpt, mtimes=True)
     finally:
         subprocess.run(["chmod", "-R", "u+w", str(ckpt)], check=True)
     assert after == before
@@ -555,7 +541,7 @@ def test_eight_replicas_start_together_on_one_shared_cache(
     for i in range(8):
         ckpt = dirs[i % 2]
         procs.append(subprocess.Popen(
-            [sys.executable, "-m", "qwen_kvprep", "prestart", str(ckpt), "--",
+            [*ENTRY, "prestart", str(ckpt), "--",
              sys.executable, "-c", f"print('replica {i}')"],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=model_env,
         ))

@@ -37,6 +37,7 @@ from qwen_kvprep.profile.runner import (
     measure,
 )
 from qwen_kvprep.profile.source import ModelSource
+from tests.cli import ENTRY, document, kvprep
 from tests.toolkit import NO_TOOLKIT
 
 # The tiny checkpoint: 2 layers x K and V x 2 heads x 128 dims; bf16 unquantized, or
@@ -324,8 +325,7 @@ def test_plot_draws_both_modes(tmp_path: Path) -> None:
 
 def _cli(*args: str, env: Optional[dict[str, str]] = None,
          timeout: float = 600) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "qwen_kvprep", *args], capture_output=True,
-                          text=True, env=env, timeout=timeout)
+    return kvprep(*args, env=env, timeout=timeout)
 
 
 def test_folder_without_weights_is_refused_naming_random_weights(tmp_path: Path) -> None:
@@ -373,14 +373,6 @@ def fixed(tmp_path_factory: pytest.TempPathFactory, shared_build_cache: Path) ->
     return {"tmp": tmp, "ckpt": ckpt, "env": env}
 
 
-def _json(res: subprocess.CompletedProcess[str]) -> dict[str, Any]:
-    try:
-        doc: dict[str, Any] = json.loads(res.stdout)
-    except ValueError:
-        raise AssertionError(f"no JSON on stdout:\n{res.stdout}\n{res.stderr}") from None
-    return doc
-
-
 def _assert_exact_cache(rows: list[dict[str, Any]], cached: int) -> None:
     for r in rows:
         unit = TINY_INT8 if r["mode"] == "int8" else TINY_UNQUANTIZED
@@ -392,7 +384,7 @@ def _assert_exact_cache(rows: list[dict[str, Any]], cached: int) -> None:
 def test_tiny_checkpoint_both_modes_kernel_and_quality(fixed: dict[str, Any]) -> None:
     res = _cli("profile", str(fixed["ckpt"]), "--json", "--quality", "--batch", "1,2",
                "--tokens", "6", "--prompt-tokens", "9", env=fixed["env"])
-    doc = _json(res)
+    doc = document(res)
     assert res.returncode == 0, (doc["findings"], res.stderr)
     assert "\r[" not in res.stderr  # no progress bar on a pipe
     p = doc["profile"]
@@ -450,7 +442,7 @@ def test_out_of_memory_is_a_row_not_a_crash(fixed: dict[str, Any]) -> None:
     reader.start()
     try:
         res = subprocess.run(
-            [sys.executable, "-m", "qwen_kvprep", "profile", str(fixed["ckpt"]), "--batch",
+            [*ENTRY, "profile", str(fixed["ckpt"]), "--batch",
              "1,2,4", "--tokens", "2"],
             stdout=subprocess.PIPE, stderr=slave, text=True, env=env, timeout=600)
     finally:
@@ -476,7 +468,7 @@ def test_out_of_memory_in_json(fixed: dict[str, Any]) -> None:
                **{ENV_SIMULATE_OOM: "1"})
     res = _cli("profile", str(fixed["ckpt"]), "--json", "--batch", "2,4", "--tokens", "2",
                env=env)
-    doc = _json(res)
+    doc = document(res)
     assert res.returncode == 0 and doc["ok"] is True
     rows = doc["profile"]["rows"]
     assert all(r["oom"] for r in rows)
@@ -507,7 +499,7 @@ def test_random_weights_from_a_config_alone(
     env = _env(tmp_path, Path(fixed["env"]["QWEN_KVPREP_CACHE"]))
     res = _cli("profile", str(config_only), "--random-weights", "--json", "--batch", "3",
                "--tokens", "4", "--prompt-tokens", "5", "--quality", env=env)
-    doc = _json(res)
+    doc = document(res)
     assert res.returncode == 0, (doc["findings"], res.stderr)
     p = doc["profile"]
     assert p["source"]["weights"] == "random" and p["source"]["remote_code"] == "qwen-kvprep"
@@ -540,7 +532,7 @@ def test_unfixed_checkpoint_falls_back_and_names_fix(
     ckpt = generate_checkpoint(tmp_path / "unfixed")
     env = _env(tmp_path, Path(fixed["env"]["QWEN_KVPREP_CACHE"]))
     res = _cli("profile", str(ckpt), "--json", "--batch", "1", "--tokens", "3", env=env)
-    doc = _json(res)
+    doc = document(res)
     assert res.returncode == 0
     assert [r["kernel_layers"] for r in doc["profile"]["rows"]] == [0, 0]
     _assert_exact_cache(doc["profile"]["rows"], 32 + 3)

@@ -19,6 +19,7 @@ from qwen_kvprep.journal import Journal
 from qwen_kvprep.probe.facts import Facts
 from qwen_kvprep.steps import sources
 from qwen_kvprep.steps.context import FixContext, FixOptions
+from tests.cli import invoke
 
 CPP_NAME, CU_NAME = resources.KERNEL_FILES
 OFFICIAL = {CPP_NAME: b"// official binding stand-in\n", CU_NAME: b"// official kernel stand-in\n"}
@@ -375,25 +376,17 @@ def test_checks_are_registered() -> None:
 
 
 # -- the command line ------------------------------------------------------------------------
-def test_cli_hub_without_repo_lists_known_repos(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_cli_hub_without_repo_lists_known_repos(tmp_path: Path) -> None:
     tiny = pytest.importorskip("qwen_kvprep.tiny")
     d = Path(tiny.generate_checkpoint(tmp_path / "tiny-model", layers=1, shards=1))
-    from qwen_kvprep.cli import main
-
-    with pytest.raises(SystemExit) as exit_info:
-        main(["fix", str(d), "--source", "hub", "--no-build", "--no-smoke"])
-    assert exit_info.value.code == 2
-    err = capsys.readouterr().err
+    res = invoke("fix", str(d), "--source", "hub", "--no-build", "--no-smoke")
+    assert res.returncode == 2
+    err = res.stderr
     assert "--repo-id" in err and "Qwen/Qwen-7B-Chat" in err
     assert not (d / CPP_NAME).exists()
 
 
-def test_cli_rejects_unknown_source(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from qwen_kvprep.cli import main
-
-    with pytest.raises(SystemExit) as exit_info:
-        main(["fix", str(tmp_path), "--source", "github"])
-    assert exit_info.value.code == 2
-    assert "github" in capsys.readouterr().err
+def test_cli_rejects_unknown_source(tmp_path: Path) -> None:
+    res = invoke("fix", str(tmp_path), "--source", "github")
+    assert res.returncode == 2
+    assert "github" in res.stderr
