@@ -15,6 +15,7 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from qwen_kvprep import hubcli
 from qwen_kvprep.errors import ConfigError, current_user
 from qwen_kvprep.untrusted import DuplicateKey, NotRegularFile, load_json, read_regular
 
@@ -30,7 +31,7 @@ CONFIG_DEPTH = 64
 
 def _redownload(path: Path) -> str:
     return (
-        f"re-download it: `hf download <repo> {CONFIG} --local-dir "
+        f"re-download it: `{hubcli.download()} <repo> {CONFIG} --local-dir "
         f"{shlex.quote(str(path.parent))} --force-download`"
     )
 

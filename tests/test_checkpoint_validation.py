@@ -22,6 +22,7 @@ from typing import Any, Callable, Optional
 
 import pytest
 
+from qwen_kvprep import hubcli
 from qwen_kvprep.checks import load_all, run_one
 from qwen_kvprep.checks.checkpoint import PLACEHOLDER_REPO, redownload, refetch
 from qwen_kvprep.findings import Finding, Severity
@@ -38,6 +39,8 @@ from tests import treesnap
 from tests.cli import document, invoke
 from tests.treesnap import Snapshot
 
+# the command the fix hints name for this huggingface_hub
+DOWNLOAD = hubcli.download()
 VALIDATED_AREAS = ("checkpoint", "config")
 FIX_DRY = ["fix", "--dry-run", "--no-build", "--no-smoke", "--json"]
 LFS_POINTER = (
@@ -185,7 +188,7 @@ def test_truncated_shard(ckpt: Path, work: Path) -> None:
     assert f["paths"] == [str(shard)]
     assert "cut short" in f["message"] and "MetadataIncompleteBuffer" in f["message"]
     assert f["details"]["truncated"] is True
-    assert f"hf download {PLACEHOLDER_REPO} {shard.name} --local-dir {ckpt}" in f["fix"]
+    assert f"{DOWNLOAD} {PLACEHOLDER_REPO} {shard.name} --local-dir {ckpt}" in f["fix"]
     assert "--force-download" in f["fix"]
 
 
@@ -214,7 +217,7 @@ def test_missing_shard(ckpt: Path, work: Path) -> None:
     found = assert_case(ckpt, work, "checkpoint.index", "fail")
     f = next(x for x in found if x["severity"] == "fail")
     assert f["paths"] == [str(shard)]
-    assert f"hf download {PLACEHOLDER_REPO} {shard.name} --local-dir" in f["fix"]
+    assert f"{DOWNLOAD} {PLACEHOLDER_REPO} {shard.name} --local-dir" in f["fix"]
     assert "huggingface_hub.hf_hub_download" in f["details"]["python"]
 
 
@@ -432,7 +435,7 @@ def test_symlinked_config_in_a_hub_snapshot(template: Path, work: Path) -> None:
     # A fix for a snapshot re-fetches into the cache, at the snapshot's revision.
     cmd = redownload(facts, ["config.json"])
     assert cmd == (
-        f"hf download Qwen/Qwen-7B-Chat config.json --revision {rev} "
+        f"{DOWNLOAD} Qwen/Qwen-7B-Chat config.json --revision {rev} "
         f"--cache-dir {work / 'hub'} --force-download"
     )
 
@@ -446,7 +449,7 @@ def test_truncated_blob_in_a_hub_snapshot(template: Path, work: Path) -> None:
         fh.truncate(100)
     found = assert_case(snap, work, "checkpoint.shards", "fail")
     assert found[0]["fix"] == (
-        f"hf download Qwen/Qwen-1_8B-Chat {shard.name} --revision {rev} "
+        f"{DOWNLOAD} Qwen/Qwen-1_8B-Chat {shard.name} --revision {rev} "
         f"--cache-dir {work / 'hub'} --force-download"
     )
 
@@ -465,7 +468,7 @@ def test_legacy_pytorch_bin(work: Path) -> None:
     assert "August-2023" in f["message"]
     assert f["paths"] == [str(d / "pytorch_model.bin")]
     # The directory's name is a known Qwen repo: the fix uses it, and says it assumed so.
-    assert "hf download Qwen/Qwen-7B-Chat --local-dir" in f["fix"]
+    assert f"{DOWNLOAD} Qwen/Qwen-7B-Chat --local-dir" in f["fix"]
     assert "assumed from the directory name" in f["fix"]
     assert probe_checkpoint(d).weights_layout == "pytorch-bin"
 
@@ -717,7 +720,7 @@ def test_facts_carry_the_agreed_fields(ckpt: Path) -> None:
 def test_refetch_without_a_known_repo_says_so(ckpt: Path) -> None:
     facts = probe_checkpoint(ckpt)
     cmd = refetch(facts, ["a b.json"])
-    assert cmd.startswith(f"hf download {PLACEHOLDER_REPO} 'a b.json' --local-dir {ckpt}")
+    assert cmd.startswith(f"{DOWNLOAD} {PLACEHOLDER_REPO} 'a b.json' --local-dir {ckpt}")
     assert "replace Qwen/Qwen-7B-Chat with the repo this checkpoint came from" in cmd
 
 

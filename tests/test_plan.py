@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from qwen_kvprep import hubcli
 from qwen_kvprep.errors import CheckpointError, ConfigError, UsageError
 from qwen_kvprep.plan import (
     CUBLAS_WORKSPACE_BYTES,
@@ -431,7 +432,7 @@ def test_cli_errors(tmp_path: Path) -> None:
     empty.mkdir()
     res = kvprep("plan", str(empty), "--gpu-memory", "80GiB")
     assert res.returncode == 1 and "no config.json" in res.stderr
-    assert "hf download" in res.stderr and "Traceback" not in res.stderr
+    assert hubcli.download() in res.stderr and "Traceback" not in res.stderr
     bad = tmp_path / "bad"
     bad.mkdir()
     (bad / "config.json").write_text('{"model_type": "qwen",\n oops}\n')

@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 
+from qwen_kvprep import hubcli
 from qwen_kvprep.fastpath import Request, state_mismatch
 from qwen_kvprep.resources import KERNEL_FILES
 from tests import needs
@@ -290,7 +291,7 @@ def test_an_unreadable_file_gets_a_permission_hint_not_a_download(
     (content,) = [f for f in doc["findings"] if f["id"] == "checkpoint.content"]
     assert content["severity"] == "fail"
     assert "cannot be read by user root" in content["message"]
-    assert "chmod" in content["fix"] and "hf download" not in content["fix"]
+    assert "chmod" in content["fix"] and hubcli.download() not in content["fix"]
 
 
 def test_leftover_temporary_files_of_ours_are_removed_on_the_next_run(

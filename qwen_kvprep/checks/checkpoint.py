@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from pathlib import PurePosixPath
 from typing import Optional, Union
 
+from qwen_kvprep import hubcli
 from qwen_kvprep.checks.registry import CHECKPOINT, LISTED, check, checkpoint_of
 from qwen_kvprep.common import KERNEL_FILES
 from qwen_kvprep.common import LOADER_FILE as LOADER
@@ -67,7 +68,8 @@ def origin(cp: CheckpointFacts) -> tuple[str, Optional[str]]:
 
 
 def redownload(cp: CheckpointFacts, files: Optional[Sequence[str]] = None) -> str:
-    """The `hf download` command that re-fetches exactly `files` (None: the whole repo).
+    """The `hf download` (`huggingface-cli download` before huggingface_hub 0.34) command
+    that re-fetches exactly `files` (None: the whole repo).
 
     --force-download because huggingface_hub otherwise trusts a file that is already there
     (a truncated shard in a hub snapshot, or one whose local-dir metadata looks current).
@@ -77,11 +79,11 @@ def redownload(cp: CheckpointFacts, files: Optional[Sequence[str]] = None) -> st
     force = " --force-download" if files else ""
     if cp.repo_id and cp.revision and cp.hub_cache_dir is not None:
         cmd = (
-            f"hf download {repo}{names} --revision {shlex.quote(cp.revision)} "
+            f"{hubcli.download()} {repo}{names} --revision {shlex.quote(cp.revision)} "
             f"--cache-dir {shlex.quote(str(cp.hub_cache_dir))}{force}"
         )
     else:
-        cmd = f"hf download {repo}{names} --local-dir {shlex.quote(str(cp.path))}{force}"
+        cmd = f"{hubcli.download()} {repo}{names} --local-dir {shlex.quote(str(cp.path))}{force}"
     return f"{cmd}  ({note})" if note else cmd
 
 

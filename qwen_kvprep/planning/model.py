@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from qwen_kvprep import hubcli
 from qwen_kvprep.configjson import CONFIG, parse_config
 from qwen_kvprep.errors import CheckpointError, ConfigError, UsageError
 from qwen_kvprep.jsontypes import JSON, JSONObject
@@ -78,7 +79,8 @@ class ModelFacts:
 def _fix_config(path: Path) -> str:
     repo, _, _ = hub_snapshot(path)
     where = shlex.quote(str(path))
-    return f"hf download {repo or '<repo, e.g. Qwen/Qwen-7B-Chat>'} {CONFIG} --local-dir {where}"
+    repo = repo or "<repo, e.g. Qwen/Qwen-7B-Chat>"
+    return f"{hubcli.download()} {repo} {CONFIG} --local-dir {where}"
 
 
 def _doctor(path: Path) -> str:

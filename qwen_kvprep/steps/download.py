@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from qwen_kvprep import catalogue
+from qwen_kvprep import catalogue, hubcli
 from qwen_kvprep.common import KERNEL_FILES
 from qwen_kvprep.errors import SourceError, UsageError
 from qwen_kvprep.findings import Finding, fail
@@ -198,7 +198,7 @@ def fetch_error(
             )
             fix = (
                 f"{vendored}; or fetch it once while online: "
-                f"`hf download {repo_id} {filename} --revision {revision}`"
+                f"`{hubcli.download()} {repo_id} {filename} --revision {revision}`"
             )
         else:
             message = (
@@ -212,7 +212,7 @@ def fetch_error(
         message = f"{repo_id} is gated and this account has not been granted access ({where})"
         fix = (
             f"accept the license on the repo's page at {endpoint}/{repo_id}, then log in "
-            f"(`hf auth login`) or set HF_TOKEN; or {vendored}"
+            f"(`{hubcli.login()}`) or set HF_TOKEN; or {vendored}"
         )
     elif isinstance(exc, RepositoryNotFoundError):
         message = (
