@@ -96,26 +96,14 @@ def run(ctx: FixContext) -> None:
         "files": dict(hashes),
         "hub_folder": hub,
     }
-    names = ", ".join(files)
-    if changed:
-        verb = "would plant" if ctx.options.dry_run else "planted"
-        ctx.add(
-            info(
-                "modules.plant",
-                f"{verb} {', '.join(changed)} in the modules cache",
-                paths=[folder],
-                folder=str(folder),
-            )
-        )
-    else:
-        ctx.add(
-            ok(
-                "modules.plant",
-                f"the modules cache already holds {names}",
-                paths=[folder],
-                folder=str(folder),
-            )
-        )
+    verb = "would plant" if ctx.options.dry_run else "planted"
+    message = (
+        f"{verb} {', '.join(changed)} in the modules cache"
+        if changed
+        else f"the modules cache already holds {', '.join(files)}"
+    )
+    report = info if changed else ok
+    ctx.add(report("modules.plant", message, paths=[folder], folder=str(folder)))
 
 
 def _hub_folder(ctx: FixContext) -> Optional[Path]:
