@@ -29,7 +29,6 @@ import filelock
 
 from qwen_kvprep.common import ENV_LOCK_TIMEOUT, STATE_DIRNAME, TRACKED_FILES
 from qwen_kvprep.errors import LockTimeout
-from qwen_kvprep.findings import fail
 
 LOCK_FILE = "lock"
 
@@ -147,9 +146,7 @@ def _timed_out(path: Path, timeout: float) -> NoReturn:
         f"wait for it (`fuser {_q(path)}` shows it), or allow a longer wait with "
         f"{ENV_LOCK_TIMEOUT}=SECONDS"
     )
-    raise LockTimeout(
-        message, fix=fix, findings=[fail("build.lock", message, fix=fix, paths=[path])]
-    )
+    raise LockTimeout.failing("build.lock", message, fix, [path])
 
 
 def _refuse_links(state: Path, path: Path) -> None:

@@ -5,14 +5,16 @@ from __future__ import annotations
 import errno
 import os
 import shlex
-from collections.abc import Sequence
-from typing import Optional, Union
+from collections.abc import Iterable, Sequence
+from typing import Optional, TypeVar, Union
 
-from qwen_kvprep.findings import Finding
+from qwen_kvprep.findings import Finding, fail
 
 EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_USAGE = 2
+
+_E = TypeVar("_E", bound="KvprepError")
 
 
 class KvprepError(Exception):
@@ -31,6 +33,19 @@ class KvprepError(Exception):
         self.message = message
         self.fix = fix
         self.findings = tuple(findings)
+
+    @classmethod
+    def failing(
+        cls: type[_E],
+        id: str,
+        message: str,
+        fix: Optional[str] = None,
+        paths: Iterable[object] = (),
+        **details: object,
+    ) -> _E:
+        """The error with the one failing finding `id` that says the same: its message,
+        fix, paths and details."""
+        return cls(message, fix=fix, findings=[fail(id, message, fix, paths, details=details)])
 
 
 class UsageError(KvprepError):

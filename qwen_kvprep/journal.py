@@ -25,7 +25,7 @@ import secrets
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 from qwen_kvprep.common import (
     JOURNAL_FILE,
@@ -344,37 +344,38 @@ def _remove(action: Remove) -> None:
 
 
 def _link(action: Link) -> None:
-    fd = open_dir_under(action.base, action.parts[:-1], create=True)
-    try:
-        tmp = _tmp_name(action.parts[-1])
+    def make(tmp: str, fd: int) -> None:
         os.symlink(action.target, tmp, dir_fd=fd)
-        try:
-            os.replace(tmp, action.parts[-1], src_dir_fd=fd, dst_dir_fd=fd)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp, dir_fd=fd)
-            raise
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+
+    _put_back(action.base, action.parts, make)
 
 
 def _restore(action: Restore) -> None:
-    fd = open_dir_under(action.base, action.parts[:-1], create=True)
-    try:
-        tmp = _tmp_name(action.parts[-1])
+    def make(tmp: str, fd: int) -> None:
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
         out = os.open(tmp, flags, 0o600, dir_fd=fd)
         try:
-            try:
-                view = memoryview(action.data)
-                while view:
-                    view = view[os.write(out, view) :]
-                os.fsync(out)
-                os.fchmod(out, action.mode)
-            finally:
-                os.close(out)
-            os.replace(tmp, action.parts[-1], src_dir_fd=fd, dst_dir_fd=fd)
+            view = memoryview(action.data)
+            while view:
+                view = view[os.write(out, view) :]
+            os.fsync(out)
+            os.fchmod(out, action.mode)
+        finally:
+            os.close(out)
+
+    _put_back(action.base, action.parts, make)
+
+
+def _put_back(base: Path, parts: list[str], make: Callable[[str, int], None]) -> None:
+    """Put an entry at `base/parts`: `make(tmp, dir_fd)` creates it under a fresh temporary
+    name in that folder, which one rename then moves over whatever is there, so a reader
+    sees the old entry or the whole new one. On any failure the temporary entry goes."""
+    fd = open_dir_under(base, parts[:-1], create=True)
+    try:
+        tmp = _tmp_name(parts[-1])
+        try:
+            make(tmp, fd)
+            os.replace(tmp, parts[-1], src_dir_fd=fd, dst_dir_fd=fd)
         except BaseException:
             with contextlib.suppress(OSError):
                 os.unlink(tmp, dir_fd=fd)

@@ -14,7 +14,6 @@ from pathlib import Path
 
 from qwen_kvprep.common import modules_cache_root
 from qwen_kvprep.errors import CacheError, CheckpointError
-from qwen_kvprep.findings import fail
 
 MODULE_FILE = "modeling_qwen.py"
 DYNAMIC_MODULE_NAME = "transformers_modules"
@@ -55,15 +54,11 @@ def module_folder(checkpoint_dir: Path, materialize: bool = True) -> Path:
             "install the packages it names "
             "(pip install tiktoken einops transformers_stream_generator)"
         )
-        raise CheckpointError(
-            message, fix=fix, findings=[fail("modules.requirements", message, fix=fix)]
-        ) from exc
+        raise CheckpointError.failing("modules.requirements", message, fix) from exc
     except OSError as exc:
         message = f"cannot copy the remote code of {source} into the modules cache {root}: {exc}"
         fix = "make it writable or point HF_MODULES_CACHE (or HF_HOME) at a writable folder"
-        raise CacheError(
-            message, fix=fix, findings=[fail("modules.cache", message, fix=fix, paths=[root])]
-        ) from exc
+        raise CacheError.failing("modules.cache", message, fix, [root]) from exc
     return root / Path(rel).parent
 
 

@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 
 from tests import needs
+from tests.checks.facts import ENV_AND_CACHE_CHECKS
 from tests.cli import ENTRY, kvprep
 from tests.treesnap import snapshot
 
@@ -155,26 +156,7 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return generate_checkpoint(tmp_path_factory.mktemp("ckpt") / "Qwen-tiny")
 
 
-ENV_IDS = {
-    "env.python",
-    "env.torch",
-    "env.gpu",
-    "env.driver",
-    "env.cuda_home",
-    "env.nvcc",
-    "env.host_compiler",
-    "env.ninja",
-    "env.python_headers",
-    "env.transformers",
-    "env.remote_requirements",
-    "env.flash_attn",
-    "env.gptq",
-    "build.cache",
-    "build.arch",
-    "modules.cache",
-    "modules.folder",
-    "modules.stale_lock",
-}
+ENV_IDS = set(ENV_AND_CACHE_CHECKS)
 
 
 def test_json_on_this_machine(tmp_path: Path) -> None:

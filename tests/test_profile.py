@@ -38,6 +38,7 @@ from qwen_kvprep.profile.runner import (
 )
 from qwen_kvprep.profile.source import ModelSource
 from tests.cli import ENTRY, document, kvprep
+from tests.modeling_patch import patch_modeling
 from tests.toolkit import NO_TOOLKIT
 
 # The tiny checkpoint: 2 layers x K and V x 2 heads x 128 dims; bf16 unquantized, or
@@ -515,14 +516,6 @@ def test_random_weights_from_a_config_alone(
     assert not modules.exists() or not any(modules.iterdir())
 
 
-def _patch_modeling(ckpt: Path, statement: str) -> None:
-    path = ckpt / "modeling_qwen.py"
-    text = path.read_text()
-    anchor = "class QWenAttention(nn.Module):\n    def __init__(self, config):\n"
-    assert anchor in text
-    path.write_text(text.replace(anchor, anchor + f"        {statement}\n", 1))
-
-
 @pytest.mark.slow
 def test_unfixed_checkpoint_falls_back_and_names_fix(
     fixed: dict[str, Any], tmp_path: Path
@@ -545,7 +538,7 @@ def test_crashing_model_code_is_a_clean_failure(fixed: dict[str, Any], tmp_path:
     from qwen_kvprep.tiny import generate_checkpoint
 
     ckpt = generate_checkpoint(tmp_path / "broken")
-    _patch_modeling(ckpt, 'raise RuntimeError("tiny attention refuses to start (test)")')
+    patch_modeling(ckpt, 'raise RuntimeError("tiny attention refuses to start (test)")')
     env = _env(tmp_path, Path(fixed["env"]["QWEN_KVPREP_CACHE"]))
     res = _cli("profile", str(ckpt), "--batch", "1,2", "--tokens", "2", env=env)
     assert res.returncode == 1 and "Traceback" not in res.stderr + res.stdout

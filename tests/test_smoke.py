@@ -23,6 +23,7 @@ from qwen_kvprep.smoke.protocol import FALLBACK_WARNINGS
 from qwen_kvprep.smoke.record import state_entry
 from qwen_kvprep.smoke.runner import ChildOutcome, SmokeOptions, run_child, tail_lines
 from tests.cli import document, kvprep
+from tests.modeling_patch import patch_modeling
 
 # -- the bytes-per-token formula ----------------------------------------------------------
 
@@ -498,21 +499,13 @@ def test_missing_sources_in_modules_cache_fail_with_the_fallback_named(
     assert doc["smoke"]["kernel_layers"] == 0
 
 
-def _patch_modeling(ckpt: Path, statement: str) -> None:
-    path = ckpt / "modeling_qwen.py"
-    text = path.read_text()
-    anchor = "class QWenAttention(nn.Module):\n    def __init__(self, config):\n"
-    assert anchor in text
-    path.write_text(text.replace(anchor, anchor + f"        {statement}\n", 1))
-
-
 @pytest.mark.slow
 def test_model_code_that_raises_fails_with_the_error_quoted(
     isolated_hf: Path, tmp_path: Path
 ) -> None:
     ckpt = tmp_path / "tiny"
     _fixed(ckpt)
-    _patch_modeling(ckpt, 'raise RuntimeError("tiny attention refuses to start (test)")')
+    patch_modeling(ckpt, 'raise RuntimeError("tiny attention refuses to start (test)")')
     rc, doc, err = cli("smoke", str(ckpt), "--json")
     assert rc == 1 and "Traceback" not in err
     (f,) = doc["findings"]
@@ -525,7 +518,7 @@ def test_model_code_that_raises_fails_with_the_error_quoted(
 def test_hang_is_cut_at_the_timeout(isolated_hf: Path, tmp_path: Path) -> None:
     ckpt = tmp_path / "tiny"
     _fixed(ckpt)
-    _patch_modeling(ckpt, "import time; time.sleep(600)")
+    patch_modeling(ckpt, "import time; time.sleep(600)")
     timeout = 15.0
     t0 = time.monotonic()
     rc, doc, _ = cli("smoke", str(ckpt), "--json", "--timeout", str(timeout), timeout=120)

@@ -18,7 +18,6 @@ from collections.abc import Iterable, Sequence
 from typing import Optional
 
 from qwen_kvprep.errors import BuildError, UsageError
-from qwen_kvprep.findings import fail
 from qwen_kvprep.probe.toolchain import NvccInfo, arch_sort_key
 
 ENV_ARCH = "TORCH_CUDA_ARCH_LIST"
@@ -134,5 +133,5 @@ def choose_arch_list(option: Optional[str], nvcc: NvccInfo) -> tuple[tuple[str, 
             "drop those architectures from --arch / TORCH_CUDA_ARCH_LIST, or install a CUDA "
             "toolkit that supports them (CUDA 13 dropped Volta 7.0/7.2; use CUDA 12.x for those)"
         )
-        raise BuildError(message, fix=fix, findings=[fail("build.arch", message, fix=fix)])
+        raise BuildError.failing("build.arch", message, fix)
     return arch_list, origin

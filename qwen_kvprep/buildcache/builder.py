@@ -47,7 +47,6 @@ from qwen_kvprep.buildcache.manifest import (
 from qwen_kvprep.buildcache.paths import CacheLayout
 from qwen_kvprep.common import KERNEL_FILES, machine, python_tag, sha256_bytes, sha256_file
 from qwen_kvprep.errors import BuildError, SourceError
-from qwen_kvprep.findings import fail
 from qwen_kvprep.fsutil import fsync_dir
 from qwen_kvprep.probe.toolchain import NvccInfo, TorchInfo, nvcc_info, torch_info
 
@@ -244,7 +243,7 @@ def _check_cuda_majors(tinfo: TorchInfo, nvcc: NvccInfo) -> None:
             f"install a CUDA {tinfo.cuda_major}.x toolkit and point CUDA_HOME at it, or install "
             f"a torch wheel built for CUDA {nvcc.release[0]}"
         )
-        raise BuildError(message, fix=fix, findings=[fail("build.cuda_mismatch", message, fix=fix)])
+        raise BuildError.failing("build.cuda_mismatch", message, fix)
 
 
 def find_build(layout: CacheLayout, key: str, verify: bool = True) -> Optional[BuildResult]:
@@ -449,16 +448,9 @@ def _failure(
     quoted = "\n".join(f"    {line}" for line in errors) or f"    {result.get('error', '?')}"
     message = f"{what} ({plan.mode}):\n{quoted}\n  full log: {kept}"
     fix = "; ".join(hints) if hints else f"read the full log {kept}"
-    finding = fail(
-        "build.compile",
-        message,
-        fix=fix,
-        paths=[kept],
-        errors=errors,
-        key=plan.key,
-        log=str(kept),
+    return BuildError.failing(
+        "build.compile", message, fix, [kept], errors=errors, key=plan.key, log=str(kept)
     )
-    return BuildError(message, fix=fix, findings=[finding])
 
 
 def _prune_logs(layout: CacheLayout) -> None:

@@ -23,7 +23,6 @@ import filelock
 from qwen_kvprep.buildcache.paths import CacheLayout
 from qwen_kvprep.common import ENV_LOCK_TIMEOUT
 from qwen_kvprep.errors import LockTimeout, UsageError
-from qwen_kvprep.findings import fail
 from qwen_kvprep.fsutil import atomic_write_text
 
 if TYPE_CHECKING:
@@ -103,9 +102,7 @@ def build_lock(
                 "that process is still building (the lock is released the moment it exits): "
                 f"wait for it, stop it, or allow a longer wait with {ENV_LOCK_TIMEOUT}=SECONDS"
             )
-            raise LockTimeout(
-                message, fix=fix, findings=[fail("build.lock", message, fix=fix, paths=[path])]
-            ) from None
+            raise LockTimeout.failing("build.lock", message, fix, [path]) from None
         waited = max(time.monotonic() - start, 1e-6)
     owner_path = layout.owner_path(key)
     try:

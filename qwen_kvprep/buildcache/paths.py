@@ -20,7 +20,6 @@ from typing import Optional
 
 from qwen_kvprep.common import ENV_CACHE, build_cache_root
 from qwen_kvprep.errors import CacheError
-from qwen_kvprep.findings import fail
 
 CACHE_OPTION = "--cache-dir"
 
@@ -85,6 +84,4 @@ def not_writable(root: Path, exc: OSError) -> CacheError:
         f"use another folder: `{CACHE_OPTION} DIR` or `export {ENV_CACHE}=DIR` "
         f"(or make {root} writable)"
     )
-    return CacheError(
-        message, fix=fix, findings=[fail("build.cache", message, fix=fix, paths=[root])]
-    )
+    return CacheError.failing("build.cache", message, fix, [root])

@@ -112,46 +112,17 @@ def _for_sources(builds: list[BuildRecord], facts: Facts) -> list[BuildRecord]:
 
 
 def _binary_on_gpu(b: BuildRecord, gpu: GpuInfo, label: str, rebuild: str) -> Finding:
-    archs = b.archs
     cc = f"{gpu.capability[0]}.{gpu.capability[1]}"
-    d: dict[str, object] = {
-        "binary": b.so_path,
-        "code": archs.labels() if archs else [],
-        "gpu": gpu.label,
-    }
-    if archs is None or archs.error:
-        why = archs.error if archs else "not read"
-        return warn(
-            "build.arch",
-            f"{label}: cannot read {b.so_path}: {why}",
-            rebuild.replace("ARCH", cc),
-            paths=[b.dir],
-            details=d,
-        )
-    entry = runs_on(archs.entries, gpu.capability)
-    if entry is None:
-        return fail(
-            "build.arch",
-            f"{label} claims {cc} in its manifest but its binary carries {_describe(archs)}, "
-            f"nothing that runs on GPU {gpu.index} {gpu.label}: the first kernel call fails "
-            "with `CUDA error: no kernel image is available for execution on the device`",
-            rebuild.replace("ARCH", cc) + " (and `--force`)",
-            paths=[b.dir],
-            details=d,
-        )
-    if entry.kind == "ptx":
-        return info(
-            "build.arch",
-            f"{label} runs on GPU {gpu.index} {gpu.label} through PTX {entry.label} "
-            "(JIT-compiled at first use; SASS for it would start faster)",
-            paths=[b.dir],
-            details=d,
-        )
-    return ok(
-        "build.arch",
-        f"{label} carries {entry.label} for GPU {gpu.index} {gpu.label}",
-        paths=[b.dir],
-        details=d,
+    fix = rebuild.replace("ARCH", cc)
+    return _code_on_gpu(
+        b.archs,
+        b.so_path,
+        b.dir,
+        gpu,
+        label,
+        claim=f" claims {cc} in its manifest but its binary",
+        fixes=(fix, fix + " (and `--force`)"),
+        ptx_note=True,
     )
 
 
@@ -159,30 +130,71 @@ def _jit_on_gpu(archs: BinaryArchs, gpu: GpuInfo, fix: str) -> Finding:
     # Built by Qwen's original cpp_kernels.py in the modules cache: its arch flags come
     # from the nvcc version, not from the GPU.
     label = "the extension Qwen's original cpp_kernels.py built"
-    d: dict[str, object] = {"binary": archs.path, "code": archs.labels(), "gpu": gpu.label}
-    if archs.error:
+    return _code_on_gpu(
+        archs,
+        archs.path,
+        archs.path,
+        gpu,
+        label,
+        claim=f" ({archs.path})",
+        fixes=(fix, fix),
+        ptx_note=False,
+    )
+
+
+def _code_on_gpu(
+    archs: Optional[BinaryArchs],
+    binary: Optional[str],
+    where: str,
+    gpu: GpuInfo,
+    label: str,
+    *,
+    claim: str,
+    fixes: tuple[str, str],
+    ptx_note: bool,
+) -> Finding:
+    """build.arch of one extension on one GPU: its binary cannot be read (warn), carries
+    nothing that runs there (fail), runs there through PTX alone (info where `ptx_note`:
+    qwen-kvprep's own builds, which `build --arch` can give SASS) or carries code for it.
+    `claim` follows the label when nothing runs there; `fixes` are the fix for an
+    unreadable binary and the fix for missing code; `where` is the path the findings name."""
+    d: dict[str, object] = {
+        "binary": binary,
+        "code": archs.labels() if archs else [],
+        "gpu": gpu.label,
+    }
+    if archs is None or archs.error:
+        why = archs.error if archs else "not read"
         return warn(
             "build.arch",
-            f"{label}: cannot read {archs.path}: {archs.error}",
-            fix,
-            paths=[archs.path],
+            f"{label}: cannot read {binary}: {why}",
+            fixes[0],
+            paths=[where],
             details=d,
         )
     entry = runs_on(archs.entries, gpu.capability)
     if entry is None:
         return fail(
             "build.arch",
-            f"{label} ({archs.path}) carries {_describe(archs)}, nothing that runs on GPU "
-            f"{gpu.index} {gpu.label}: the first kernel call fails with `CUDA error: no "
-            "kernel image is available for execution on the device`",
-            fix,
-            paths=[archs.path],
+            f"{label}{claim} carries {_describe(archs)}, nothing that runs on GPU {gpu.index} "
+            f"{gpu.label}: the first kernel call fails with `CUDA error: no kernel image is "
+            "available for execution on the device`",
+            fixes[1],
+            paths=[where],
+            details=d,
+        )
+    if ptx_note and entry.kind == "ptx":
+        return info(
+            "build.arch",
+            f"{label} runs on GPU {gpu.index} {gpu.label} through PTX {entry.label} "
+            "(JIT-compiled at first use; SASS for it would start faster)",
+            paths=[where],
             details=d,
         )
     return ok(
         "build.arch",
         f"{label} carries {entry.label} for GPU {gpu.index} {gpu.label}",
-        paths=[archs.path],
+        paths=[where],
         details=d,
     )
 

@@ -239,8 +239,6 @@ def probe(
     outcome = run_child(spec, source, min(options.timeout, _PROBE_TIMEOUT_S), bar,
                         "checking torch and the device")
     if outcome.result is None:
-        from qwen_kvprep.findings import fail
-
         why = failure_text(outcome, _PROBE_TIMEOUT_S)
         message = f"cannot start: {why}"
         fix = (
@@ -248,8 +246,7 @@ def probe(
             if options.device == "cuda"
             else "check the torch installation: python -c 'import torch'"
         )
-        raise ProfileError(message, fix=fix, findings=[
-            fail("profile.device", message, fix=fix, log_tail=outcome.log_tail)])
+        raise ProfileError.failing("profile.device", message, fix, log_tail=outcome.log_tail)
     return outcome.result
 
 

@@ -22,7 +22,6 @@ from typing import Optional, TypedDict
 
 from qwen_kvprep.common import KERNEL_FILES, LOADER_FILE
 from qwen_kvprep.errors import CheckpointError, ConfigError
-from qwen_kvprep.findings import fail
 from qwen_kvprep.jsontypes import JSON, JSONObject
 
 CONFIG = "config.json"
@@ -66,8 +65,7 @@ def read_config(directory: Path) -> JSONObject:
     except FileNotFoundError:
         message = f"{directory} has no {CONFIG}"
         fix = "point profile at a Qwen (v1) checkpoint folder (config.json is the minimum)"
-        raise CheckpointError(message, fix=fix, findings=[fail("profile.source", message,
-                                                                 fix=fix, paths=[path])]) from None
+        raise CheckpointError.failing("profile.source", message, fix, [path]) from None
     except (OSError, ValueError) as exc:
         message = f"{path} cannot be read as JSON: {exc}"
         raise ConfigError(message, fix=f"repair or re-download {path}") from exc
@@ -116,10 +114,7 @@ def model_source(directory: Path, random_weights: bool) -> Iterator[ModelSource]
                 f"profile the architecture alone with random weights: qwen-kvprep profile "
                 f"{directory} --random-weights (or download the weights)"
             )
-            raise CheckpointError(
-                message, fix=fix, findings=[fail("profile.source", message, fix=fix,
-                                                 paths=[directory])]
-            )
+            raise CheckpointError.failing("profile.source", message, fix, [directory])
         yield ModelSource(
             directory=directory,
             load_from=directory,

@@ -237,7 +237,7 @@ def fetch_error(
         # size check of huggingface_hub's own, a full disk.
         message = f"downloading {where} from {endpoint} failed: {_cause_summary(exc)}"
         fix = f"retry; if it persists, check the network and HF_ENDPOINT; or {vendored}"
-    finding = fail(
+    return SourceError.failing(
         "kernels.fetch",
         message,
         fix,
@@ -249,7 +249,6 @@ def fetch_error(
         status=status,
         error=type(exc).__name__,
     )
-    return SourceError(message, fix=fix, findings=[finding])
 
 
 def fetch_official(

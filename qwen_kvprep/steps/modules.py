@@ -16,7 +16,7 @@ from typing import Optional
 
 from qwen_kvprep.common import LOADER_FILE, modules_cache_root, sha256_bytes, sha256_file
 from qwen_kvprep.errors import CacheError
-from qwen_kvprep.findings import fail, info, ok, warn
+from qwen_kvprep.findings import info, ok, warn
 from qwen_kvprep.steps.context import FixContext
 
 
@@ -38,16 +38,13 @@ def _plant_all(ctx: FixContext, folder: Path, files: dict[str, bytes]) -> list[s
             fix = (
                 "make the modules cache writable, or point HF_MODULES_CACHE (or HF_HOME) elsewhere"
             )
-            raise CacheError(
-                message, fix=fix, findings=[fail("modules.plant", message, fix=fix, paths=[folder])]
-            ) from exc
+            raise CacheError.failing("modules.plant", message, fix, [folder]) from exc
     try:
         # so that reverting another folder of the same name leaves these files alone
         ctx.journal.register_user(folder)
     except OSError as exc:
         message = f"cannot write {folder}: {exc.strerror or exc}"
-        finding = fail("modules.plant", message, paths=[folder])
-        raise CacheError(message, findings=[finding]) from exc
+        raise CacheError.failing("modules.plant", message, paths=[folder]) from exc
     return changed
 
 
@@ -76,7 +73,7 @@ def run(ctx: FixContext) -> None:
         wrong = [n for n, d in files.items() if _hash(folder / n) != sha256_bytes(d)]
         if wrong:
             message = f"{', '.join(wrong)} in {folder} differ from what was planted"
-            raise CacheError(message, findings=[fail("modules.plant", message, paths=[folder])])
+            raise CacheError.failing("modules.plant", message, paths=[folder])
     hub_folder = _hub_folder(ctx)
     if hub_folder is not None and hub_folder != folder:
         changed += [f"{n} (for loads by repo id)" for n in _plant_all(ctx, hub_folder, files)]
@@ -99,26 +96,14 @@ def run(ctx: FixContext) -> None:
         "files": dict(hashes),
         "hub_folder": hub,
     }
-    names = ", ".join(files)
-    if changed:
-        verb = "would plant" if ctx.options.dry_run else "planted"
-        ctx.add(
-            info(
-                "modules.plant",
-                f"{verb} {', '.join(changed)} in the modules cache",
-                paths=[folder],
-                folder=str(folder),
-            )
-        )
-    else:
-        ctx.add(
-            ok(
-                "modules.plant",
-                f"the modules cache already holds {names}",
-                paths=[folder],
-                folder=str(folder),
-            )
-        )
+    verb = "would plant" if ctx.options.dry_run else "planted"
+    message = (
+        f"{verb} {', '.join(changed)} in the modules cache"
+        if changed
+        else f"the modules cache already holds {', '.join(files)}"
+    )
+    report = info if changed else ok
+    ctx.add(report("modules.plant", message, paths=[folder], folder=str(folder)))
 
 
 def _hub_folder(ctx: FixContext) -> Optional[Path]:

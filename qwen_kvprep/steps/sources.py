@@ -85,12 +85,11 @@ def _vendored() -> SourceSet:
         folder = resources.kernels_dir()
         files = {name: (folder / name).read_bytes() for name in KERNEL_FILES}
     except OSError as exc:
-        finding = fail(
+        raise SourceError.failing(
             "kernels.sources",
             f"qwen-kvprep's own kernel sources are missing from this installation ({exc})",
             "reinstall qwen-kvprep (`pip install --force-reinstall qwen-kvprep`)",
-        )
-        raise SourceError(finding.message, fix=finding.fix, findings=[finding]) from exc
+        ) from exc
     return SourceSet("vendored", catalogue.OURS, files)
 
 
