@@ -15,10 +15,15 @@ from qwen_kvprep.checks.registry import (
     check,
     checkpoint_of,
     env_of,
+    fail,
+    info,
+    ok,
+    skip,
+    warn,
 )
 from qwen_kvprep.common import KERNEL_FILES
 from qwen_kvprep.common import LOADER_FILE as LOADER
-from qwen_kvprep.findings import Finding, FindingsLike, fail, info, ok, skip, warn
+from qwen_kvprep.findings import Finding, FindingsLike
 from qwen_kvprep.probe.binary import BinaryArchs, runs_on
 from qwen_kvprep.probe.caches import (
     BuildRecord,
@@ -46,7 +51,7 @@ def build_cache(facts: Facts) -> FindingsLike:
     caches = caches_of(facts)
     acc = caches.build_cache
     if acc is None:
-        return skip("build.cache", "the build cache folder could not be determined")
+        return skip("the build cache folder could not be determined")
     usable = usable_builds(caches, facts.env)
     details = {
         "path": acc.path,
@@ -58,7 +63,6 @@ def build_cache(facts: Facts) -> FindingsLike:
     if acc.writable:
         state = "" if acc.exists else " (created by the first build)"
         return ok(
-            "build.cache",
             f"build cache {acc.path}{state} is writable; {len(caches.builds)} build(s), "
             f"{len(usable)} for this torch",
             paths=[acc.path],
@@ -69,7 +73,6 @@ def build_cache(facts: Facts) -> FindingsLike:
     )
     if usable:
         return warn(
-            "build.cache",
             f"{message}; the existing build for this torch can be used, "
             "but nothing new can be built",
             CACHE_FIX,
@@ -77,7 +80,6 @@ def build_cache(facts: Facts) -> FindingsLike:
             details=details,
         )
     return fail(
-        "build.cache",
         f"{message}, so the extension can be neither built nor published",
         CACHE_FIX,
         paths=[acc.path],
@@ -166,7 +168,6 @@ def _code_on_gpu(
     if archs is None or archs.error:
         why = archs.error if archs else "not read"
         return warn(
-            "build.arch",
             f"{label}: cannot read {binary}: {why}",
             fixes[0],
             paths=[where],
@@ -175,7 +176,6 @@ def _code_on_gpu(
     entry = runs_on(archs.entries, gpu.capability)
     if entry is None:
         return fail(
-            "build.arch",
             f"{label}{claim} carries {_describe(archs)}, nothing that runs on GPU {gpu.index} "
             f"{gpu.label}: the first kernel call fails with `CUDA error: no kernel image is "
             "available for execution on the device`",
@@ -185,14 +185,12 @@ def _code_on_gpu(
         )
     if ptx_note and entry.kind == "ptx":
         return info(
-            "build.arch",
             f"{label} runs on GPU {gpu.index} {gpu.label} through PTX {entry.label} "
             "(JIT-compiled at first use; SASS for it would start faster)",
             paths=[where],
             details=d,
         )
     return ok(
-        "build.arch",
         f"{label} carries {entry.label} for GPU {gpu.index} {gpu.label}",
         paths=[where],
         details=d,
@@ -210,10 +208,10 @@ def build_arch(facts: Facts) -> FindingsLike:
         parts = [f"build {b.key[:12]}: {_describe(b.archs)}" for b in builds]
         parts += [f"{a.path}: {_describe(a)}" for a in jit]
         if not parts:
-            return skip("build.arch", "no GPU visible and no build for this torch yet")
-        return info("build.arch", "no GPU visible to check against; " + "; ".join(parts))
+            return skip("no GPU visible and no build for this torch yet")
+        return info("no GPU visible to check against; " + "; ".join(parts))
     if not env.torch_is_cuda:
-        return skip("build.arch", "torch is a CPU build: the kernel runs on the CPU (see env.gpu)")
+        return skip("torch is a CPU build: the kernel runs on the CPU (see env.gpu)")
     out: list[Finding] = []
     for g in env.gpus:
         cc = f"{g.capability[0]}.{g.capability[1]}"
@@ -226,7 +224,6 @@ def build_arch(facts: Facts) -> FindingsLike:
             listing = "; ".join(f"{b.key[:12]}: {_describe(b.archs)}" for b in builds)
             out.append(
                 fail(
-                    "build.arch",
                     f"no build for this torch carries code for GPU {g.index} {g.label} "
                     f"({listing}): code for other architectures fails there with `no kernel "
                     "image is available for execution on the device`, so the loader skips "
@@ -241,7 +238,6 @@ def build_arch(facts: Facts) -> FindingsLike:
         elif not jit:
             out.append(
                 info(
-                    "build.arch",
                     f"no build for this torch yet: `{_fix_cmd(facts)}` builds one for "
                     f"GPU {g.index} {g.label}",
                     gpu=g.label,
@@ -259,11 +255,10 @@ def modules_cache(facts: Facts) -> FindingsLike:
     caches = caches_of(facts)
     acc = caches.modules_root
     if acc is None:
-        return skip("modules.cache", "the modules cache folder could not be determined")
+        return skip("the modules cache folder could not be determined")
     details = {"path": acc.path, "source": acc.source, "exists": acc.exists}
     if acc.writable:
         return ok(
-            "modules.cache",
             f"modules cache {acc.path} (from {acc.source}) is writable",
             paths=[acc.path],
             details=details,
@@ -279,14 +274,12 @@ def modules_cache(facts: Facts) -> FindingsLike:
     )
     if complete:
         return warn(
-            "modules.cache",
             message + ", which works only while the copy there is already current",
             fix,
             paths=[acc.path],
             details=details,
         )
     return fail(
-        "modules.cache",
         message + ", so loading the model fails",
         fix,
         paths=[acc.path],
@@ -324,9 +317,8 @@ def _judge_folder(facts: Facts, mf: ModuleFolder, requested: bool) -> Finding:
             "slow pure-torch path"
         )
         if requested:
-            return fail("modules.folder", message, fix, paths=[mf.path], details=details)
+            return fail(message, fix, paths=[mf.path], details=details)
         return info(
-            "modules.folder",
             message + " (the config does not ask for the kernel yet)",
             fix,
             paths=[mf.path],
@@ -338,7 +330,6 @@ def _judge_folder(facts: Facts, mf: ModuleFolder, requested: bool) -> Finding:
     ]
     if stale:
         return warn(
-            "modules.folder",
             f"the kernel sources in {mf.path} differ from the checkpoint's ({', '.join(stale)}), "
             "so the model builds or loads different kernels than the checkpoint holds",
             fix,
@@ -348,7 +339,6 @@ def _judge_folder(facts: Facts, mf: ModuleFolder, requested: bool) -> Finding:
     if mf.loader_is_ours is False:
         if getattr(cp, "loader_is_ours", False):
             return info(
-                "modules.folder",
                 f"{mf.path} still holds Qwen's original {LOADER}; transformers replaces it "
                 "with the checkpoint's (qwen-kvprep's loader) at the next load",
                 paths=[mf.path],
@@ -360,18 +350,16 @@ def _judge_folder(facts: Facts, mf: ModuleFolder, requested: bool) -> Finding:
             "from_pretrained fails with `FileNotFoundError: './cache_autogptq_cuda_256.cpp'`"
         )
         if requested:
-            return fail("modules.folder", message, fix, paths=[mf.path], details=details)
-        return info("modules.folder", message, fix, paths=[mf.path], details=details)
+            return fail(message, fix, paths=[mf.path], details=details)
+        return info(message, fix, paths=[mf.path], details=details)
     if mf.loader_is_ours is None:
         return info(
-            "modules.folder",
             f"{mf.path} holds the kernel sources; transformers copies the loader {LOADER} "
             "in at the next load",
             paths=[mf.path],
             details=details,
         )
     return ok(
-        "modules.folder",
         f"{mf.path} holds the kernel sources and qwen-kvprep's loader",
         paths=[mf.path],
         details=details,
@@ -387,7 +375,7 @@ def modules_folder(facts: Facts) -> FindingsLike:
     caches = caches_of(facts)
     cp = checkpoint_of(facts)
     if not caches.module_folders:
-        return skip("modules.folder", "the modules-cache folder could not be determined")
+        return skip("the modules-cache folder could not be determined")
     requested = bool(_quant_requested(facts))
     existing = [mf for mf in caches.module_folders if mf.exists]
     planted = _state_folder(caches)
@@ -396,7 +384,6 @@ def modules_folder(facts: Facts) -> FindingsLike:
         details = {"folder": primary.path, "state_folder": planted}
         if planted and planted != primary.path:
             return warn(
-                "modules.folder",
                 f"`fix` planted the kernel sources in {planted}, but this environment's "
                 f"modules cache points at {primary.path} (HF_HOME/HF_MODULES_CACHE differ): the "
                 f"first load creates it without them, warns `{FALLBACK_WARNING}` and silently "
@@ -407,7 +394,6 @@ def modules_folder(facts: Facts) -> FindingsLike:
                 details=details,
             )
         return info(
-            "modules.folder",
             f"{primary.path} does not exist yet: transformers creates it at the first load and "
             "copies only .py files, so unless `qwen-kvprep fix` or `prestart` plants the kernel "
             "sources there the model silently falls back to the slow path",
@@ -435,9 +421,9 @@ def stale_lock(facts: Facts) -> FindingsLike:
     caches = caches_of(facts)
     root = caches.modules_root.path if caches.modules_root else "the modules cache"
     if not caches.locks_scanned:
-        return skip("modules.stale_lock", "the modules cache was not scanned")
+        return skip("the modules cache was not scanned")
     if not caches.locks:
-        return ok("modules.stale_lock", f"no torch JIT lock files under {root}")
+        return ok(f"no torch JIT lock files under {root}")
     out: list[Finding] = []
     for lock in caches.locks:
         details: dict[str, object] = {
@@ -450,7 +436,6 @@ def stale_lock(facts: Facts) -> FindingsLike:
             who = "; ".join(f"PID {pid} ({cmd})" for pid, cmd in lock.holders)
             out.append(
                 info(
-                    "modules.stale_lock",
                     f"{lock.path} is held by a running build: {who}",
                     paths=[lock.path],
                     details=details,
@@ -459,7 +444,6 @@ def stale_lock(facts: Facts) -> FindingsLike:
         elif lock.unreadable:
             out.append(
                 warn(
-                    "modules.stale_lock",
                     f"{lock.path}{_age(lock)} is probably left over from a killed build (the open "
                     f"files of {lock.unreadable} other processes could not be inspected): if so, "
                     "every later load of the model waits on it forever",
@@ -471,7 +455,6 @@ def stale_lock(facts: Facts) -> FindingsLike:
         else:
             out.append(
                 fail(
-                    "modules.stale_lock",
                     f"{lock.path}{_age(lock)} is left over from a killed build (no process holds "
                     "it): every later load of the model waits on it forever",
                     clear,

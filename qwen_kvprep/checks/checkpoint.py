@@ -13,11 +13,21 @@ from pathlib import PurePosixPath
 from typing import Optional, Union
 
 from qwen_kvprep import hubcli
-from qwen_kvprep.checks.registry import CHECKPOINT, LISTED, check, checkpoint_of
+from qwen_kvprep.checks.registry import (
+    CHECKPOINT,
+    LISTED,
+    check,
+    checkpoint_of,
+    fail,
+    info,
+    ok,
+    skip,
+    warn,
+)
 from qwen_kvprep.common import KERNEL_FILES
 from qwen_kvprep.common import LOADER_FILE as LOADER
 from qwen_kvprep.configjson import CONFIG
-from qwen_kvprep.findings import Finding, fail, info, ok, skip, warn
+from qwen_kvprep.findings import Finding
 from qwen_kvprep.probe.checkpoint import (
     BIN_INDEX,
     BIN_SINGLE,
@@ -120,11 +130,10 @@ CheckResult = Union[Finding, list[Finding]]
 
 @check("checkpoint.files", "Required files are present", needs=(CHECKPOINT,))
 def files(facts: Facts) -> CheckResult:
-    id = "checkpoint.files"
     cp = checkpoint_of(facts)
     if cp.listing_error is not None:
         return fail(
-            id, f"{cp.path} cannot be listed: {cp.listing_error}",
+            f"{cp.path} cannot be listed: {cp.listing_error}",
             "check the path and that this user may read it", paths=[cp.path],
         )
     out: list[Finding] = []
@@ -137,7 +146,6 @@ def files(facts: Facts) -> CheckResult:
         for name, what in sorted(special.items()):
             make = fail if name in read else warn
             out.append(make(
-                id,
                 f"{name} is {what}, not a regular file: qwen-kvprep does not open it, and "
                 "loading the model would fail or wait on it forever",
                 f"replace it with the real file: `rm {shlex.quote(str(cp.path / name))}`, then "
@@ -149,7 +157,6 @@ def files(facts: Facts) -> CheckResult:
     ]
     if missing:
         out.append(fail(
-            id,
             f"{_plural(missing, 'is', 'are')} missing, so loading fails with "
             f"{_MISSING_SYMPTOM[missing[0]]}",
             redownload(cp, missing), paths=[cp.path / f for f in missing],
@@ -157,7 +164,6 @@ def files(facts: Facts) -> CheckResult:
         ))
     if cp.dangling:
         out.append(fail(
-            id,
             f"{_plural(list(cp.dangling), 'is a symlink', 'are symlinks')} to a blob that is "
             "gone (an interrupted or pruned hub download), so loading fails with "
             "`FileNotFoundError`",
@@ -167,7 +173,6 @@ def files(facts: Facts) -> CheckResult:
         # The relative import in modeling_qwen.py makes transformers copy it even when the
         # KV flags are off; `fix` installs qwen-kvprep's loader under this name anyway.
         out.append(warn(
-            id,
             f"{LOADER} is missing, so loading fails with `FileNotFoundError: ... {LOADER}` "
             "until `qwen-kvprep fix` installs its loader there",
             f"qwen-kvprep fix {shlex.quote(str(cp.path))}", paths=[cp.path / LOADER],
@@ -175,13 +180,12 @@ def files(facts: Facts) -> CheckResult:
     out.extend(_weights_findings(cp))
     if GENERATION_CONFIG not in present and GENERATION_CONFIG not in cp.dangling:
         out.append(warn(
-            id,
             f"{GENERATION_CONFIG} is missing, so model.chat() has no chat_format or stop "
             "tokens and fails or rambles",
             redownload(cp, [GENERATION_CONFIG]), paths=[cp.path / GENERATION_CONFIG],
         ))
     if not any(f.severity.value in ("fail", "warn") for f in out):
-        out.insert(0, ok(id, f"all required files are present (weights: {_layout_words(cp)})"))
+        out.insert(0, ok(f"all required files are present (weights: {_layout_words(cp)})"))
     return out
 
 
@@ -195,12 +199,10 @@ def _layout_words(cp: CheckpointFacts) -> str:
 
 
 def _weights_findings(cp: CheckpointFacts) -> list[Finding]:
-    id = "checkpoint.files"
     layout = cp.weights_layout
     present = set(cp.files)
     if layout == "none":
         return [fail(
-            id,
             f"no weights ({ST_SINGLE}, {ST_INDEX} with its shards, or {BIN_SINGLE}), so "
             "loading fails with `OSError: Error no file named pytorch_model.bin, "
             "model.safetensors, tf_model.h5, ...`",
@@ -208,14 +210,12 @@ def _weights_findings(cp: CheckpointFacts) -> list[Finding]:
         )]
     if layout == "safetensors-sharded" and cp.index is None:
         return [fail(
-            id,
             f"{len(cp.weight_files)} safetensors shard(s) but no {ST_INDEX}, so transformers "
             "cannot find them (`OSError: Error no file named pytorch_model.bin, ...`)",
             redownload(cp, [ST_INDEX]), paths=[cp.path / ST_INDEX],
         )]
     if layout == "pytorch-bin" and BIN_SINGLE in present and cp.index is None:
         return [info(
-            id,
             f"weights are a single {BIN_SINGLE}: the August-2023 layout of the first "
             "Qwen-7B-Chat release, whose remote code has no Int8 KV cache",
             f"for the KV cache, download the current revision: {redownload(cp)}",
@@ -223,7 +223,7 @@ def _weights_findings(cp: CheckpointFacts) -> list[Finding]:
         )]
     if layout == "pytorch-bin" and BIN_INDEX in present:
         return [info(
-            id, f"weights are pickled .bin shards listed in {BIN_INDEX} (re-saved with "
+            f"weights are pickled .bin shards listed in {BIN_INDEX} (re-saved with "
             "safe_serialization=False); they load, but are not validated here",
             paths=[cp.path / BIN_INDEX],
         )]
@@ -236,29 +236,26 @@ def _weights_findings(cp: CheckpointFacts) -> list[Finding]:
     needs=(CHECKPOINT, LISTED),
 )
 def remote_code(facts: Facts) -> CheckResult:
-    id = "checkpoint.remote_code"
     cp = checkpoint_of(facts)
     if cp.modeling_text_supports_kv is None:
-        return skip(id, f"{MODELING} is missing or damaged (see checkpoint.files / .content)")
+        return skip(f"{MODELING} is missing or damaged (see checkpoint.files / .content)")
     py = [f for f in REMOTE_CODE_FILES if f != LOADER]
     whole = cp.weights_layout == "pytorch-bin" and BIN_SINGLE in cp.files
     # The August-2023 weights and config come with their own schema: update everything.
     update = redownload(cp) if whole else redownload(cp, py)
     if not cp.modeling_text_supports_kv:
         return fail(
-            id,
             f"{MODELING} predates the Int8 KV cache (it never mentions use_cache_quantization), "
             "so the flags in config.json are silently ignored and the cache stays full size",
             f"update the remote code: {update}", paths=[cp.path / MODELING],
         )
     if not cp.modeling_mentions_kernel:
         return warn(
-            id,
             f"{MODELING} quantizes the KV cache but never loads the cache_autogptq_cuda_256 "
             "kernel, so attention always runs the slow pure-torch dequantize path",
             f"update the remote code: {update}", paths=[cp.path / MODELING],
         )
-    return ok(id, f"{MODELING} supports the Int8 KV cache and its kernel")
+    return ok(f"{MODELING} supports the Int8 KV cache and its kernel")
 
 
 # (plural wording, likely cause or None) per kind of content problem.
@@ -305,10 +302,9 @@ def _symptom(kind: str, suffix: str) -> str:
     needs=(CHECKPOINT, LISTED),
 )
 def content(facts: Facts) -> CheckResult:
-    id = "checkpoint.content"
     cp = checkpoint_of(facts)
     if not cp.content_problems:
-        return ok(id, "no file is a Git LFS pointer, an HTML page or empty")
+        return ok("no file is a Git LFS pointer, an HTML page or empty")
     # One finding per kind and file type: 8 LFS-pointer shards are one problem, with one fix.
     groups: dict[tuple[str, str], list[ContentProblem]] = {}
     for p in cp.content_problems:
@@ -330,7 +326,6 @@ def content(facts: Facts) -> CheckResult:
         else:
             fix = refetch(cp, names, lfs=kind == "lfs-pointer")
         out.append(fail(
-            id,
             f"{', '.join(names)} {what}{because} loading fails with {_symptom(kind, suffix)}",
             fix,
             paths=[cp.path / n for n in names], kind=kind,
@@ -345,22 +340,20 @@ def content(facts: Facts) -> CheckResult:
     needs=(CHECKPOINT, LISTED),
 )
 def shards(facts: Facts) -> CheckResult:
-    id = "checkpoint.shards"
     cp = checkpoint_of(facts)
     if not cp.shards:
-        return skip(id, "no safetensors shard to validate")
+        return skip("no safetensors shard to validate")
     bad = [s for s in cp.shards if s.error is not None]
     if not bad:
         tensors = sum(len(s.tensor_names) for s in cp.shards)
         size = sum(s.size or 0 for s in cp.shards)
         return ok(
-            id,
             f"{len(cp.shards)} safetensors file(s) are complete: {tensors} tensors, "
             f"{size:,} bytes (judged from their headers)",
         )
     return [
         fail(
-            id, f"{s.name} {s.error}", redownload(cp, [s.name]), paths=[cp.path / s.name],
+            f"{s.name} {s.error}", redownload(cp, [s.name]), paths=[cp.path / s.name],
             size=s.size, header_len=s.header_len, truncated=s.truncated,
             python=python_redownload(cp, [s.name]),
         )
@@ -374,24 +367,22 @@ def shards(facts: Facts) -> CheckResult:
     needs=(CHECKPOINT, LISTED),
 )
 def index(facts: Facts) -> CheckResult:
-    id = "checkpoint.index"
     cp = checkpoint_of(facts)
     idx = cp.index
     if idx is None:
-        return skip(id, "no weight index (single-file or no weights)")
+        return skip("no weight index (single-file or no weights)")
     if cp.problem(idx.name) is not None:
-        return skip(id, f"{idx.name} is damaged (see checkpoint.content)")
+        return skip(f"{idx.name} is damaged (see checkpoint.content)")
     path = cp.path / idx.name
     if idx.error is not None:
         return fail(
-            id, f"{idx.name} {idx.error}, so transformers cannot map tensors to shards",
+            f"{idx.name} {idx.error}, so transformers cannot map tensors to shards",
             redownload(cp, [idx.name]), paths=[path],
         )
     out: list[Finding] = []
     if idx.refused:
         names = [n for n, _ in idx.refused]
         out.append(fail(
-            id,
             f"{idx.name} names {len(names)} file(s) outside the checkpoint "
             f"({'; '.join(f'{n!r} {why}' for n, why in idx.refused[:3])}), which qwen-kvprep "
             "refuses and never opens",
@@ -401,7 +392,6 @@ def index(facts: Facts) -> CheckResult:
         ))
     if idx.missing:
         out.append(fail(
-            id,
             f"{_plural(list(idx.missing), 'is', 'are')} listed in {idx.name} but missing, so "
             f"loading fails with `OSError: ... does not appear to have a file named "
             f"{idx.missing[0]}`",
@@ -415,7 +405,7 @@ def index(facts: Facts) -> CheckResult:
     if not out:
         also = " and consistent with their headers" if compared else ""
         out.append(ok(
-            id, f"{idx.name} maps {len(idx.weight_map)} tensors to {len(idx.files)} file(s), "
+            f"{idx.name} maps {len(idx.weight_map)} tensors to {len(idx.files)} file(s), "
             f"all present{also}",
         ))
     return out
@@ -425,7 +415,6 @@ def _index_vs_shards(cp: CheckpointFacts) -> tuple[list[Finding], bool]:
     """Compare the index with the shard headers, only when every shard header is sound.
 
     Returns the findings and whether the comparison was made."""
-    id = "checkpoint.index"
     idx = cp.index
     assert idx is not None
     shards = {s.name: s for s in cp.shards}
@@ -437,7 +426,6 @@ def _index_vs_shards(cp: CheckpointFacts) -> tuple[list[Finding], bool]:
     misplaced = sorted(t for t, f in idx.weight_map.items() if t not in shards[f].tensor_names)
     if misplaced:
         out.append(fail(
-            id,
             f"{idx.name} places {len(misplaced)} tensor(s) (e.g. {misplaced[0]}) in shards that do "
             "not hold them, so loading fails with missing weights: index and shards come from "
             "different revisions",
@@ -447,7 +435,6 @@ def _index_vs_shards(cp: CheckpointFacts) -> tuple[list[Finding], bool]:
     total = sum(shards[f].tensor_bytes for f in idx.files)
     if idx.total_size is not None and idx.total_size != total:
         out.append(warn(
-            id,
             f"{idx.name} says total_size {idx.total_size:,} but the shard headers add up to "
             f"{total:,} bytes of tensors, so index and shards may come from different revisions",
             redownload(cp, [idx.name]), paths=[cp.path / idx.name],
@@ -458,19 +445,17 @@ def _index_vs_shards(cp: CheckpointFacts) -> tuple[list[Finding], bool]:
 
 @check("checkpoint.tokenizer", "qwen.tiktoken parses", needs=(CHECKPOINT, LISTED))
 def tokenizer(facts: Facts) -> CheckResult:
-    id = "checkpoint.tokenizer"
     cp = checkpoint_of(facts)
     if TIKTOKEN not in cp.files or cp.problem(TIKTOKEN) is not None:
-        return skip(id, f"{TIKTOKEN} is missing or damaged (see checkpoint.files / .content)")
+        return skip(f"{TIKTOKEN} is missing or damaged (see checkpoint.files / .content)")
     if cp.tiktoken_error is not None:
         where = f" line {cp.tiktoken_bad_line}" if cp.tiktoken_bad_line else ""
         return fail(
-            id,
             f"{TIKTOKEN}{where} {cp.tiktoken_error}, so the tokenizer fails to load (`ValueError`"
             " while reading its BPE ranks)",
             redownload(cp, [TIKTOKEN]), paths=[cp.path / TIKTOKEN], line=cp.tiktoken_bad_line,
         )
-    return ok(id, f"{TIKTOKEN} parses: {cp.tiktoken_ranks:,} BPE ranks")
+    return ok(f"{TIKTOKEN} parses: {cp.tiktoken_ranks:,} BPE ranks")
 
 
 @check(
@@ -479,14 +464,12 @@ def tokenizer(facts: Facts) -> CheckResult:
     needs=(CHECKPOINT, LISTED),
 )
 def dirname(facts: Facts) -> CheckResult:
-    id = "checkpoint.dirname"
     cp = checkpoint_of(facts)
     if not cp.dotted_name:
-        return ok(id, f"the directory name {cp.name!r} has no dot")
+        return ok(f"the directory name {cp.name!r} has no dot")
     head = cp.name.split(".", 1)[0]
     alias = cp.path.absolute().parent / cp.name.replace(".", "_")
     return fail(
-        id,
         f"the directory name {cp.name!r} contains a dot, so transformers cannot import its "
         f"remote code (`ModuleNotFoundError: No module named 'transformers_modules.{head}'`)",
         f"rename it or symlink it to a name without dots and load from that path: "
@@ -498,12 +481,10 @@ def dirname(facts: Facts) -> CheckResult:
 
 @check("checkpoint.gptq", "GPTQ Int4 checkpoints are recognised", needs=(CHECKPOINT, LISTED))
 def gptq(facts: Facts) -> CheckResult:
-    id = "checkpoint.gptq"
     cp = checkpoint_of(facts)
     if not cp.gptq:
-        return ok(id, "not a GPTQ checkpoint")
+        return ok("not a GPTQ checkpoint")
     return info(
-        id,
         f"GPTQ Int4 checkpoint (from {cp.gptq_source}): loading it needs optimum and auto-gptq "
         "besides torch and transformers; the Int8 KV cache works with it",
         "pip install optimum auto-gptq", source=cp.gptq_source,
@@ -520,13 +501,11 @@ _PIP_NAME = {"transformers_stream_generator": "transformers-stream-generator", "
     needs=(CHECKPOINT, LISTED),
 )
 def requirements(facts: Facts) -> CheckResult:
-    id = "checkpoint.requirements"
     cp = checkpoint_of(facts)
     missing = list(cp.missing_requirements)
     if not missing:
-        return ok(id, f"all {len(cp.requirements)} modules the remote code imports are installed")
+        return ok(f"all {len(cp.requirements)} modules the remote code imports are installed")
     return fail(
-        id,
         "transformers refuses to load the remote code (`ImportError: This modeling file "
         "requires the following packages that were not found in your environment: "
         f"{', '.join(missing)}`)",

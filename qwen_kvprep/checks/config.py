@@ -14,9 +14,19 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Union
 
 from qwen_kvprep.checks.checkpoint import redownload
-from qwen_kvprep.checks.registry import CHECKPOINT, CONFIG_PARSED, check, checkpoint_of
+from qwen_kvprep.checks.registry import (
+    CHECKPOINT,
+    CONFIG_PARSED,
+    check,
+    checkpoint_of,
+    fail,
+    info,
+    ok,
+    skip,
+    warn,
+)
 from qwen_kvprep.configjson import CONFIG
-from qwen_kvprep.findings import Finding, fail, info, ok, skip, warn
+from qwen_kvprep.findings import Finding
 from qwen_kvprep.probe.checkpoint import CheckpointFacts
 from qwen_kvprep.probe.facts import Facts
 
@@ -48,19 +58,17 @@ def _fix_cmd(cp: CheckpointFacts) -> str:
 
 @check("config.parse", "config.json parses and describes a Qwen (v1) model", needs=(CHECKPOINT,))
 def parse(facts: Facts) -> Union[Finding, list[Finding]]:
-    id = "config.parse"
     cp = checkpoint_of(facts)
     path = cp.path / CONFIG
     if CONFIG not in cp.files:
-        return skip(id, f"{CONFIG} is missing (see checkpoint.files)")
+        return skip(f"{CONFIG} is missing (see checkpoint.files)")
     if cp.problem(CONFIG) is not None:
-        return skip(id, f"{CONFIG} is not a config file at all (see checkpoint.content)")
+        return skip(f"{CONFIG} is not a config file at all (see checkpoint.content)")
     if cp.config is None:
         where = f"repair line {cp.config_error_line} of {path}, or re-download it: " if (
             cp.config_error_line
         ) else "re-download it: "
         return fail(
-            id,
             f"{cp.config_error or f'{path} cannot be read'}, so loading fails with `OSError: It "
             f"looks like the config file at '{path}' is not a valid JSON file.`",
             where + redownload(cp, [CONFIG]), paths=[path], line=cp.config_error_line,
@@ -73,7 +81,6 @@ def parse(facts: Facts) -> Union[Finding, list[Finding]]:
             "Int8 KV cache)" if model_type == "qwen2" else ""
         )
         return fail(
-            id,
             f"{CONFIG} has model_type {json.dumps(model_type)}, not \"qwen\", so this is not a "
             f"Qwen (v1) checkpoint{hint}",
             "point qwen-kvprep at a Qwen (v1) checkpoint such as Qwen/Qwen-7B-Chat",
@@ -82,12 +89,11 @@ def parse(facts: Facts) -> Union[Finding, list[Finding]]:
     auto_map = cfg.get("auto_map")
     if not isinstance(auto_map, dict) or "AutoModelForCausalLM" not in auto_map:
         return warn(
-            id,
             f"{CONFIG} has no auto_map.AutoModelForCausalLM, so AutoModelForCausalLM cannot find "
             "the remote code (`ValueError: Unrecognized configuration class`)",
             redownload(cp, [CONFIG]), paths=[path],
         )
-    return ok(id, f"{CONFIG} parses: a Qwen (v1) config with remote code in auto_map")
+    return ok(f"{CONFIG} parses: a Qwen (v1) config with remote code in auto_map")
 
 
 @check(
@@ -96,7 +102,6 @@ def parse(facts: Facts) -> Union[Finding, list[Finding]]:
     needs=(CHECKPOINT, CONFIG_PARSED),
 )
 def kv_cache(facts: Facts) -> Finding:
-    id = "config.kv_cache"
     cp, cfg = _config(facts)
     path = cp.path / CONFIG
     quant = bool(cfg.get("use_cache_quantization", DEFAULTS["use_cache_quantization"]))
@@ -104,7 +109,6 @@ def kv_cache(facts: Facts) -> Finding:
     flags = {k: cfg.get(k, DEFAULTS[k]) for k in ("use_cache_quantization", "use_cache_kernel")}
     if not quant and kernel:
         return warn(
-            id,
             "use_cache_kernel is on but use_cache_quantization is "
             f"{_shown(cfg, 'use_cache_quantization')}, so the kernel does nothing and the KV "
             "cache stays full size",
@@ -112,7 +116,6 @@ def kv_cache(facts: Facts) -> Finding:
         )
     if not quant:
         return warn(
-            id,
             f"Int8 KV cache is off (use_cache_quantization is "
             f"{_shown(cfg, 'use_cache_quantization')}), so the KV cache takes about twice the "
             "memory it needs",
@@ -120,12 +123,11 @@ def kv_cache(facts: Facts) -> Finding:
         )
     if not kernel:
         return warn(
-            id,
             f"Int8 KV cache is on but use_cache_kernel is {_shown(cfg, 'use_cache_kernel')}, so "
             "every step dequantizes the whole cache in pure torch (the slow fallback)",
             _fix_cmd(cp), paths=[path], details=flags,
         )
-    return ok(id, "Int8 KV cache and its kernel are on (use_cache_quantization, use_cache_kernel)")
+    return ok("Int8 KV cache and its kernel are on (use_cache_quantization, use_cache_kernel)")
 
 
 def flash_attn_off(cfg: Mapping[str, JSON]) -> bool:
@@ -144,15 +146,13 @@ def flash_attn_off(cfg: Mapping[str, JSON]) -> bool:
     needs=(CHECKPOINT, CONFIG_PARSED),
 )
 def flash_attn(facts: Facts) -> Finding:
-    id = "config.flash_attn"
     cp, cfg = _config(facts)
     path = cp.path / CONFIG
     shown = _shown(cfg, "use_flash_attn")
     if flash_attn_off(cfg):
-        return ok(id, f"use_flash_attn is {shown}")
+        return ok(f"use_flash_attn is {shown}")
     if cfg.get("use_cache_quantization", DEFAULTS["use_cache_quantization"]):
         return fail(
-            id,
             f"use_flash_attn is {shown} while the Int8 KV cache is on, and the remote code does "
             "not switch flash-attn off: wherever flash_attn is installed and the model runs in "
             "bf16/fp16 on a GPU, generation fails with `AttributeError: 'tuple' object has no "
@@ -161,7 +161,6 @@ def flash_attn(facts: Facts) -> Finding:
             use_flash_attn=cfg.get("use_flash_attn", DEFAULTS["use_flash_attn"]),
         )
     return info(
-        id,
         f"use_flash_attn is {shown}: harmless while the Int8 KV cache is off, but it must be "
         "false once the cache is on (fix sets both)",
         _fix_cmd(cp), paths=[path],
@@ -174,15 +173,13 @@ def flash_attn(facts: Facts) -> Finding:
     needs=(CHECKPOINT,),
 )
 def symlink(facts: Facts) -> Finding:
-    id = "config.symlink"
     cp = checkpoint_of(facts)
     path = cp.path / CONFIG
     if not cp.config_is_symlink:
         if CONFIG not in cp.files:
-            return skip(id, f"{CONFIG} is missing (see checkpoint.files)")
-        return ok(id, f"{CONFIG} is a regular file")
+            return skip(f"{CONFIG} is missing (see checkpoint.files)")
+        return ok(f"{CONFIG} is a regular file")
     return info(
-        id,
         f"{CONFIG} is a symlink (to {cp.config_link_target}), as in a huggingface_hub cache: fix "
         "will replace the link with a patched file and never write the blob it points to",
         paths=[path], target=cp.config_link_target,

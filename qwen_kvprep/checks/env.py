@@ -12,8 +12,20 @@ import shlex
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Optional
 
-from qwen_kvprep.checks.registry import CHECKPOINT, CUDA_TORCH, ENV, TORCH, check, env_of
-from qwen_kvprep.findings import Finding, FindingsLike, fail, info, ok, skip, warn
+from qwen_kvprep.checks.registry import (
+    CHECKPOINT,
+    CUDA_TORCH,
+    ENV,
+    TORCH,
+    check,
+    env_of,
+    fail,
+    info,
+    ok,
+    skip,
+    warn,
+)
+from qwen_kvprep.findings import Finding, FindingsLike
 from qwen_kvprep.probe.binary import parse_arch_label, runs_on
 from qwen_kvprep.probe.caches import usable_builds
 from qwen_kvprep.probe.env import EnvFacts, version_tuple
@@ -120,17 +132,16 @@ def _build_present(facts: Facts) -> Optional[str]:
 
 
 def _toolchain_finding(
-    facts: Facts, id: str, message: str, fix: Optional[str], details: Mapping[str, object]
+    facts: Facts, message: str, fix: Optional[str], details: Mapping[str, object]
 ) -> Finding:
     present = _build_present(facts)
     if present:
         return warn(
-            id,
             f"{message} (only a rebuild needs this: a build for this torch exists in {present})",
             fix,
             details=details,
         )
-    return fail(id, message, fix, details=details)
+    return fail(message, fix, details=details)
 
 
 # ---------------------------------------------------------------------------------------
@@ -143,14 +154,13 @@ def python_version(facts: Facts) -> FindingsLike:
     details = {"version": env.python_version, "executable": env.python_executable}
     if v is not None and v < (3, 9):
         return fail(
-            "env.python",
             f"Python {env.python_version} is too old: qwen-kvprep and the torch releases it "
             "supports need Python >= 3.9",
             "use Python 3.9 or newer",
             details=details,
         )
     return ok(
-        "env.python", f"Python {env.python_version} ({env.python_executable})", details=details
+        f"Python {env.python_version} ({env.python_executable})", details=details
     )
 
 
@@ -160,7 +170,6 @@ def torch_build(facts: Facts) -> FindingsLike:
     details = {"torch": env.torch_version, "torch_cuda": env.torch_cuda, "error": env.torch_error}
     if env.torch_version is None:
         return fail(
-            "env.torch",
             f"torch is not importable ({env.torch_error or 'not installed'}), so the model "
             "cannot load and the kernel cannot be built",
             "pip install torch (for a GPU a CUDA build, e.g. "
@@ -169,7 +178,6 @@ def torch_build(facts: Facts) -> FindingsLike:
         )
     if env.torch_hip:
         return warn(
-            "env.torch",
             f"torch {env.torch_version} is a ROCm build (HIP {env.torch_hip}): the Int8 KV "
             "kernel is CUDA code, so only its CPU path can be used",
             CUDA_TORCH_FIX,
@@ -177,7 +185,6 @@ def torch_build(facts: Facts) -> FindingsLike:
         )
     if env.torch_cuda is None:
         return info(
-            "env.torch",
             f"torch {env.torch_version} is a CPU build: CPU kernel path only (the GPU kernel "
             "needs a CUDA build of torch)",
             details=details,
@@ -185,7 +192,6 @@ def torch_build(facts: Facts) -> FindingsLike:
     cuda = _v(env.torch_cuda)
     if cuda is not None and cuda < MIN_CUDA:
         return fail(
-            "env.torch",
             f"torch {env.torch_version} is built for CUDA {env.torch_cuda}, older than the "
             f"{_vs(MIN_CUDA)} the kernel build needs",
             CUDA_TORCH_FIX,
@@ -194,13 +200,12 @@ def torch_build(facts: Facts) -> FindingsLike:
     tv = _v(env.torch_version)
     if tv is not None and tv < (2, 0):
         return warn(
-            "env.torch",
             f"torch {env.torch_version} is older than 2.0, which qwen-kvprep is not tested with",
             "pip install 'torch>=2.0'",
             details=details,
         )
     return ok(
-        "env.torch", f"torch {env.torch_version} built for CUDA {env.torch_cuda}", details=details
+        f"torch {env.torch_version} built for CUDA {env.torch_cuda}", details=details
     )
 
 
@@ -216,31 +221,27 @@ def gpu(facts: Facts) -> FindingsLike:
     if env.torch_version is None:
         if env.gpus:
             return info(
-                "env.gpu",
                 f"GPU(s) present: {', '.join(labels)} (torch is not importable)",
                 details=details,
             )
-        return skip("env.gpu", "torch is not importable (see env.torch)", details=details)
+        return skip("torch is not importable (see env.torch)", details=details)
     if env.torch_cuda is None:
         if env.gpus:
             return warn(
-                "env.gpu",
                 f"GPU(s) present ({', '.join(labels)}) but torch is a CPU build, so the model "
                 "and the kernel run on the CPU",
                 CUDA_TORCH_FIX,
                 details=details,
             )
-        return info("env.gpu", "no GPU (and torch is a CPU build)", details=details)
+        return info("no GPU (and torch is a CPU build)", details=details)
     if not env.gpus:
         if env.gpu_error:
             return warn(
-                "env.gpu",
                 f"torch found no usable GPU: {env.gpu_error}",
                 "check the NVIDIA driver (env.driver) and CUDA_VISIBLE_DEVICES",
                 details=details,
             )
         return info(
-            "env.gpu",
             "no GPU visible: the kernel can be built here (no GPU needed) but runs only "
             "where a GPU is",
             details=details,
@@ -252,7 +253,6 @@ def gpu(facts: Facts) -> FindingsLike:
         if g.capability < _KERNEL_MIN_CC:
             out.append(
                 fail(
-                    "env.gpu",
                     f"GPU {g.index} {g.label} is older than Volta: the Int8 KV kernel is built "
                     "for compute capability 7.0 and newer, so it cannot run there",
                     "run the model on a GPU of compute capability >= 7.0",
@@ -262,7 +262,6 @@ def gpu(facts: Facts) -> FindingsLike:
         elif torch_code and runs_on(torch_code, g.capability) is None:
             out.append(
                 fail(
-                    "env.gpu",
                     f"torch {env.torch_version} carries no code for GPU {g.index} {g.label} "
                     f"(only {' '.join(env.torch_arch_flags)}), so every CUDA op fails with "
                     "`no kernel image is available for execution on the device`",
@@ -271,7 +270,7 @@ def gpu(facts: Facts) -> FindingsLike:
                 )
             )
         else:
-            out.append(ok("env.gpu", f"GPU {g.index}: {g.label}", details=d))
+            out.append(ok(f"GPU {g.index}: {g.label}", details=d))
     return out
 
 
@@ -294,10 +293,9 @@ def driver(facts: Facts) -> FindingsLike:
     if env.torch_version is None or env.torch_cuda is None:
         if env.driver_version:
             return info(
-                "env.driver",
                 f"NVIDIA driver {env.driver_version} (not used: no CUDA build of torch)",
             )
-        return skip("env.driver", "not needed: no CUDA build of torch")
+        return skip("not needed: no CUDA build of torch")
     need = _v(env.torch_cuda)
     details = {
         "driver": env.driver_version,
@@ -306,7 +304,7 @@ def driver(facts: Facts) -> FindingsLike:
     }
     if need is None:
         return skip(
-            "env.driver", f"unrecognised torch CUDA version {env.torch_cuda!r}", details=details
+            f"unrecognised torch CUDA version {env.torch_cuda!r}", details=details
         )
     full = _full_driver_for(need)
     compat = _DRIVER_MINOR_COMPAT.get(need[0])
@@ -316,11 +314,10 @@ def driver(facts: Facts) -> FindingsLike:
     if have is None and env.driver_version is None:
         if env.gpus:
             return ok(
-                "env.driver",
                 "the driver runs the visible GPUs (its version could not be read)",
                 details=details,
             )
-        return info("env.driver", "no NVIDIA driver found (no GPU here)", details=details)
+        return info("no NVIDIA driver found (no GPU here)", details=details)
     too_old = (
         f"the NVIDIA driver ({env.driver_version or 'CUDA ' + str(env.driver_cuda)}) is too old "
         f"for torch's CUDA {env.torch_cuda} runtime: CUDA fails to initialise with `CUDA driver "
@@ -329,7 +326,6 @@ def driver(facts: Facts) -> FindingsLike:
     if have is not None:
         if have >= need[:2]:
             return ok(
-                "env.driver",
                 f"NVIDIA driver {env.driver_version or '(version unknown)'} supports "
                 f"CUDA {env.driver_cuda}",
                 details=details,
@@ -338,31 +334,28 @@ def driver(facts: Facts) -> FindingsLike:
             env.driver_version is None or (compat and _driver_at_least(env.driver_version, compat))
         ):
             return warn(
-                "env.driver",
                 f"the driver supports CUDA {env.driver_cuda}, older than torch's "
                 f"{env.torch_cuda}: it runs through minor-version compatibility, but PTX "
                 "newer than the driver cannot be JIT-compiled",
                 upgrade,
                 details=details,
             )
-        return fail("env.driver", too_old, upgrade, details=details)
+        return fail(too_old, upgrade, details=details)
     assert env.driver_version is not None
     if full and _driver_at_least(env.driver_version, full):
         return ok(
-            "env.driver",
             f"NVIDIA driver {env.driver_version} supports CUDA {env.torch_cuda}",
             details=details,
         )
     if compat and _driver_at_least(env.driver_version, compat):
         return warn(
-            "env.driver",
             f"NVIDIA driver {env.driver_version} predates CUDA {env.torch_cuda} ({full} or "
             "newer): it runs through minor-version compatibility, but PTX newer than the "
             "driver cannot be JIT-compiled",
             upgrade,
             details=details,
         )
-    return fail("env.driver", too_old, upgrade, details=details)
+    return fail(too_old, upgrade, details=details)
 
 
 def _cuda_home_fix(env: EnvFacts) -> str:
@@ -392,7 +385,6 @@ def cuda_home(facts: Facts) -> FindingsLike:
     if env.cuda_home_source in ("CUDA_HOME", "CUDA_PATH") and raw and list_sep in raw:
         return _toolchain_finding(
             facts,
-            "env.cuda_home",
             f"{env.cuda_home_source}={raw!r} is a path list, but torch uses it as one folder, "
             f"so `{raw}/bin/nvcc` does not exist and every CUDA build fails",
             fix,
@@ -401,7 +393,6 @@ def cuda_home(facts: Facts) -> FindingsLike:
     if env.cuda_home is None:
         return _toolchain_finding(
             facts,
-            "env.cuda_home",
             "CUDA_HOME is unset and no nvcc was found, so no CUDA build is possible (torch: "
             "`CUDA_HOME environment variable is not set`; Qwen's own cpp_kernels.py: "
             '`TypeError` on `CUDA_HOME + "/bin/nvcc"`)',
@@ -411,7 +402,6 @@ def cuda_home(facts: Facts) -> FindingsLike:
     if env.nvcc_path is None:
         return _toolchain_finding(
             facts,
-            "env.cuda_home",
             f"CUDA_HOME resolves to {env.cuda_home} (from {env.cuda_home_source}), which has "
             f"no bin/nvcc: torch stops with `nvcc not found at '{env.cuda_home}/bin/nvcc'`",
             fix,
@@ -433,21 +423,18 @@ def cuda_home(facts: Facts) -> FindingsLike:
             cp = facts.checkpoint
             if cp is not None and not getattr(cp, "loader_is_ours", False):
                 return fail(
-                    "env.cuda_home",
                     message + " (Qwen's original cpp_kernels.py builds this way)",
                     fix,
                     details=details,
                 )
             return warn(
-                "env.cuda_home",
                 message + f"; qwen-kvprep's own build uses {env.cuda_candidates[0]}, "
                 "torch's JIT builds do not",
                 fix,
                 details=details,
             )
-        return _toolchain_finding(facts, "env.cuda_home", message, fix, details=details)
+        return _toolchain_finding(facts, message, fix, details=details)
     return ok(
-        "env.cuda_home",
         f"CUDA_HOME resolves to {env.cuda_home} (from {env.cuda_home_source})",
         details=details,
     )
@@ -461,16 +448,15 @@ def nvcc(facts: Facts) -> FindingsLike:
     if env.nvcc_version is None:
         if env.nvcc_error:
             return _toolchain_finding(
-                facts, "env.nvcc", f"nvcc does not run: {env.nvcc_error}", fix, details=details
+                facts, f"nvcc does not run: {env.nvcc_error}", fix, details=details
             )
-        return skip("env.nvcc", "no nvcc found (see env.cuda_home)", details=details)
+        return skip("no nvcc found (see env.cuda_home)", details=details)
     nv = _v(env.nvcc_version)
     tc = _v(env.torch_cuda)
     assert nv is not None
     if nv < MIN_CUDA:
         return _toolchain_finding(
             facts,
-            "env.nvcc",
             f"nvcc {env.nvcc_version} is older than {_vs(MIN_CUDA)}, the oldest CUDA the "
             "kernel builds with",
             fix,
@@ -481,7 +467,6 @@ def nvcc(facts: Facts) -> FindingsLike:
         out.append(
             _toolchain_finding(
                 facts,
-                "env.nvcc",
                 f"nvcc {env.nvcc_version} and torch's CUDA {env.torch_cuda} differ in major "
                 f"version: torch refuses to build (`The detected CUDA version "
                 f"({env.nvcc_version}) mismatches the version that was used to compile "
@@ -493,7 +478,6 @@ def nvcc(facts: Facts) -> FindingsLike:
     elif tc is not None and nv != tc:
         out.append(
             warn(
-                "env.nvcc",
                 f"nvcc {env.nvcc_version} differs from torch's CUDA {env.torch_cuda} in the "
                 "minor version: torch builds with a warning and the result runs",
                 f"for an exact match use the CUDA {env.torch_cuda} toolkit ({fix})",
@@ -507,7 +491,6 @@ def nvcc(facts: Facts) -> FindingsLike:
             out.append(
                 _toolchain_finding(
                     facts,
-                    "env.nvcc",
                     f"nvcc {env.nvcc_version} cannot compile for GPU {g.index} {g.label}: "
                     "`nvcc fatal : Unsupported gpu architecture "
                     f"'compute_{g.capability[0]}{g.capability[1]}'`",
@@ -518,7 +501,6 @@ def nvcc(facts: Facts) -> FindingsLike:
         elif first is not None and nv < first:
             out.append(
                 warn(
-                    "env.nvcc",
                     f"nvcc {env.nvcc_version} predates GPU {g.index} {g.label} (needs "
                     f"{_vs(first)}): the kernel can run there only through PTX JIT",
                     f"use a CUDA toolkit >= {_vs(first)}",
@@ -528,7 +510,6 @@ def nvcc(facts: Facts) -> FindingsLike:
     if not out:
         out.append(
             ok(
-                "env.nvcc",
                 f"nvcc {env.nvcc_version} matches torch's CUDA {env.torch_cuda}",
                 details=details,
             )
@@ -551,7 +532,6 @@ def host_compiler(facts: Facts) -> FindingsLike:
         name = cxx.command if cxx else "c++"
         return _toolchain_finding(
             facts,
-            "env.host_compiler",
             f"no C++ compiler: `{name}` is not on PATH, so the extension cannot be built "
             "(torch compiles the .cpp with $CXX or c++)",
             "install one (Debian/Ubuntu: `apt-get install g++`; RHEL: `dnf install gcc-c++`)",
@@ -563,7 +543,6 @@ def host_compiler(facts: Facts) -> FindingsLike:
         out.append(
             _toolchain_finding(
                 facts,
-                "env.host_compiler",
                 f"{cxx.command} is gcc {cxx.version}: torch's headers need C++17, which gcc "
                 f"before {_MIN_GCC} does not fully support",
                 f"install gcc >= {_MIN_GCC} and `export CXX=g++-N CC=gcc-N`",
@@ -577,7 +556,6 @@ def host_compiler(facts: Facts) -> FindingsLike:
             out.append(
                 _toolchain_finding(
                     facts,
-                    "env.host_compiler",
                     f"nvcc's host compiler `{host.command}` is not on PATH, so the .cu file "
                     "cannot be compiled",
                     f"install gcc/g++ or `export CC={cxx.path}`",
@@ -596,7 +574,6 @@ def host_compiler(facts: Facts) -> FindingsLike:
                 out.append(
                     _toolchain_finding(
                         facts,
-                        "env.host_compiler",
                         f"{host.command} is {host.kind} {host.version}, newer than nvcc "
                         f"{env.nvcc_version} supports ({host.kind} <= {limit}, per {origin}): "
                         f"nvcc stops with `unsupported {word} version`",
@@ -610,7 +587,6 @@ def host_compiler(facts: Facts) -> FindingsLike:
             elif hv is None or limit is None:
                 out.append(
                     info(
-                        "env.host_compiler",
                         f"nvcc's host compiler {host.command} ({host.kind} {host.version or '?'}): "
                         f"no known limit for nvcc {env.nvcc_version} to compare with",
                         details=details,
@@ -622,7 +598,6 @@ def host_compiler(facts: Facts) -> FindingsLike:
             extra = f"; nvcc {env.nvcc_version} uses {host.command} ({host.kind} {host.version})"
         out.append(
             ok(
-                "env.host_compiler",
                 f"{cxx.command} is {cxx.kind} {cxx.version or '?'}{extra}",
                 details=details,
             )
@@ -640,13 +615,12 @@ def ninja(facts: Facts) -> FindingsLike:
     }
     if env.ninja_path:
         return ok(
-            "env.ninja", f"ninja {env.ninja_version or '?'} at {env.ninja_path}", details=details
+            f"ninja {env.ninja_version or '?'} at {env.ninja_path}", details=details
         )
     if env.ninja_beside_python:
         folder = env.ninja_beside_python.rsplit("/", 1)[0]
         return _toolchain_finding(
             facts,
-            "env.ninja",
             f"ninja is installed in {folder} but that folder is not on PATH, and torch runs "
             "`ninja` through PATH: the build stops with `RuntimeError: Ninja is required to "
             "load C++ extensions`",
@@ -655,7 +629,6 @@ def ninja(facts: Facts) -> FindingsLike:
         )
     return _toolchain_finding(
         facts,
-        "env.ninja",
         "ninja is not installed: the build stops with `RuntimeError: Ninja is required to "
         "load C++ extensions`",
         "pip install ninja",
@@ -668,11 +641,10 @@ def python_headers(facts: Facts) -> FindingsLike:
     env = env_of(facts)
     details = {"include": env.python_include}
     if env.python_h:
-        return ok("env.python_headers", f"Python.h found in {env.python_include}", details=details)
+        return ok(f"Python.h found in {env.python_include}", details=details)
     v = ".".join(env.python_version.split(".")[:2]) or "3"
     return _toolchain_finding(
         facts,
-        "env.python_headers",
         f"Python.h is missing from {env.python_include}: the build stops with "
         "`fatal error: Python.h: No such file or directory`",
         f"install the headers (Debian/Ubuntu: `apt-get install python{v}-dev`; RHEL: "
@@ -692,7 +664,6 @@ def transformers_version(facts: Facts) -> FindingsLike:
     details = {"transformers": ver}
     if ver is None:
         return fail(
-            "env.transformers",
             "transformers is not installed, so the model cannot be loaded",
             TRANSFORMERS_PIN_FIX,
             details=details,
@@ -700,14 +671,12 @@ def transformers_version(facts: Facts) -> FindingsLike:
     v = _v(ver)
     if v is None:
         return warn(
-            "env.transformers",
             f"unrecognised transformers version {ver!r}",
             TRANSFORMERS_PIN_FIX,
             details=details,
         )
     if v < TRANSFORMERS_MIN:
         return fail(
-            "env.transformers",
             f"transformers {ver} is older than 4.32: its generate() has a different "
             "signature from the one Qwen's remote code is written for",
             TRANSFORMERS_PIN_FIX,
@@ -715,7 +684,6 @@ def transformers_version(facts: Facts) -> FindingsLike:
         )
     if v >= (5, 0):
         return fail(
-            "env.transformers",
             f"transformers {ver} cannot import Qwen's remote code (e.g. `cannot import name "
             "'DisjunctiveConstraint' from 'transformers'`)",
             TRANSFORMERS_PIN_FIX,
@@ -723,7 +691,6 @@ def transformers_version(facts: Facts) -> FindingsLike:
         )
     if v >= TRANSFORMERS_IMPORT_BROKEN:
         return fail(
-            "env.transformers",
             f"transformers {ver} cannot import Qwen's remote code: `cannot import name "
             "'BeamSearchScorer' from 'transformers'`",
             TRANSFORMERS_PIN_FIX,
@@ -731,7 +698,6 @@ def transformers_version(facts: Facts) -> FindingsLike:
         )
     if v >= TRANSFORMERS_FIRST_BROKEN:
         return fail(
-            "env.transformers",
             f"transformers {ver} loads the model, then generate() fails with `TypeError: "
             "'NoneType' object is not subscriptable` (it hands Qwen's code a DynamicCache "
             "where a tuple is expected)",
@@ -740,11 +706,10 @@ def transformers_version(facts: Facts) -> FindingsLike:
         )
     if v >= TRANSFORMERS_QWEN_PIN:
         return ok(
-            "env.transformers",
             f"transformers {ver} runs Qwen v1 (measured; Qwen itself pins < 4.38)",
             details=details,
         )
-    return ok("env.transformers", f"transformers {ver} runs Qwen v1", details=details)
+    return ok(f"transformers {ver} runs Qwen v1", details=details)
 
 
 @check("env.remote_requirements", "Packages the Qwen remote code imports", needs=(ENV,))
@@ -754,7 +719,6 @@ def remote_requirements(facts: Facts) -> FindingsLike:
         # The checkpoint probe read the remote code's real imports: checkpoint.requirements
         # reports the same failure more precisely, so say it once.
         return skip(
-            "env.remote_requirements",
             "checked against the checkpoint's own imports (see checkpoint.requirements)",
         )
     found = {m: env.package(m) for m in REMOTE_REQUIREMENTS}
@@ -762,7 +726,6 @@ def remote_requirements(facts: Facts) -> FindingsLike:
     details = {m: p.version if p.found else None for m, p in found.items()}
     if missing:
         return fail(
-            "env.remote_requirements",
             "transformers refuses to load the remote code: `ImportError: This modeling file "
             "requires the following packages that were not found in your environment: "
             f"{', '.join(missing)}`",
@@ -771,7 +734,6 @@ def remote_requirements(facts: Facts) -> FindingsLike:
         )
     listing = ", ".join(f"{m} {p.version or '?'}" for m, p in found.items())
     return ok(
-        "env.remote_requirements",
         f"remote-code requirements importable: {listing}",
         details=details,
     )
@@ -793,37 +755,32 @@ def flash_attn(facts: Facts) -> FindingsLike:
         reason = "no checkpoint given" if facts.checkpoint is None else "config.json not readable"
         if fa.found:
             return info(
-                "env.flash_attn",
                 f"flash-attn {fa.version or '(version unknown)'} is installed: a checkpoint "
                 f"with the quantized cache must set use_flash_attn false ({reason})",
                 details=details,
             )
-        return skip("env.flash_attn", reason, details=details)
+        return skip(reason, details=details)
     use_flash = cfg.get("use_flash_attn", "auto")
     quant = cfg.get("use_cache_quantization") is True
     details.update(use_flash_attn=use_flash, use_cache_quantization=quant)
     if not fa.found:
         return ok(
-            "env.flash_attn",
             "flash-attn is not installed, so the flash path cannot turn on",
             details=details,
         )
     if use_flash is False:
         return ok(
-            "env.flash_attn",
             f"flash-attn {fa.version} is installed and use_flash_attn is false",
             details=details,
         )
     if cfg.get("fp32") is True:
         return ok(
-            "env.flash_attn",
             "flash-attn is installed but the model runs in fp32, so it stays off",
             details=details,
         )
     fix = f"qwen-kvprep fix {shlex.quote(str(facts.checkpoint.path))} (sets use_flash_attn false)"
     if not quant:
         return info(
-            "env.flash_attn",
             f"flash-attn {fa.version} is installed and use_flash_attn is {use_flash!r}: once "
             "the quantized cache is on, this must be false",
             fix,
@@ -835,8 +792,8 @@ def flash_attn(facts: Facts) -> FindingsLike:
         "quantized tuples and fails with `'tuple' object has no attribute 'dtype'`"
     )
     if env.gpus or env.torch_is_cuda:
-        return fail("env.flash_attn", message, fix, details=details)
-    return warn("env.flash_attn", message + " (no GPU here, so not yet)", fix, details=details)
+        return fail(message, fix, details=details)
+    return warn(message + " (no GPU here, so not yet)", fix, details=details)
 
 
 @check(
@@ -848,7 +805,7 @@ def gptq(facts: Facts) -> FindingsLike:
     env = env_of(facts)
     cp = facts.checkpoint
     if not getattr(cp, "gptq", False):
-        return skip("env.gptq", "not a GPTQ (Int4) checkpoint")
+        return skip("not a GPTQ (Int4) checkpoint")
     optimum = env.package("optimum")
     backends = [env.package(m) for m in ("auto_gptq", "gptqmodel")]
     details = {
@@ -863,7 +820,6 @@ def gptq(facts: Facts) -> FindingsLike:
         missing.append("auto-gptq")
     if missing:
         return fail(
-            "env.gptq",
             "this is a GPTQ Int4 checkpoint, and transformers refuses to load it without "
             f"{' and '.join(missing)} (`ImportError: Loading a GPTQ quantized model requires "
             "optimum ... and auto-gptq`)",
@@ -872,7 +828,6 @@ def gptq(facts: Facts) -> FindingsLike:
         )
     backend = next(b for b in backends if b.found)
     return ok(
-        "env.gptq",
         f"GPTQ checkpoint: optimum {optimum.version or '?'} and "
         f"{backend.module} {backend.version or '?'} installed",
         details=details,

@@ -8,8 +8,18 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Optional
 
 from qwen_kvprep import catalogue
-from qwen_kvprep.checks.registry import CHECKPOINT, ENV, check, checkpoint_of
-from qwen_kvprep.findings import Finding, FindingsLike, fail, info, ok, skip, warn
+from qwen_kvprep.checks.registry import (
+    CHECKPOINT,
+    ENV,
+    check,
+    checkpoint_of,
+    fail,
+    info,
+    ok,
+    skip,
+    warn,
+)
+from qwen_kvprep.findings import Finding, FindingsLike
 from qwen_kvprep.probe.facts import Facts
 
 if TYPE_CHECKING:
@@ -42,13 +52,12 @@ def _judge(
     kind, per_file = catalogue.classify_set(hashes, ours)
     details: dict[str, object] = {"where": where, "kind": kind, "files": dict(per_file)}
     if kind == catalogue.OFFICIAL:
-        return ok("kernels.sources", f"{where}: Qwen's official kernel sources", details=details)
+        return ok(f"{where}: Qwen's official kernel sources", details=details)
     if kind == catalogue.OURS:
-        return ok("kernels.sources", f"{where}: qwen-kvprep's kernel sources", details=details)
+        return ok(f"{where}: qwen-kvprep's kernel sources", details=details)
     if kind == catalogue.MISSING:
         # The model then warns once and silently runs the slower pure-torch path.
         return warn(
-            "kernels.sources",
             f"{where}: no kernel sources (the model falls back to the slow path)",
             fix_cmd,
             details=details,
@@ -60,7 +69,6 @@ def _judge(
     )
     note = "" if ours is not None else " (qwen-kvprep's own kernels/ were not found to compare)"
     return warn(
-        "kernels.sources",
         f"{where}: {problem}: {_listing(per_file, hashes)}{note}",
         fix_cmd,
         details=details,
@@ -107,7 +115,7 @@ def official_compat(facts: Facts) -> FindingsLike:
     version, cuda = _env_torch(facts.env)
     compat = catalogue.official_compat(version, cuda)
     if compat.status == "unknown":
-        return skip("kernels.official_compat", f"cannot tell: {compat.reason}")
+        return skip(f"cannot tell: {compat.reason}")
     cp = facts.checkpoint
     held = [getattr(cp, "kernel_sources", None) or {}] if cp is not None else []
     held += [folder.files for folder in _module_folders(facts)]
@@ -118,17 +126,15 @@ def official_compat(facts: Facts) -> FindingsLike:
     if holds_official and cp is not None:
         if compat.status == "no":
             return fail(
-                "kernels.official_compat",
                 f"the official kernel sources here cannot compile: {compat.reason}",
                 f"qwen-kvprep fix {shlex.quote(str(cp.path))} --source vendored",
                 details=details,
             )
-        return ok("kernels.official_compat", f"official sources: {compat.reason}", details=details)
+        return ok(f"official sources: {compat.reason}", details=details)
     if compat.status == "no":
         return info(
-            "kernels.official_compat",
             f"Qwen's official sources would not compile here: {compat.reason}; "
             "qwen-kvprep's own kernels are used by default",
             details=details,
         )
-    return info("kernels.official_compat", f"official sources: {compat.reason}", details=details)
+    return info(f"official sources: {compat.reason}", details=details)

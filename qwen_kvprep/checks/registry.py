@@ -1,8 +1,10 @@
 """Where every check is declared: `@check(id, title, needs=...)`.
 
-A check is a pure function from `Facts` to a Finding, several Findings (all with the
-check's id) or None (nothing to say). Its id is dotted and starts with its area; its title
-is what `doctor --list-checks` shows. `needs` names, in order, the parts of the facts it reads:
+A check is a pure function from `Facts` to a Finding, several Findings or None (nothing to
+say). It makes its findings with this module's `ok`/`info`/`warn`/`fail`/`skip`, which
+take no id: the registry stamps the check's id on every one, so an id is written once, in
+the declaration. The id is dotted and starts with its area; the title is what
+`doctor --list-checks` shows. `needs` names, in order, the parts of the facts it reads:
 when one is missing the check is not called and the registry reports it as `skip`, with
 that part's reason. A check that raises is reported as its own failing finding, so one
 broken check never hides the others.
@@ -12,12 +14,13 @@ from __future__ import annotations
 
 import functools
 import traceback
-from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Callable, Optional, Protocol
 
+from qwen_kvprep import findings
 from qwen_kvprep.configjson import CONFIG
-from qwen_kvprep.findings import Finding, FindingsLike, as_list, fail, skip
+from qwen_kvprep.findings import Finding, FindingsLike, MakeFinding, as_list
 from qwen_kvprep.probe.facts import Facts
 
 if TYPE_CHECKING:
@@ -26,6 +29,45 @@ if TYPE_CHECKING:
     from qwen_kvprep.probe.env import EnvFacts
 
 CheckFunc = Callable[[Facts], FindingsLike]
+
+# The id of a finding a check made, until the registry stamps the check's own on it.
+UNSTAMPED = ""
+
+
+class MakeVerdict(Protocol):
+    """`fail(message, fix, paths, details=..., **more)`: a finding of the check that
+    returns it (see findings.MakeFinding for the arguments)."""
+
+    def __call__(
+        self,
+        message: str,
+        fix: Optional[str] = None,
+        paths: Iterable[object] = (),
+        *,
+        details: Optional[Mapping[str, object]] = None,
+        **more: object,
+    ) -> Finding: ...
+
+
+def _verdict(make: MakeFinding) -> MakeVerdict:
+    def verdict(
+        message: str,
+        fix: Optional[str] = None,
+        paths: Iterable[object] = (),
+        *,
+        details: Optional[Mapping[str, object]] = None,
+        **more: object,
+    ) -> Finding:
+        return make(UNSTAMPED, message, fix, paths, details=details, **more)
+
+    return verdict
+
+
+ok = _verdict(findings.ok)
+info = _verdict(findings.info)
+warn = _verdict(findings.warn)
+fail = _verdict(findings.fail)
+skip = _verdict(findings.skip)
 
 AREAS = ("env", "checkpoint", "config", "kernels", "build", "modules", "state", "smoke")
 
@@ -74,12 +116,20 @@ class Check:
     def area(self) -> str:
         return self.id.split(".", 1)[0]
 
-    def judge(self, facts: Facts) -> FindingsLike:
-        """The check's findings, or its `skip` when a part of the facts it needs is missing."""
+    def judge(self, facts: Facts) -> list[Finding]:
+        """The check's findings, or its `skip` when a part of the facts it needs is missing;
+        every one carries the check's id."""
         for need in self.needs:
             if not need.met(facts):
-                return skip(self.id, need.reason)
-        return self.func(facts)
+                return [findings.skip(self.id, need.reason)]
+        return [self._stamp(f) for f in as_list(self.func(facts))]
+
+    def _stamp(self, finding: Finding) -> Finding:
+        if finding.id == UNSTAMPED:
+            return replace(finding, id=self.id)
+        if finding.id != self.id:
+            raise ValueError(f"check {self.id} returned a finding of {finding.id}")
+        return finding
 
 
 REGISTRY: dict[str, Check] = {}
@@ -107,12 +157,12 @@ def check(id: str, title: str, needs: Sequence[Need] = ()) -> Callable[[CheckFun
 
 def run_one(chk: Check, facts: Facts) -> list[Finding]:
     try:
-        return as_list(chk.judge(facts))
+        return chk.judge(facts)
     except Exception as exc:  # a broken check must not hide the others
         tb = traceback.extract_tb(exc.__traceback__)
         where = f" at {tb[-1].filename.rsplit('/', 1)[-1]}:{tb[-1].lineno}" if tb else ""
         return [
-            fail(
+            findings.fail(
                 chk.id,
                 f"the check itself crashed: {type(exc).__name__}: {exc}{where}",
                 "report this as a qwen-kvprep bug, with `qwen-kvprep doctor --report`",

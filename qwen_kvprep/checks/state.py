@@ -11,8 +11,18 @@ from __future__ import annotations
 
 import shlex
 
-from qwen_kvprep.checks.registry import CACHES, CHECKPOINT, caches_of, check
-from qwen_kvprep.findings import FindingsLike, fail, info, ok, skip, warn
+from qwen_kvprep.checks.registry import (
+    CACHES,
+    CHECKPOINT,
+    caches_of,
+    check,
+    fail,
+    info,
+    ok,
+    skip,
+    warn,
+)
+from qwen_kvprep.findings import FindingsLike
 from qwen_kvprep.probe.facts import Facts
 
 
@@ -22,12 +32,10 @@ from qwen_kvprep.probe.facts import Facts
     needs=(CHECKPOINT, CACHES),
 )
 def record(facts: Facts) -> FindingsLike:
-    id = "state.record"
     caches = caches_of(facts)
     directory = getattr(facts.checkpoint, "path", "")
     if caches.state_error is not None:
         return fail(
-            id,
             f"{caches.state_error}: prestart cannot trust it, so every start prepares the "
             "folder again (importing torch), and doctor cannot tell what fix did",
             f"qwen-kvprep fix {shlex.quote(str(directory))}  (records the state anew; the "
@@ -35,8 +43,8 @@ def record(facts: Facts) -> FindingsLike:
             paths=[caches.state_dir or directory],
         )
     if caches.state is None:
-        return skip(id, "fix has not recorded a state here")
-    return ok(id, "the recorded state is readable and sound")
+        return skip("fix has not recorded a state here")
+    return ok("the recorded state is readable and sound")
 
 
 @check(
@@ -45,7 +53,6 @@ def record(facts: Facts) -> FindingsLike:
     needs=(CHECKPOINT, CACHES),
 )
 def journal(facts: Facts) -> FindingsLike:
-    id = "state.journal"
     caches = caches_of(facts)
     directory = getattr(facts.checkpoint, "path", "")
     state_dir = caches.state_dir or str(directory)
@@ -55,25 +62,24 @@ def journal(facts: Facts) -> FindingsLike:
         f"{shlex.quote(state_dir + '/journal.json')}), then remove {shlex.quote(state_dir)}"
     )
     if caches.journal_error is not None:
-        return fail(id, caches.journal_error, recover, paths=[state_dir])
+        return fail(caches.journal_error, recover, paths=[state_dir])
     if not caches.journal_present:
-        return skip(id, "fix has not changed this folder (no journal)")
+        return skip("fix has not changed this folder (no journal)")
     if caches.revert_problems:
         return [
-            fail(id, f"`qwen-kvprep revert` would refuse: {p}", recover, paths=[state_dir])
+            fail(f"`qwen-kvprep revert` would refuse: {p}", recover, paths=[state_dir])
             for p in caches.revert_problems
         ]
-    out = [ok(id, "the journal is sound: `qwen-kvprep revert` can restore what fix changed")]
+    out = [ok("the journal is sound: `qwen-kvprep revert` can restore what fix changed")]
     for note in caches.revert_notes:
         if "changed since fix wrote it" in note:
             out.append(
                 warn(
-                    id,
                     f"{note}; a new fix takes it as the original",
                     f"qwen-kvprep fix {shlex.quote(str(directory))}",
                     paths=[state_dir],
                 )
             )
         elif "already as it was" not in note:
-            out.append(info(id, f"revert would leave: {note}", paths=[state_dir]))
+            out.append(info(f"revert would leave: {note}", paths=[state_dir]))
     return out

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from qwen_kvprep.checks import REGISTRY, Check, run_checks
-from qwen_kvprep.findings import Severity
+from qwen_kvprep.findings import Finding, Severity
 from qwen_kvprep.probe.facts import Facts
 from tests.checks.facts import ENV_AND_CACHE_CHECKS, facts, run
 
@@ -44,3 +44,31 @@ def test_checks_on_garbage_facts_crash_into_findings() -> None:
     # A fact of the wrong type must not take the whole doctor down.
     found = run_checks(Facts(env="not EnvFacts", caches=42), ENV_AND_CACHE_CHECKS)  # type: ignore[arg-type]
     assert {f.id for f in found} == set(ENV_AND_CACHE_CHECKS)
+
+
+# ---------------------------------------------------------------------------------------
+# ids are stamped by the registry
+
+
+def test_the_registry_stamps_the_check_id(monkeypatch: pytest.MonkeyPatch) -> None:
+    from qwen_kvprep.checks import registry
+    from qwen_kvprep.findings import ok as ok_with_id
+
+    def two(f: Facts) -> list[Finding]:
+        return [registry.ok("fine"), registry.warn("careful", "do this", details={"n": 1})]
+
+    monkeypatch.setitem(REGISTRY, "env.zz_two", Check("env.zz_two", "two", two))
+    found = run_checks(facts(), ["env.zz_two"])
+    assert [(f.id, f.severity, f.message) for f in found] == [
+        ("env.zz_two", Severity.OK, "fine"),
+        ("env.zz_two", Severity.WARN, "careful"),
+    ]
+    assert found[1].fix == "do this" and found[1].details == {"n": 1}
+
+    def other(f: Facts) -> Finding:
+        return ok_with_id("env.python", "a finding of another check")
+
+    monkeypatch.setitem(REGISTRY, "env.zz_other", Check("env.zz_other", "other", other))
+    (crash,) = run_checks(facts(), ["env.zz_other"])
+    assert crash.id == "env.zz_other" and crash.severity is Severity.FAIL
+    assert "returned a finding of env.python" in crash.message
