@@ -694,8 +694,8 @@ def test_eight_big_shards_are_judged_from_headers_only(
     assert shards.severity is Severity.OK and "8 safetensors" in shards.message
     index = next(f for f in findings if f.id == "checkpoint.index")
     assert index.severity is Severity.OK  # total_size agrees with the headers
-    assert read_from_shards < 8 * 4096, read_from_shards  # headers (+ 1 KB sniff) only
-    assert elapsed < 1.0, f"validation took {elapsed:.3f}s"
+    # headers (+ 1 KB sniff) only; how fast that is, is for bench/, not an assertion
+    assert read_from_shards < 8 * 4096, read_from_shards
     print(f"8 x {SHARD_BYTES / 2**20:.0f} MiB shards validated in {elapsed * 1000:.1f} ms, "
           f"{read_from_shards} bytes read from them")
 
