@@ -9,7 +9,7 @@ from typing import Optional
 from qwen_kvprep.buildcache.arch import covers
 from qwen_kvprep.checks.registry import (
     CACHES,
-    CHECKPOINT,
+    GIVEN_CHECKPOINT,
     TORCH,
     caches_of,
     check,
@@ -369,7 +369,7 @@ def _judge_folder(facts: Facts, mf: ModuleFolder, requested: bool) -> Finding:
 @check(
     "modules.folder",
     "The checkpoint's modules-cache folder holds the kernel sources and loader",
-    needs=(CACHES, CHECKPOINT.saying("no checkpoint given")),
+    needs=(CACHES, GIVEN_CHECKPOINT),
 )
 def modules_folder(facts: Facts) -> FindingsLike:
     caches = caches_of(facts)

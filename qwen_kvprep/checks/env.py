@@ -13,9 +13,9 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Optional
 
 from qwen_kvprep.checks.registry import (
-    CHECKPOINT,
     CUDA_TORCH,
     ENV,
+    GIVEN_CHECKPOINT,
     TORCH,
     check,
     env_of,
@@ -799,7 +799,7 @@ def flash_attn(facts: Facts) -> FindingsLike:
 @check(
     "env.gptq",
     "GPTQ packages for Int4 checkpoints",
-    needs=(ENV, CHECKPOINT.saying("no checkpoint given")),
+    needs=(ENV, GIVEN_CHECKPOINT),
 )
 def gptq(facts: Facts) -> FindingsLike:
     env = env_of(facts)

@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING, Optional
 
 from qwen_kvprep import catalogue
 from qwen_kvprep.checks.registry import (
-    CHECKPOINT,
     ENV,
+    GIVEN_CHECKPOINT,
     check,
     checkpoint_of,
     fail,
@@ -78,7 +78,7 @@ def _judge(
 @check(
     "kernels.sources",
     "Which kernel sources the checkpoint holds",
-    needs=(CHECKPOINT.saying("no checkpoint given"),),
+    needs=(GIVEN_CHECKPOINT,),
 )
 def kernel_sources(facts: Facts) -> FindingsLike:
     cp = checkpoint_of(facts)

@@ -94,6 +94,8 @@ CUDA_TORCH = Need(
     "not needed: torch is a CPU build, so the extension is built without CUDA",
 )
 CHECKPOINT = Need(lambda f: f.checkpoint is not None, "no checkpoint directory given")
+# the same need, for the environment and cache checks that also look at a checkpoint
+GIVEN_CHECKPOINT = CHECKPOINT.saying("no checkpoint given")
 LISTED = Need(
     lambda f: f.checkpoint is not None and f.checkpoint.listing_error is None,
     "the checkpoint directory cannot be listed (see checkpoint.files)",
