@@ -227,8 +227,13 @@ def test_cuda_plan_inputs_and_key(monkeypatch: pytest.MonkeyPatch) -> None:
     assert _cuda_plan(monkeypatch, sources=src).key != plan.key
 
 
-# torch.utils.cpp_extension's flags for every compile, as two releases spell them
-CPP_EXTENSION_2_11 = "    common_cflags += ['-std=c++17', '-fPIC']\n"
+# torch.utils.cpp_extension's flags for a compile, as releases spell them (with the
+# docstring example 2.11 carries, which names another standard)
+CPP_EXTENSION_2_0 = "        cflags = common_cflags + ['-fPIC', '-std=c++17'] + extra_cflags\n"
+CPP_EXTENSION_2_11 = (
+    "        ...                 extra_compile_args={'cxx': ['-g', '-std=c++20', '-fPIC']})\n"
+    "    common_cflags += ['-std=c++17', '-fPIC']\n"
+)
 CPP_EXTENSION_2_14 = "    common_cflags += ['-std=c++20', '-fPIC']\n"
 
 
@@ -236,7 +241,10 @@ def test_cxx_standard_follows_torch() -> None:
     # read from torch's own builder when it says
     assert toolchain.cxx_standard("2.11.0+cu130", CPP_EXTENSION_2_11) == "c++17"
     assert toolchain.cxx_standard("2.14.1+cu130", CPP_EXTENSION_2_14) == "c++20"
+    assert toolchain.cxx_standard("2.0.1+cu117", CPP_EXTENSION_2_0) == "c++17"
     assert toolchain.cxx_standard("9.9", CPP_EXTENSION_2_11) == "c++17"  # the source wins
+    mixed = CPP_EXTENSION_2_0 + CPP_EXTENSION_2_14  # no single answer: the version decides
+    assert toolchain.cxx_standard("2.14.1", mixed) == "c++20"
     # else from the version: C++20 from torch 2.12 on (its headers use <compare>)
     for version, std in (("2.0.1", "c++17"), ("2.1.2+cu121", "c++17"), ("2.11.0", "c++17"),
                          ("2.12.1+cu130", "c++20"), ("2.14.1", "c++20"), ("3.0.0", "c++20")):
@@ -249,7 +257,9 @@ def test_installed_torch_standard_matches_its_builder() -> None:
 
     text = Path(str(cpp_extension.__file__)).read_text(encoding="utf-8")
     std = toolchain.torch_info().cxx_std
-    assert f"common_cflags += ['-std={std}'" in text
+    code = [ln for ln in text.splitlines() if not ln.lstrip().startswith((">>>", "..."))]
+    assert any(f"'-std={std}'" in ln for ln in code)
+    assert not any("'-std=c++" in ln and f"'-std={std}'" not in ln for ln in code)
 
 
 @pytest.mark.parametrize(

@@ -29,15 +29,21 @@ class TorchInfo:
 # torch >= 2.12 compiles extensions as C++20 (its headers use <compare>, e.g.
 # std::strong_ordering); 2.0 up to 2.11 as C++17.
 _CXX20_SINCE = (2, 12)
-# How torch.utils.cpp_extension spells the standard in the flags it gives every compile.
-_COMMON_STD = re.compile(r"common_cflags\s*\+=\s*\[\s*['\"]-std=(c\+\+\d\d)['\"]")
+# How torch.utils.cpp_extension spells the standard in the flags it gives a compile.
+_STD_FLAG = re.compile(r"['\"]-std=(c\+\+\d\d)['\"]")
 
 
 def cxx_standard(torch_version: str, cpp_extension_source: Optional[str] = None) -> str:
-    """The `-std=` value torch's extension builder uses: read from its own source when it
-    can be (so a future torch that moves on is followed), else from the version."""
+    """The `-std=` value torch's extension builder uses: read from its own source when its
+    code names one standard (so a future torch that moves on is followed; the examples in
+    its docstrings, `>>>`/`...` lines, do not count), else from the version."""
     if cpp_extension_source:
-        found: set[str] = set(_COMMON_STD.findall(cpp_extension_source))
+        found: set[str] = {
+            std
+            for line in cpp_extension_source.splitlines()
+            if not line.lstrip().startswith((">>>", "..."))
+            for std in _STD_FLAG.findall(line)
+        }
         if len(found) == 1:
             return found.pop()
     m = re.match(r"(\d+)\.(\d+)", torch_version)
