@@ -3,7 +3,7 @@
     python bench/build.py [--cuda] [--repeat N] [--cache-dir DIR] [--skip-cold]
 
 Cold: compile the extension from qwen-kvprep's kernels into an empty cache. CPU-only with a
-CPU torch; with --cuda (a CUDA torch and nvcc, e.g. /work/main/.venv-cuda/bin/python) the
+CPU torch; with --cuda (a CUDA torch and nvcc, e.g. .venv-cuda/bin/python) the
 default multi-architecture CUDA build (every architecture nvcc supports, + PTX), which is
 what `fix` compiles on a machine without a GPU. Wall time and the compilers' CPU time are
 printed: on a machine shared with other jobs the CPU time is what an idle one needs.

@@ -1,5 +1,5 @@
 """CUDA builds without a GPU: nvcc + a CUDA build of torch (CI's CUDA stage; here run with
-/work/main/.venv-cuda/bin/python -m pytest -m cuda_build tests/test_build_cuda.py).
+.venv-cuda/bin/python -m pytest -m cuda_build tests/test_build_cuda.py).
 
 Skips, with the reason, where there is no nvcc or torch is a CPU build.
 """
