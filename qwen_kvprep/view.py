@@ -62,6 +62,8 @@ def view_mismatch(source: str, out: str) -> Optional[str]:
     marker = read_marker(out)
     if marker is None:
         return f"{out} is not a prepared view yet"
+    if marker.get("linked") is None:
+        return f"{out} is a view still being made (or one whose making was cut short)"
     if marker.get("source") != os.path.abspath(source):
         return f"{out} is a view of {marker.get('source')}, not of {os.path.abspath(source)}"
     try:
@@ -154,6 +156,13 @@ def prepare_view(source: Path, out: Path) -> ViewResult:
     out.mkdir(parents=True, exist_ok=True)
     result = ViewResult(out)
     marker = read_marker(str(out)) or {}
+    if not marker:
+        # Claim OUT before the first link: a replica that finds it half-made (or a run after
+        # a kill half-way) must see our view in progress, not someone's folder to refuse.
+        # `linked: null` never matches a listing, so the view counts as not ready.
+        (out / STATE_DIRNAME).mkdir(exist_ok=True)
+        claim = {"view_version": VIEW_VERSION, "source": str(source), "linked": None, "base": {}}
+        atomic_write_text(marker_path(str(out)), json.dumps(claim, indent=2) + "\n")
     old_base = _object(marker.get("base"))
     entries = source_entries(str(source))
     base: dict[str, Optional[str]] = {}

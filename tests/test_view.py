@@ -102,6 +102,34 @@ def test_refuses_a_foreign_non_empty_folder(source: Path, tmp_path: Path) -> Non
     assert sorted(os.listdir(out)) == ["notes.txt"]
 
 
+def test_a_view_cut_short_is_claimed_not_foreign(
+    source: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A replica that finds OUT half-made (another one linking, or a kill half-way) must
+    see a view in progress: the claim is written before the first link."""
+    from qwen_kvprep import fsutil
+
+    out = tmp_path / "prepared" / "Qwen-Tiny-Chat"
+    real_symlink = fsutil.atomic_symlink
+    made: list[Path] = []
+
+    def cut_after_two(target: str, link: Path) -> None:
+        if len(made) == 2:
+            raise KeyboardInterrupt  # the kill
+        real_symlink(target, link)
+        made.append(link)
+
+    monkeypatch.setattr(fsutil, "atomic_symlink", cut_after_two)
+    with pytest.raises(KeyboardInterrupt):
+        view.prepare_view(source, out)
+    assert len([n for n in os.listdir(out) if n != ".qwen-kvprep"]) == 2
+    view.check_output_dir(source, out)  # not refused as someone's folder
+    assert "being made" in (view.view_mismatch(str(source), str(out)) or "")
+    monkeypatch.undo()
+    view.prepare_view(source, out)  # the next run completes it
+    assert view.view_mismatch(str(source), str(out)) is None
+
+
 def test_refuses_a_view_of_another_source(source: Path, tmp_path: Path) -> None:
     out = tmp_path / "out"
     view.prepare_view(source, out)
