@@ -37,8 +37,12 @@ LOADER_FILE = "cpp_kernels.py"
 LOADER_MARKER = "# qwen-kvprep loader"
 # What fix may change in a checkpoint (the state records their hashes), and what it plants
 # into transformers' modules cache.
-TRACKED_FILES = ("config.json", LOADER_FILE, *KERNEL_FILES)
-MODULE_FILES = (*KERNEL_FILES, LOADER_FILE)
+# The Int8 cache's fast path (templates/qwen_kvprep_kv.py), planted beside the loader, and
+# the model code whose last lines fix adds to import it (fastkv.py).
+FAST_FILE = "qwen_kvprep_kv.py"
+MODELING_FILE = "modeling_qwen.py"
+TRACKED_FILES = ("config.json", LOADER_FILE, *KERNEL_FILES, FAST_FILE, MODELING_FILE)
+MODULE_FILES = (*KERNEL_FILES, LOADER_FILE, FAST_FILE)
 
 ENV_CACHE = "QWEN_KVPREP_CACHE"  # the build cache
 ENV_LOCK_TIMEOUT = "QWEN_KVPREP_LOCK_TIMEOUT"  # waiting for another builder or fix

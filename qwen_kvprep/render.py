@@ -50,6 +50,7 @@ _AREA_TITLE = {
     "config": "config.json",
     "kernels": "Kernel sources",
     "build": "Build",
+    "fastkv": "Fast path (modeling_qwen.py)",
     "modules": "Modules cache",
     "state": "Recorded state (.qwen-kvprep)",
     "smoke": "Smoke test",
@@ -241,6 +242,9 @@ def report_markdown(facts: Facts, findings: Sequence[Finding]) -> str:
 _WHOLE_FILE = 4096  # a larger write is summarised: whole sources would drown the config diff
 
 
+_DIFF_LINES = 60
+
+
 def render_planned(planned: Sequence[PlannedWrite]) -> str:
     """`fix --dry-run`: unified diffs for text files; a one-line note for binary or large
     ones."""
@@ -257,15 +261,18 @@ def render_planned(planned: Sequence[PlannedWrite]) -> str:
         if p.old is None and len(p.new) > _WHOLE_FILE:
             out.append(f"would create {p.path} ({len(p.new)} bytes)")
             continue
-        if len(p.new) > _WHOLE_FILE:
+        diff = list(
+            difflib.unified_diff(
+                old.splitlines(keepends=True),
+                new.splitlines(keepends=True),
+                fromfile=f"{p.path} (current)" if p.old is not None else "/dev/null",
+                tofile=f"{p.path} (fixed)",
+            )
+        )
+        # a big file is shown by its diff when that is short (a block added to the model code)
+        if len(p.new) > _WHOLE_FILE and len(diff) > _DIFF_LINES:
             out.append(f"would replace {p.path} ({len(p.old or b'')} -> {len(p.new)} bytes)")
             continue
-        diff = difflib.unified_diff(
-            old.splitlines(keepends=True),
-            new.splitlines(keepends=True),
-            fromfile=f"{p.path} (current)" if p.old is not None else "/dev/null",
-            tofile=f"{p.path} (fixed)",
-        )
         out.append("".join(diff).rstrip("\n"))
     return "\n".join(out)
 

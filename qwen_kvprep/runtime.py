@@ -36,6 +36,11 @@ if TYPE_CHECKING:
 FLAG = "use_cache_quantization"
 KERNELS = "cache_kernels"  # the loaded extension module, or None on the fallback path
 CALLS = "kernel_calls"  # qwen-kvprep's own model code counts its kernel calls
+# qwen-kvprep's fast path (templates/qwen_kvprep_kv.py): set on the classes it patched, and
+# counted per attention layer; a layer with FAST_OFF set runs the model's own code
+FAST_MARK = "_qwen_kvprep_fast"
+FAST_STEPS = "qwen_kvprep_fast_steps"
+FAST_OFF = "qwen_kvprep_fast_off"
 
 
 class KernelInfo(TypedDict):

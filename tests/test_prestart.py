@@ -129,6 +129,8 @@ def fake_prepared(root: Path) -> Path:
                        ("cpp_kernels.py", "# qwen-kvprep loader\n"),
                        ("cache_autogptq_cuda_256.cpp", "// cpp\n"),
                        ("cache_autogptq_cuda_kernel_256.cu", "// cu\n"),
+                       ("qwen_kvprep_kv.py", "# fast path\n"),
+                       ("modeling_qwen.py", "# model code\n"),
                        ("model.safetensors", "weights")]:
         (ckpt / name).write_text(text)
     build = root / "cache" / "builds" / "k1"
@@ -140,8 +142,7 @@ def fake_prepared(root: Path) -> Path:
     folder = modules_root / "transformers_modules" / "Fake-Chat"
     folder.mkdir(parents=True)
     planted = {}
-    for name in ("cache_autogptq_cuda_256.cpp", "cache_autogptq_cuda_kernel_256.cu",
-                 "cpp_kernels.py"):
+    for name in common.MODULE_FILES:
         shutil.copy(ckpt / name, folder / name)
         planted[name] = sha(folder / name)
     state = {

@@ -17,6 +17,7 @@ from typing import Any, Callable
 
 import pytest
 
+from qwen_kvprep import common
 from qwen_kvprep.errors import KvprepError, StateError
 from qwen_kvprep.journal import USERS_DIRNAME, Journal
 from qwen_kvprep.resources import KERNEL_FILES
@@ -375,7 +376,7 @@ def test_cp_a_of_a_fixed_tiny_checkpoint(tmp_path: Path, shared_build_cache: Pat
     res = kvprep("fix", str(ckpt), "--no-build", "--no-smoke", env=env, timeout=600)
     assert res.returncode == 0, res.stderr
     folder = tmp_path / "hf" / "modules" / "transformers_modules" / "Tiny-Chat"
-    planted = {n: (folder / n).read_bytes() for n in (*KERNEL_FILES, "cpp_kernels.py")}
+    planted = {n: (folder / n).read_bytes() for n in common.MODULE_FILES}
     copy = tmp_path / "copies" / "Tiny-Chat"  # same name: the same modules folder
     copy.parent.mkdir()
     subprocess.run(["cp", "-a", str(ckpt), str(copy)], check=True)

@@ -1,4 +1,6 @@
-"""Greedy tokens through our kernel equal the model's own fallback's, on a fixed checkpoint.
+"""Greedy tokens through our kernel equal the model's own fallback's, on a fixed checkpoint;
+and, where fix installed qwen-kvprep's fast path, the fast path's equal the model's own
+quantized-cache code with the same kernel.
 
     python bench/gpu/kernel_vs_fallback.py DIR [--device cuda] [--tokens N] [--json FILE]
 
@@ -9,7 +11,10 @@ compiled extension, then again with each layer's `cache_kernels` set to None, wh
 remote code's own fallback (dequantize, then torch.matmul). Both runs use the quantized
 cache; only the two matrix products differ. Reports the tokens of both, where they first
 differ, the largest logit difference while they agree, and how many layers called the
-extension. Exit status 1 when the tokens differ or a layer did not use the kernel.
+extension. With the fast path installed (qwen_kvprep_kv.py), a third run switches it off
+in every layer (the model's own code with the kernel): its tokens must equal the fast
+path's, and every layer must have run the fast path. Exit status 1 when the tokens differ
+or a layer did not use the kernel (or the installed fast path).
 """
 
 from __future__ import annotations
@@ -79,7 +84,18 @@ def main(argv: Optional[list[str]] = None) -> int:
     g = torch.Generator().manual_seed(0)
     vocab = int(model.config.vocab_size)
     ids = torch.randint(0, min(vocab, 500), (3, 24), generator=g).to(args.device)
+    fast_installed = bool(layers) and bool(getattr(type(layers[0]), "_qwen_kvprep_fast", False))
+    for m in layers:
+        m.qwen_kvprep_fast_steps = 0
     with_kernel, logits_k = greedy(model, ids, args.tokens)
+    fast_layers = sum(1 for m in layers if getattr(m, "qwen_kvprep_fast_steps", 0))
+    own = None
+    if fast_installed:
+        for m in layers:
+            m.qwen_kvprep_fast_off = True
+        own, logits_o = greedy(model, ids, args.tokens)
+        for m in layers:
+            m.qwen_kvprep_fast_off = False
     saved = [m.cache_kernels for m in layers]
     for m in layers:
         m.cache_kernels = None
@@ -97,7 +113,14 @@ def main(argv: Optional[list[str]] = None) -> int:
         default=0.0,
     )
     spread = max((x.max() - x.min()).item() for x in logits_f[: upto + 1])
+    fast: dict[str, Any] = {"installed": fast_installed, "fast_layers": fast_layers}
+    if own is not None:
+        fast["identical_to_own_code"] = bool(torch.equal(with_kernel, own))
+        fast["max_abs_logit_diff_to_own_code"] = max(
+            ((a - b).abs().max().item() for a, b in zip(logits_k, logits_o)), default=0.0
+        )
     result = {
+        "fast_path": fast,
         "layers": len(layers),
         "kernel_layers": len(calls["layers"]),  # type: ignore[arg-type]
         "kernel_calls": calls["n"],
@@ -115,6 +138,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
     ok = same and result["kernel_layers"] == len(layers) and len(layers) > 0
+    if fast_installed:
+        ok = ok and fast_layers == len(layers) and bool(fast.get("identical_to_own_code"))
     return 0 if ok else 1
 
 

@@ -15,6 +15,12 @@ from qwen_kvprep.render import emit, fix_fields, render_planned
 @click.option("--no-build", is_flag=True, help="Skip compiling the extension.")
 @click.option("--no-smoke", is_flag=True, help="Skip the smoke generation.")
 @click.option(
+    "--no-fast-path",
+    is_flag=True,
+    help="Leave modeling_qwen.py as it is (or as it was before fix): the Int8 cache then runs "
+    "the model's own, slower code.",
+)
+@click.option(
     "--smoke-timeout",
     type=click.FloatRange(min=1.0),
     metavar="S",
@@ -62,6 +68,7 @@ def fix(
     dry_run: bool,
     no_build: bool,
     no_smoke: bool,
+    no_fast_path: bool,
     smoke_timeout: Optional[float],
     source: str,
     repo_id: Optional[str],
@@ -80,6 +87,7 @@ def fix(
         dry_run=dry_run,
         build=not no_build,
         smoke=not no_smoke,
+        fast_path=not no_fast_path,
         smoke_timeout=smoke_timeout,
         source=source,
         repo_id=repo_id,

@@ -65,6 +65,9 @@ def quality_file(value: Optional[str]) -> Optional[Path]:
 @click.option("--no-cudnn-attention", "no_cudnn_attention", is_flag=True,
               help="Turn torch's cuDNN attention backend off in every run (a fairer "
               "unquantized baseline where cuDNN re-plans for every new cached length).")
+@click.option("--no-fast-path", "no_fast_path", is_flag=True,
+              help="Int8 runs use the model's own quantized-cache code even where fix "
+              "installed qwen-kvprep's fast path (to measure what it buys).")
 @json_option
 @click.option("--plot", type=click.Path(dir_okay=False, path_type=Path), metavar="FILE",
               help="Draw memory against batch into FILE (.svg or .png; needs the plot "
@@ -81,6 +84,7 @@ def profile(
     quality: Optional[str],
     timeout: float,
     no_cudnn_attention: bool,
+    no_fast_path: bool,
     plot: Optional[Path],
 ) -> None:
     """Measure DIRECTORY's memory, speed and quality with the unquantized and the Int8
@@ -108,6 +112,7 @@ def profile(
         quality_text=text_file,
         timeout=timeout,
         cudnn_attention=not no_cudnn_attention,
+        fast_path=not no_fast_path,
     )
     bar = progress_bar(as_json, total=1)
     try:

@@ -56,6 +56,8 @@ from qwen_kvprep.profile.protocol import (
     RunResult,
 )
 from qwen_kvprep.runtime import (
+    FAST_OFF,
+    FAST_STEPS,
     KernelCounter,
     attention_layers,
     cache_length,
@@ -119,12 +121,14 @@ def resolve_dtype(spec: ChildSpec, device: str) -> str:
 def plant_kernels(source: Path) -> None:
     """Put the loader and the kernel sources beside the modules-cache copy of the model
     code, where the model looks for them (transformers copies only .py files there)."""
-    from qwen_kvprep.common import KERNEL_FILES, LOADER_FILE
+    from qwen_kvprep.common import FAST_FILE, KERNEL_FILES, LOADER_FILE
     from qwen_kvprep.modcache import module_folder
 
     folder = module_folder(source)
     for name in (LOADER_FILE, *KERNEL_FILES):
         shutil.copyfile(source / name, folder / name)
+    if (source / FAST_FILE).is_file():  # the fast path, when the model code imports it
+        shutil.copyfile(source / FAST_FILE, folder / FAST_FILE)
 
 
 def load(spec: ChildSpec, device: str) -> tuple[PreTrainedModel, Loaded]:
@@ -269,12 +273,17 @@ def run_generation(spec: ChildSpec, device: str, ev: Events) -> RunAnswer:
 
     result: RunAnswer = {"oom": False, "error": None}
     counter: Optional[KernelCounter] = None
+    layers: list[tuple[str, torch.nn.Module]] = []
     try:
         ev.start(PHASE_LOAD)
         model, loaded = load(spec, device)
         result = {**result, **loaded}
         layers = attention_layers(model)
         result["layers"] = len(layers)
+        for _, mod in layers:
+            setattr(mod, FAST_STEPS, 0)
+            if not spec.fast_path:
+                setattr(mod, FAST_OFF, True)
         counter = KernelCounter(layers)
         result = {**result, **generate(model, spec, device, ev)}
     except BaseException as exc:
@@ -285,6 +294,7 @@ def run_generation(spec: ChildSpec, device: str, ev: Events) -> RunAnswer:
         result["error"] = f"{type(exc).__name__}: {_first_line(exc)}"
     result["kernel_layers"] = counter.kernel_layers() if counter is not None else 0
     result["kernel_calls"] = counter.calls() if counter is not None else []
+    result["fast_layers"] = sum(1 for _, m in layers if getattr(m, FAST_STEPS, 0)) if layers else 0
     result["peak_bytes"] = peak_bytes(device)
     return result
 

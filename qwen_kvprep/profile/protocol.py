@@ -70,6 +70,9 @@ class ChildSpec:
     # False: switch torch's cuDNN attention backend off before loading (the unquantized
     # cache's SDPA call; the Int8 cache's attention does not use SDPA)
     cudnn_attention: bool = True
+    # False: the Int8 cache runs the model's own code even where qwen-kvprep's fast path is
+    # installed (qwen_kvprep_kv.py; every attention layer gets its off switch)
+    fast_path: bool = True
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
@@ -169,6 +172,7 @@ class RunAnswer(TypedDict, total=False):
     oom_phase: str
     kernel_layers: int  # layers that called the compiled kernel
     kernel_calls: list[int]  # per layer
+    fast_layers: int  # layers that ran qwen-kvprep's fast path
     peak_bytes: int
 
 

@@ -32,6 +32,8 @@ def _cells(row: ProfileRow, layers: Optional[int]) -> list[str]:
     kernel = "-" if row["kernel_layers"] is None or row["oom"] else str(row["kernel_layers"])
     if row["mode"] == "int8" and kernel != "-" and layers:
         kernel = f"{row['kernel_layers']}/{layers}"
+        if row.get("fast_layers") == layers:
+            kernel += " fast"
     if row["oom"]:
         oom = "OOM" + (" (skipped)" if str(row.get("error") or "").startswith("skipped") else "")
     elif row["error"]:

@@ -55,6 +55,7 @@ ROW_FIELDS = (
     "prefill_tokens_per_s",
     "decode_tokens_per_s",
     "kernel_layers",
+    "fast_layers",
     "oom",
     "predicted_bytes",
     "error",
@@ -75,6 +76,7 @@ class ProfileRow(TypedDict):
     prefill_tokens_per_s: Optional[float]
     decode_tokens_per_s: Optional[float]
     kernel_layers: Optional[int]
+    fast_layers: Optional[int]  # layers that ran qwen-kvprep's fast path (int8 runs)
     oom: bool
     predicted_bytes: Optional[int]  # plan's prediction, filled in afterwards
     error: Optional[str]
@@ -101,6 +103,7 @@ class ProfileOptions:
     quality_text: Optional[Path] = None  # None with quality: the built-in passage
     timeout: float = DEFAULT_TIMEOUT_S
     cudnn_attention: bool = True  # False: torch's cuDNN SDPA backend off in every child
+    fast_path: bool = True  # False: the Int8 runs use the model's own code (ChildSpec)
 
 
 @dataclass
@@ -198,6 +201,7 @@ def _row(
         "prefill_tokens_per_s": None,
         "decode_tokens_per_s": None,
         "kernel_layers": None,
+        "fast_layers": None,
         "oom": oom,
         "predicted_bytes": None,
         "error": error,
@@ -222,6 +226,7 @@ def make_row(spec: ChildSpec, outcome: ProfileOutcome, timeout: float) -> Profil
         "prefill_tokens_per_s": result.get("prefill_tokens_per_s"),
         "decode_tokens_per_s": result.get("decode_tokens_per_s"),
         "kernel_layers": result.get("kernel_layers") if spec.mode == "int8" else 0,
+        "fast_layers": result.get("fast_layers") if spec.mode == "int8" else 0,
         "oom": bool(result.get("oom")),
         "error": result.get("error"),
     }
@@ -274,6 +279,7 @@ def measure(
         plant_kernels=source.plant_kernels,
         seed=RANDOM_SEED,
         cudnn_attention=options.cudnn_attention,
+        fast_path=options.fast_path,
     )
     stopped: dict[str, tuple[str, bool]] = {}  # mode -> (reason, oom)
     for batch in batches:

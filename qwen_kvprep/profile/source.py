@@ -20,9 +20,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, TypedDict
 
-from qwen_kvprep.common import KERNEL_FILES, LOADER_FILE
+from qwen_kvprep.common import FAST_FILE, KERNEL_FILES, LOADER_FILE
 from qwen_kvprep.errors import CheckpointError, ConfigError
+from qwen_kvprep.fastkv import patched, recognise
 from qwen_kvprep.jsontypes import JSON, JSONObject
+from qwen_kvprep.resources import templates_dir
 
 CONFIG = "config.json"
 MODELING = "modeling_qwen.py"
@@ -161,6 +163,12 @@ def _assemble(directory: Path, folder: Path, config: JSONObject, has_code: bool)
         config.setdefault("model_type", "qwen")
         config["auto_map"] = dict(_AUTO_MAP)
     (folder / CONFIG).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    # the Int8 cache's fast path, as fix installs it (its runs can switch it off)
+    modeling = folder / MODELING
+    text = modeling.read_text(encoding="utf-8")
+    if recognise(text) is None:
+        modeling.write_text(patched(text), encoding="utf-8")
+        (folder / FAST_FILE).write_bytes((templates_dir() / FAST_FILE).read_bytes())
     # The checkpoint's own sources when it has both (fix put them there: their build is
     # the one in the cache), else qwen-kvprep's.
     sources = read_sources(directory)

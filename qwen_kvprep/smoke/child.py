@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING, Callable, Optional, TypedDict
 
 from qwen_kvprep.childproc import Events, child_main
 from qwen_kvprep.runtime import (
+    FAST_MARK,
+    FAST_STEPS,
     FLAG,
     KERNELS,
     CountingKernels,
@@ -327,7 +329,10 @@ def smoke(
             "use_cache_kernel": bool(getattr(mod, "use_cache_kernel", False)),
             "kernel": kernel_info(mod),
             "kernel_calls": 0,  # counted in the quantized run below
+            "fast_path_installed": bool(getattr(type(mod), FAST_MARK, False)),
+            "fast_steps": 0,
         }
+        setattr(mod, FAST_STEPS, 0)
         layer_rows.append(row)
         if getattr(mod, KERNELS, None) is not None:
             proxy = CountingKernels(getattr(mod, KERNELS))
@@ -354,6 +359,7 @@ def smoke(
     q = run_mode(model, input_ids, new_tokens, device, quantized=quantized_on)
     for row, (_, mod), counter in zip(layer_rows, layers, proxies):
         row["kernel_calls"] = counter.calls if counter is not None else 0
+        row["fast_steps"] = int(getattr(mod, FAST_STEPS, 0) or 0)
         if counter is not None:
             setattr(mod, KERNELS, counter._inner)  # the model as it was
     ev.start(PHASE_UNQUANTIZED)

@@ -126,6 +126,7 @@ class SmokeSummary(_SummaryHead, total=False):
     layers: int
     kernel_layers: int
     kernel_calls: int
+    fast_layers: int  # layers that ran qwen-kvprep's fast path
     kernel_files: list[str]
     prompt: Optional[str]
     prompt_tokens: Optional[int]
@@ -387,6 +388,38 @@ def _kernel(result: SmokeResult, log_tail: list[str], directory: str) -> Finding
     )
 
 
+def _fast_path(result: SmokeResult, directory: str) -> Finding:
+    """Whether every layer ran the quantized cache through qwen-kvprep's fast path."""
+    layers = result.get("layers") or []
+    if not layers or not all(row.get("use_cache_quantization") for row in layers):
+        return skip("smoke.fast_path", "not checked: the quantized cache is off")
+    if not any(row.get("fast_path_installed") for row in layers):
+        return info(
+            "smoke.fast_path",
+            "the model runs its own quantized-cache code (modeling_qwen.py does not import "
+            "qwen-kvprep's fast path)",
+        )
+    slow = [row["name"] for row in layers if not row.get("fast_steps")]
+    if slow:
+        return fail(
+            "smoke.fast_path",
+            f"the fast path is installed but {len(slow)} of {len(layers)} layers did not run "
+            f"it ({', '.join(slow[:3])}{', ...' if len(slow) > 3 else ''}): the extension "
+            "loaded is not one built from qwen-kvprep's kernel sources of this version",
+            fix=f"run `qwen-kvprep fix {_q(directory)} --source vendored`, or "
+            f"`qwen-kvprep fix {_q(directory)} --no-fast-path` to keep Qwen's kernels",
+            paths=[directory],
+            slow_layers=slow,
+        )
+    steps = sum(int(row.get("fast_steps") or 0) for row in layers)
+    return ok(
+        "smoke.fast_path",
+        f"the quantized cache ran through qwen-kvprep's fast path in all {len(layers)} layers "
+        f"({steps} attention steps, no per-step copy of the cache)",
+        steps=steps,
+    )
+
+
 def _agreement(result: SmokeResult, directory: str) -> tuple[Finding, Agreement]:
     """The finding, and its details for the summary."""
     q = result.get("quantized") or {}
@@ -584,6 +617,7 @@ def evaluate(
         ),
         _quantization(result, directory),
         _kernel(result, outcome.log_tail, directory),
+        _fast_path(result, directory),
         agreement_finding,
     ]
     m = measurements(result)
@@ -607,6 +641,7 @@ def evaluate(
             if (row.get("kernel") or {}).get("compiled") and row.get("kernel_calls")
         ),
         "kernel_calls": sum(int(row.get("kernel_calls") or 0) for row in layers),
+        "fast_layers": sum(1 for row in layers if row.get("fast_steps")),
         "kernel_files": sorted(
             {str(row["kernel"]["file"]) for row in layers if (row.get("kernel") or {}).get("file")}
         ),

@@ -67,6 +67,10 @@ class LayerRow(TypedDict):
     use_cache_kernel: bool
     kernel: KernelInfo
     kernel_calls: int  # calls into the extension during the quantized run
+    # the model's code imports qwen-kvprep's fast path (qwen_kvprep_kv.py), and the
+    # attention steps this layer ran through it during the quantized run
+    fast_path_installed: bool
+    fast_steps: int
 
 
 class _CacheLayout(TypedDict):

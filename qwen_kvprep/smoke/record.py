@@ -28,6 +28,7 @@ _KEEP = (
     "layers",
     "kernel_layers",
     "kernel_calls",
+    "fast_layers",
     "kernel_files",
     "kv_bytes_per_token",
     "tokens_per_s",

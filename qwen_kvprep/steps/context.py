@@ -29,6 +29,8 @@ class FixOptions:
     dry_run: bool = False
     build: bool = True
     smoke: bool = True
+    # the Int8 cache's fast path in the model's code (steps/fastkv.py)
+    fast_path: bool = True
     source: str = "auto"
     repo_id: Optional[str] = None
     revision: Optional[str] = None

@@ -38,6 +38,7 @@ _STEPS: list[tuple[str, Callable[[FixOptions], bool]]] = [
     ("config_patch", lambda o: True),
     ("build", lambda o: True),  # reports --no-build itself (the loader then builds lazily)
     ("loader", lambda o: True),
+    ("fastkv", lambda o: True),
     ("modules", lambda o: True),
     ("state", lambda o: True),
     # last: proves the result (a child process loads the model); dry-run has nothing to prove

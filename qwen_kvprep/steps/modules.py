@@ -14,7 +14,7 @@ import re
 from pathlib import Path
 from typing import Optional
 
-from qwen_kvprep.common import LOADER_FILE, modules_cache_root, sha256_bytes, sha256_file
+from qwen_kvprep.common import FAST_FILE, LOADER_FILE, modules_cache_root, sha256_bytes, sha256_file
 from qwen_kvprep.errors import CacheError
 from qwen_kvprep.findings import info, ok, warn
 from qwen_kvprep.steps.context import FixContext
@@ -51,10 +51,13 @@ def _plant_all(ctx: FixContext, folder: Path, files: dict[str, bytes]) -> list[s
 def run(ctx: FixContext) -> None:
     from qwen_kvprep.buildcache import sources_of
     from qwen_kvprep.modcache import module_folder
+    from qwen_kvprep.steps.fastkv import module_bytes
     from qwen_kvprep.steps.loader import loader_bytes
 
     files = dict(sorted(sources_of(ctx.sources).items()))
     files[LOADER_FILE] = loader_bytes(ctx)
+    if ctx.extra.get("fast_path") is True:
+        files[FAST_FILE] = module_bytes()
     predicted = module_folder(ctx.directory, materialize=False)
     changed = _plant_all(ctx, predicted, files)
     folder = predicted

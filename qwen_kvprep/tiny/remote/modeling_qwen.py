@@ -216,6 +216,13 @@ class QWenAttention(nn.Module):
         self.use_dynamic_ntk = config.use_dynamic_ntk
         self.use_logn_attn = config.use_logn_attn
         self.softmax_in_fp32 = getattr(config, "softmax_in_fp32", False)
+        positions = torch.arange(1, 32768, dtype=torch.float32)
+        logn = torch.where(
+            positions > self.seq_length,
+            torch.log(positions) / math.log(self.seq_length),
+            torch.ones_like(positions),
+        )
+        self.register_buffer("logn_tensor", logn[None, :, None, None], persistent=False)
         self.attn_dropout = nn.Dropout(config.attn_dropout_prob)
 
         # Note: nothing here switches flash attention off when the cache is quantized.
@@ -241,16 +248,19 @@ class QWenAttention(nn.Module):
             key_length - query_length
         )
 
-    def _attn(self, query, key, value, attention_mask=None, head_mask=None):
-        """Eager attention; query [b, h, q, d], key/value [b, h, l, d] or quantized triples."""
+    def _attn(self, query, key, value, causal_mask=None, attention_mask=None, head_mask=None):
+        """Eager attention; query [b, h, q, d], key/value [b, h, l, d] or quantized triples.
+
+        As Qwen's final revisions do it: the caller passes the causal mask (only when there
+        is no past); with the compiled kernels the scores stay fp16.
+        """
         kernels = self.cache_kernels
         if self.use_cache_quantization:
             qk, qk_scale, qk_zero = key
-            key_length = qk.size(-2)
             head_dim = value[0].size(-1)
-            if kernels is not None:
+            if self.use_cache_kernel and kernels is not None:
                 attn_weights = torch.zeros(
-                    query.shape[:-1] + (key_length,), dtype=torch.float16, device=query.device
+                    query.shape[:-1] + (qk.size(-2),), dtype=torch.float16, device=query.device
                 )
                 kernels.vecquant8matmul_batched_faster_old(
                     query.to(torch.float16).contiguous(),
@@ -260,24 +270,24 @@ class QWenAttention(nn.Module):
                     qk_zero.to(torch.float16).contiguous(),
                 )
                 self.kernel_calls += 1
-                attn_weights = attn_weights.to(query.dtype)
             else:
                 key = dequantize_cache_torch(qk, qk_scale, qk_zero)
                 attn_weights = torch.matmul(query, key.transpose(-1, -2))
         else:
-            key_length = key.size(-2)
             head_dim = value.size(-1)
             attn_weights = torch.matmul(query, key.transpose(-1, -2))
 
         if self.scale_attn_weights:
-            attn_weights = attn_weights / math.sqrt(head_dim)
-
-        causal = self._causal_mask(query.size(-2), key_length, attn_weights.device)
-        mask_value = torch.finfo(attn_weights.dtype).min
-        attn_weights = attn_weights.masked_fill(~causal, mask_value)
+            attn_weights = attn_weights / (head_dim**0.5)
+        if causal_mask is not None:
+            attn_weights = torch.where(
+                causal_mask, attn_weights, torch.finfo(attn_weights.dtype).min
+            )
         if attention_mask is not None:
-            # clamp: min + min would be -inf, and a fully masked row would turn into NaN
-            attn_weights = torch.clamp(attn_weights + attention_mask, min=mask_value)
+            attn_weights = attn_weights + attention_mask
+            if attn_weights.dtype == torch.float16:
+                # fp16 min + fp16 min is -inf, and a row of them would make softmax NaN
+                attn_weights = attn_weights.clamp_(min=torch.finfo(attn_weights.dtype).min)
 
         if self.softmax_in_fp32:
             attn_weights = F.softmax(attn_weights.float(), dim=-1)
@@ -290,7 +300,7 @@ class QWenAttention(nn.Module):
 
         if self.use_cache_quantization:
             qv, qv_scale, qv_zero = value
-            if kernels is not None:
+            if self.use_cache_kernel and kernels is not None:
                 attn_output = torch.zeros(
                     attn_weights.shape[:-1] + (qv.size(-1),),
                     dtype=torch.float16,
@@ -333,7 +343,7 @@ class QWenAttention(nn.Module):
     def forward(
         self,
         hidden_states,
-        rotary_pos_emb=None,
+        rotary_pos_emb_list=None,
         layer_past=None,
         attention_mask=None,
         head_mask=None,
@@ -348,11 +358,25 @@ class QWenAttention(nn.Module):
         key = self._split_heads(key)
         value = self._split_heads(value)
 
-        if rotary_pos_emb is not None:
+        if rotary_pos_emb_list is not None:
+            # one cos/sin table for the batch, or one per row (dynamic NTK per row)
             cur_len = query.shape[1]
-            freqs = tuple(t[:, -cur_len:] for t in rotary_pos_emb)
-            query = apply_rotary_pos_emb(query, freqs)
-            key = apply_rotary_pos_emb(key, freqs)
+            if len(rotary_pos_emb_list) == 1:
+                freqs = tuple(t[:, -cur_len:] for t in rotary_pos_emb_list[0])
+                query = apply_rotary_pos_emb(query, freqs)
+                key = apply_rotary_pos_emb(key, freqs)
+            else:
+                rows = []
+                for i, table in enumerate(rotary_pos_emb_list):
+                    freqs = tuple(t[:, -cur_len:] for t in table)
+                    rows.append(
+                        (
+                            apply_rotary_pos_emb(query[i : i + 1], freqs),
+                            apply_rotary_pos_emb(key[i : i + 1], freqs),
+                        )
+                    )
+                query = torch.cat([q for q, _ in rows], dim=0)
+                key = torch.cat([k for _, k in rows], dim=0)
 
         if self.use_cache_quantization:
             key = quantize_cache_v(key.permute(0, 2, 1, 3), 8, self.cache_qmax, self.cache_qmin)
@@ -371,11 +395,8 @@ class QWenAttention(nn.Module):
         key_size = key[0].size(2) if self.use_cache_quantization else key.size(1)
         if self.use_logn_attn and not self.training and key_size > self.seq_length:
             # scale queries beyond the training length by log_{seq_length}(position)
-            positions = torch.arange(
-                key_size - query.size(1) + 1, key_size + 1, device=query.device, dtype=torch.float32
-            )
-            logn = torch.clamp(torch.log(positions) / math.log(self.seq_length), min=1.0)
-            query = query * logn[None, :, None, None].type_as(query)
+            logn = self.logn_tensor[:, key_size - query.size(1) : key_size, :, :].type_as(query)
+            query = query * logn.expand_as(query)
 
         attn_weight = None
         if self.use_flash_attn and flash_attn_func is not None and query.is_cuda:
@@ -393,7 +414,14 @@ class QWenAttention(nn.Module):
             ):
                 attn_output = self._sdpa(query, key, value, attention_mask)
             else:
-                attn_output, attn_weight = self._attn(query, key, value, attention_mask, head_mask)
+                causal_mask = None
+                if query.size(2) == key_size:  # no past: mask the prompt causally
+                    causal_mask = torch.ones(
+                        (key_size, key_size), dtype=torch.bool, device=query.device
+                    ).tril_()[None, None]
+                attn_output, attn_weight = self._attn(
+                    query, key, value, causal_mask, attention_mask, head_mask
+                )
             context = attn_output.transpose(1, 2)
         output = self.c_proj(self._merge_heads(context))
 
@@ -414,7 +442,7 @@ class QWenBlock(nn.Module):
     def forward(
         self,
         hidden_states,
-        rotary_pos_emb=None,
+        rotary_pos_emb_list=None,
         layer_past=None,
         attention_mask=None,
         head_mask=None,
@@ -425,7 +453,7 @@ class QWenBlock(nn.Module):
     ):
         attn_outputs = self.attn(
             self.ln_1(hidden_states),
-            rotary_pos_emb,
+            rotary_pos_emb_list,
             layer_past=layer_past,
             attention_mask=attention_mask,
             head_mask=head_mask,
@@ -565,9 +593,9 @@ class QWenModel(QWenPreTrainedModel):
             ntk_alpha = 1.0
         else:
             ntk_alpha = self._ntk_alpha(kv_seq_len)
-        rotary_pos_emb = self.rotary_emb(
-            kv_seq_len, ntk_alpha=ntk_alpha, device=hidden_states.device
-        )
+        rotary_pos_emb_list = [
+            self.rotary_emb(kv_seq_len, ntk_alpha=ntk_alpha, device=hidden_states.device)
+        ]
 
         if self.gradient_checkpointing and self.training and use_cache:
             logger.warning_once("use_cache=True is incompatible with gradient checkpointing; off.")
@@ -586,7 +614,7 @@ class QWenModel(QWenPreTrainedModel):
                 outputs = checkpoint(
                     block.__call__,
                     hidden_states,
-                    rotary_pos_emb,
+                    rotary_pos_emb_list,
                     None,
                     attention_mask,
                     head_mask[i],
@@ -598,7 +626,7 @@ class QWenModel(QWenPreTrainedModel):
             else:
                 outputs = block(
                     hidden_states,
-                    rotary_pos_emb=rotary_pos_emb,
+                    rotary_pos_emb_list=rotary_pos_emb_list,
                     layer_past=layer_past,
                     attention_mask=attention_mask,
                     head_mask=head_mask[i],

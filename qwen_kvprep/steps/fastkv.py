@@ -1,0 +1,71 @@
+"""Step of `fix`: the Int8 cache's fast path. Plants qwen_kvprep_kv.py beside the loader
+and appends to modeling_qwen.py the block that imports it (fastkv.py), through the
+journal, for the revisions of modeling_qwen.py it was written for; any other revision is
+left alone with a finding that says why. With `--no-fast-path` the block is taken out
+again (the file as it was before fix)."""
+
+from __future__ import annotations
+
+from qwen_kvprep import fastkv
+from qwen_kvprep.common import FAST_FILE, MODELING_FILE
+from qwen_kvprep.findings import info, ok, warn
+from qwen_kvprep.resources import templates_dir
+from qwen_kvprep.steps.context import FixContext
+from qwen_kvprep.untrusted import read_regular
+
+MODEL_CODE_LIMIT = 4 << 20  # modeling_qwen.py is about 60 KB
+
+
+def module_bytes() -> bytes:
+    """The fast path's module as planted (also into the modules cache)."""
+    return (templates_dir() / FAST_FILE).read_bytes()
+
+
+def run(ctx: FixContext) -> None:
+    path = ctx.directory / MODELING_FILE
+    try:
+        raw = read_regular(path, MODEL_CODE_LIMIT)
+        text = raw.decode("utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        message = f"cannot read {path}: {exc}; the fast path is not applied"
+        ctx.add(warn("fastkv.model_code", message, paths=[path]))
+        ctx.extra["fast_path"] = False
+        return
+    if not ctx.options.fast_path:
+        if fastkv.is_patched(text):
+            ctx.journal.write(MODELING_FILE, fastkv.unpatched(text).encode("utf-8"))
+            verb = "would take" if ctx.options.dry_run else "took"
+            message = f"{verb} the fast path out of {MODELING_FILE} (--no-fast-path)"
+            ctx.add(info("fastkv.model_code", message, paths=[path]))
+        ctx.extra["fast_path"] = False
+        return
+    reason = fastkv.recognise(text)
+    if reason is not None:
+        ctx.add(
+            warn(
+                "fastkv.model_code",
+                f"{MODELING_FILE} is left as it is: {reason}; the Int8 cache runs the model's "
+                "own code (slower: it copies the whole cache at every step)",
+                fix="download the final revision of the model's code (the hf download command "
+                "in README.md), then run fix again",
+                paths=[path],
+            )
+        )
+        ctx.extra["fast_path"] = False
+        return
+    planted = ctx.journal.write(FAST_FILE, module_bytes())
+    changed = ctx.journal.write(MODELING_FILE, fastkv.patched(text).encode("utf-8"))
+    ctx.extra["fast_path"] = True
+    if planted or changed:
+        verb = "would install" if ctx.options.dry_run else "installed"
+        ctx.add(
+            info(
+                "fastkv.model_code",
+                f"{verb} the Int8 cache's fast path: {FAST_FILE}, imported by a block at the "
+                f"end of {MODELING_FILE} (the original is kept for revert; --no-fast-path "
+                "turns it off)",
+                paths=[path, ctx.directory / FAST_FILE],
+            )
+        )
+    else:
+        ctx.add(ok("fastkv.model_code", "the Int8 cache's fast path is installed", paths=[path]))

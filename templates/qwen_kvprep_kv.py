@@ -1,0 +1,302 @@
+# qwen-kvprep fast path: the Int8 KV cache of Qwen (v1) without a per-step copy.
+# Planted by `qwen-kvprep fix` beside cpp_kernels.py; `qwen-kvprep revert DIR` removes it
+# and the lines of modeling_qwen.py that import it.
+"""The quantized-cache attention of Qwen (v1)'s modeling_qwen.py, made fast.
+
+modeling_qwen.py, once patched by `qwen-kvprep fix`, ends with a few lines that call
+`install(globals())`. `install` then replaces two methods of the module's classes:
+
+- `QWenAttention.forward`, for the one case it speeds up: the quantized cache
+  (`use_cache_quantization`) with qwen-kvprep's compiled extension loaded
+  (`use_cache_kernel`, the extension reports the features below), in inference. Every
+  other case (unquantized cache, Qwen's own kernels, the torch fallback, training,
+  `output_attentions`, flash-attn) goes to the model's own forward, unchanged.
+- `QWenLMHeadModel._reorder_cache`, so that beam search reorders the quantized
+  `(codes, scale, zero)` triples too (the model's own version calls `index_select` on the
+  triple and fails).
+
+What changes in the fast forward, and what does not:
+
+- The cache lives in preallocated buffers per layer that grow by whole blocks of
+  `BLOCK` tokens; a step writes its new tokens in place (one fused quantize-and-append call
+  for the keys, one for the values) instead of concatenating the whole cache six times.
+  The keys are kept as `[b, heads, head_dim, tokens]`, the layout the QK kernel reads, so
+  the per-step transposed copy of the key cache is gone; scales and zero points are kept
+  in fp16, the dtype the kernels take, so their per-step casts are gone too.
+- What the model hands back as its cache keeps the model's own format: per layer
+  `((key_codes, key_scale, key_zero), (value_codes, value_scale, value_zero))`, codes
+  `[b, heads, tokens, head_dim]` uint8 (the key codes as a transposed view of the buffer),
+  scales and zeros `[b, heads, tokens, 1]`, all views of the buffers. Scales and zeros are
+  fp16 where the model's own code keeps them in its dtype: the values are those the model
+  itself casts to fp16 before every kernel call.
+- The numbers are the model's own: the same quantization (one scale and zero point per
+  batch row and head over each chunk of new tokens, rounded as the model's dtype rounds),
+  the same kernels, the same masking, scaling and softmax, in the same order.
+- A buffer is written in place only by the one sequence that owns its end: a cache that
+  someone else has extended since (two generations from one prompt cache, beam search's
+  reordering) is first copied into fresh buffers. So no one's cache changes under them.
+"""
+
+import warnings
+
+import torch
+
+FEATURES = ("capacity-views", "quantize-append")
+BLOCK = 128  # tokens: buffers grow in whole blocks (rows stay 16-byte aligned)
+MARK = "_qwen_kvprep_fast"  # set on the classes install() patched
+STEPS = "qwen_kvprep_fast_steps"  # attention steps a layer ran through the fast path
+OFF = "qwen_kvprep_fast_off"  # set on a layer to run the model's own code (comparisons)
+
+
+def supported(kernels):
+    """True when `kernels` is an extension built from qwen-kvprep's sources that can
+    quantize into, and read from, the buffers (Qwen's own kernels cannot)."""
+    if kernels is None:
+        return False
+    known = _SUPPORTED.get(id(kernels))
+    if known is not None and known[0] is kernels:
+        return known[1]
+    answer = _supported(kernels)
+    _SUPPORTED[id(kernels)] = (kernels, answer)
+    return answer
+
+
+_SUPPORTED = {}  # id -> (kernels, answer): asked once per extension object, not per step
+
+
+def _supported(kernels):
+    features = getattr(kernels, "features", None)
+    if features is None:
+        return False
+    try:
+        have = set(features())
+    except Exception:  # an extension that cannot answer is treated as one without them
+        return False
+    return all(f in have for f in FEATURES)
+
+
+class _Buffers:
+    """One attention layer's cache: codes, scales and zero points for keys and values,
+    `capacity` tokens each, of which the first `length` belong to the latest sequence."""
+
+    __slots__ = ("k", "ks", "kz", "v", "vs", "vz", "length")
+
+    def __init__(self, batch, heads, dim, capacity, device):
+        self.k = torch.empty((batch, heads, dim, capacity), dtype=torch.uint8, device=device)
+        self.v = torch.empty((batch, heads, capacity, dim), dtype=torch.uint8, device=device)
+        self.ks, self.kz, self.vs, self.vz = (
+            torch.empty((batch, heads, capacity, 1), dtype=torch.float16, device=device)
+            for _ in range(4)
+        )
+        self.length = 0
+
+    @property
+    def capacity(self):
+        return self.k.shape[-1]
+
+    def owns(self, past):
+        """True when `past` is this layer's latest cache, so appending cannot change a
+        cache anyone else holds."""
+        codes = past[0][0]
+        return (
+            isinstance(codes, torch.Tensor)
+            and codes._base is self.k
+            and codes.shape[2] == self.length
+            and codes.shape[0] == self.k.shape[0]
+        )
+
+    def copy_from(self, past, length):
+        """Takes the first `length` tokens of a cache in the model's format (ours or the
+        model's own), converting scales and zeros to fp16."""
+        (kq, ks, kz), (vq, vs, vz) = past
+        self.k[..., :length].copy_(kq.transpose(-1, -2))
+        self.v[:, :, :length].copy_(vq)
+        for dst, src in ((self.ks, ks), (self.kz, kz), (self.vs, vs), (self.vz, vz)):
+            dst[:, :, :length].copy_(src)
+        self.length = length
+
+    def views(self, length):
+        """The cache as the model returns it, and the kernels' operands."""
+        k = self.k[..., :length]
+        ks, kz = self.ks[:, :, :length], self.kz[:, :, :length]
+        v = self.v[:, :, :length]
+        vs, vz = self.vs[:, :, :length], self.vz[:, :, :length]
+        return k, ks, kz, v, vs, vz
+
+
+def _blocks(tokens):
+    return (tokens + BLOCK - 1) // BLOCK * BLOCK
+
+
+def _buffers_for(layer, layer_past, batch, new_tokens, device):
+    """The layer's buffers, ready to take `new_tokens` after the past: the same buffers
+    when the past is their latest content and fits, else fresh ones holding a copy."""
+    heads, dim = layer.num_heads, layer.head_dim
+    buffers = getattr(layer, "_qwen_kvprep_buffers", None)
+    if layer_past is None:
+        past_length = 0
+    else:
+        past_length = int(layer_past[0][0].shape[2])
+    needed = past_length + new_tokens
+    if (
+        layer_past is not None
+        and buffers is not None
+        and buffers.owns(layer_past)
+        and needed <= buffers.capacity
+    ):
+        return buffers, past_length
+    # room for the next block of decoding steps before the next copy
+    fresh = _Buffers(batch, heads, dim, _blocks(needed + 1), device)
+    if layer_past is not None and past_length:
+        fresh.copy_from(layer_past, past_length)
+    layer._qwen_kvprep_buffers = fresh
+    return fresh, past_length
+
+
+def _rotate(apply_rotary, rotary_pos_emb_list, query, key):
+    """Rotary embedding exactly as the model applies it: one table for the batch, or one
+    per row (dynamic NTK per row)."""
+    cur_len = query.shape[1]
+    if len(rotary_pos_emb_list) == 1:
+        emb = [t[:, -cur_len:, :, :] for t in rotary_pos_emb_list[0]]
+        return apply_rotary(query, emb), apply_rotary(key, emb)
+    queries, keys = [], []
+    for i, table in enumerate(rotary_pos_emb_list):
+        emb = [t[:, -cur_len:, :, :] for t in table]
+        queries.append(apply_rotary(query[i : i + 1], emb))
+        keys.append(apply_rotary(key[i : i + 1], emb))
+    return torch.cat(queries, dim=0), torch.cat(keys, dim=0)
+
+
+def _fast_forward(layer, apply_rotary, hidden_states, rotary_pos_emb_list, layer_past,
+                  attention_mask, head_mask, use_cache):
+    kernels = layer.cache_kernels
+    batch, new_tokens = hidden_states.shape[0], hidden_states.shape[1]
+    heads, dim = layer.num_heads, layer.head_dim
+    mixed = layer.c_attn(hidden_states)
+    query, key, value = mixed.split(layer.split_size, dim=2)
+    query = query.view(batch, new_tokens, heads, dim)
+    key = key.view(batch, new_tokens, heads, dim)
+    value = value.view(batch, new_tokens, heads, dim)
+    if rotary_pos_emb_list is not None:
+        query, key = _rotate(apply_rotary, rotary_pos_emb_list, query, key)
+
+    buffers, past_length = _buffers_for(layer, layer_past, batch, new_tokens, query.device)
+    total = past_length + new_tokens
+    kernels.quantize_append(key, buffers.k, buffers.ks, buffers.kz, past_length, True, False)
+    kernels.quantize_append(value, buffers.v, buffers.vs, buffers.vz, past_length, False, False)
+    buffers.length = total
+    k, ks, kz, v, vs, vz = buffers.views(total)
+    present = ((k.transpose(-1, -2), ks, kz), (v, vs, vz)) if use_cache else None
+
+    if total > layer.seq_length and layer.use_logn_attn:
+        logn = layer.logn_tensor[:, total - new_tokens : total, :, :].type_as(query)
+        query = query * logn.expand_as(query)
+
+    # The model's _attn with its kernels, without the copies.
+    query = query.permute(0, 2, 1, 3)
+    weights = torch.empty(
+        (batch, heads, new_tokens, total), dtype=torch.float16, device=query.device
+    )
+    kernels.vecquant8matmul_batched_faster_old(
+        query.to(torch.float16).contiguous(), k, weights, ks, kz
+    )
+    if layer.scale_attn_weights:
+        weights = weights / (dim**0.5)
+    if new_tokens == total:  # the model masks causally only when there is no past
+        causal = torch.ones((total, total), dtype=torch.bool, device=query.device).tril_()
+        weights = torch.where(
+            causal.view(1, 1, total, total), weights, torch.finfo(weights.dtype).min
+        )
+    if attention_mask is not None:
+        weights = weights + attention_mask
+        if weights.dtype == torch.float16:
+            # fp16 min + fp16 min is -inf, and a row of them would turn softmax into NaN
+            weights = weights.clamp_(min=torch.finfo(weights.dtype).min)
+    if getattr(layer, "softmax_in_fp32", False):
+        weights = torch.nn.functional.softmax(weights.float(), dim=-1)
+    else:
+        weights = torch.nn.functional.softmax(weights, dim=-1)
+    weights = weights.type(query.dtype)
+    if head_mask is not None:
+        weights = weights * head_mask
+    output = torch.empty((batch, heads, new_tokens, dim), dtype=torch.float16, device=query.device)
+    kernels.vecquant8matmul_batched_column_compression_faster_old(
+        weights.to(torch.float16).contiguous(), v, output, vs, vz
+    )
+    if output.dtype != query.dtype:
+        output = output.to(query.dtype)
+    context = output.transpose(1, 2).contiguous().view(batch, new_tokens, heads * dim)
+    setattr(layer, STEPS, getattr(layer, STEPS, 0) + 1)
+    if hasattr(layer, "kernel_calls"):  # qwen-kvprep's tiny model counts its kernel calls
+        layer.kernel_calls += 2
+    return layer.c_proj(context), present
+
+
+def _flash_loaded(namespace):
+    return any(
+        namespace.get(name) is not None for name in ("flash_attn_unpadded_func", "flash_attn_func")
+    )
+
+
+def _reorder(past, beam_idx):
+    if isinstance(past, (tuple, list)):
+        return tuple(_reorder(item, beam_idx) for item in past)
+    return past.index_select(0, beam_idx.to(past.device))
+
+
+def install(namespace):
+    """Patches the classes of a modeling_qwen.py module (its globals()). Does nothing, with
+    a warning, when the module lacks what the fast path relies on."""
+    attention = namespace.get("QWenAttention")
+    lm_head = namespace.get("QWenLMHeadModel")
+    apply_rotary = namespace.get("apply_rotary_pos_emb")
+    if attention is None or lm_head is None or apply_rotary is None:
+        warnings.warn(
+            "qwen-kvprep: this modeling_qwen.py lacks QWenAttention, QWenLMHeadModel or "
+            "apply_rotary_pos_emb; the Int8 cache runs the model's own code",
+            stacklevel=2,
+        )
+        return
+    if getattr(attention, MARK, False):
+        return
+    model_forward = attention.forward
+
+    def forward(
+        self,
+        hidden_states,
+        rotary_pos_emb_list=None,
+        layer_past=None,
+        attention_mask=None,
+        head_mask=None,
+        encoder_hidden_states=None,
+        encoder_attention_mask=None,
+        output_attentions=False,
+        use_cache=False,
+    ):
+        if (
+            getattr(self, "use_cache_quantization", False)
+            and getattr(self, "use_cache_kernel", False)
+            and not output_attentions
+            and not self.training
+            and not getattr(self, OFF, False)
+            and not (getattr(self, "use_flash_attn", False) and _flash_loaded(namespace))
+            and supported(getattr(self, "cache_kernels", None))
+        ):
+            return _fast_forward(
+                self, apply_rotary, hidden_states, rotary_pos_emb_list, layer_past,
+                attention_mask, head_mask, use_cache,
+            )
+        return model_forward(
+            self, hidden_states, rotary_pos_emb_list, layer_past, attention_mask, head_mask,
+            encoder_hidden_states, encoder_attention_mask, output_attentions, use_cache,
+        )
+
+    forward.__doc__ = model_forward.__doc__
+    attention.forward = forward
+    lm_head._reorder_cache = staticmethod(_reorder)
+    setattr(attention, MARK, True)
+    setattr(lm_head, MARK, True)
+
+
+__all__ = ["BLOCK", "FEATURES", "MARK", "OFF", "STEPS", "install", "supported"]

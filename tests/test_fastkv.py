@@ -1,0 +1,135 @@
+"""The Int8 cache's fast path in the model's code: which modeling_qwen.py it is applied to,
+the block fix appends, and how fix, --dry-run, --no-fast-path and revert treat the file."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from qwen_kvprep import fastkv
+from qwen_kvprep.common import FAST_FILE, MODELING_FILE
+from qwen_kvprep.resources import templates_dir
+from qwen_kvprep.tiny import REMOTE_CODE_DIR, generate_checkpoint
+from tests.cli import invoke
+
+TINY_CODE = (REMOTE_CODE_DIR / MODELING_FILE).read_text(encoding="utf-8")
+
+
+def test_qwen_kvprep_s_own_model_code_is_recognised() -> None:
+    assert fastkv.recognise(TINY_CODE) is None
+
+
+@pytest.mark.parametrize(
+    ("change", "said"),
+    [
+        # a revision whose attention takes one rotary table, not a list per row
+        (("rotary_pos_emb_list=None,", "rotary_pos_emb=None,"), "QWenAttention.forward takes"),
+        (("causal_mask=None, attention_mask", "attention_mask"), "QWenAttention._attn takes"),
+        (("def quantize_cache_v(", "def quantize_cache("), "defines no quantize_cache_v"),
+        (("self.cache_kernels =", "self.kernels ="), "sets no cache_kernels"),
+        (("def _reorder_cache(", "def _reorder_caches("), "has no _reorder_cache"),
+        (("class QWenAttention(nn.Module):", "class QWenAttention(nn.Module)"), "does not parse"),
+    ],
+)
+def test_other_revisions_are_named_with_the_reason(change: tuple[str, str], said: str) -> None:
+    old, new = change
+    assert old in TINY_CODE
+    reason = fastkv.recognise(TINY_CODE.replace(old, new))
+    assert reason is not None and said in reason, reason
+
+
+def test_the_block_is_appended_once_and_taken_out_byte_for_byte() -> None:
+    once = fastkv.patched(TINY_CODE)
+    assert once.startswith(TINY_CODE) and fastkv.is_patched(once)
+    assert once.count(fastkv.BEGIN) == 1 and once.endswith(fastkv.END + "\n")
+    assert fastkv.patched(once) == once
+    assert fastkv.unpatched(once) == TINY_CODE
+    assert fastkv.recognise(once) is None
+    # a file without a final newline keeps its last line intact
+    bare = TINY_CODE.rstrip("\n")
+    assert fastkv.patched(bare).startswith(bare + "\n\n" + fastkv.BEGIN)
+    # the block compiles, and imports by name (a relative import would make transformers
+    # copy the module into its cache and fail the load when it is missing)
+    compile(once, MODELING_FILE, "exec")
+    assert "from ." not in fastkv.BLOCK
+
+
+def test_the_planted_module_compiles_and_names_what_the_model_code_needs() -> None:
+    source = (templates_dir() / FAST_FILE).read_text(encoding="utf-8")
+    compile(source, FAST_FILE, "exec")
+    for name in ("def install(namespace)", "quantize_append", "capacity-views"):
+        assert name in source
+
+
+@pytest.fixture()
+def ckpt(tmp_path: Path, isolated_hf: Path) -> Path:
+    return generate_checkpoint(tmp_path / "Qwen", dtype="fp32")
+
+
+def _fix(*args: str) -> dict[str, Any]:
+    done = invoke("fix", *args, "--no-build", "--no-smoke", "--json")
+    assert done.returncode == 0, done.stdout + done.stderr
+    doc: dict[str, Any] = json.loads(done.stdout)
+    return doc
+
+
+def _finding(doc: dict[str, Any], fid: str) -> dict[str, Any]:
+    found = [f for f in doc["findings"] if f["id"] == fid]
+    assert len(found) == 1, [f["id"] for f in doc["findings"]]
+    return found[0]
+
+
+def test_fix_installs_it_and_revert_restores_the_model_code(ckpt: Path) -> None:
+    original = (ckpt / MODELING_FILE).read_bytes()
+    doc = _fix(str(ckpt))
+    assert _finding(doc, "fastkv.model_code")["severity"] == "info"
+    assert doc["fast_path"] is True
+    text = (ckpt / MODELING_FILE).read_text(encoding="utf-8")
+    assert text == fastkv.patched(original.decode("utf-8"))
+    assert (ckpt / FAST_FILE).read_bytes() == (templates_dir() / FAST_FILE).read_bytes()
+    state = json.loads((ckpt / ".qwen-kvprep" / "state.json").read_text())
+    assert FAST_FILE in state["modules"]["files"]
+    # a second fix finds it in place
+    assert _finding(_fix(str(ckpt)), "fastkv.model_code")["severity"] == "ok"
+    done = invoke("revert", str(ckpt))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert (ckpt / MODELING_FILE).read_bytes() == original
+    assert not (ckpt / FAST_FILE).exists()
+
+
+def test_dry_run_shows_the_change_and_writes_nothing(ckpt: Path) -> None:
+    original = (ckpt / MODELING_FILE).read_bytes()
+    done = invoke("fix", str(ckpt), "--dry-run", "--no-build", "--no-smoke")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert fastkv.BEGIN in done.stdout  # the diff of modeling_qwen.py
+    assert FAST_FILE in done.stdout
+    assert (ckpt / MODELING_FILE).read_bytes() == original
+    assert not (ckpt / FAST_FILE).exists()
+
+
+def test_no_fast_path_takes_the_block_out_again(ckpt: Path) -> None:
+    original = (ckpt / MODELING_FILE).read_bytes()
+    _fix(str(ckpt))
+    doc = _fix(str(ckpt), "--no-fast-path")
+    assert doc["fast_path"] is False
+    assert (ckpt / MODELING_FILE).read_bytes() == original
+    done = invoke("revert", str(ckpt))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert (ckpt / MODELING_FILE).read_bytes() == original
+
+
+def test_an_unrecognised_revision_is_left_alone_with_the_reason(ckpt: Path) -> None:
+    path = ckpt / MODELING_FILE
+    older = path.read_text(encoding="utf-8").replace(
+        "rotary_pos_emb_list=None,", "rotary_pos_emb=None,", 1
+    )
+    path.write_text(older, encoding="utf-8")
+    doc = _fix(str(ckpt))
+    finding = _finding(doc, "fastkv.model_code")
+    assert finding["severity"] == "warn"
+    assert "rotary_pos_emb" in finding["message"] and finding["fix"]
+    assert path.read_text(encoding="utf-8") == older
+    assert not (ckpt / FAST_FILE).exists()
