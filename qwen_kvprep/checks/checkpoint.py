@@ -24,7 +24,7 @@ from qwen_kvprep.checks.registry import (
     skip,
     warn,
 )
-from qwen_kvprep.common import KERNEL_FILES
+from qwen_kvprep.common import FAST_FILE, KERNEL_FILES
 from qwen_kvprep.common import LOADER_FILE as LOADER
 from qwen_kvprep.configjson import CONFIG
 from qwen_kvprep.findings import Finding
@@ -256,6 +256,47 @@ def remote_code(facts: Facts) -> CheckResult:
             f"update the remote code: {update}", paths=[cp.path / MODELING],
         )
     return ok(f"{MODELING} supports the Int8 KV cache and its kernel")
+
+
+@check(
+    "checkpoint.fast_path",
+    "The Int8 cache runs qwen-kvprep's fast path (no per-step copy of the cache)",
+    needs=(CHECKPOINT, LISTED),
+)
+def fast_path(facts: Facts) -> CheckResult:
+    cp = checkpoint_of(facts)
+    if cp.modeling_text_supports_kv is None:
+        return skip(f"{MODELING} is missing or damaged (see checkpoint.files / .content)")
+    fix = f"qwen-kvprep fix {shlex.quote(str(cp.path))}"
+    if cp.fast_path_imported:
+        if cp.fast_module_sha256 is None:
+            return fail(
+                f"{MODELING} imports qwen-kvprep's fast path but {FAST_FILE} is missing: the "
+                "model warns and runs its own, slower code",
+                f"run `{fix}` (or `qwen-kvprep revert` to take the import out)",
+                paths=[cp.path / FAST_FILE],
+            )
+        if not cp.fast_module_current:
+            return warn(
+                f"{FAST_FILE} is not the one this qwen-kvprep installs (another version, or "
+                "changed by hand)",
+                f"run `{fix}` to install the current one", paths=[cp.path / FAST_FILE],
+            )
+        return ok(
+            f"{MODELING} imports qwen-kvprep's fast path: with qwen-kvprep's kernels the "
+            "quantized cache grows in place, with one fused quantize-and-append per step"
+        )
+    if cp.fast_path_problem is not None:
+        return info(
+            f"the Int8 cache runs the model's own code, which copies the whole cache at every "
+            f"step: fix leaves this {MODELING} alone ({cp.fast_path_problem})",
+            paths=[cp.path / MODELING],
+        )
+    return info(
+        f"the Int8 cache runs the model's own code, which copies the whole cache at every "
+        f"step; `{fix}` installs the fast path (or leaves it out with --no-fast-path)",
+        paths=[cp.path / MODELING],
+    )
 
 
 # (plural wording, likely cause or None) per kind of content problem.

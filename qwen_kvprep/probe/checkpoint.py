@@ -23,10 +23,12 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import TYPE_CHECKING, NamedTuple, Optional, TypedDict, Union
 
-from qwen_kvprep.common import KERNEL_FILES, LOADER_MARKER, sha256_file
+from qwen_kvprep.common import FAST_FILE, KERNEL_FILES, LOADER_MARKER, sha256_file
 from qwen_kvprep.common import LOADER_FILE as LOADER
 from qwen_kvprep.configjson import CONFIG, parse_config_bytes, read_config_bytes
 from qwen_kvprep.errors import ConfigError, current_user
+from qwen_kvprep.fastkv import is_patched, recognise
+from qwen_kvprep.resources import templates_dir
 from qwen_kvprep.untrusted import kind_of, open_regular, read_prefix
 
 if TYPE_CHECKING:
@@ -139,6 +141,12 @@ class CheckpointFacts:
     config_link_target: Optional[str] = None
     modeling_text_supports_kv: Optional[bool] = None  # None: modeling_qwen.py unreadable
     modeling_mentions_kernel: Optional[bool] = None
+    # the Int8 cache's fast path (fastkv.py): why this modeling_qwen.py is not one it applies
+    # to (None: it is), whether fix's block is in it, and the planted module's sha256
+    fast_path_problem: Optional[str] = None
+    fast_path_imported: bool = False
+    fast_module_sha256: Optional[str] = None
+    fast_module_current: bool = False  # the one this qwen-kvprep installs
     remote_code: dict[str, Optional[str]] = field(default_factory=dict)  # name -> sha256
     gptq: bool = False
     gptq_source: Optional[str] = None
@@ -765,6 +773,7 @@ def probe_checkpoint(path: Path) -> CheckpointFacts:
     missing_requirements = tuple(m for m in requirements if not _importable(m))
 
     loader_text = _read_text(path / LOADER) if LOADER in files else None
+    fast_sha = _sha256(path / FAST_FILE) if FAST_FILE in files else None
     return CheckpointFacts(
         **base,
         files=tuple(listing),
@@ -776,6 +785,11 @@ def probe_checkpoint(path: Path) -> CheckpointFacts:
         config_link_target=link_target,
         modeling_text_supports_kv=_mentions(modeling, "use_cache_quantization"),
         modeling_mentions_kernel=_mentions(modeling, "cache_autogptq_cuda_256"),
+        fast_path_problem=recognise(modeling) if modeling is not None else "it is missing",
+        fast_path_imported=modeling is not None and is_patched(modeling),
+        fast_module_sha256=fast_sha,
+        fast_module_current=fast_sha is not None
+        and fast_sha == _sha256(templates_dir() / FAST_FILE),
         remote_code={f: _sha256(path / f) if f in files else None for f in REMOTE_CODE_FILES},
         gptq=gptq_source is not None,
         gptq_source=gptq_source,
