@@ -35,6 +35,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -47,17 +48,22 @@
 extern "C" {
 void kvprep_v1_qk_cuda(int device, const void* vec, const uint8_t* mat, void* mul,
                        const void* scales, const void* zeros, int64_t BH, int64_t Q,
-                       int64_t D, int64_t L) KVPREP_WEAK_CUDA_ENTRY;
+                       int64_t D, int64_t L, int64_t C) KVPREP_WEAK_CUDA_ENTRY;
 int64_t kvprep_v1_pv_workspace_floats(int device, int64_t BH, int64_t Q, int64_t L,
                                       int64_t D) KVPREP_WEAK_CUDA_ENTRY;
 void kvprep_v1_pv_cuda(int device, const void* vec, const uint8_t* mat, void* mul,
                        const void* scales, const void* zeros, float* workspace,
                        int64_t workspace_floats, int64_t BH, int64_t Q, int64_t L,
-                       int64_t D) KVPREP_WEAK_CUDA_ENTRY;
+                       int64_t D, int64_t C) KVPREP_WEAK_CUDA_ENTRY;
 void kvprep_v1_tuning(int64_t* settings) KVPREP_WEAK_CUDA_ENTRY;
 void kvprep_v1_dequant_cuda(int device, int per_col, const uint8_t* mat, const void* scales,
-                            const void* zeros, void* out, int64_t BH, int64_t R,
-                            int64_t C) KVPREP_WEAK_CUDA_ENTRY;
+                            const void* zeros, void* out, int64_t BH, int64_t R, int64_t C,
+                            int64_t cap) KVPREP_WEAK_CUDA_ENTRY;
+void kvprep_v1_quantize_append_cuda(int device, int dtype, const void* x,
+                                    const int64_t* x_strides, int64_t B, int64_t S, int64_t H,
+                                    int64_t D, uint8_t* codes, void* scales, void* zeros,
+                                    int64_t C, int64_t pos, int key_layout,
+                                    int per_token) KVPREP_WEAK_CUDA_ENTRY;
 }
 
 #if defined(_MSC_VER) && !defined(__clang__)
@@ -70,16 +76,21 @@ void kvprep_v1_dequant_cuda(int device, int per_col, const uint8_t* mat, const v
 #pragma comment(linker, "/alternatename:kvprep_v1_pv_cuda=kvprep_v1_pv_cuda_missing")
 #pragma comment(linker, "/alternatename:kvprep_v1_tuning=kvprep_v1_tuning_missing")
 #pragma comment(linker, "/alternatename:kvprep_v1_dequant_cuda=kvprep_v1_dequant_missing")
+#pragma comment(linker, \
+                "/alternatename:kvprep_v1_quantize_append_cuda=kvprep_v1_quantize_append_missing")
 extern "C" {
 void kvprep_v1_tuning_missing(int64_t*) {}
 void kvprep_v1_dequant_missing(int, int, const uint8_t*, const void*, const void*, void*,
-                               int64_t, int64_t, int64_t) {}
+                               int64_t, int64_t, int64_t, int64_t) {}
 void kvprep_v1_qk_cuda_missing(int, const void*, const uint8_t*, void*, const void*,
-                               const void*, int64_t, int64_t, int64_t, int64_t) {}
+                               const void*, int64_t, int64_t, int64_t, int64_t, int64_t) {}
 int64_t kvprep_v1_pv_workspace_missing(int, int64_t, int64_t, int64_t, int64_t) { return 0; }
 void kvprep_v1_pv_cuda_missing(int, const void*, const uint8_t*, void*, const void*,
                                const void*, float*, int64_t, int64_t, int64_t, int64_t,
-                               int64_t) {}
+                               int64_t, int64_t) {}
+void kvprep_v1_quantize_append_missing(int, int, const void*, const int64_t*, int64_t,
+                                       int64_t, int64_t, int64_t, uint8_t*, void*, void*,
+                                       int64_t, int64_t, int, int) {}
 }
 static bool cuda_entries_present() {
   return reinterpret_cast<const void*>(&kvprep_v1_qk_cuda) !=
@@ -91,7 +102,7 @@ static bool cuda_entries_present() {
 static bool cuda_entries_present() {
   return &kvprep_v1_qk_cuda != nullptr && &kvprep_v1_pv_workspace_floats != nullptr &&
          &kvprep_v1_pv_cuda != nullptr && &kvprep_v1_tuning != nullptr &&
-         &kvprep_v1_dequant_cuda != nullptr;
+         &kvprep_v1_dequant_cuda != nullptr && &kvprep_v1_quantize_append_cuda != nullptr;
 }
 #endif
 
@@ -184,23 +195,105 @@ Where check_common(const char* fn, const at::Tensor& vec, const at::Tensor& mat,
   return where;
 }
 
-void check_layout(const char* fn, const at::Tensor& vec, const at::Tensor& mat,
-                  const at::Tensor& mul, const at::Tensor& scales, const at::Tensor& zeros) {
+// The strides of a tensor of sizes n[0..3] that is the view of the first L tokens of a
+// contiguous buffer with room for C tokens: stride[i] = a[i] * C + k[i].
+struct CapacityForm {
+  int64_t a[4];
+  int64_t k[4];
+};
+
+// The capacity C this tensor's strides show (strides of size-1 dimensions are ignored), 0
+// when they fit any C (nothing to learn from them), -1 when they fit none.
+int64_t capacity_of(const at::Tensor& t, const CapacityForm& f) {
+  int64_t c = 0;
+  for (int i = 3; i >= 0; --i) {  // the innermost C-dependent stride reveals C
+    if (t.size(i) == 1 || f.a[i] == 0) continue;
+    const int64_t st = t.stride(i) - f.k[i];
+    if (st <= 0 || st % f.a[i] != 0) return -1;
+    c = st / f.a[i];
+    break;
+  }
+  for (int i = 0; i < 4; ++i) {
+    if (t.size(i) != 1 && t.stride(i) != f.a[i] * c + f.k[i]) return -1;
+  }
+  return c;
+}
+
+// True when the two tensors share storage and their spans (first to last element) meet
+// (conservative: the gaps of a strided view count as used).
+bool spans_overlap(const at::Tensor& a_t, const at::Tensor& b_t) {
+  if (a_t.numel() == 0 || b_t.numel() == 0) return false;
+  if (!a_t.storage().is_alias_of(b_t.storage())) return false;
+  auto span = [](const at::Tensor& x) {
+    int64_t last = 0;
+    for (int64_t i = 0; i < x.dim(); ++i) last += (x.size(i) - 1) * x.stride(i);
+    const auto* lo = static_cast<const char*>(x.data_ptr());
+    return std::make_pair(lo, lo + (last + 1) * static_cast<int64_t>(x.element_size()));
+  };
+  const auto a = span(a_t);
+  const auto b = span(b_t);
+  return a.first < b.second && b.first < a.second;
+}
+
+// Checks the layouts; returns C, the pitch of the token axis of mat and scales / zeros: L
+// when all three are contiguous, else the capacity of the buffers they are views of
+// (`qk`: mat is [B, H, D, L] = kbuf[..., :L] of [B, H, D, C]; else [B, H, L, D] =
+// vbuf[:, :, :L] of [B, H, C, D]; scales / zeros [B, H, L, 1] of [B, H, C, 1]).
+int64_t check_layout(const char* fn, bool qk, const at::Tensor& vec, const at::Tensor& mat,
+                     const at::Tensor& mul, const at::Tensor& scales, const at::Tensor& zeros) {
   const at::Tensor* all[] = {&vec, &mat, &mul, &scales, &zeros};
   const char* names[] = {"vec", "mat", "mul", "scales", "zeros"};
+  const int64_t B = mat.size(0), H = mat.size(1);
+  const int64_t D = qk ? mat.size(2) : mat.size(3);
+  const int64_t L = scales.size(2);
+  const CapacityForm mat_form = qk ? CapacityForm{{H * D, D, 1, 0}, {0, 0, 0, 1}}
+                                   : CapacityForm{{H * D, D, 0, 0}, {0, 0, D, 1}};
+  const CapacityForm sz_form{{H, 1, 0, 0}, {0, 0, 1, 1}};
+  const char* buffer = qk ? "mat[..., :L] of a contiguous [B, H, D, C] buffer"
+                          : "mat[:, :, :L, :] of a contiguous [B, H, C, D] buffer";
+  const bool views = !(mat.is_contiguous() && scales.is_contiguous() && zeros.is_contiguous());
   for (int i = 0; i < 5; ++i) {
+    if (views && (i == 1 || i == 3 || i == 4)) continue;
     TORCH_CHECK_VALUE(all[i]->is_contiguous(), fn, ": ", names[i],
                       " must be contiguous (call .contiguous() first), got shape ",
                       shape_str(*all[i]), " with strides ", all[i]->strides());
+  }
+  int64_t cap = L;
+  if (views) {
+    // Any of the three may be a view of a buffer of capacity C >= L (the same C for all).
+    int64_t found = 0;
+    const char* found_in = nullptr;
+    for (int i : {1, 3, 4}) {
+      const int64_t c = capacity_of(*all[i], i == 1 ? mat_form : sz_form);
+      TORCH_CHECK_VALUE(c >= 0, fn, ": ", names[i],
+                        " must be contiguous (call .contiguous() first) or the first L "
+                        "tokens of a contiguous buffer with room for C >= L (",
+                        i == 1 ? buffer : "x[:, :, :L] of a contiguous [B, H, C, 1] buffer",
+                        "), got shape ", shape_str(*all[i]), " with strides ",
+                        all[i]->strides());
+      if (c == 0) continue;
+      TORCH_CHECK_VALUE(c >= L, fn, ": ", names[i], "'s strides say its buffer holds C = ", c,
+                        " tokens, fewer than the L = ", L, " used (its rows would overlap)");
+      TORCH_CHECK_VALUE(found == 0 || c == found, fn, ": mat, scales and zeros must be views "
+                        "of buffers with the same token capacity C, but ", found_in,
+                        "'s strides say C = ", found, " and ", names[i], "'s say C = ", c);
+      found = c;
+      found_in = names[i];
+    }
+    if (found != 0) cap = found;
   }
   // The output is written while the inputs are read: it must not share memory with them.
   TORCH_CHECK_VALUE(at::has_internal_overlap(mul) != at::MemOverlap::Yes, fn,
                     ": mul must not have overlapping elements");
   for (int i = 0; i < 5; ++i) {
     if (all[i] == &mul) continue;
-    TORCH_CHECK_VALUE(at::get_overlap_status(mul, *all[i]) == at::MemOverlapStatus::No, fn,
-                      ": mul must not share memory with ", names[i]);
+    const at::MemOverlapStatus st = at::get_overlap_status(mul, *all[i]);
+    // A capacity view is not dense, so torch cannot tell; compare the spans instead.
+    const bool shares = st == at::MemOverlapStatus::TooHard ? spans_overlap(mul, *all[i])
+                                                            : st != at::MemOverlapStatus::No;
+    TORCH_CHECK_VALUE(!shares, fn, ": mul must not share memory with ", names[i]);
   }
+  return cap;
 }
 
 // ---------------------------------------------------------------------------------------
@@ -223,22 +316,22 @@ CudaSettings cuda_settings() {
 
 void qk_cuda_gemm(const at::Tensor& vec, const at::Tensor& mat, const at::Tensor& mul,
                   const at::Tensor& scales, const at::Tensor& zeros, int64_t BH, int64_t Q,
-                  int64_t D, int64_t L) {
+                  int64_t D, int64_t L, int64_t C) {
   at::Tensor w = at::empty({BH, D, L}, vec.options());
   kvprep_v1_dequant_cuda(static_cast<int>(vec.get_device()), 1, mat.data_ptr<uint8_t>(),
                          scales.data_ptr<at::Half>(), zeros.data_ptr<at::Half>(),
-                         w.data_ptr<at::Half>(), BH, D, L);
+                         w.data_ptr<at::Half>(), BH, D, L, C);
   at::Tensor out = mul.view({BH, Q, L});
   at::bmm_out(out, vec.view({BH, Q, D}), w);
 }
 
 void pv_cuda_gemm(const at::Tensor& vec, const at::Tensor& mat, const at::Tensor& mul,
                   const at::Tensor& scales, const at::Tensor& zeros, int64_t BH, int64_t Q,
-                  int64_t L, int64_t D) {
+                  int64_t L, int64_t D, int64_t C) {
   at::Tensor w = at::empty({BH, L, D}, vec.options());
   kvprep_v1_dequant_cuda(static_cast<int>(vec.get_device()), 0, mat.data_ptr<uint8_t>(),
                          scales.data_ptr<at::Half>(), zeros.data_ptr<at::Half>(),
-                         w.data_ptr<at::Half>(), BH, L, D);
+                         w.data_ptr<at::Half>(), BH, L, D, C);
   at::Tensor out = mul.view({BH, Q, D});
   at::bmm_out(out, vec.view({BH, Q, L}), w);
 }
@@ -246,8 +339,9 @@ void pv_cuda_gemm(const at::Tensor& vec, const at::Tensor& mat, const at::Tensor
 constexpr int64_t kCpuTileL = 256;  // QK: cached tokens per task
 constexpr int64_t kCpuTileQ = 16;   // queries sharing one dequantized row
 
+// C: the token capacity of mat's and scales'/zeros' buffers (L when contiguous).
 void qk_cpu(const at::Half* vec, const uint8_t* mat, at::Half* out, const at::Half* scales,
-            const at::Half* zeros, int64_t BH, int64_t Q, int64_t D, int64_t L) {
+            const at::Half* zeros, int64_t BH, int64_t Q, int64_t D, int64_t L, int64_t C) {
   const int64_t n_ltiles = (L + kCpuTileL - 1) / kCpuTileL;
   at::parallel_for(0, BH * n_ltiles, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> vf;
@@ -267,15 +361,15 @@ void qk_cpu(const at::Half* vec, const uint8_t* mat, at::Half* out, const at::Ha
         vf_bh = bh;
       }
       for (int64_t i = 0; i < nl; ++i) {
-        zf[i] = static_cast<float>(zeros[bh * L + l0 + i]);
-        sf[i] = static_cast<float>(scales[bh * L + l0 + i]);
+        zf[i] = static_cast<float>(zeros[bh * C + l0 + i]);
+        sf[i] = static_cast<float>(scales[bh * C + l0 + i]);
       }
-      const uint8_t* m = mat + bh * D * L + l0;
+      const uint8_t* m = mat + bh * D * C + l0;
       for (int64_t qb = 0; qb < Q; qb += kCpuTileQ) {
         const int64_t nq = std::min(kCpuTileQ, Q - qb);
         std::fill(acc.begin(), acc.begin() + nq * kCpuTileL, 0.0f);
         for (int64_t d = 0; d < D; ++d) {
-          const uint8_t* mr = m + d * L;
+          const uint8_t* mr = m + d * C;
           float* rp = row.data();
           const float* zp = zf.data();
           if (nq == 1) {  // decoding: no reuse of the dequantized row, skip the buffer
@@ -302,7 +396,7 @@ void qk_cpu(const at::Half* vec, const uint8_t* mat, at::Half* out, const at::Ha
 }
 
 void pv_cpu(const at::Half* vec, const uint8_t* mat, at::Half* out, const at::Half* scales,
-            const at::Half* zeros, int64_t BH, int64_t Q, int64_t L, int64_t D) {
+            const at::Half* zeros, int64_t BH, int64_t Q, int64_t L, int64_t D, int64_t C) {
   const int64_t n_qtiles = (Q + kCpuTileQ - 1) / kCpuTileQ;
   at::parallel_for(0, BH * n_qtiles, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> row(D);
@@ -313,11 +407,11 @@ void pv_cpu(const at::Half* vec, const uint8_t* mat, at::Half* out, const at::Ha
       const int64_t qb = (task % n_qtiles) * kCpuTileQ;
       const int64_t nq = std::min(kCpuTileQ, Q - qb);
       std::fill(acc.begin(), acc.begin() + nq * D, 0.0f);
-      const uint8_t* m = mat + bh * L * D;
+      const uint8_t* m = mat + bh * C * D;
       const at::Half* v = vec + (bh * Q + qb) * L;
       for (int64_t l = 0; l < L; ++l) {
-        const float s = static_cast<float>(scales[bh * L + l]);
-        const float z = static_cast<float>(zeros[bh * L + l]);
+        const float s = static_cast<float>(scales[bh * C + l]);
+        const float z = static_cast<float>(zeros[bh * C + l]);
         const uint8_t* mr = m + l * D;
         float* rp = row.data();
         if (nq == 1) {  // decoding: no reuse of the dequantized row, skip the buffer
@@ -358,9 +452,10 @@ void qk_cpu_gemm(const at::Tensor& vec, const at::Tensor& mat, const at::Tensor&
                  const at::Tensor& scales, const at::Tensor& zeros, int64_t BH, int64_t Q,
                  int64_t D, int64_t L) {
   const at::Tensor v = vec.view({BH, Q, D});
-  const at::Tensor m = mat.view({BH, D, L});
-  const at::Tensor s = scales.view({BH, 1, L});
-  const at::Tensor z = zeros.view({BH, 1, L});
+  // reshape: mat/scales/zeros may be capacity views (still views after the reshape).
+  const at::Tensor m = mat.reshape({BH, D, L});
+  const at::Tensor s = scales.reshape({BH, 1, L});
+  const at::Tensor z = zeros.reshape({BH, 1, L});
   at::Tensor o = mul.view({BH, Q, L});
   const int64_t step = heads_per_chunk(L, D);
   for (int64_t b0 = 0; b0 < BH; b0 += step) {
@@ -376,9 +471,9 @@ void pv_cpu_gemm(const at::Tensor& vec, const at::Tensor& mat, const at::Tensor&
                  const at::Tensor& scales, const at::Tensor& zeros, int64_t BH, int64_t Q,
                  int64_t L, int64_t D) {
   const at::Tensor v = vec.view({BH, Q, L});
-  const at::Tensor m = mat.view({BH, L, D});
-  const at::Tensor s = scales.view({BH, L, 1});
-  const at::Tensor z = zeros.view({BH, L, 1});
+  const at::Tensor m = mat.reshape({BH, L, D});
+  const at::Tensor s = scales.reshape({BH, L, 1});
+  const at::Tensor z = zeros.reshape({BH, L, 1});
   at::Tensor o = mul.view({BH, Q, D});
   const int64_t step = heads_per_chunk(L, D);
   for (int64_t b0 = 0; b0 < BH; b0 += step) {
@@ -401,7 +496,7 @@ void vecquant8matmul_batched_faster_old(const at::Tensor& vec, const at::Tensor&
   check_shape(kQkName, "mul", mul, {B, H, Q, L}, "[B, H, Q, L]");
   check_shape(kQkName, "scales", scales, {B, H, L, 1}, "[B, H, L, 1]");
   check_shape(kQkName, "zeros", zeros, {B, H, L, 1}, "[B, H, L, 1]");
-  check_layout(kQkName, vec, mat, mul, scales, zeros);
+  const int64_t C = check_layout(kQkName, true, vec, mat, mul, scales, zeros);
   if (mul.numel() == 0) return;
   if (D == 0) {  // an empty sum
     mul.zero_();
@@ -410,12 +505,12 @@ void vecquant8matmul_batched_faster_old(const at::Tensor& vec, const at::Tensor&
   const int64_t BH = B * H;
   if (where == Where::kCuda) {
     if (Q >= cuda_settings().gemm_min_q_qk) {
-      qk_cuda_gemm(vec, mat, mul, scales, zeros, BH, Q, D, L);
+      qk_cuda_gemm(vec, mat, mul, scales, zeros, BH, Q, D, L, C);
       return;
     }
     kvprep_v1_qk_cuda(static_cast<int>(vec.get_device()), vec.data_ptr<at::Half>(),
                       mat.data_ptr<uint8_t>(), mul.data_ptr<at::Half>(),
-                      scales.data_ptr<at::Half>(), zeros.data_ptr<at::Half>(), BH, Q, D, L);
+                      scales.data_ptr<at::Half>(), zeros.data_ptr<at::Half>(), BH, Q, D, L, C);
     return;
   }
   if (Q >= kCpuGemmMinQ) {
@@ -423,7 +518,7 @@ void vecquant8matmul_batched_faster_old(const at::Tensor& vec, const at::Tensor&
     return;
   }
   qk_cpu(vec.data_ptr<at::Half>(), mat.data_ptr<uint8_t>(), mul.data_ptr<at::Half>(),
-         scales.data_ptr<at::Half>(), zeros.data_ptr<at::Half>(), BH, Q, D, L);
+         scales.data_ptr<at::Half>(), zeros.data_ptr<at::Half>(), BH, Q, D, L, C);
 }
 
 void vecquant8matmul_batched_column_compression_faster_old(const at::Tensor& vec,
@@ -438,7 +533,7 @@ void vecquant8matmul_batched_column_compression_faster_old(const at::Tensor& vec
   check_shape(kPvName, "mul", mul, {B, H, Q, D}, "[B, H, Q, D]");
   check_shape(kPvName, "scales", scales, {B, H, L, 1}, "[B, H, L, 1]");
   check_shape(kPvName, "zeros", zeros, {B, H, L, 1}, "[B, H, L, 1]");
-  check_layout(kPvName, vec, mat, mul, scales, zeros);
+  const int64_t C = check_layout(kPvName, false, vec, mat, mul, scales, zeros);
   if (mul.numel() == 0) return;
   if (L == 0) {  // an empty sum
     mul.zero_();
@@ -447,7 +542,7 @@ void vecquant8matmul_batched_column_compression_faster_old(const at::Tensor& vec
   const int64_t BH = B * H;
   if (where == Where::kCuda) {
     if (Q >= cuda_settings().gemm_min_q_pv) {
-      pv_cuda_gemm(vec, mat, mul, scales, zeros, BH, Q, L, D);
+      pv_cuda_gemm(vec, mat, mul, scales, zeros, BH, Q, L, D, C);
       return;
     }
     const int device = static_cast<int>(vec.get_device());
@@ -457,7 +552,7 @@ void vecquant8matmul_batched_column_compression_faster_old(const at::Tensor& vec
     kvprep_v1_pv_cuda(device, vec.data_ptr<at::Half>(), mat.data_ptr<uint8_t>(),
                       mul.data_ptr<at::Half>(), scales.data_ptr<at::Half>(),
                       zeros.data_ptr<at::Half>(),
-                      n > 0 ? workspace.data_ptr<float>() : nullptr, n, BH, Q, L, D);
+                      n > 0 ? workspace.data_ptr<float>() : nullptr, n, BH, Q, L, D, C);
     return;
   }
   if (Q >= kCpuGemmMinQ) {
@@ -465,8 +560,165 @@ void vecquant8matmul_batched_column_compression_faster_old(const at::Tensor& vec
     return;
   }
   pv_cpu(vec.data_ptr<at::Half>(), mat.data_ptr<uint8_t>(), mul.data_ptr<at::Half>(),
-         scales.data_ptr<at::Half>(), zeros.data_ptr<at::Half>(), BH, Q, L, D);
+         scales.data_ptr<at::Half>(), zeros.data_ptr<at::Half>(), BH, Q, L, D, C);
 }
+
+// ---- quantize_append ------------------------------------------------------------------
+//
+// The model's own quantization of new keys / values, written in place into preallocated
+// buffers at token positions [pos, pos + S). Every operation is done in fp32 and rounded
+// to x's dtype, as torch's eager ops do for that dtype (identity for fp32); scale and zero
+// are then stored as fp16. The CPU divides by 255 as torch's CPU ops do; the CUDA kernel
+// multiplies by fp32(1/255) as torch's CUDA ops do (see the .cu).
+
+constexpr const char* kQaName = "quantize_append";
+
+template <typename T>
+inline float qa_round(float v) {
+  return static_cast<float>(static_cast<T>(v));
+}
+template <>
+inline float qa_round<float>(float v) {
+  return v;
+}
+
+inline float qa_max(float a, float b) { return a > b || a != a ? a : b; }  // NaN wins
+inline float qa_min(float a, float b) { return a < b || a != a ? a : b; }
+
+// clamp to [0, 255], then truncate toward zero; NaN gives 0 (no undefined conversion).
+inline uint8_t qa_code(float t) {
+  if (!(t > 0.0f)) return 0;
+  if (t >= 255.0f) return 255;
+  return static_cast<uint8_t>(static_cast<int>(t));
+}
+
+template <typename T>
+void quantize_append_cpu(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                         const at::Tensor& zeros, int64_t pos, bool key_layout,
+                         bool per_token) {
+  const int64_t B = x.size(0), S = x.size(1), H = x.size(2), D = x.size(3);
+  const int64_t C = scales.size(2);
+  const int64_t xs_b = x.stride(0), xs_s = x.stride(1), xs_h = x.stride(2), xs_d = x.stride(3);
+  const T* xp = x.data_ptr<T>();
+  uint8_t* cp = codes.data_ptr<uint8_t>();
+  at::Half* sp = scales.data_ptr<at::Half>();
+  at::Half* zp = zeros.data_ptr<at::Half>();
+  const int64_t n_groups = per_token ? S : 1;
+  const int64_t ns = per_token ? 1 : S;
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t h = 0; h < H; ++h) {
+      const int64_t head = b * H + h;
+      for (int64_t g = 0; g < n_groups; ++g) {
+        const int64_t s0 = g * ns;
+        const T* xg = xp + b * xs_b + h * xs_h + s0 * xs_s;
+        float mn = std::numeric_limits<float>::infinity();
+        float mx = -mn;
+        for (int64_t s = 0; s < ns; ++s) {
+          for (int64_t d = 0; d < D; ++d) {
+            const float v = static_cast<float>(xg[s * xs_s + d * xs_d]);
+            mn = qa_min(mn, v);
+            mx = qa_max(mx, v);
+          }
+        }
+        const float scale = qa_round<T>(qa_round<T>(mx - mn) / 255.0f);
+        const float zero = qa_round<T>(0.0f - qa_round<T>(mn / scale));
+        for (int64_t s = 0; s < ns; ++s) {
+          const int64_t p = pos + s0 + s;
+          sp[head * C + p] = static_cast<at::Half>(scale);
+          zp[head * C + p] = static_cast<at::Half>(zero);
+          for (int64_t d = 0; d < D; ++d) {
+            const float v = static_cast<float>(xg[s * xs_s + d * xs_d]);
+            const float t = qa_round<T>(qa_round<T>(v / scale) + zero);
+            cp[key_layout ? (head * D + d) * C + p : (head * C + p) * D + d] = qa_code(t);
+          }
+        }
+      }
+    }
+  }
+}
+
+void quantize_append(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                     const at::Tensor& zeros, int64_t pos, bool key_layout, bool per_token) {
+  const at::Tensor* all[] = {&x, &codes, &scales, &zeros};
+  const char* names[] = {"x", "codes", "scales", "zeros"};
+  for (int i = 0; i < 4; ++i) {
+    TORCH_CHECK(all[i]->defined(), kQaName, ": ", names[i], " is an undefined tensor");
+  }
+  const c10::Device dev = x.device();
+  for (int i = 1; i < 4; ++i) {
+    TORCH_CHECK(all[i]->device() == dev, kQaName,
+                ": all tensors must be on the same device; x is on ", dev.str(), " but ",
+                names[i], " is on ", all[i]->device().str());
+  }
+  const at::ScalarType xt = x.scalar_type();
+  TORCH_CHECK_TYPE(xt == at::kFloat || xt == at::kHalf || xt == at::kBFloat16, kQaName,
+                   ": x must be torch.float32, torch.float16 or torch.bfloat16, got ",
+                   dtype_name(xt));
+  check_dtype(kQaName, "codes", codes, at::kByte);
+  check_dtype(kQaName, "scales", scales, at::kHalf);
+  check_dtype(kQaName, "zeros", zeros, at::kHalf);
+  for (int i = 0; i < 4; ++i) {
+    TORCH_CHECK_VALUE(all[i]->dim() == 4, kQaName, ": ", names[i],
+                      " must be a 4-d tensor, got shape ", shape_str(*all[i]));
+  }
+  const int64_t B = x.size(0), S = x.size(1), H = x.size(2), D = x.size(3);
+  const int64_t C = scales.size(2);
+  check_shape(kQaName, "scales", scales, {B, H, C, 1}, "[B, H, C, 1]");
+  check_shape(kQaName, "zeros", zeros, {B, H, C, 1}, "[B, H, C, 1]");
+  if (key_layout) {
+    check_shape(kQaName, "codes", codes, {B, H, D, C}, "[B, H, D, C] (key_layout=True)");
+  } else {
+    check_shape(kQaName, "codes", codes, {B, H, C, D}, "[B, H, C, D] (key_layout=False)");
+  }
+  for (int i = 1; i < 4; ++i) {
+    TORCH_CHECK_VALUE(all[i]->is_contiguous(), kQaName, ": ", names[i],
+                      " must be a contiguous buffer, got shape ", shape_str(*all[i]),
+                      " with strides ", all[i]->strides());
+  }
+  TORCH_CHECK_VALUE(pos >= 0, kQaName, ": pos must be >= 0, got ", pos);
+  TORCH_CHECK_VALUE(pos + S <= C, kQaName, ": pos + S = ", pos, " + ", S, " = ", pos + S,
+                    " exceeds the buffers' capacity C = ", C,
+                    " (grow the buffers before appending)");
+  TORCH_CHECK_VALUE(D > 0 || B * H * S == 0, kQaName,
+                    ": x has head_dim 0: there is nothing to take a min / max of");
+  for (int i = 1; i < 4; ++i) {
+    for (int j = 0; j < 4; ++j) {
+      if (j == i || (j > 0 && j < i)) continue;  // each pair once, x against all three
+      const at::MemOverlapStatus st = at::get_overlap_status(*all[i], *all[j]);
+      const bool shares = st == at::MemOverlapStatus::TooHard ? spans_overlap(*all[i], *all[j])
+                                                              : st != at::MemOverlapStatus::No;
+      TORCH_CHECK_VALUE(!shares, kQaName, ": ", names[i], " must not share memory with ",
+                        names[j]);
+    }
+  }
+  if (B * H * S == 0) return;
+  if (dev.is_cuda()) {
+    TORCH_CHECK(cuda_entries_present(), kQaName, ": got tensors on ", dev.str(),
+                ", but this extension was built without CUDA (only "
+                "cache_autogptq_cuda_256.cpp was compiled); rebuild it together with "
+                "cache_autogptq_cuda_kernel_256.cu to use CUDA tensors");
+    const int64_t strides[4] = {x.stride(0), x.stride(1), x.stride(2), x.stride(3)};
+    const int dtype = xt == at::kFloat ? 0 : xt == at::kHalf ? 1 : 2;
+    kvprep_v1_quantize_append_cuda(static_cast<int>(x.get_device()), dtype, x.data_ptr(),
+                                   strides, B, S, H, D, codes.data_ptr<uint8_t>(),
+                                   scales.data_ptr(), zeros.data_ptr(), C, pos,
+                                   key_layout ? 1 : 0, per_token ? 1 : 0);
+    return;
+  }
+  TORCH_CHECK(dev.is_cpu(), kQaName, ": unsupported device ", dev.str(),
+              "; expected CPU or CUDA tensors");
+  if (xt == at::kFloat) {
+    quantize_append_cpu<float>(x, codes, scales, zeros, pos, key_layout, per_token);
+  } else if (xt == at::kHalf) {
+    quantize_append_cpu<at::Half>(x, codes, scales, zeros, pos, key_layout, per_token);
+  } else {
+    quantize_append_cpu<at::BFloat16>(x, codes, scales, zeros, pos, key_layout, per_token);
+  }
+}
+
+// What this build offers beyond the two functions the model calls, so that a caller can
+// tell it from Qwen's official extension and from older builds of ours.
+std::vector<std::string> features() { return {"capacity-views", "quantize-append"}; }
 
 // For benchmarks and tests; the model never calls it.
 constexpr const char* kTuningNames[5] = {"tensor_core_min_q_qk", "tensor_core_min_q_pv",
@@ -513,6 +765,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("tensor_core_min_q_qk") = -1, py::arg("tensor_core_min_q_pv") = -1,
         py::arg("pv_split_fp16") = -1, py::arg("gemm_min_q_qk") = -1,
         py::arg("gemm_min_q_pv") = -1);
+  m.def("quantize_append", &quantize_append,
+        "Quantizes x [B,S,H,D] (fp32/fp16/bf16, any strides) as the model does (per (b,h) "
+        "over the chunk, or per (b,h,s) with per_token) and writes the codes at token "
+        "positions [pos, pos+S) of codes (contiguous uint8 [B,H,C,D], or [B,H,D,C] with "
+        "key_layout) and the fp16 scale/zero at those positions of scales/zeros "
+        "(contiguous [B,H,C,1]); the rest of the buffers is untouched",
+        py::arg("x"), py::arg("codes"), py::arg("scales"), py::arg("zeros"), py::arg("pos"),
+        py::arg("key_layout"), py::arg("per_token"), py::call_guard<py::gil_scoped_release>());
+  m.def("features", &features,
+        "Capabilities beyond the model's two functions: 'capacity-views' (mat/scales/zeros "
+        "may be views of the first L tokens of bigger contiguous buffers), "
+        "'quantize-append'");
   m.def("built_with_cuda", &cuda_entries_present,
         "True when the CUDA kernels were compiled into this extension");
 }

@@ -5,6 +5,11 @@
 //   QK: mul[b,h,q,l] = sum_d vec[b,h,q,d] * scales[b,h,l] * (mat[b,h,d,l] - zeros[b,h,l])
 //   PV: mul[b,h,q,d] = sum_l vec[b,h,q,l] * scales[b,h,l] * (mat[b,h,l,d] - zeros[b,h,l])
 //
+// The cache may be the first L tokens of buffers with room for C >= L tokens per head (a
+// caller that appends in place): C is the pitch of the token axis of mat (QK: its row
+// length; PV: its rows per head) and of scales / zeros; C == L for contiguous tensors.
+// quantize_append (below) fills such buffers.
+//
 // Both are memory-bound during decoding: the uint8 cache is read exactly once from DRAM,
 // 16 bytes per thread per load, coalesced across each warp; accumulation is fp32; every
 // output element is written exactly once (no atomics, so the output need not be zeroed).
@@ -88,7 +93,7 @@ __device__ __forceinline__ void qk_body(const __half* __restrict__ vec,
                                         __half* __restrict__ out,
                                         const __half* __restrict__ scales,
                                         const __half* __restrict__ zeros, int64_t Q,
-                                        int64_t D, int64_t L, int64_t n_ltiles,
+                                        int64_t D, int64_t L, int64_t C, int64_t n_ltiles,
                                         int64_t n_qtiles, const uint8_t* mat_end) {
   __shared__ float s_vec[QT][kChunkD];
   __shared__ float s_red[kWarps][16 * kRedPad];
@@ -106,12 +111,12 @@ __device__ __forceinline__ void qk_body(const __half* __restrict__ vec,
   const int64_t l_tile = lt * kTileL;
   const int64_t l_lane = l_tile + lane * 16;
   const int64_t n_valid = L - l_lane;  // tokens of this lane inside the cache (may be <= 0)
-  const uint8_t* mbh = mat + bh * D * L;
+  const uint8_t* mbh = mat + bh * D * C;
 
   float z[16];
 #pragma unroll
   for (int k = 0; k < 16; ++k) {
-    z[k] = k < n_valid ? __half2float(zeros[bh * L + l_lane + k]) : 0.0f;
+    z[k] = k < n_valid ? __half2float(zeros[bh * C + l_lane + k]) : 0.0f;
   }
 
   float acc[QT][16];
@@ -140,7 +145,7 @@ __device__ __forceinline__ void qk_body(const __half* __restrict__ vec,
         for (int u = 0; u < 4; ++u) {
           const int rr = r + u * kWarps;
           if (rr < dc) {
-            load16(mbh + (d0 + rr) * L + l_lane, n_valid, mat, mat_end, w[u]);
+            load16(mbh + (d0 + rr) * C + l_lane, n_valid, mat, mat_end, w[u]);
           } else {
             w[u][0] = w[u][1] = w[u][2] = w[u][3] = 0;
           }
@@ -179,7 +184,7 @@ __device__ __forceinline__ void qk_body(const __half* __restrict__ vec,
 #pragma unroll
           for (int w = 0; w < kWarps; ++w) sum += s_red[w][k * kRedPad + owner];
           out[(bh * Q + q0 + q) * L + l] =
-              __float2half_rn(sum * __half2float(scales[bh * L + l]));
+              __float2half_rn(sum * __half2float(scales[bh * C + l]));
         }
       }
       __syncthreads();
@@ -199,7 +204,8 @@ __device__ __forceinline__ void pv_body(const __half* __restrict__ vec,
                                         __half* __restrict__ out, float* __restrict__ part,
                                         const __half* __restrict__ scales,
                                         const __half* __restrict__ zeros, int64_t Q,
-                                        int64_t L, int64_t D, int tpr, int64_t n_split,
+                                        int64_t L, int64_t C, int64_t D, int tpr,
+                                        int64_t n_split,
                                         int64_t rows_per_split, int64_t n_qtiles,
                                         int64_t n_dtiles, const uint8_t* mat_end) {
   __shared__ float s_w[QT][kChunkL];
@@ -226,7 +232,7 @@ __device__ __forceinline__ void pv_body(const __half* __restrict__ vec,
   const int64_t n_valid = D - d_lane;
   const int64_t l_begin = sp * rows_per_split;
   const int64_t l_end = L - l_begin < rows_per_split ? L : l_begin + rows_per_split;
-  const uint8_t* mbh = mat + bh * L * D;
+  const uint8_t* mbh = mat + bh * C * D;
 
   float acc[QT][16];
 #pragma unroll
@@ -240,8 +246,8 @@ __device__ __forceinline__ void pv_body(const __half* __restrict__ vec,
     __syncthreads();  // the previous chunk's readers are done with s_w / s_z
     for (int i = tid; i < cl; i += kThreads) {
       const int64_t l = c0 + i;
-      const float s = __half2float(scales[bh * L + l]);
-      s_z[i] = __half2float(zeros[bh * L + l]);
+      const float s = __half2float(scales[bh * C + l]);
+      s_z[i] = __half2float(zeros[bh * C + l]);
 #pragma unroll
       for (int q = 0; q < QT; ++q) {
         s_w[q][i] = q0 + q < Q ? __half2float(vec[(bh * Q + q0 + q) * L + l]) * s : 0.0f;
@@ -308,33 +314,33 @@ __device__ __forceinline__ void pv_body(const __half* __restrict__ vec,
 
 __global__ void __launch_bounds__(kThreads)
     qk_q1(const __half* vec, const uint8_t* mat, __half* out, const __half* scales,
-          const __half* zeros, int64_t Q, int64_t D, int64_t L, int64_t n_ltiles,
-          int64_t n_qtiles, const uint8_t* mat_end) {
-  qk_body<1>(vec, mat, out, scales, zeros, Q, D, L, n_ltiles, n_qtiles, mat_end);
+          const __half* zeros, int64_t Q, int64_t D, int64_t L, int64_t C,
+          int64_t n_ltiles, int64_t n_qtiles, const uint8_t* mat_end) {
+  qk_body<1>(vec, mat, out, scales, zeros, Q, D, L, C, n_ltiles, n_qtiles, mat_end);
 }
 
 __global__ void __launch_bounds__(kThreads)
     qk_q4(const __half* vec, const uint8_t* mat, __half* out, const __half* scales,
-          const __half* zeros, int64_t Q, int64_t D, int64_t L, int64_t n_ltiles,
-          int64_t n_qtiles, const uint8_t* mat_end) {
-  qk_body<4>(vec, mat, out, scales, zeros, Q, D, L, n_ltiles, n_qtiles, mat_end);
+          const __half* zeros, int64_t Q, int64_t D, int64_t L, int64_t C,
+          int64_t n_ltiles, int64_t n_qtiles, const uint8_t* mat_end) {
+  qk_body<4>(vec, mat, out, scales, zeros, Q, D, L, C, n_ltiles, n_qtiles, mat_end);
 }
 
 __global__ void __launch_bounds__(kThreads)
     pv_q1(const __half* vec, const uint8_t* mat, __half* out, float* part,
-          const __half* scales, const __half* zeros, int64_t Q, int64_t L, int64_t D,
-          int tpr, int64_t n_split, int64_t rows_per_split, int64_t n_qtiles,
+          const __half* scales, const __half* zeros, int64_t Q, int64_t L, int64_t C,
+          int64_t D, int tpr, int64_t n_split, int64_t rows_per_split, int64_t n_qtiles,
           int64_t n_dtiles, const uint8_t* mat_end) {
-  pv_body<1>(vec, mat, out, part, scales, zeros, Q, L, D, tpr, n_split, rows_per_split,
+  pv_body<1>(vec, mat, out, part, scales, zeros, Q, L, C, D, tpr, n_split, rows_per_split,
              n_qtiles, n_dtiles, mat_end);
 }
 
 __global__ void __launch_bounds__(kThreads)
     pv_q4(const __half* vec, const uint8_t* mat, __half* out, float* part,
-          const __half* scales, const __half* zeros, int64_t Q, int64_t L, int64_t D,
-          int tpr, int64_t n_split, int64_t rows_per_split, int64_t n_qtiles,
+          const __half* scales, const __half* zeros, int64_t Q, int64_t L, int64_t C,
+          int64_t D, int tpr, int64_t n_split, int64_t rows_per_split, int64_t n_qtiles,
           int64_t n_dtiles, const uint8_t* mat_end) {
-  pv_body<4>(vec, mat, out, part, scales, zeros, Q, L, D, tpr, n_split, rows_per_split,
+  pv_body<4>(vec, mat, out, part, scales, zeros, Q, L, C, D, tpr, n_split, rows_per_split,
              n_qtiles, n_dtiles, mat_end);
 }
 
@@ -462,9 +468,9 @@ __device__ __forceinline__ void tc_qk_body(const __half* __restrict__ vec,
                                            __half* __restrict__ out,
                                            const __half* __restrict__ scales,
                                            const __half* __restrict__ zeros, int64_t Q,
-                                           int64_t D, int64_t L, int64_t n_ltiles,
-                                           int64_t n_qtiles, bool vec_ok, bool out_ok,
-                                           const uint8_t* mat_end) {
+                                           int64_t D, int64_t L, int64_t C,
+                                           int64_t n_ltiles, int64_t n_qtiles, bool vec_ok,
+                                           bool out_ok, const uint8_t* mat_end) {
 #if KVPREP_HAVE_WMMA
   using namespace nvcuda;
   constexpr int BN = kTcQkBN;
@@ -488,12 +494,12 @@ __device__ __forceinline__ void tc_qk_body(const __half* __restrict__ vec,
   const int64_t bh = blk / n_ltiles;
   const int64_t q0 = qt * kTcBM;
   const int64_t l0 = lt * BN;
-  const uint8_t* mbh = mat + bh * D * L;
+  const uint8_t* mbh = mat + bh * D * C;
 
   for (int i = tid; i < BN; i += kThreads) {
     const int64_t l = l0 + i;
-    s_scale[i] = l < L ? __half2float(scales[bh * L + l]) : 0.0f;
-    s_zero[i] = l < L ? __half2float(zeros[bh * L + l]) : 0.0f;
+    s_scale[i] = l < L ? __half2float(scales[bh * C + l]) : 0.0f;
+    s_zero[i] = l < L ? __half2float(zeros[bh * C + l]) : 0.0f;
   }
 
   // Thread t stages 8 query values of row t/4 and 16-byte cache segments of the chunk.
@@ -515,7 +521,7 @@ __device__ __forceinline__ void tc_qk_body(const __half* __restrict__ vec,
       const int64_t d = k0 + r;
       const int64_t n_valid = L - (l0 + c);
       if (d < D && n_valid > 0) {
-        load16(mbh + d * L + l0 + c, n_valid, mat, mat_end, b_reg[v]);
+        load16(mbh + d * C + l0 + c, n_valid, mat, mat_end, b_reg[v]);
       } else {
         b_reg[v][0] = b_reg[v][1] = b_reg[v][2] = b_reg[v][3] = 0;
       }
@@ -606,7 +612,7 @@ __device__ __forceinline__ void tc_pv_body(const __half* __restrict__ vec,
                                            __half* __restrict__ out, float* __restrict__ part,
                                            const __half* __restrict__ scales,
                                            const __half* __restrict__ zeros, int64_t Q,
-                                           int64_t L, int64_t D, int64_t n_split,
+                                           int64_t L, int64_t C, int64_t D, int64_t n_split,
                                            int64_t rows_per_split, int64_t n_qtiles,
                                            int64_t n_dtiles, bool vec_ok, bool out_ok,
                                            const uint8_t* mat_end) {
@@ -635,9 +641,9 @@ __device__ __forceinline__ void tc_pv_body(const __half* __restrict__ vec,
   const int64_t d0 = dt * BN;
   const int64_t l_begin = sp * rows_per_split;
   const int64_t l_end = L - l_begin < rows_per_split ? L : l_begin + rows_per_split;
-  const uint8_t* mbh = mat + bh * L * D;
-  const __half* sbh = scales + bh * L;
-  const __half* zbh = zeros + bh * L;
+  const uint8_t* mbh = mat + bh * C * D;
+  const __half* sbh = scales + bh * C;
+  const __half* zbh = zeros + bh * C;
 
   // f: the power of two that brings the largest |scale * (code - zero)| of this block's
   // tokens near 2^13 (codes are 0..255).
@@ -799,27 +805,30 @@ __device__ __forceinline__ void tc_pv_body(const __half* __restrict__ vec,
 
 __global__ void __launch_bounds__(kThreads)
     tc_qk(const __half* vec, const uint8_t* mat, __half* out, const __half* scales,
-          const __half* zeros, int64_t Q, int64_t D, int64_t L, int64_t n_ltiles,
-          int64_t n_qtiles, bool vec_ok, bool out_ok, const uint8_t* mat_end) {
-  tc_qk_body(vec, mat, out, scales, zeros, Q, D, L, n_ltiles, n_qtiles, vec_ok, out_ok,
+          const __half* zeros, int64_t Q, int64_t D, int64_t L, int64_t C,
+          int64_t n_ltiles, int64_t n_qtiles, bool vec_ok, bool out_ok,
+          const uint8_t* mat_end) {
+  tc_qk_body(vec, mat, out, scales, zeros, Q, D, L, C, n_ltiles, n_qtiles, vec_ok, out_ok,
              mat_end);
 }
 
 __global__ void __launch_bounds__(kThreads)
     tc_pv_hilo(const __half* vec, const uint8_t* mat, __half* out, float* part,
-               const __half* scales, const __half* zeros, int64_t Q, int64_t L, int64_t D,
-               int64_t n_split, int64_t rows_per_split, int64_t n_qtiles, int64_t n_dtiles,
-               bool vec_ok, bool out_ok, const uint8_t* mat_end) {
-  tc_pv_body<true>(vec, mat, out, part, scales, zeros, Q, L, D, n_split, rows_per_split,
+               const __half* scales, const __half* zeros, int64_t Q, int64_t L,
+               int64_t C, int64_t D, int64_t n_split, int64_t rows_per_split,
+               int64_t n_qtiles, int64_t n_dtiles, bool vec_ok, bool out_ok,
+               const uint8_t* mat_end) {
+  tc_pv_body<true>(vec, mat, out, part, scales, zeros, Q, L, C, D, n_split, rows_per_split,
                    n_qtiles, n_dtiles, vec_ok, out_ok, mat_end);
 }
 
 __global__ void __launch_bounds__(kThreads)
     tc_pv_single(const __half* vec, const uint8_t* mat, __half* out, float* part,
-                 const __half* scales, const __half* zeros, int64_t Q, int64_t L, int64_t D,
-                 int64_t n_split, int64_t rows_per_split, int64_t n_qtiles, int64_t n_dtiles,
-                 bool vec_ok, bool out_ok, const uint8_t* mat_end) {
-  tc_pv_body<false>(vec, mat, out, part, scales, zeros, Q, L, D, n_split, rows_per_split,
+                 const __half* scales, const __half* zeros, int64_t Q, int64_t L,
+                 int64_t C, int64_t D, int64_t n_split, int64_t rows_per_split,
+                 int64_t n_qtiles, int64_t n_dtiles, bool vec_ok, bool out_ok,
+                 const uint8_t* mat_end) {
+  tc_pv_body<false>(vec, mat, out, part, scales, zeros, Q, L, C, D, n_split, rows_per_split,
                     n_qtiles, n_dtiles, vec_ok, out_ok, mat_end);
 }
 
@@ -830,12 +839,15 @@ __global__ void __launch_bounds__(kThreads)
 // W = fp16(scales * (mat - zeros)) (each value rounded once, as the fallback's dequantize
 // does, which rounds twice), and the caller multiplies with torch's matmul. `per_col`:
 // the scale belongs to the column (QK's [D, L] layout) rather than the row (PV's [L, D]).
+// `cap`: the token-axis capacity of the cache's buffer (the row pitch of QK's layout, the
+// rows per head of PV's, and the pitch of scales/zeros per head); `out` is contiguous
+// [BH, R, C].
 __device__ __forceinline__ void dequant_body(const uint8_t* __restrict__ mat,
                                              const __half* __restrict__ scales,
                                              const __half* __restrict__ zeros,
                                              __half* __restrict__ out, int64_t BH, int64_t R,
-                                             int64_t C, bool per_col, bool out_ok,
-                                             const uint8_t* mat_end) {
+                                             int64_t C, int64_t cap, bool per_col,
+                                             bool out_ok, const uint8_t* mat_end) {
   const int64_t segs = (C + 15) / 16;  // 16-byte segments per row
   const int64_t total = BH * R * segs;
   const int64_t step = static_cast<int64_t>(gridDim.x) * kThreads;
@@ -844,23 +856,25 @@ __device__ __forceinline__ void dequant_body(const uint8_t* __restrict__ mat,
     const int64_t seg = i % segs;
     const int64_t row = i / segs;  // bh * R + r
     const int64_t bh = row / R;
+    const int64_t r = row - bh * R;
     const int64_t c0 = seg * 16;
     const int64_t n_valid = C - c0;
     uint32_t w[4];
-    load16(mat + row * C + c0, n_valid, mat, mat_end, w);
+    const uint8_t* src = per_col ? mat + row * cap + c0 : mat + (bh * cap + r) * C + c0;
+    load16(src, n_valid, mat, mat_end, w);
     uint4 o[2];
     __half* oh = reinterpret_cast<__half*>(o);
     if (per_col) {
 #pragma unroll
       for (int k = 0; k < 16; ++k) {
         const int64_t c = c0 + k < C ? c0 + k : C - 1;
-        const float sc = __half2float(scales[bh * C + c]);
-        const float z = __half2float(zeros[bh * C + c]);
+        const float sc = __half2float(scales[bh * cap + c]);
+        const float z = __half2float(zeros[bh * cap + c]);
         oh[k] = __float2half_rn(sc * (byte_as_float(w[k >> 2], k & 3) - z));
       }
     } else {
-      const float sc = __half2float(scales[row]);
-      const float z = __half2float(zeros[row]);
+      const float sc = __half2float(scales[bh * cap + r]);
+      const float z = __half2float(zeros[bh * cap + r]);
 #pragma unroll
       for (int k = 0; k < 16; ++k) {
         oh[k] = __float2half_rn(sc * (byte_as_float(w[k >> 2], k & 3) - z));
@@ -878,9 +892,142 @@ __device__ __forceinline__ void dequant_body(const uint8_t* __restrict__ mat,
 
 __global__ void __launch_bounds__(kThreads)
     dequant(const uint8_t* mat, const __half* scales, const __half* zeros, __half* out,
-            int64_t BH, int64_t R, int64_t C, bool per_col, bool out_ok,
+            int64_t BH, int64_t R, int64_t C, int64_t cap, bool per_col, bool out_ok,
             const uint8_t* mat_end) {
-  dequant_body(mat, scales, zeros, out, BH, R, C, per_col, out_ok, mat_end);
+  dequant_body(mat, scales, zeros, out, BH, R, C, cap, per_col, out_ok, mat_end);
+}
+
+// ---- quantize_append: new keys or values into preallocated capacity buffers -----------
+//
+// x [B, S, H, D] (any element strides, fp32 / fp16 / bf16) is quantized the way the model
+// does it and written at token positions [pos, pos + S) of codes ([B, H, C, D], or the key
+// layout [B, H, D, C]) and of scales / zeros ([B, H, C, 1] fp16). One block per group:
+// (b, h) over all S·D values of the chunk, or (b, h, s) over the D values of one token with
+// per_token. Each operation is done in fp32 and rounded to x's dtype, as torch's eager
+// CUDA ops do: mn / mx (NaN wins, as amin / amax), scale = (mx - mn) · fp32(1/255) (torch on
+// CUDA divides by a CPU scalar as a multiplication by its reciprocal), zero = 0 - mn / scale,
+// q = trunc(clamp(x / scale + zero, 0, 255)). The explicit _rn intrinsics keep
+// --use_fast_math from approximating the divisions or fusing a multiply and an add.
+
+constexpr int kQaF32 = 0;
+constexpr int kQaF16 = 1;
+constexpr int kQaBF16 = 2;
+
+__device__ __forceinline__ float qa_load(const void* x, int64_t off, int dtype) {
+  if (dtype == kQaF16) return __half2float(static_cast<const __half*>(x)[off]);
+  if (dtype == kQaBF16) {
+    return __uint_as_float(static_cast<uint32_t>(static_cast<const uint16_t*>(x)[off]) << 16);
+  }
+  return static_cast<const float*>(x)[off];
+}
+
+// An fp32 result rounded to x's dtype (round to nearest even), back as fp32.
+__device__ __forceinline__ float qa_round(float v, int dtype) {
+  if (dtype == kQaF16) return __half2float(__float2half_rn(v));
+  if (dtype == kQaBF16) {
+    uint32_t u = __float_as_uint(v);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return v;  // NaN
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return __uint_as_float(u & 0xffff0000u);
+  }
+  return v;
+}
+
+__device__ __forceinline__ float qa_max(float a, float b) { return a > b || a != a ? a : b; }
+__device__ __forceinline__ float qa_min(float a, float b) { return a < b || a != a ? a : b; }
+
+// clamp to [0, 255], then truncate toward zero (NaN gives 0, as the conversion does).
+__device__ __forceinline__ uint8_t qa_code(float t) {
+  if (!(t > 0.0f)) return 0;
+  if (t >= 255.0f) return 255;
+  return static_cast<uint8_t>(static_cast<int>(t));
+}
+
+__device__ __forceinline__ void qa_body(const void* __restrict__ x, int dtype, int64_t xs_b,
+                                        int64_t xs_s, int64_t xs_h, int64_t xs_d, int64_t H,
+                                        int64_t S, int64_t D, uint8_t* __restrict__ codes,
+                                        __half* __restrict__ scales,
+                                        __half* __restrict__ zeros, int64_t C, int64_t pos,
+                                        bool key_layout, bool per_token) {
+  __shared__ float s_mn[kThreads];
+  __shared__ float s_mx[kThreads];
+  const int tid = threadIdx.x;
+  int64_t g = blockIdx.x;
+  int64_t s0 = 0;
+  int64_t ns = S;
+  if (per_token) {
+    s0 = g % S;
+    g /= S;
+    ns = 1;
+  }
+  const int64_t h = g % H;
+  const int64_t b = g / H;
+  const int64_t n = ns * D;
+  const int64_t xbase = b * xs_b + h * xs_h + s0 * xs_s;
+  // Element i of the group: token s, dim d. The key layout stores a token's D codes C
+  // bytes apart, so there consecutive threads take consecutive tokens.
+  auto coords = [&](int64_t i, int64_t& s, int64_t& d) {
+    if (key_layout) {
+      d = i / ns;
+      s = i - d * ns;
+    } else {
+      s = i / D;
+      d = i - s * D;
+    }
+  };
+
+  const float inf = __int_as_float(0x7f800000);
+  float mn = inf;
+  float mx = -inf;
+  for (int64_t i = tid; i < n; i += kThreads) {
+    int64_t s, d;
+    coords(i, s, d);
+    const float v = qa_load(x, xbase + s * xs_s + d * xs_d, dtype);
+    mn = qa_min(mn, v);
+    mx = qa_max(mx, v);
+  }
+  s_mn[tid] = mn;
+  s_mx[tid] = mx;
+  __syncthreads();
+  for (int w = kThreads / 2; w > 0; w >>= 1) {
+    if (tid < w) {
+      s_mn[tid] = qa_min(s_mn[tid], s_mn[tid + w]);
+      s_mx[tid] = qa_max(s_mx[tid], s_mx[tid + w]);
+    }
+    __syncthreads();
+  }
+  mn = s_mn[0];
+  mx = s_mx[0];
+  constexpr float kInv255 = 0x1.010102p-8f;  // fp32(1 / 255), correctly rounded
+  const float scale = qa_round(__fmul_rn(qa_round(__fsub_rn(mx, mn), dtype), kInv255), dtype);
+  const float zero = qa_round(__fsub_rn(0.0f, qa_round(__fdiv_rn(mn, scale), dtype)), dtype);
+
+  const int64_t head = b * H + h;
+  for (int64_t s = tid; s < ns; s += kThreads) {
+    scales[head * C + pos + s0 + s] = __float2half_rn(scale);
+    zeros[head * C + pos + s0 + s] = __float2half_rn(zero);
+  }
+  for (int64_t i = tid; i < n; i += kThreads) {
+    int64_t s, d;
+    coords(i, s, d);
+    const float v = qa_load(x, xbase + s * xs_s + d * xs_d, dtype);
+    const float t = qa_round(__fadd_rn(qa_round(__fdiv_rn(v, scale), dtype), zero), dtype);
+    const int64_t p = pos + s0 + s;
+    codes[key_layout ? (head * D + d) * C + p : (head * C + p) * D + d] = qa_code(t);
+  }
+}
+
+__global__ void __launch_bounds__(kThreads)
+    quantize_append(const void* x, int dtype, int64_t xs_b, int64_t xs_s, int64_t xs_h,
+                    int64_t xs_d, int64_t H, int64_t S, int64_t D, uint8_t* codes,
+                    __half* scales, __half* zeros, int64_t C, int64_t pos, bool key_layout,
+                    bool per_token) {
+  qa_body(x, dtype, xs_b, xs_s, xs_h, xs_d, H, S, D, codes, scales, zeros, C, pos, key_layout,
+          per_token);
+}
+
+inline int64_t quantize_append_blocks(int64_t B, int64_t H, int64_t S, bool per_token) {
+  return B * H * (per_token ? S : 1);
 }
 
 // ---- launch plans: plain host arithmetic, kept apart from the CUDA/torch glue below ----
@@ -983,6 +1130,20 @@ inline TcPvPlan tc_pv_plan(int sms, int64_t BH, int64_t Q, int64_t L, int64_t D)
 
 inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
+// One past the last byte of the cache a call may read. The cache is the first L tokens of
+// buffers of capacity C >= L per head (C == L when contiguous): QK's [BH, D, C] (rows of L
+// used bytes at pitch C), PV's [BH, C, D] (the first L rows of each head). Bytes between
+// used rows belong to the buffer, so the aligned loads around a misaligned address may
+// touch them; nothing past this end is read.
+inline const uint8_t* qk_mat_end(const uint8_t* mat, int64_t BH, int64_t D, int64_t L,
+                                 int64_t C) {
+  return mat + (BH * D - 1) * C + L;
+}
+inline const uint8_t* pv_mat_end(const uint8_t* mat, int64_t BH, int64_t L, int64_t D,
+                                 int64_t C) {
+  return mat + (BH - 1) * C * D + L * D;
+}
+
 inline int64_t dequant_blocks(int64_t BH, int64_t R, int64_t C, int sms) {
   const int64_t b = ceil_div(BH * R * ceil_div(C, 16), kThreads);
   const int64_t cap = 16 * static_cast<int64_t>(sms > 0 ? sms : 1);
@@ -1072,12 +1233,12 @@ extern "C" KVPREP_CUDA_ENTRY void kvprep_v1_qk_cuda(int device, const void* vec,
                                                     const uint8_t* mat, void* mul,
                                                     const void* scales, const void* zeros,
                                                     int64_t BH, int64_t Q, int64_t D,
-                                                    int64_t L) {
+                                                    int64_t L, int64_t C) {
   using namespace kvprep_v1;
   const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
   const cudaStream_t stream =
       c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device)).stream();
-  const uint8_t* mat_end = mat + BH * D * L;
+  const uint8_t* mat_end = qk_mat_end(mat, BH, D, L, C);
   const auto* v = reinterpret_cast<const __half*>(vec);
   auto* o = reinterpret_cast<__half*>(mul);
   const auto* s = reinterpret_cast<const __half*>(scales);
@@ -1090,7 +1251,7 @@ extern "C" KVPREP_CUDA_ENTRY void kvprep_v1_qk_cuda(int device, const void* vec,
     const bool vec_ok = aligned16(vec) && D % 8 == 0;
     const bool out_ok = aligned16(mul) && L % 8 == 0;
     tc_qk<<<dim3(static_cast<unsigned>(t.blocks)), kThreads, 0, stream>>>(
-        v, mat, o, s, z, Q, D, L, t.n_ltiles, t.n_qtiles, vec_ok, out_ok, mat_end);
+        v, mat, o, s, z, Q, D, L, C, t.n_ltiles, t.n_qtiles, vec_ok, out_ok, mat_end);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     return;
   }
@@ -1099,11 +1260,11 @@ extern "C" KVPREP_CUDA_ENTRY void kvprep_v1_qk_cuda(int device, const void* vec,
               p.blocks, " thread blocks)");
   const dim3 grid(static_cast<unsigned>(p.blocks));
   if (p.qt == 1) {
-    qk_q1<<<grid, kThreads, 0, stream>>>(v, mat, o, s, z, Q, D, L, p.n_ltiles, p.n_qtiles,
-                                         mat_end);
+    qk_q1<<<grid, kThreads, 0, stream>>>(v, mat, o, s, z, Q, D, L, C, p.n_ltiles,
+                                         p.n_qtiles, mat_end);
   } else {
-    qk_q4<<<grid, kThreads, 0, stream>>>(v, mat, o, s, z, Q, D, L, p.n_ltiles, p.n_qtiles,
-                                         mat_end);
+    qk_q4<<<grid, kThreads, 0, stream>>>(v, mat, o, s, z, Q, D, L, C, p.n_ltiles,
+                                         p.n_qtiles, mat_end);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
@@ -1112,7 +1273,7 @@ namespace kvprep_v1 {
 inline void pv_tc_launch(cudaStream_t stream, int sms, const void* vec, const uint8_t* mat,
                          void* mul, const void* scales, const void* zeros, float* workspace,
                          int64_t workspace_floats, int64_t BH, int64_t Q, int64_t L,
-                         int64_t D) {
+                         int64_t D, int64_t C) {
   const TcPvPlan t = tc_pv_plan(sms, BH, Q, L, D);
   TORCH_CHECK(t.blocks <= kMaxGrid,
               "vecquant8matmul_batched_column_compression_faster_old: problem too large (",
@@ -1127,14 +1288,14 @@ inline void pv_tc_launch(cudaStream_t stream, int sms, const void* vec, const ui
   const auto* z = reinterpret_cast<const __half*>(zeros);
   const bool vec_ok = aligned16(vec) && L % 8 == 0;
   const bool out_ok = aligned16(mul) && D % 8 == 0;
-  const uint8_t* mat_end = mat + BH * L * D;
+  const uint8_t* mat_end = pv_mat_end(mat, BH, L, D, C);
   const dim3 grid(static_cast<unsigned>(t.blocks));
   if (g_pv_hilo.load() != 0) {
-    tc_pv_hilo<<<grid, kThreads, 0, stream>>>(v, mat, o, part, s, z, Q, L, D, t.n_split,
+    tc_pv_hilo<<<grid, kThreads, 0, stream>>>(v, mat, o, part, s, z, Q, L, C, D, t.n_split,
                                               t.rows_per_split, t.n_qtiles, t.n_dtiles,
                                               vec_ok, out_ok, mat_end);
   } else {
-    tc_pv_single<<<grid, kThreads, 0, stream>>>(v, mat, o, part, s, z, Q, L, D, t.n_split,
+    tc_pv_single<<<grid, kThreads, 0, stream>>>(v, mat, o, part, s, z, Q, L, C, D, t.n_split,
                                                 t.rows_per_split, t.n_qtiles, t.n_dtiles,
                                                 vec_ok, out_ok, mat_end);
   }
@@ -1162,14 +1323,15 @@ extern "C" KVPREP_CUDA_ENTRY void kvprep_v1_pv_cuda(int device, const void* vec,
                                                     const void* scales, const void* zeros,
                                                     float* workspace,
                                                     int64_t workspace_floats, int64_t BH,
-                                                    int64_t Q, int64_t L, int64_t D) {
+                                                    int64_t Q, int64_t L, int64_t D,
+                                                    int64_t C) {
   using namespace kvprep_v1;
   const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
   const cudaStream_t stream =
       c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device)).stream();
   if (use_tc_pv(device, Q)) {
     pv_tc_launch(stream, sm_count(device), vec, mat, mul, scales, zeros, workspace,
-                 workspace_floats, BH, Q, L, D);
+                 workspace_floats, BH, Q, L, D, C);
     return;
   }
   const PvPlan p = pv_plan(sm_count(device), BH, Q, L, D);
@@ -1180,17 +1342,17 @@ extern "C" KVPREP_CUDA_ENTRY void kvprep_v1_pv_cuda(int device, const void* vec,
               "vecquant8matmul_batched_column_compression_faster_old: workspace of ",
               workspace_floats, " floats is smaller than the ", p.part_floats, " needed");
   float* part = p.part_floats > 0 ? workspace : nullptr;
-  const uint8_t* mat_end = mat + BH * L * D;
+  const uint8_t* mat_end = pv_mat_end(mat, BH, L, D, C);
   const auto* v = reinterpret_cast<const __half*>(vec);
   auto* o = reinterpret_cast<__half*>(mul);
   const auto* s = reinterpret_cast<const __half*>(scales);
   const auto* z = reinterpret_cast<const __half*>(zeros);
   const dim3 grid(static_cast<unsigned>(p.blocks));
   if (p.qt == 1) {
-    pv_q1<<<grid, kThreads, 0, stream>>>(v, mat, o, part, s, z, Q, L, D, p.tpr, p.n_split,
+    pv_q1<<<grid, kThreads, 0, stream>>>(v, mat, o, part, s, z, Q, L, C, D, p.tpr, p.n_split,
                                          p.rows_per_split, p.n_qtiles, p.n_dtiles, mat_end);
   } else {
-    pv_q4<<<grid, kThreads, 0, stream>>>(v, mat, o, part, s, z, Q, L, D, p.tpr, p.n_split,
+    pv_q4<<<grid, kThreads, 0, stream>>>(v, mat, o, part, s, z, Q, L, C, D, p.tpr, p.n_split,
                                          p.rows_per_split, p.n_qtiles, p.n_dtiles, mat_end);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -1202,11 +1364,13 @@ extern "C" KVPREP_CUDA_ENTRY void kvprep_v1_pv_cuda(int device, const void* vec,
   }
 }
 // Fills `out` (fp16, the layout of `mat`) with scales * (mat - zeros) for the GEMM path.
-// per_col: QK's [BH, D, L] cache (scale per column); else PV's [BH, L, D] (per row).
+// per_col: QK's [BH, D, L] cache (scale per column); else PV's [BH, L, D] (per row). `cap`:
+// the buffers' token capacity (see dequant_body).
 extern "C" KVPREP_CUDA_ENTRY void kvprep_v1_dequant_cuda(int device, int per_col,
                                                         const uint8_t* mat, const void* scales,
                                                         const void* zeros, void* out,
-                                                        int64_t BH, int64_t R, int64_t C) {
+                                                        int64_t BH, int64_t R, int64_t C,
+                                                        int64_t cap) {
   using namespace kvprep_v1;
   const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
   const cudaStream_t stream =
@@ -1214,8 +1378,29 @@ extern "C" KVPREP_CUDA_ENTRY void kvprep_v1_dequant_cuda(int device, int per_col
   const int64_t blocks = dequant_blocks(BH, R, C, sm_count(device));
   dequant<<<dim3(static_cast<unsigned>(blocks)), kThreads, 0, stream>>>(
       mat, reinterpret_cast<const __half*>(scales), reinterpret_cast<const __half*>(zeros),
-      reinterpret_cast<__half*>(out), BH, R, C, per_col != 0, aligned16(out) && C % 8 == 0,
-      mat + BH * R * C);
+      reinterpret_cast<__half*>(out), BH, R, C, cap, per_col != 0,
+      aligned16(out) && C % 8 == 0,
+      per_col != 0 ? qk_mat_end(mat, BH, R, C, cap) : pv_mat_end(mat, BH, R, C, cap));
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// Quantizes x [B, S, H, D] (strides in elements; dtype kQaF32 / kQaF16 / kQaBF16) into
+// positions [pos, pos + S) of the capacity-C buffers (see qa_body); one launch.
+extern "C" KVPREP_CUDA_ENTRY void kvprep_v1_quantize_append_cuda(
+    int device, int dtype, const void* x, const int64_t* x_strides, int64_t B, int64_t S,
+    int64_t H, int64_t D, uint8_t* codes, void* scales, void* zeros, int64_t C, int64_t pos,
+    int key_layout, int per_token) {
+  using namespace kvprep_v1;
+  const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
+  const cudaStream_t stream =
+      c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device)).stream();
+  const int64_t blocks = quantize_append_blocks(B, H, S, per_token != 0);
+  TORCH_CHECK(blocks <= kMaxGrid, "quantize_append: problem too large (", blocks,
+              " thread blocks)");
+  quantize_append<<<dim3(static_cast<unsigned>(blocks)), kThreads, 0, stream>>>(
+      x, dtype, x_strides[0], x_strides[1], x_strides[2], x_strides[3], H, S, D, codes,
+      reinterpret_cast<__half*>(scales), reinterpret_cast<__half*>(zeros), C, pos,
+      key_layout != 0, per_token != 0);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 #endif  // !defined(__CUDA_ARCH__)

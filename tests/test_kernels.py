@@ -311,3 +311,313 @@ def test_non_tensor_argument_raises(ext: ModuleType) -> None:
 def test_sources_exist() -> None:
     for name in KERNEL_FILES:
         assert Path(kernels_dir() / name).is_file()
+
+
+# ---- capacity views: mat/scales/zeros as the first L tokens of bigger buffers ----------
+
+# (B, H, D, L, C): L = C, L < C, C not a multiple of 16, L = 1, odd L
+CAPACITY_SHAPES = [
+    (2, 3, 64, 32, 32),
+    (2, 3, 64, 40, 64),
+    (1, 2, 80, 7, 21),
+    (2, 2, 128, 1, 48),
+    (1, 3, 16, 129, 144),
+    (3, 1, 3, 5, 9),
+]
+
+
+def capacity_views(
+    b: int, h: int, d: int, seq: int, cap: int, seed: int, key: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """mat, scales, zeros as views of the first `seq` tokens of capacity-`cap` buffers whose
+    unused tail holds garbage (0xFF codes, NaN scales), so a read past L shows."""
+    g = torch.Generator().manual_seed(seed)
+    shape = (b, h, d, cap) if key else (b, h, cap, d)
+    buf = torch.full(shape, 255, dtype=torch.uint8)
+    sbuf = torch.full((b, h, cap, 1), float("nan"), dtype=torch.float16)
+    zbuf = torch.full((b, h, cap, 1), float("nan"), dtype=torch.float16)
+    if key:
+        mat = buf[..., :seq]
+    else:
+        mat = buf[:, :, :seq, :]
+    mat.copy_(torch.randint(0, 256, mat.shape, generator=g, dtype=torch.uint8))
+    scales, zeros = _scales_zeros(g, b, h, seq)
+    sbuf[:, :, :seq].copy_(scales)
+    zbuf[:, :, :seq].copy_(zeros)
+    return mat, sbuf[:, :, :seq], zbuf[:, :, :seq]
+
+
+@pytest.mark.parametrize(("b", "h", "d", "seq", "cap"), CAPACITY_SHAPES)
+@pytest.mark.parametrize("q", (1, 5, 40))  # decode, short block, the CPU GEMM route
+def test_capacity_views_equal_contiguous_copies(
+    ext: ModuleType, b: int, h: int, d: int, seq: int, cap: int, q: int
+) -> None:
+    g = torch.Generator().manual_seed(seq * 7 + cap + q)
+    mat, scales, zeros = capacity_views(b, h, d, seq, cap, seed=cap + q, key=True)
+    assert seq == cap or not mat.is_contiguous()
+    vec = torch.randn(b, h, q, d, generator=g).half()
+    got = torch.full((b, h, q, seq), float("nan"), dtype=torch.float16)
+    want = got.clone()
+    getattr(ext, QK)(vec, mat, got, scales, zeros)
+    getattr(ext, QK)(vec, mat.contiguous(), want, scales.contiguous(), zeros.contiguous())
+    assert torch.equal(got, want)
+
+    mat, scales, zeros = capacity_views(b, h, d, seq, cap, seed=cap + q + 1, key=False)
+    vec = torch.randn(b, h, q, seq, generator=g).half()
+    got = torch.full((b, h, q, d), float("nan"), dtype=torch.float16)
+    want = got.clone()
+    getattr(ext, PV)(vec, mat, got, scales, zeros)
+    getattr(ext, PV)(vec, mat.contiguous(), want, scales.contiguous(), zeros.contiguous())
+    assert torch.equal(got, want)
+    assert_close(got, *ref_pv(vec, mat, scales, zeros))
+
+
+def test_capacity_views_mixed_with_contiguous_scales_when_heads_are_one(
+    ext: ModuleType,
+) -> None:
+    """B = H = 1: contiguous scales fit any capacity, so they go with a view of mat."""
+    mat, scales, zeros = capacity_views(1, 1, 32, 9, 24, seed=1, key=True)
+    vec = torch.randn(1, 1, 2, 32).half()
+    got = torch.empty(1, 1, 2, 9, dtype=torch.float16)
+    want = torch.empty_like(got)
+    getattr(ext, QK)(vec, mat, got, scales.contiguous(), zeros.contiguous())
+    getattr(ext, QK)(vec, mat.contiguous(), want, scales.contiguous(), zeros.contiguous())
+    assert torch.equal(got, want)
+
+
+def _view_args(fn: str) -> Args:
+    mat, scales, zeros = capacity_views(2, 3, 16, 9, 24, seed=3, key=fn == QK)
+    vec = torch.randn(2, 3, 4, 16 if fn == QK else 9).half()
+    mul = torch.zeros(2, 3, 4, 9 if fn == QK else 16, dtype=torch.float16)
+    return [vec, mat, mul, scales, zeros]
+
+
+def _wrong_axis_view(t: torch.Tensor) -> torch.Tensor:
+    # A view cut along another axis than the token axis: not a capacity view.
+    big = torch.zeros(*t.shape[:-1], t.shape[-1] + 3, dtype=t.dtype)
+    view = big[..., : t.shape[-1]]
+    view.copy_(t)
+    return view
+
+
+@pytest.mark.parametrize("fn", (QK, PV))
+@pytest.mark.parametrize(
+    ("which", "change", "words"),
+    [
+        (1, _non_contiguous, "must be contiguous"),
+        (3, _non_contiguous, "must be contiguous"),
+        (4, lambda t: t.contiguous(), "same token capacity"),  # C = L beside C = 24
+        (0, lambda t: t.transpose(-1, -2).contiguous().transpose(-1, -2), "vec must be contig"),
+        (2, _wrong_axis_view, "mul must be contiguous"),
+    ],
+)
+def test_refused_layouts_beside_capacity_views(
+    ext: ModuleType,
+    fn: str,
+    which: int,
+    change: Callable[[torch.Tensor], torch.Tensor],
+    words: str,
+) -> None:
+    args = _view_args(fn)
+    if fn == PV and which == 1:
+        args[1] = args[1].contiguous()  # a transposed copy of a contiguous PV cache
+        args[3], args[4] = args[3].contiguous(), args[4].contiguous()
+    args[which] = change(args[which])
+    with pytest.raises(ValueError, match=words) as info:
+        getattr(ext, fn)(*args)
+    assert fn in str(info.value)
+
+
+def test_pv_mat_cut_along_head_dim_is_refused(ext: ModuleType) -> None:
+    vec, mat, mul, scales, zeros = pv_args()
+    with pytest.raises(ValueError, match="must be contiguous .* or the first L tokens"):
+        getattr(ext, PV)(vec, _wrong_axis_view(mat), mul, scales, zeros)
+
+
+def test_qk_rows_overlapping_is_refused(ext: ModuleType) -> None:
+    """Strides that say C < L (rows overlap) are not a capacity view."""
+    vec, mat, mul, scales, zeros = qk_args()
+    flat = torch.zeros(2 * 3 * 16 * 9, dtype=torch.uint8)
+    squeezed = flat.as_strided(mat.shape, (3 * 16 * 5, 16 * 5, 5, 1))
+    with pytest.raises(ValueError, match="holds C = 5 tokens, fewer than the L = 9"):
+        getattr(ext, QK)(vec, squeezed, mul, scales, zeros)
+
+
+def test_output_inside_the_capacity_buffer_is_refused(ext: ModuleType) -> None:
+    """mul must not share memory with a view, which torch's own overlap test cannot tell."""
+    vec, mat, scales, zeros = make_pv(1, 2, 4, 16, 9, seed=11)
+    big = torch.zeros(200, dtype=torch.float16)
+    sbuf = big[:24].view(1, 2, 12, 1)
+    sbuf[:, :, :9].copy_(scales)
+    mul = big[10:138].view(1, 2, 4, 16)
+    zbuf = torch.zeros(1, 2, 12, 1, dtype=torch.float16)
+    mbuf = torch.zeros(1, 2, 12, 16, dtype=torch.uint8)
+    mbuf[:, :, :9].copy_(mat)
+    mat = mbuf[:, :, :9]
+    with pytest.raises(ValueError, match="share memory with scales"):
+        getattr(ext, PV)(vec, mat, mul, sbuf[:, :, :9], zbuf[:, :, :9])
+    # The same views beside an unrelated output are fine.
+    getattr(ext, PV)(vec, mat, torch.empty(1, 2, 4, 16, dtype=torch.float16), sbuf[:, :, :9],
+                     zbuf[:, :, :9])
+
+
+def test_features_name_the_additions(ext: ModuleType) -> None:
+    assert {"capacity-views", "quantize-append"} <= set(ext.features())
+
+
+# ---- quantize_append -------------------------------------------------------------------
+
+
+def quantize_reference(
+    x: torch.Tensor, per_token: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The model's quantization in torch, in x's dtype: codes [B,H,S,D] uint8, scale and
+    zero [B,H,S,1] fp16 (per-chunk values repeated over the S tokens)."""
+    f = x.permute(0, 2, 1, 3)  # [B, H, S, D]
+    flat = f if per_token else f.flatten(2)
+    mx = flat.amax(-1, keepdim=True)
+    mn = flat.amin(-1, keepdim=True)
+    scale = (mx - mn) / torch.tensor(255)
+    zero = torch.tensor(0) - mn / scale
+    s4 = scale if per_token else scale.unsqueeze(-1)
+    z4 = zero if per_token else zero.unsqueeze(-1)
+    q = torch.clamp(f / s4 + z4, 0, 255).to(torch.uint8)
+    shape = (*f.shape[:3], 1)
+    return q, s4.half().expand(shape), z4.half().expand(shape)
+
+
+def qa_buffers(
+    b: int, h: int, d: int, cap: int, key: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(cap * 3 + d)
+    codes = torch.randint(0, 256, (b, h, d, cap) if key else (b, h, cap, d), generator=g,
+                          dtype=torch.uint8)
+    scales = torch.randn(b, h, cap, 1, generator=g).half()
+    zeros = torch.randn(b, h, cap, 1, generator=g).half()
+    return codes, scales, zeros
+
+
+def projection_slice(b: int, s: int, h: int, d: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """x as the model has it: the key or value third of a fused projection, [B,S,H,D] with
+    the strides of a split (not contiguous)."""
+    g = torch.Generator().manual_seed(seed)
+    qkv = (torch.randn(b, s, 3 * h * d, generator=g) * 4 + 1.5).to(dtype)
+    x = qkv.split(h * d, dim=2)[1].view(b, s, h, d)
+    assert not x.is_contiguous()
+    return x
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16, torch.float16))
+@pytest.mark.parametrize("key", (False, True))
+@pytest.mark.parametrize("per_token", (False, True))
+@pytest.mark.parametrize(("s", "pos"), [(1, 0), (1, 37), (5, 3), (37, 0), (19, 45)])
+def test_quantize_append_matches_the_models_quantization(
+    ext: ModuleType, dtype: torch.dtype, key: bool, per_token: bool, s: int, pos: int
+) -> None:
+    b, h, d, cap = 2, 3, 24, 64
+    x = projection_slice(b, s, h, d, dtype, seed=s * 100 + pos)
+    codes, scales, zeros = qa_buffers(b, h, d, cap, key)
+    before = (codes.clone(), scales.clone(), zeros.clone())
+    assert ext.quantize_append(x, codes, scales, zeros, pos, key, per_token) is None
+    q, sc, ze = quantize_reference(x, per_token)
+    got = codes[..., pos : pos + s].transpose(-1, -2) if key else codes[:, :, pos : pos + s]
+    assert torch.equal(got, q), f"{(got != q).sum().item()} codes differ"
+    assert torch.equal(scales[:, :, pos : pos + s], sc)
+    assert torch.equal(zeros[:, :, pos : pos + s], ze)
+    # Everything outside [pos, pos + s) is untouched.
+    for new, old in zip((codes, scales, zeros), before):
+        keep = torch.ones(new.shape, dtype=torch.bool)
+        if key and new is codes:
+            keep[..., pos : pos + s] = False
+        else:
+            keep[:, :, pos : pos + s] = False
+        assert torch.equal(new[keep], old[keep])
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16, torch.float16))
+def test_quantize_append_exact_over_many_chunks(ext: ModuleType, dtype: torch.dtype) -> None:
+    """Many independent (b, h) chunks with varied ranges: where a division or rounding step
+    differs from torch's, some code shows it."""
+    b, s, h, d = 4, 3, 64, 32
+    g = torch.Generator().manual_seed(5)
+    x = (torch.randn(b, s, h, d, generator=g) * torch.rand(1, 1, h, 1, generator=g) * 50).to(dtype)
+    x = x.transpose(1, 2).contiguous().transpose(1, 2)  # [B,S,H,D] with heads outermost
+    for per_token in (False, True):
+        codes, scales, zeros = qa_buffers(b, h, d, s, key=False)
+        ext.quantize_append(x, codes, scales, zeros, 0, False, per_token)
+        q, sc, ze = quantize_reference(x, per_token)
+        assert torch.equal(codes, q)
+        assert torch.equal(scales, sc) and torch.equal(zeros, ze)
+
+
+def test_quantize_append_then_attention_reads_the_buffers(ext: ModuleType) -> None:
+    """Decode steps appended in place feed the two functions through capacity views."""
+    b, h, d, cap = 1, 2, 16, 32
+    kbuf, ks, kz = qa_buffers(b, h, d, cap, key=True)
+    g = torch.Generator().manual_seed(9)
+    keys = torch.randn(b, 6, h, d, generator=g).half()
+    ext.quantize_append(keys[:, :4], kbuf, ks, kz, 0, True, False)
+    ext.quantize_append(keys[:, 4:5], kbuf, ks, kz, 4, True, False)
+    ext.quantize_append(keys[:, 5:6], kbuf, ks, kz, 5, True, False)
+    seq = 6
+    query = torch.randn(b, h, 1, d, generator=g).half()
+    out = torch.empty(b, h, 1, seq, dtype=torch.float16)
+    getattr(ext, QK)(query, kbuf[..., :seq], out, ks[:, :, :seq], kz[:, :, :seq])
+    deq = (kbuf[..., :seq].double() - kz[:, :, :seq].double().transpose(-1, -2)) * ks[
+        :, :, :seq
+    ].double().transpose(-1, -2)
+    exact = query.double() @ keys.permute(0, 2, 3, 1).double()
+    assert (out.double() - query.double() @ deq).abs().max() < 1e-2
+    assert (out.double() - exact).abs().max() < 0.1 * exact.abs().max()
+
+
+QA_BAD: list[tuple[str, Callable[[Args], Args], type[Exception], str]] = [
+    ("x-dtype", _set(0, lambda t: t.double()), TypeError, "x must be torch.float32"),
+    ("codes-dtype", _set(1, lambda t: t.to(torch.int8)), TypeError, "codes must be torch.uint8"),
+    ("scales-dtype", _set(2, lambda t: t.float()), TypeError, "scales must be torch.float16"),
+    ("zeros-dtype", _set(3, lambda t: t.bfloat16()), TypeError, "zeros must be torch.float16"),
+    ("x-3d", _set(0, lambda t: t[0]), ValueError, "x must be a 4-d"),
+    ("codes-shape", _set(1, lambda t: t[:, :, :, :-1].contiguous()), ValueError, r"\[B, H, C, D\]"),
+    ("scales-shape", _set(2, lambda t: t[:, :-1].contiguous()), ValueError, r"\[B, H, C, 1\]"),
+    ("zeros-capacity", _set(3, lambda t: t[:, :, :-1].contiguous()), ValueError, "zeros must have"),
+    ("codes-view", _set(1, lambda t: t.transpose(0, 1).contiguous().transpose(0, 1)), ValueError,
+     "codes must be a contiguous buffer"),
+    ("device", _set(2, lambda t: t.to("meta")), RuntimeError, "same device"),
+    ("alias", lambda a: [a[0], a[1], a[2], a[2]], ValueError, "scales must not share memory"),
+]
+
+
+def qa_args() -> Args:
+    codes, scales, zeros = qa_buffers(2, 3, 8, 10, key=False)
+    return [torch.randn(2, 4, 3, 8).half(), codes, scales, zeros]
+
+
+@pytest.mark.parametrize(("change", "exc", "words"), [pytest.param(c, e, w, id=i) for i, c, e, w in QA_BAD])
+def test_quantize_append_refuses_bad_input(
+    ext: ModuleType, change: Callable[[Args], Args], exc: type[Exception], words: str
+) -> None:
+    args = change(qa_args())
+    before = [t.clone() for t in args[1:] if t.device.type == "cpu"]
+    with pytest.raises(exc, match=words) as info:
+        ext.quantize_append(*args, 2, False, False)
+    assert "quantize_append" in str(info.value)
+    assert all(torch.equal(a, b) for a, b in zip([t for t in args[1:] if t.device.type == "cpu"], before))
+
+
+@pytest.mark.parametrize(
+    ("pos", "key", "words"),
+    [(-1, False, "pos must be >= 0"), (7, False, "exceeds the buffers' capacity C = 10"),
+     (0, True, r"\[B, H, D, C\]")],
+)
+def test_quantize_append_refuses_bad_positions_and_layouts(
+    ext: ModuleType, pos: int, key: bool, words: str
+) -> None:
+    with pytest.raises(ValueError, match=words):
+        ext.quantize_append(*qa_args(), pos, key, False)
+
+
+def test_quantize_append_with_no_tokens_writes_nothing(ext: ModuleType) -> None:
+    x, codes, scales, zeros = qa_args()
+    before = codes.clone()
+    ext.quantize_append(x[:, :0], codes, scales, zeros, 10, False, False)
+    assert torch.equal(codes, before)
