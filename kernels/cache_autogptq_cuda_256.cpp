@@ -716,9 +716,83 @@ void quantize_append(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   }
 }
 
+// ---- attention_step ---------------------------------------------------------------------
+//
+// One attention step of qwen-kvprep's fast path (templates/qwen_kvprep_kv.py): quantize the
+// new keys and values into the buffers, then the model's own quantized-cache attention with
+// the two kernels. The ATen operations are those the model's code runs, in its order, so
+// the numbers are the same; doing them here instead of from Python saves the interpreter's
+// overhead of each, which at batch 1 costs more than the kernels themselves.
+//
+// query, key, value: [B, S, H, D] (rotated; any strides), the model's dtype.
+// key_codes [B,H,D,C], value_codes [B,H,C,D] uint8; the four scale/zero buffers [B,H,C,1]
+// fp16. pos: the tokens already cached. attention_mask: added to the scores (the model's
+// additive mask) or undefined; causal: mask the scores causally (the model does so only
+// when nothing is cached); scale_div: the scores are divided by it (0: not scaled);
+// head_mask: multiplies the probabilities, or undefined.
+// Returns the context [B, S, H*D] in the query's dtype, then the cache as the model returns
+// it: key codes [B,H,D,L] (the model's [B,H,L,D] transposed), key scales, key zeros,
+// value codes [B,H,L,D], value scales, value zeros, L = pos + S.
+
+constexpr const char* kStepName = "attention_step";
+
+std::vector<at::Tensor> attention_step(const at::Tensor& query, const at::Tensor& key,
+                                       const at::Tensor& value, const at::Tensor& key_codes,
+                                       const at::Tensor& key_scales,
+                                       const at::Tensor& key_zeros,
+                                       const at::Tensor& value_codes,
+                                       const at::Tensor& value_scales,
+                                       const at::Tensor& value_zeros, int64_t pos,
+                                       const c10::optional<at::Tensor>& attention_mask,
+                                       bool causal, double scale_div, bool softmax_in_fp32,
+                                       const c10::optional<at::Tensor>& head_mask) {
+  TORCH_CHECK_VALUE(query.dim() == 4 && key.dim() == 4 && value.dim() == 4, kStepName,
+                    ": query, key and value must be [B, S, H, D], got ", shape_str(query),
+                    ", ", shape_str(key), ", ", shape_str(value));
+  TORCH_CHECK_VALUE(query.sizes() == key.sizes() && key.sizes() == value.sizes(), kStepName,
+                    ": query, key and value must have one shape, got ", shape_str(query),
+                    ", ", shape_str(key), ", ", shape_str(value));
+  quantize_append(key, key_codes, key_scales, key_zeros, pos, true, false);
+  quantize_append(value, value_codes, value_scales, value_zeros, pos, false, false);
+  const int64_t B = query.size(0), S = query.size(1), H = query.size(2), D = query.size(3);
+  const int64_t L = pos + S;
+  const at::Tensor k = key_codes.narrow(3, 0, L);
+  const at::Tensor ks = key_scales.narrow(2, 0, L), kz = key_zeros.narrow(2, 0, L);
+  const at::Tensor v = value_codes.narrow(2, 0, L);
+  const at::Tensor vs = value_scales.narrow(2, 0, L), vz = value_zeros.narrow(2, 0, L);
+
+  const at::Tensor q = query.permute({0, 2, 1, 3});
+  at::Tensor w = at::empty({B, H, S, L}, q.options().dtype(at::kHalf));
+  vecquant8matmul_batched_faster_old(q.to(at::kHalf).contiguous(), k, w, ks, kz);
+  if (scale_div != 0.0) w = w.div(scale_div);
+  if (causal) {
+    const at::Tensor mask =
+        at::ones({L, L}, w.options().dtype(at::kBool)).tril_().view({1, 1, L, L});
+    w = at::where(mask, w, at::Scalar(-65504.0));  // torch.finfo(torch.float16).min
+  }
+  if (attention_mask.has_value() && attention_mask->defined()) {
+    w = w.add(*attention_mask);
+    if (w.scalar_type() == at::kHalf) {
+      // fp16 min + fp16 min is -inf, and a row of them would make softmax NaN
+      w.clamp_(at::Scalar(-65504.0), c10::nullopt);
+    }
+  }
+  w = softmax_in_fp32 ? w.to(at::kFloat).softmax(-1) : w.softmax(-1);
+  w = w.to(query.scalar_type());
+  if (head_mask.has_value() && head_mask->defined()) w = w.mul(*head_mask);
+  at::Tensor out = at::empty({B, H, S, D}, q.options().dtype(at::kHalf));
+  vecquant8matmul_batched_column_compression_faster_old(w.to(at::kHalf).contiguous(), v, out,
+                                                        vs, vz);
+  if (out.scalar_type() != query.scalar_type()) out = out.to(query.scalar_type());
+  at::Tensor context = out.transpose(1, 2).contiguous().view({B, S, H * D});
+  return {context, k, ks, kz, v, vs, vz};
+}
+
 // What this build offers beyond the two functions the model calls, so that a caller can
 // tell it from Qwen's official extension and from older builds of ours.
-std::vector<std::string> features() { return {"capacity-views", "quantize-append"}; }
+std::vector<std::string> features() {
+  return {"capacity-views", "quantize-append", "attention-step"};
+}
 
 // For benchmarks and tests; the model never calls it.
 constexpr const char* kTuningNames[5] = {"tensor_core_min_q_qk", "tensor_core_min_q_pv",
@@ -773,6 +847,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "(contiguous [B,H,C,1]); the rest of the buffers is untouched",
         py::arg("x"), py::arg("codes"), py::arg("scales"), py::arg("zeros"), py::arg("pos"),
         py::arg("key_layout"), py::arg("per_token"), py::call_guard<py::gil_scoped_release>());
+  m.def("attention_step", &attention_step,
+        "qwen-kvprep's fast path, one attention step: quantize key/value into the buffers at "
+        "pos, then the model's quantized-cache attention; returns [context, key codes, key "
+        "scales, key zeros, value codes, value scales, value zeros] (views of the buffers)",
+        py::arg("query"), py::arg("key"), py::arg("value"), py::arg("key_codes"),
+        py::arg("key_scales"), py::arg("key_zeros"), py::arg("value_codes"),
+        py::arg("value_scales"), py::arg("value_zeros"), py::arg("pos"),
+        py::arg("attention_mask"), py::arg("causal"), py::arg("scale_div"),
+        py::arg("softmax_in_fp32"), py::arg("head_mask"),
+        py::call_guard<py::gil_scoped_release>());
   m.def("features", &features,
         "Capabilities beyond the model's two functions: 'capacity-views' (mat/scales/zeros "
         "may be views of the first L tokens of bigger contiguous buffers), "

@@ -18,11 +18,15 @@ modeling_qwen.py, once patched by `qwen-kvprep fix`, ends with a few lines that 
 What changes in the fast forward, and what does not:
 
 - The cache lives in preallocated buffers per layer that grow by whole blocks of
-  `BLOCK` tokens; a step writes its new tokens in place (one fused quantize-and-append call
-  for the keys, one for the values) instead of concatenating the whole cache six times.
-  The keys are kept as `[b, heads, head_dim, tokens]`, the layout the QK kernel reads, so
-  the per-step transposed copy of the key cache is gone; scales and zero points are kept
-  in fp16, the dtype the kernels take, so their per-step casts are gone too.
+  `BLOCK` tokens; a step writes its new tokens in place instead of concatenating the whole
+  cache six times. The keys are kept as `[b, heads, head_dim, tokens]`, the layout the QK
+  kernel reads, so the per-step transposed copy of the key cache is gone; scales and zero
+  points are kept in fp16, the dtype the kernels take, so their per-step casts are gone.
+- A layer's step past the projections and the rotary embedding is one call into the
+  extension (`attention_step`): the fused quantize-and-append of the new keys and values,
+  then the model's attention with the kernels, its operations run from C++ rather than
+  one by one from Python (at batch 1, the interpreter's cost per operation outweighs the
+  kernels).
 - What the model hands back as its cache keeps the model's own format: per layer
   `((key_codes, key_scale, key_zero), (value_codes, value_scale, value_zero))`, codes
   `[b, heads, tokens, head_dim]` uint8 (the key codes as a transposed view of the buffer),
@@ -41,7 +45,7 @@ import warnings
 
 import torch
 
-FEATURES = ("capacity-views", "quantize-append")
+FEATURES = ("capacity-views", "quantize-append", "attention-step")
 BLOCK = 128  # tokens: buffers grow in whole blocks (rows stay 16-byte aligned)
 MARK = "_qwen_kvprep_fast"  # set on the classes install() patched
 STEPS = "qwen_kvprep_fast_steps"  # attention steps a layer ran through the fast path
@@ -115,14 +119,6 @@ class _Buffers:
             dst[:, :, :length].copy_(src)
         self.length = length
 
-    def views(self, length):
-        """The cache as the model returns it, and the kernels' operands."""
-        k = self.k[..., :length]
-        ks, kz = self.ks[:, :, :length], self.kz[:, :, :length]
-        v = self.v[:, :, :length]
-        vs, vz = self.vs[:, :, :length], self.vz[:, :, :length]
-        return k, ks, kz, v, vs, vz
-
 
 def _blocks(tokens):
     return (tokens + BLOCK - 1) // BLOCK * BLOCK
@@ -183,50 +179,22 @@ def _fast_forward(layer, apply_rotary, hidden_states, rotary_pos_emb_list, layer
 
     buffers, past_length = _buffers_for(layer, layer_past, batch, new_tokens, query.device)
     total = past_length + new_tokens
-    kernels.quantize_append(key, buffers.k, buffers.ks, buffers.kz, past_length, True, False)
-    kernels.quantize_append(value, buffers.v, buffers.vs, buffers.vz, past_length, False, False)
-    buffers.length = total
-    k, ks, kz, v, vs, vz = buffers.views(total)
-    present = ((k.transpose(-1, -2), ks, kz), (v, vs, vz)) if use_cache else None
-
     if total > layer.seq_length and layer.use_logn_attn:
         logn = layer.logn_tensor[:, total - new_tokens : total, :, :].type_as(query)
         query = query * logn.expand_as(query)
-
-    # The model's _attn with its kernels, without the copies.
-    query = query.permute(0, 2, 1, 3)
-    weights = torch.empty(
-        (batch, heads, new_tokens, total), dtype=torch.float16, device=query.device
+    # The extension quantizes the new tokens into the buffers, then runs the model's _attn
+    # with its kernels (the same operations in the same order), and returns the context and
+    # the cache as views of the buffers.
+    context, k, ks, kz, v, vs, vz = kernels.attention_step(
+        query, key, value, buffers.k, buffers.ks, buffers.kz, buffers.v, buffers.vs, buffers.vz,
+        past_length, attention_mask,
+        new_tokens == total,  # the model masks causally only when nothing is cached
+        dim**0.5 if layer.scale_attn_weights else 0.0,
+        bool(getattr(layer, "softmax_in_fp32", False)),
+        head_mask,
     )
-    kernels.vecquant8matmul_batched_faster_old(
-        query.to(torch.float16).contiguous(), k, weights, ks, kz
-    )
-    if layer.scale_attn_weights:
-        weights = weights / (dim**0.5)
-    if new_tokens == total:  # the model masks causally only when there is no past
-        causal = torch.ones((total, total), dtype=torch.bool, device=query.device).tril_()
-        weights = torch.where(
-            causal.view(1, 1, total, total), weights, torch.finfo(weights.dtype).min
-        )
-    if attention_mask is not None:
-        weights = weights + attention_mask
-        if weights.dtype == torch.float16:
-            # fp16 min + fp16 min is -inf, and a row of them would turn softmax into NaN
-            weights = weights.clamp_(min=torch.finfo(weights.dtype).min)
-    if getattr(layer, "softmax_in_fp32", False):
-        weights = torch.nn.functional.softmax(weights.float(), dim=-1)
-    else:
-        weights = torch.nn.functional.softmax(weights, dim=-1)
-    weights = weights.type(query.dtype)
-    if head_mask is not None:
-        weights = weights * head_mask
-    output = torch.empty((batch, heads, new_tokens, dim), dtype=torch.float16, device=query.device)
-    kernels.vecquant8matmul_batched_column_compression_faster_old(
-        weights.to(torch.float16).contiguous(), v, output, vs, vz
-    )
-    if output.dtype != query.dtype:
-        output = output.to(query.dtype)
-    context = output.transpose(1, 2).contiguous().view(batch, new_tokens, heads * dim)
+    buffers.length = total
+    present = ((k.transpose(-1, -2), ks, kz), (v, vs, vz)) if use_cache else None
     setattr(layer, STEPS, getattr(layer, STEPS, 0) + 1)
     if hasattr(layer, "kernel_calls"):  # qwen-kvprep's tiny model counts its kernel calls
         layer.kernel_calls += 2

@@ -84,7 +84,7 @@ def load(directory: str, int8: bool) -> Any:
     from transformers import AutoModelForCausalLM
 
     flags = (
-        {"use_cache_quantization": True, "use_cache_kernel": False, "use_flash_attn": False}
+        {"use_cache_quantization": True, "use_cache_kernel": True, "use_flash_attn": False}
         if int8
         else {}
     )
