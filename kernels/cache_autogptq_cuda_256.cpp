@@ -12,10 +12,35 @@
 //     mul[b,h,q,d] = Σ_l vec[b,h,q,l] · scales[b,h,l] · (mat[b,h,l,d] − zeros[b,h,l])
 //
 // Both overwrite every element of `mul` and return None. Inputs are checked; a bad call
-// raises TypeError / ValueError / RuntimeError. Accuracy: fp32 accumulation and one fp16
+// raises TypeError / ValueError / RuntimeError. vec and mul must be contiguous; mat, scales
+// and zeros may instead be "capacity views", the first L tokens of contiguous buffers with
+// room for C >= L tokens (a caller that appends in place): QK's mat = kbuf[..., :L] of
+// kbuf [B,H,D,C], strides (H*D*C, D*C, C, 1); PV's mat = vbuf[:, :, :L, :] of
+// [B,H,C,D], strides (H*C*D, C*D, D, 1); scales/zeros = sbuf[:, :, :L] of [B,H,C,1],
+// strides (H*C, C, 1, 1). C is read from the strides (those of size-1 dimensions are
+// ignored) and must be the same for all three; any other layout is refused. Results equal
+// those for .contiguous() copies bit for bit. Accuracy: fp32 accumulation and one fp16
 // rounding of the result, except on CUDA for long query blocks (prefill; see
 // cuda_tuning), where the cache is dequantized into fp16 once (each value rounded once,
 // as the model's own fallback does twice) and multiplied by torch's matmul.
+//
+// Also exported (not called by the model):
+//
+//   quantize_append(x, codes, scales, zeros, pos, key_layout, per_token)
+//     x [B,S,H,D] fp32/fp16/bf16, any strides (e.g. a slice of the fused projection);
+//     codes: contiguous uint8 [B,H,C,D] (key_layout false) or [B,H,D,C] (true);
+//     scales/zeros: contiguous fp16 [B,H,C,1]; 0 <= pos, pos + S <= C.
+//     Quantizes x as the model does, per (b,h) over all S*D values (per (b,h,s) over D
+//     with per_token): mn/mx = min/max, scale = (mx - mn) / 255, zero = 0 - mn / scale,
+//     code = trunc(clamp(x / scale + zero, 0, 255)), each operation done in fp32 and
+//     rounded to x's dtype as torch's eager ops do on that device (on CUDA the division by
+//     255 is a multiplication by fp32(1/255), as torch's is there). Writes the codes at
+//     token positions [pos, pos+S) and fp16(scale), fp16(zero) at each of those positions
+//     of scales/zeros; nothing else in the buffers changes. Returns None.
+//
+//   features() -> ["capacity-views", "quantize-append"]: what this build offers beyond
+//     the model's two functions (Qwen's official extension and older builds of ours
+//     have no `features`).
 //
 // Two builds from the same sources, with no extra defines:
 //   * this file alone: a CPU-only extension (CUDA tensors are refused with a clear error);
