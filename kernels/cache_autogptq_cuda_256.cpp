@@ -701,8 +701,8 @@ void quantize_append(const at::Tensor& x, const at::Tensor& codes, const at::Ten
                       " with strides ", all[i]->strides());
   }
   TORCH_CHECK_VALUE(pos >= 0, kQaName, ": pos must be >= 0, got ", pos);
-  TORCH_CHECK_VALUE(pos + S <= C, kQaName, ": pos + S = ", pos, " + ", S, " = ", pos + S,
-                    " exceeds the buffers' capacity C = ", C,
+  TORCH_CHECK_VALUE(pos <= C - S, kQaName, ": pos + S (pos = ", pos, ", S = ", S,
+                    ") exceeds the buffers' capacity C = ", C,
                     " (grow the buffers before appending)");
   TORCH_CHECK_VALUE(D > 0 || B * H * S == 0, kQaName,
                     ": x has head_dim 0: there is nothing to take a min / max of");

@@ -620,7 +620,8 @@ def test_quantize_append_refuses_bad_input(
     ("pos", "key", "words"),
     [
         (-1, False, "pos must be >= 0"),
-        (7, False, "exceeds the buffers' capacity C = 10"),
+        (7, False, r"pos \+ S \(pos = 7, S = 4\) exceeds the buffers' capacity C = 10"),
+        (2**62, False, "exceeds the buffers' capacity"),  # no overflow in pos + S
         (0, True, r"\[B, H, D, C\]"),
     ],
 )
@@ -636,3 +637,21 @@ def test_quantize_append_with_no_tokens_writes_nothing(ext: ModuleType) -> None:
     before = codes.clone()
     ext.quantize_append(x[:, :0], codes, scales, zeros, 10, False, False)
     assert torch.equal(codes, before)
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16, torch.float16))
+@pytest.mark.parametrize("value", (0.0, 2.5, -1.0))
+def test_quantize_append_constant_tokens_like_torch(
+    ext: ModuleType, dtype: torch.dtype, value: float
+) -> None:
+    """A token whose values are all equal gives scale 0 and a NaN or infinite zero; the
+    codes and the stored scale/zero still follow torch (NaN codes become 0)."""
+    x = torch.full((1, 3, 2, 40), value, dtype=dtype)
+    x[0, 1, 0] = torch.arange(40)
+    for per_token in (True, False):
+        codes, scales, zeros = qa_buffers(1, 2, 40, 5, key=False)
+        ext.quantize_append(x, codes, scales, zeros, 1, False, per_token)
+        q, sc, ze = quantize_reference(x, per_token)
+        assert torch.equal(codes[:, :, 1:4], q)
+        for got, want in ((scales[:, :, 1:4], sc), (zeros[:, :, 1:4], ze)):
+            assert bool(((got == want) | (got.isnan() & want.isnan())).all())
