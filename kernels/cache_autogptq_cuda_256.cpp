@@ -675,6 +675,12 @@ void quantize_append(const at::Tensor& x, const at::Tensor& codes, const at::Ten
                 ": all tensors must be on the same device; x is on ", dev.str(), " but ",
                 names[i], " is on ", all[i]->device().str());
   }
+  TORCH_CHECK(dev.is_cpu() || dev.is_cuda(), kQaName, ": unsupported device ", dev.str(),
+              "; expected CPU or CUDA tensors");
+  TORCH_CHECK(dev.is_cpu() || cuda_entries_present(), kQaName, ": got tensors on ", dev.str(),
+              ", but this extension was built without CUDA (only "
+              "cache_autogptq_cuda_256.cpp was compiled); rebuild it together with "
+              "cache_autogptq_cuda_kernel_256.cu to use CUDA tensors");
   const at::ScalarType xt = x.scalar_type();
   TORCH_CHECK_TYPE(xt == at::kFloat || xt == at::kHalf || xt == at::kBFloat16, kQaName,
                    ": x must be torch.float32, torch.float16 or torch.bfloat16, got ",
@@ -718,10 +724,6 @@ void quantize_append(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   }
   if (B * H * S == 0) return;
   if (dev.is_cuda()) {
-    TORCH_CHECK(cuda_entries_present(), kQaName, ": got tensors on ", dev.str(),
-                ", but this extension was built without CUDA (only "
-                "cache_autogptq_cuda_256.cpp was compiled); rebuild it together with "
-                "cache_autogptq_cuda_kernel_256.cu to use CUDA tensors");
     const int64_t strides[4] = {x.stride(0), x.stride(1), x.stride(2), x.stride(3)};
     const int dtype = xt == at::kFloat ? 0 : xt == at::kHalf ? 1 : 2;
     kvprep_v1_quantize_append_cuda(static_cast<int>(x.get_device()), dtype, x.data_ptr(),
@@ -730,8 +732,6 @@ void quantize_append(const at::Tensor& x, const at::Tensor& codes, const at::Ten
                                    key_layout ? 1 : 0, per_token ? 1 : 0);
     return;
   }
-  TORCH_CHECK(dev.is_cpu(), kQaName, ": unsupported device ", dev.str(),
-              "; expected CPU or CUDA tensors");
   if (xt == at::kFloat) {
     quantize_append_cpu<float>(x, codes, scales, zeros, pos, key_layout, per_token);
   } else if (xt == at::kHalf) {

@@ -632,6 +632,12 @@ def test_quantize_append_refuses_bad_positions_and_layouts(
         ext.quantize_append(*qa_args(), pos, key, False)
 
 
+def test_quantize_append_on_an_unsupported_device(ext: ModuleType) -> None:
+    args = [t.to("meta") for t in qa_args()]
+    with pytest.raises(RuntimeError, match="quantize_append: unsupported device meta"):
+        ext.quantize_append(*args, 0, False, False)
+
+
 def test_quantize_append_with_no_tokens_writes_nothing(ext: ModuleType) -> None:
     x, codes, scales, zeros = qa_args()
     before = codes.clone()
