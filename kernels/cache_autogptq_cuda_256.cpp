@@ -268,14 +268,14 @@ int64_t check_layout(const char* fn, bool qk, const at::Tensor& vec, const at::T
                      const at::Tensor& mul, const at::Tensor& scales, const at::Tensor& zeros) {
   const at::Tensor* all[] = {&vec, &mat, &mul, &scales, &zeros};
   const char* names[] = {"vec", "mat", "mul", "scales", "zeros"};
-  const int64_t B = mat.size(0), H = mat.size(1);
+  const int64_t H = mat.size(1);
   const int64_t D = qk ? mat.size(2) : mat.size(3);
   const int64_t L = scales.size(2);
   const CapacityForm mat_form = qk ? CapacityForm{{H * D, D, 1, 0}, {0, 0, 0, 1}}
                                    : CapacityForm{{H * D, D, 0, 0}, {0, 0, D, 1}};
   const CapacityForm sz_form{{H, 1, 0, 0}, {0, 0, 1, 1}};
-  const char* buffer = qk ? "mat[..., :L] of a contiguous [B, H, D, C] buffer"
-                          : "mat[:, :, :L, :] of a contiguous [B, H, C, D] buffer";
+  const char* buffer = qk ? "kbuf[..., :L] of a contiguous kbuf [B, H, D, C]"
+                          : "vbuf[:, :, :L, :] of a contiguous vbuf [B, H, C, D]";
   const bool views = !(mat.is_contiguous() && scales.is_contiguous() && zeros.is_contiguous());
   for (int i = 0; i < 5; ++i) {
     if (views && (i == 1 || i == 3 || i == 4)) continue;
@@ -293,7 +293,7 @@ int64_t check_layout(const char* fn, bool qk, const at::Tensor& vec, const at::T
       TORCH_CHECK_VALUE(c >= 0, fn, ": ", names[i],
                         " must be contiguous (call .contiguous() first) or the first L "
                         "tokens of a contiguous buffer with room for C >= L (",
-                        i == 1 ? buffer : "x[:, :, :L] of a contiguous [B, H, C, 1] buffer",
+                        i == 1 ? buffer : "sbuf[:, :, :L] of a contiguous sbuf [B, H, C, 1]",
                         "), got shape ", shape_str(*all[i]), " with strides ",
                         all[i]->strides());
       if (c == 0) continue;
