@@ -12,10 +12,35 @@
 //     mul[b,h,q,d] = Σ_l vec[b,h,q,l] · scales[b,h,l] · (mat[b,h,l,d] − zeros[b,h,l])
 //
 // Both overwrite every element of `mul` and return None. Inputs are checked; a bad call
-// raises TypeError / ValueError / RuntimeError. Accuracy: fp32 accumulation and one fp16
+// raises TypeError / ValueError / RuntimeError. vec and mul must be contiguous; mat, scales
+// and zeros may instead be "capacity views", the first L tokens of contiguous buffers with
+// room for C >= L tokens (a caller that appends in place): QK's mat = kbuf[..., :L] of
+// kbuf [B,H,D,C], strides (H*D*C, D*C, C, 1); PV's mat = vbuf[:, :, :L, :] of
+// [B,H,C,D], strides (H*C*D, C*D, D, 1); scales/zeros = sbuf[:, :, :L] of [B,H,C,1],
+// strides (H*C, C, 1, 1). C is read from the strides (those of size-1 dimensions are
+// ignored) and must be the same for all three; any other layout is refused. Results equal
+// those for .contiguous() copies bit for bit. Accuracy: fp32 accumulation and one fp16
 // rounding of the result, except on CUDA for long query blocks (prefill; see
 // cuda_tuning), where the cache is dequantized into fp16 once (each value rounded once,
 // as the model's own fallback does twice) and multiplied by torch's matmul.
+//
+// Also exported (not called by the model):
+//
+//   quantize_append(x, codes, scales, zeros, pos, key_layout, per_token)
+//     x [B,S,H,D] fp32/fp16/bf16, any strides (e.g. a slice of the fused projection);
+//     codes: contiguous uint8 [B,H,C,D] (key_layout false) or [B,H,D,C] (true);
+//     scales/zeros: contiguous fp16 [B,H,C,1]; 0 <= pos, pos + S <= C.
+//     Quantizes x as the model does, per (b,h) over all S*D values (per (b,h,s) over D
+//     with per_token): mn/mx = min/max, scale = (mx - mn) / 255, zero = 0 - mn / scale,
+//     code = trunc(clamp(x / scale + zero, 0, 255)), each operation done in fp32 and
+//     rounded to x's dtype as torch's eager ops do on that device (on CUDA the division by
+//     255 is a multiplication by fp32(1/255), as torch's is there). Writes the codes at
+//     token positions [pos, pos+S) and fp16(scale), fp16(zero) at each of those positions
+//     of scales/zeros; nothing else in the buffers changes. Returns None.
+//
+//   features() -> ["capacity-views", "quantize-append"]: what this build offers beyond
+//     the model's two functions (Qwen's official extension and older builds of ours
+//     have no `features`).
 //
 // Two builds from the same sources, with no extra defines:
 //   * this file alone: a CPU-only extension (CUDA tensors are refused with a clear error);
@@ -243,14 +268,14 @@ int64_t check_layout(const char* fn, bool qk, const at::Tensor& vec, const at::T
                      const at::Tensor& mul, const at::Tensor& scales, const at::Tensor& zeros) {
   const at::Tensor* all[] = {&vec, &mat, &mul, &scales, &zeros};
   const char* names[] = {"vec", "mat", "mul", "scales", "zeros"};
-  const int64_t B = mat.size(0), H = mat.size(1);
+  const int64_t H = mat.size(1);
   const int64_t D = qk ? mat.size(2) : mat.size(3);
   const int64_t L = scales.size(2);
   const CapacityForm mat_form = qk ? CapacityForm{{H * D, D, 1, 0}, {0, 0, 0, 1}}
                                    : CapacityForm{{H * D, D, 0, 0}, {0, 0, D, 1}};
   const CapacityForm sz_form{{H, 1, 0, 0}, {0, 0, 1, 1}};
-  const char* buffer = qk ? "mat[..., :L] of a contiguous [B, H, D, C] buffer"
-                          : "mat[:, :, :L, :] of a contiguous [B, H, C, D] buffer";
+  const char* buffer = qk ? "kbuf[..., :L] of a contiguous kbuf [B, H, D, C]"
+                          : "vbuf[:, :, :L, :] of a contiguous vbuf [B, H, C, D]";
   const bool views = !(mat.is_contiguous() && scales.is_contiguous() && zeros.is_contiguous());
   for (int i = 0; i < 5; ++i) {
     if (views && (i == 1 || i == 3 || i == 4)) continue;
@@ -268,7 +293,7 @@ int64_t check_layout(const char* fn, bool qk, const at::Tensor& vec, const at::T
       TORCH_CHECK_VALUE(c >= 0, fn, ": ", names[i],
                         " must be contiguous (call .contiguous() first) or the first L "
                         "tokens of a contiguous buffer with room for C >= L (",
-                        i == 1 ? buffer : "x[:, :, :L] of a contiguous [B, H, C, 1] buffer",
+                        i == 1 ? buffer : "sbuf[:, :, :L] of a contiguous sbuf [B, H, C, 1]",
                         "), got shape ", shape_str(*all[i]), " with strides ",
                         all[i]->strides());
       if (c == 0) continue;
@@ -650,6 +675,12 @@ void quantize_append(const at::Tensor& x, const at::Tensor& codes, const at::Ten
                 ": all tensors must be on the same device; x is on ", dev.str(), " but ",
                 names[i], " is on ", all[i]->device().str());
   }
+  TORCH_CHECK(dev.is_cpu() || dev.is_cuda(), kQaName, ": unsupported device ", dev.str(),
+              "; expected CPU or CUDA tensors");
+  TORCH_CHECK(dev.is_cpu() || cuda_entries_present(), kQaName, ": got tensors on ", dev.str(),
+              ", but this extension was built without CUDA (only "
+              "cache_autogptq_cuda_256.cpp was compiled); rebuild it together with "
+              "cache_autogptq_cuda_kernel_256.cu to use CUDA tensors");
   const at::ScalarType xt = x.scalar_type();
   TORCH_CHECK_TYPE(xt == at::kFloat || xt == at::kHalf || xt == at::kBFloat16, kQaName,
                    ": x must be torch.float32, torch.float16 or torch.bfloat16, got ",
@@ -676,8 +707,8 @@ void quantize_append(const at::Tensor& x, const at::Tensor& codes, const at::Ten
                       " with strides ", all[i]->strides());
   }
   TORCH_CHECK_VALUE(pos >= 0, kQaName, ": pos must be >= 0, got ", pos);
-  TORCH_CHECK_VALUE(pos + S <= C, kQaName, ": pos + S = ", pos, " + ", S, " = ", pos + S,
-                    " exceeds the buffers' capacity C = ", C,
+  TORCH_CHECK_VALUE(pos <= C - S, kQaName, ": pos + S (pos = ", pos, ", S = ", S,
+                    ") exceeds the buffers' capacity C = ", C,
                     " (grow the buffers before appending)");
   TORCH_CHECK_VALUE(D > 0 || B * H * S == 0, kQaName,
                     ": x has head_dim 0: there is nothing to take a min / max of");
@@ -693,10 +724,6 @@ void quantize_append(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   }
   if (B * H * S == 0) return;
   if (dev.is_cuda()) {
-    TORCH_CHECK(cuda_entries_present(), kQaName, ": got tensors on ", dev.str(),
-                ", but this extension was built without CUDA (only "
-                "cache_autogptq_cuda_256.cpp was compiled); rebuild it together with "
-                "cache_autogptq_cuda_kernel_256.cu to use CUDA tensors");
     const int64_t strides[4] = {x.stride(0), x.stride(1), x.stride(2), x.stride(3)};
     const int dtype = xt == at::kFloat ? 0 : xt == at::kHalf ? 1 : 2;
     kvprep_v1_quantize_append_cuda(static_cast<int>(x.get_device()), dtype, x.data_ptr(),
@@ -705,8 +732,6 @@ void quantize_append(const at::Tensor& x, const at::Tensor& codes, const at::Ten
                                    key_layout ? 1 : 0, per_token ? 1 : 0);
     return;
   }
-  TORCH_CHECK(dev.is_cpu(), kQaName, ": unsupported device ", dev.str(),
-              "; expected CPU or CUDA tensors");
   if (xt == at::kFloat) {
     quantize_append_cpu<float>(x, codes, scales, zeros, pos, key_layout, per_token);
   } else if (xt == at::kHalf) {

@@ -923,14 +923,12 @@ __device__ __forceinline__ float qa_load(const void* x, int64_t off, int dtype) 
 
 // An fp32 result rounded to x's dtype (round to nearest even), back as fp32.
 __device__ __forceinline__ float qa_round(float v, int dtype) {
+  if (dtype == kQaF32) return v;
   if (dtype == kQaF16) return __half2float(__float2half_rn(v));
-  if (dtype == kQaBF16) {
-    uint32_t u = __float_as_uint(v);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return v;  // NaN
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return __uint_as_float(u & 0xffff0000u);
-  }
-  return v;
+  uint32_t u = __float_as_uint(v);  // bf16
+  if ((u & 0x7fffffffu) > 0x7f800000u) return v;  // NaN
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return __uint_as_float(u & 0xffff0000u);
 }
 
 __device__ __forceinline__ float qa_max(float a, float b) { return a > b || a != a ? a : b; }

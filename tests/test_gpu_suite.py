@@ -196,3 +196,80 @@ def test_correctness_check_can_fail(cpu_kernel_ext: ModuleType) -> None:
 
     r = corr.check_case(Off(), corr.SMALL[0], "cpu")
     assert not r["ok"]
+
+
+def test_view_and_quantize_checks_run_the_cpu_extension(cpu_kernel_ext: ModuleType) -> None:
+    corr = _load("kvprep_gpu_correctness3", GPU / "correctness.py")
+    for vc in corr.SMALL_VIEW_CASES:
+        r = corr.check_view_case(cpu_kernel_ext, vc, "cpu")
+        assert r["ok"], r
+        assert set(r["paths"]) == {"cpu"}
+    cases = corr.quantize_cases("cpu", small=True)
+    assert {c["dtype"] for c in cases} == {"bfloat16", "float16", "float32"}
+    assert {c["s"] for c in cases} == {1, 37}
+    for qc in cases:
+        r = corr.check_quantize_case(cpu_kernel_ext, qc, "cpu")
+        assert r["ok"], r
+
+
+def test_view_and_quantize_checks_can_fail(cpu_kernel_ext: ModuleType) -> None:
+    corr = _load("kvprep_gpu_correctness4", GPU / "correctness.py")
+
+    class Broken:  # views read one token short; quantize_append writes one code too many
+        def __getattr__(self, name: str):  # type: ignore[no-untyped-def]
+            fn = getattr(cpu_kernel_ext, name)
+            if name == "quantize_append":
+
+                def append(x, codes, scales, zeros, pos, key, per_token):  # type: ignore[no-untyped-def]
+                    fn(x, codes, scales, zeros, pos, key, per_token)
+                    codes.view(-1)[-1] ^= 1
+
+                return append
+
+            def op(vec, mat, mul, scales, zeros):  # type: ignore[no-untyped-def]
+                fn(vec, mat, mul, scales, zeros)
+                if not mat.is_contiguous():
+                    mul.view(-1)[0] += 1
+
+            return op
+
+    assert not corr.check_view_case(Broken(), corr.SMALL_VIEW_CASES[0], "cpu")["ok"]
+    r = corr.check_quantize_case(Broken(), corr.quantize_cases("cpu", small=True)[0], "cpu")
+    assert not r["ok"] and not r["rest_untouched"]
+
+
+def test_markdown_reports_views_and_quantize_append(runner: ModuleType) -> None:
+    doc = {
+        "date": "2026-01-01T00:00:00+00:00",
+        "quick": True,
+        "machine": {},
+        "steps": [],
+        "measurements": {
+            "kernels-correctness": {
+                "views": [
+                    {
+                        "name": "decode view",
+                        "b": 1,
+                        "h": 2,
+                        "q": 1,
+                        "seq": 9,
+                        "cap": 21,
+                        "paths": {"default": {"qk": True, "pv": False}},
+                    },
+                ],
+                "quantize_append": [
+                    {
+                        "dtype": "bfloat16",
+                        "s": 37,
+                        "per_token": True,
+                        "key_layout": False,
+                        "codes_differing": 0,
+                        "scales_zeros_equal": True,
+                    },
+                ],
+            }
+        },
+    }
+    md = runner.markdown(doc)
+    assert "| decode view | 1 | 2 | 1 | 9 | 21 | default | True | False |" in md
+    assert "| bfloat16 | 37 | True | False | 0 | True |" in md

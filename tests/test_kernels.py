@@ -327,21 +327,21 @@ CAPACITY_SHAPES = [
 
 
 def capacity_views(
-    b: int, h: int, d: int, seq: int, cap: int, seed: int, key: bool
+    b: int, h: int, d: int, seq: int, cap: int, seed: int, key: bool, device: str = "cpu"
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """mat, scales, zeros as views of the first `seq` tokens of capacity-`cap` buffers whose
     unused tail holds garbage (0xFF codes, NaN scales), so a read past L shows."""
     g = torch.Generator().manual_seed(seed)
     shape = (b, h, d, cap) if key else (b, h, cap, d)
-    buf = torch.full(shape, 255, dtype=torch.uint8)
-    sbuf = torch.full((b, h, cap, 1), float("nan"), dtype=torch.float16)
-    zbuf = torch.full((b, h, cap, 1), float("nan"), dtype=torch.float16)
+    buf = torch.full(shape, 255, dtype=torch.uint8, device=device)
+    sbuf = torch.full((b, h, cap, 1), float("nan"), dtype=torch.float16, device=device)
+    zbuf = torch.full((b, h, cap, 1), float("nan"), dtype=torch.float16, device=device)
     if key:
         mat = buf[..., :seq]
     else:
         mat = buf[:, :, :seq, :]
     mat.copy_(torch.randint(0, 256, mat.shape, generator=g, dtype=torch.uint8))
-    scales, zeros = _scales_zeros(g, b, h, seq)
+    scales, zeros = _scales_zeros(g, b, h, seq)  # copied across devices by copy_
     sbuf[:, :, :seq].copy_(scales)
     zbuf[:, :, :seq].copy_(zeros)
     return mat, sbuf[:, :, :seq], zbuf[:, :, :seq]
@@ -430,7 +430,7 @@ def test_refused_layouts_beside_capacity_views(
 
 def test_pv_mat_cut_along_head_dim_is_refused(ext: ModuleType) -> None:
     vec, mat, mul, scales, zeros = pv_args()
-    with pytest.raises(ValueError, match="must be contiguous .* or the first L tokens"):
+    with pytest.raises(ValueError, match=r"must be contiguous .* or the first L tokens"):
         getattr(ext, PV)(vec, _wrong_axis_view(mat), mul, scales, zeros)
 
 
@@ -445,7 +445,7 @@ def test_qk_rows_overlapping_is_refused(ext: ModuleType) -> None:
 
 def test_output_inside_the_capacity_buffer_is_refused(ext: ModuleType) -> None:
     """mul must not share memory with a view, which torch's own overlap test cannot tell."""
-    vec, mat, scales, zeros = make_pv(1, 2, 4, 16, 9, seed=11)
+    vec, mat, scales, _ = make_pv(1, 2, 4, 16, 9, seed=11)
     big = torch.zeros(200, dtype=torch.float16)
     sbuf = big[:24].view(1, 2, 12, 1)
     sbuf[:, :, :9].copy_(scales)
@@ -457,8 +457,9 @@ def test_output_inside_the_capacity_buffer_is_refused(ext: ModuleType) -> None:
     with pytest.raises(ValueError, match="share memory with scales"):
         getattr(ext, PV)(vec, mat, mul, sbuf[:, :, :9], zbuf[:, :, :9])
     # The same views beside an unrelated output are fine.
-    getattr(ext, PV)(vec, mat, torch.empty(1, 2, 4, 16, dtype=torch.float16), sbuf[:, :, :9],
-                     zbuf[:, :, :9])
+    getattr(ext, PV)(
+        vec, mat, torch.empty(1, 2, 4, 16, dtype=torch.float16), sbuf[:, :, :9], zbuf[:, :, :9]
+    )
 
 
 def test_features_name_the_additions(ext: ModuleType) -> None:
@@ -490,19 +491,22 @@ def qa_buffers(
     b: int, h: int, d: int, cap: int, key: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(cap * 3 + d)
-    codes = torch.randint(0, 256, (b, h, d, cap) if key else (b, h, cap, d), generator=g,
-                          dtype=torch.uint8)
+    codes = torch.randint(
+        0, 256, (b, h, d, cap) if key else (b, h, cap, d), generator=g, dtype=torch.uint8
+    )
     scales = torch.randn(b, h, cap, 1, generator=g).half()
     zeros = torch.randn(b, h, cap, 1, generator=g).half()
     return codes, scales, zeros
 
 
-def projection_slice(b: int, s: int, h: int, d: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+def projection_slice(
+    b: int, s: int, h: int, d: int, dtype: torch.dtype, seed: int, device: str = "cpu"
+) -> torch.Tensor:
     """x as the model has it: the key or value third of a fused projection, [B,S,H,D] with
     the strides of a split (not contiguous)."""
     g = torch.Generator().manual_seed(seed)
-    qkv = (torch.randn(b, s, 3 * h * d, generator=g) * 4 + 1.5).to(dtype)
-    x = qkv.split(h * d, dim=2)[1].view(b, s, h, d)
+    qkv = (torch.randn(b, s, 3 * h * d, generator=g) * 4 + 1.5).to(device=device, dtype=dtype)
+    x = qkv[:, :, h * d : 2 * h * d].view(b, s, h, d)
     assert not x.is_contiguous()
     return x
 
@@ -580,8 +584,12 @@ QA_BAD: list[tuple[str, Callable[[Args], Args], type[Exception], str]] = [
     ("codes-shape", _set(1, lambda t: t[:, :, :, :-1].contiguous()), ValueError, r"\[B, H, C, D\]"),
     ("scales-shape", _set(2, lambda t: t[:, :-1].contiguous()), ValueError, r"\[B, H, C, 1\]"),
     ("zeros-capacity", _set(3, lambda t: t[:, :, :-1].contiguous()), ValueError, "zeros must have"),
-    ("codes-view", _set(1, lambda t: t.transpose(0, 1).contiguous().transpose(0, 1)), ValueError,
-     "codes must be a contiguous buffer"),
+    (
+        "codes-view",
+        _set(1, lambda t: t.transpose(0, 1).contiguous().transpose(0, 1)),
+        ValueError,
+        "codes must be a contiguous buffer",
+    ),
     ("device", _set(2, lambda t: t.to("meta")), RuntimeError, "same device"),
     ("alias", lambda a: [a[0], a[1], a[2], a[2]], ValueError, "scales must not share memory"),
 ]
@@ -592,7 +600,9 @@ def qa_args() -> Args:
     return [torch.randn(2, 4, 3, 8).half(), codes, scales, zeros]
 
 
-@pytest.mark.parametrize(("change", "exc", "words"), [pytest.param(c, e, w, id=i) for i, c, e, w in QA_BAD])
+@pytest.mark.parametrize(
+    ("change", "exc", "words"), [pytest.param(c, e, w, id=i) for i, c, e, w in QA_BAD]
+)
 def test_quantize_append_refuses_bad_input(
     ext: ModuleType, change: Callable[[Args], Args], exc: type[Exception], words: str
 ) -> None:
@@ -601,13 +611,19 @@ def test_quantize_append_refuses_bad_input(
     with pytest.raises(exc, match=words) as info:
         ext.quantize_append(*args, 2, False, False)
     assert "quantize_append" in str(info.value)
-    assert all(torch.equal(a, b) for a, b in zip([t for t in args[1:] if t.device.type == "cpu"], before))
+    assert all(
+        torch.equal(a, b) for a, b in zip([t for t in args[1:] if t.device.type == "cpu"], before)
+    )
 
 
 @pytest.mark.parametrize(
     ("pos", "key", "words"),
-    [(-1, False, "pos must be >= 0"), (7, False, "exceeds the buffers' capacity C = 10"),
-     (0, True, r"\[B, H, D, C\]")],
+    [
+        (-1, False, "pos must be >= 0"),
+        (7, False, r"pos \+ S \(pos = 7, S = 4\) exceeds the buffers' capacity C = 10"),
+        (2**62, False, "exceeds the buffers' capacity"),  # no overflow in pos + S
+        (0, True, r"\[B, H, D, C\]"),
+    ],
 )
 def test_quantize_append_refuses_bad_positions_and_layouts(
     ext: ModuleType, pos: int, key: bool, words: str
@@ -616,8 +632,32 @@ def test_quantize_append_refuses_bad_positions_and_layouts(
         ext.quantize_append(*qa_args(), pos, key, False)
 
 
+def test_quantize_append_on_an_unsupported_device(ext: ModuleType) -> None:
+    args = [t.to("meta") for t in qa_args()]
+    with pytest.raises(RuntimeError, match="quantize_append: unsupported device meta"):
+        ext.quantize_append(*args, 0, False, False)
+
+
 def test_quantize_append_with_no_tokens_writes_nothing(ext: ModuleType) -> None:
     x, codes, scales, zeros = qa_args()
     before = codes.clone()
     ext.quantize_append(x[:, :0], codes, scales, zeros, 10, False, False)
     assert torch.equal(codes, before)
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16, torch.float16))
+@pytest.mark.parametrize("value", (0.0, 2.5, -1.0))
+def test_quantize_append_constant_tokens_like_torch(
+    ext: ModuleType, dtype: torch.dtype, value: float
+) -> None:
+    """A token whose values are all equal gives scale 0 and a NaN or infinite zero; the
+    codes and the stored scale/zero still follow torch (NaN codes become 0)."""
+    x = torch.full((1, 3, 2, 40), value, dtype=dtype)
+    x[0, 1, 0] = torch.arange(40)
+    for per_token in (True, False):
+        codes, scales, zeros = qa_buffers(1, 2, 40, 5, key=False)
+        ext.quantize_append(x, codes, scales, zeros, 1, False, per_token)
+        q, sc, ze = quantize_reference(x, per_token)
+        assert torch.equal(codes[:, :, 1:4], q)
+        for got, want in ((scales[:, :, 1:4], sc), (zeros[:, :, 1:4], ze)):
+            assert bool(((got == want) | (got.isnan() & want.isnan())).all())

@@ -119,6 +119,7 @@ def test_full_extension_links_and_imports(cuda_ext: ModuleType) -> None:
             "kvprep_v1_pv_workspace_floats",
             "kvprep_v1_tuning",
             "kvprep_v1_dequant_cuda",
+            "kvprep_v1_quantize_append_cuda",
         ):
             assert re.search(rf" [tT] {entry}$", defined, re.M), f"{entry} not defined"
 
@@ -149,6 +150,10 @@ def _check(out: torch.Tensor, ref: torch.Tensor, mag: torch.Tensor, rel: float =
     tol = ref.abs() * 2.0**-10 + mag * rel + 1e-6
     worst = ((out.double() - ref).abs() - tol).max().item()
     assert worst <= 0, f"error exceeds tolerance by {worst:.3g}"
+
+
+def test_cuda_build_names_its_features(cuda_ext: ModuleType) -> None:
+    assert {"capacity-views", "quantize-append"} <= set(cuda_ext.features())
 
 
 def test_cpu_path_of_the_cuda_build(cuda_ext: ModuleType) -> None:
@@ -257,3 +262,75 @@ def _check_on_gpu(
     getattr(cuda_ext, name)(dev[0], shifted, dev[2], dev[3], dev[4])
     torch.cuda.synchronize()
     _check(dev[2], *_reference(args, pv), rel=rel)
+
+
+# ---- capacity views and quantize_append on the GPU ---------------------------------------
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+@pytest.mark.parametrize(
+    ("b", "h", "q", "d", "seq", "cap"),
+    # L = C, C % 16 == 0, C not a multiple of 16, one token, odd L, a prefill block
+    [(2, 3, 1, 128, 64, 64), (2, 4, 1, 128, 500, 512), (1, 2, 5, 80, 129, 151),
+     (2, 2, 1, 128, 1, 48), (1, 4, 130, 128, 263, 300)],
+)
+def test_gpu_capacity_views_equal_contiguous_copies(
+    cuda_ext: ModuleType, b: int, h: int, q: int, d: int, seq: int, cap: int, path: str
+) -> None:
+    from tests.test_kernels import capacity_views
+
+    needs.gpu()
+    saved = cuda_ext.cuda_tuning()
+    setting = PATHS[path]
+    if setting is not None:
+        cuda_ext.cuda_tuning(*setting)
+    try:
+        for pv, name in (
+            (False, "vecquant8matmul_batched_faster_old"),
+            (True, "vecquant8matmul_batched_column_compression_faster_old"),
+        ):
+            mat, scales, zeros = capacity_views(
+                b, h, d, seq, cap, seed=cap + q, key=not pv, device="cuda"
+            )
+            assert seq == cap or not mat.is_contiguous()
+            vec = torch.randn(b, h, q, seq if pv else d).half().cuda()
+            shape = (b, h, q, d if pv else seq)
+            got = torch.full(shape, float("nan"), dtype=torch.float16, device="cuda")
+            want = got.clone()
+            getattr(cuda_ext, name)(vec, mat, got, scales, zeros)
+            getattr(cuda_ext, name)(
+                vec, mat.contiguous(), want, scales.contiguous(), zeros.contiguous()
+            )
+            torch.cuda.synchronize()
+            assert torch.equal(got, want), f"{name}: view differs from contiguous copy"
+    finally:
+        cuda_ext.cuda_tuning(*saved.values())
+
+
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16, torch.float32))
+@pytest.mark.parametrize("key", (False, True))
+@pytest.mark.parametrize("per_token", (False, True))
+@pytest.mark.parametrize("s", (1, 37))
+def test_gpu_quantize_append_matches_torch_on_the_gpu(
+    cuda_ext: ModuleType, dtype: torch.dtype, key: bool, per_token: bool, s: int
+) -> None:
+    """Exact against the model's quantization run by torch on CUDA in the same dtype."""
+    from tests.test_kernels import projection_slice, qa_buffers, quantize_reference
+
+    needs.gpu()
+    b, h, d, cap, pos = 2, 8, 128, 64, 7
+    x = projection_slice(b, s, h, d, dtype, seed=s + int(key), device="cuda")
+    assert not x.is_contiguous()
+    codes, scales, zeros = (t.cuda() for t in qa_buffers(b, h, d, cap, key))
+    before = [t.clone() for t in (codes, scales, zeros)]
+    cuda_ext.quantize_append(x, codes, scales, zeros, pos, key, per_token)
+    q, sc, ze = quantize_reference(x, per_token)
+    got = codes[..., pos : pos + s].transpose(-1, -2) if key else codes[:, :, pos : pos + s]
+    assert torch.equal(got, q), f"{(got != q).sum().item()} codes differ"
+    assert torch.equal(scales[:, :, pos : pos + s], sc)
+    assert torch.equal(zeros[:, :, pos : pos + s], ze)
+    for new, old in zip((codes, scales, zeros), before):
+        axis = 3 if (key and new is codes) else 2
+        assert torch.equal(new.narrow(axis, 0, pos), old.narrow(axis, 0, pos))
+        rest = cap - pos - s
+        assert torch.equal(new.narrow(axis, pos + s, rest), old.narrow(axis, pos + s, rest))

@@ -15,6 +15,16 @@ Outputs are checked whole for NaN (an element no block wrote); the float64 compa
 covers every (b, h) when there are at most 16, else 8 of them, the first and last always
 among them (the tails of the tensor).
 
+Two more groups check the additions our extension names in `features()`:
+
+- capacity views: both ops on mat/scales/zeros that are the first L tokens of buffers with
+  room for C tokens (`kbuf[..., :L]`, `vbuf[:, :, :L]`, `sbuf[:, :, :L]`), through every
+  path, must equal bit for bit the same call on `.contiguous()` copies;
+- quantize_append: codes, scales and zeros written into such buffers must equal exactly the
+  model's quantization run by torch on the same device and dtype (bf16 and fp16; fp32 too
+  on the CPU), S = 1 and 37, per chunk and per token, both layouts, x a slice of a fused
+  projection, pos > 0; the rest of the buffers untouched.
+
     python bench/gpu/correctness.py [--json FILE] [--small] [--build-dir DIR]
 
 `--small` runs a few small cases (for compute-sanitizer). Exit status 1 when a case fails.
@@ -207,6 +217,185 @@ def check_case(ext: ModuleType, case: Case, device: str, seed: int = 0) -> dict[
     return result
 
 
+# ---- capacity views and quantize_append (features() of our extension) ------------------
+
+
+@dataclass(frozen=True)
+class ViewCase:
+    name: str
+    b: int
+    h: int
+    q: int
+    seq: int
+    cap: int
+
+
+VIEW_CASES = [
+    ViewCase("decode, L = C", 2, 8, 1, 256, 256),
+    ViewCase("decode, C % 16 == 0", 4, 32, 1, 1000, 1024),
+    ViewCase("decode, C not a multiple of 16", 2, 8, 1, 777, 1001),
+    ViewCase("decode, one cached token", 2, 8, 1, 1, 64),
+    ViewCase("short block, odd L", 2, 8, 5, 333, 512),
+    ViewCase("prefill, odd L", 1, 8, 130, 263, 300),
+]
+
+SMALL_VIEW_CASES = [
+    ViewCase("small decode view", 2, 3, 1, 37, 64),
+    ViewCase("small decode view, odd C", 1, 2, 1, 9, 21),
+    ViewCase("small prefill view", 1, 2, 40, 99, 128),
+]
+
+
+def view_paths(device: str) -> list[tuple[str, Optional[tuple[int, ...]]]]:
+    paths = paths_for(device)
+    if device == "cuda":  # the tensor-core P·V that rounds the cache to fp16 once
+        paths.append(
+            ("tensor-cores, single rounding", (1, 1, 0, bench_kernels.NEVER, bench_kernels.NEVER))
+        )
+    return paths
+
+
+def _capacity_view(full: torch.Tensor, seq: int, axis: int) -> torch.Tensor:
+    """The first `seq` tokens (along `axis`) of a contiguous buffer; the rest is garbage."""
+    return full.narrow(axis, 0, seq)
+
+
+def check_view_case(ext: ModuleType, case: ViewCase, device: str) -> dict[str, object]:
+    """Both ops on capacity views against the same ops on contiguous copies, every path."""
+    g = torch.Generator(device=device).manual_seed(case.seq * 13 + case.cap)
+    b, h, q, n, c = case.b, case.h, case.q, case.seq, case.cap
+    kbuf = torch.randint(0, 256, (b, h, D, c), generator=g, device=device, dtype=torch.uint8)
+    vbuf = torch.randint(0, 256, (b, h, c, D), generator=g, device=device, dtype=torch.uint8)
+
+    def sz() -> tuple[torch.Tensor, torch.Tensor]:
+        sc = (torch.rand(b, h, c, 1, generator=g, device=device) * 0.03 + 0.002).half()
+        ze = (torch.rand(b, h, c, 1, generator=g, device=device) * 255).half()
+        sc[:, :, n:] = float("nan")  # garbage past L: a read there shows
+        ze[:, :, n:] = float("nan")
+        return sc, ze
+
+    k_s, k_z = sz()
+    v_s, v_z = sz()
+    k_t = _capacity_view(kbuf, n, 3)
+    v_q = _capacity_view(vbuf, n, 2)
+    k_s, k_z, v_s, v_z = (_capacity_view(t, n, 2) for t in (k_s, k_z, v_s, v_z))
+    query = torch.randn(b, h, q, D, generator=g, device=device).half()
+    probs = _fp16_softmax(
+        torch.randn(b, h, q, n, generator=g, device=device, dtype=torch.float16) * 4
+    )
+    saved = ext.cuda_tuning() if device == "cuda" else None
+    result: dict[str, object] = {**asdict(case), "paths": {}}
+    ok = True
+    try:
+        for label, setting in view_paths(device):
+            if setting is not None:
+                ext.cuda_tuning(*setting)
+            per: dict[str, bool] = {}
+            for op in ("qk", "pv"):
+                shape = (b, h, q, n if op == "qk" else D)
+                got = torch.full(shape, float("nan"), dtype=torch.float16, device=device)
+                want = got.clone()
+                if op == "qk":
+                    getattr(ext, QK)(query, k_t, got, k_s, k_z)
+                    getattr(ext, QK)(
+                        query, k_t.contiguous(), want, k_s.contiguous(), k_z.contiguous()
+                    )
+                else:
+                    getattr(ext, PV)(probs, v_q, got, v_s, v_z)
+                    getattr(ext, PV)(
+                        probs, v_q.contiguous(), want, v_s.contiguous(), v_z.contiguous()
+                    )
+                same = bool(torch.equal(got, want)) and not bool(torch.isnan(got).any().item())
+                per[op] = same
+                ok = ok and same
+            result["paths"][label] = per  # type: ignore[index]
+    finally:
+        if saved is not None:
+            ext.cuda_tuning(*(saved[k] for k in bench_kernels.TUNING_KEYS))
+    result["ok"] = ok
+    return result
+
+
+def quantize_reference(
+    x: torch.Tensor, per_token: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The model's quantization, run by torch in x's dtype on x's device: codes [B,H,S,D],
+    fp16 scale and zero [B,H,S,1]."""
+    f = x.permute(0, 2, 1, 3)
+    flat = f if per_token else f.flatten(2)
+    mx = flat.amax(-1, keepdim=True)
+    mn = flat.amin(-1, keepdim=True)
+    scale = (mx - mn) / torch.tensor(255)
+    zero = torch.tensor(0) - mn / scale
+    s4 = scale if per_token else scale.unsqueeze(-1)
+    z4 = zero if per_token else zero.unsqueeze(-1)
+    q = torch.clamp(f / s4 + z4, 0, 255).to(torch.uint8)
+    shape = (*f.shape[:3], 1)
+    return q, s4.half().expand(shape), z4.half().expand(shape)
+
+
+def quantize_cases(device: str, small: bool) -> list[dict[str, object]]:
+    dtypes = [torch.bfloat16, torch.float16] + ([torch.float32] if device == "cpu" else [])
+    b, h, d = (2, 4, 128) if small else (4, 32, 128)
+    out = []
+    for dtype in dtypes:
+        for s in (1, 37):
+            for per_token in (False, True):
+                for key in (False, True):
+                    out.append(
+                        {
+                            "dtype": str(dtype).replace("torch.", ""),
+                            "b": b,
+                            "h": h,
+                            "d": d,
+                            "s": s,
+                            "per_token": per_token,
+                            "key_layout": key,
+                        }
+                    )
+    return out
+
+
+def check_quantize_case(ext: ModuleType, case: dict[str, object], device: str) -> dict[str, object]:
+    dtype = getattr(torch, str(case["dtype"]))
+    b, h, d, s = (int(case[k]) for k in ("b", "h", "d", "s"))  # type: ignore[call-overload]
+    per_token, key = bool(case["per_token"]), bool(case["key_layout"])
+    pos, cap = 5, 5 + s + 11
+    g = torch.Generator(device=device).manual_seed(s * 7 + d + int(per_token) + 2 * int(key))
+    # x as the model has it: the key (or value) third of a fused projection, [B, S, H, D].
+    qkv = torch.randn(b, s, 3 * h * d, generator=g, device=device) * 3 + 0.5
+    qkv *= torch.rand(1, 1, 3 * h * d, generator=g, device=device) + 0.1
+    x = qkv.to(dtype)[:, :, h * d : 2 * h * d].view(b, s, h, d)
+    shape = (b, h, d, cap) if key else (b, h, cap, d)
+    codes = torch.randint(0, 256, shape, generator=g, device=device, dtype=torch.uint8)
+    scales = torch.randn(b, h, cap, 1, generator=g, device=device).half()
+    zeros = torch.randn(b, h, cap, 1, generator=g, device=device).half()
+    before = (codes.clone(), scales.clone(), zeros.clone())
+    ext.quantize_append(x, codes, scales, zeros, pos, key, per_token)
+    q, sc, ze = quantize_reference(x, per_token)
+    got = codes[..., pos : pos + s].transpose(-1, -2) if key else codes[:, :, pos : pos + s]
+    differ = int((got != q).sum().item())
+    same_sz = bool(torch.equal(scales[:, :, pos : pos + s], sc)) and bool(
+        torch.equal(zeros[:, :, pos : pos + s], ze)
+    )
+    untouched = True
+    for new, old in zip((codes, scales, zeros), before):
+        axis = 3 if (key and new is codes) else 2
+        for lo, hi in ((0, pos), (pos + s, cap)):
+            untouched = untouched and bool(
+                torch.equal(new.narrow(axis, lo, hi - lo), old.narrow(axis, lo, hi - lo))
+            )
+    return {
+        **case,
+        "pos": pos,
+        "cap": cap,
+        "codes_differing": differ,
+        "scales_zeros_equal": same_sz,
+        "rest_untouched": untouched,
+        "ok": differ == 0 and same_sz and untouched,
+    }
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
@@ -234,13 +423,65 @@ def main(argv: Optional[list[str]] = None) -> int:
             )
         if device == "cuda":
             torch.cuda.empty_cache()
-    failed = [r["name"] for r in results if not r["ok"]]
+    failed = [str(r["name"]) for r in results if not r["ok"]]
+    features = set(ext.features()) if hasattr(ext, "features") else set()
+    views: list[dict[str, object]] = []
+    quant: list[dict[str, object]] = []
+    if "capacity-views" in features:
+        print()
+        print(
+            "| view case | B | H | Q | L | C | path "
+            "| QK view == contiguous | PV view == contiguous |"
+        )
+        print("|---|---:|---:|---:|---:|---:|---|---|---|")
+        small = args.small or device == "cpu"
+        for vc in SMALL_VIEW_CASES if small else VIEW_CASES:
+            r = check_view_case(ext, vc, device)
+            views.append(r)
+            for label, per in r["paths"].items():  # type: ignore[attr-defined]
+                print(
+                    f"| {vc.name} | {vc.b} | {vc.h} | {vc.q} | {vc.seq} | {vc.cap} | {label} "
+                    f"| {per['qk']} | {per['pv']} |",
+                    flush=True,
+                )
+            if not r["ok"]:
+                failed.append(f"view: {vc.name}")
+    else:
+        print("# this extension has no capacity views (features() lacks 'capacity-views')")
+    if "quantize-append" in features:
+        print()
+        print(
+            "| quantize_append | B | H | D | S | per token | key layout | codes differing "
+            "| scales/zeros equal | rest untouched |"
+        )
+        print("|---|---:|---:|---:|---:|---|---|---:|---|---|")
+        for qc in quantize_cases(device, args.small or device == "cpu"):
+            r = check_quantize_case(ext, qc, device)
+            quant.append(r)
+            print(
+                f"| {r['dtype']} | {r['b']} | {r['h']} | {r['d']} | {r['s']} | "
+                f"{r['per_token']} | {r['key_layout']} | {r['codes_differing']} | "
+                f"{r['scales_zeros_equal']} | {r['rest_untouched']} |",
+                flush=True,
+            )
+            if not r["ok"]:
+                failed.append(
+                    f"quantize_append {r['dtype']} S={r['s']} "
+                    f"per_token={r['per_token']} key_layout={r['key_layout']}"
+                )
+    else:
+        print("# this extension has no quantize_append (features() lacks 'quantize-append')")
     if args.json:
-        Path(args.json).write_text(json.dumps({"device": device, "cases": results}, indent=1))
+        doc = {"device": device, "cases": results, "views": views, "quantize_append": quant}
+        Path(args.json).write_text(json.dumps(doc, indent=1))
     if failed:
-        print(f"# FAILED: {', '.join(map(str, failed))}")
+        print(f"# FAILED: {', '.join(failed)}")
         return 1
-    print(f"# all {len(results)} cases within tolerance on every path")
+    print(
+        f"# all {len(results)} cases within tolerance on every path; "
+        f"{len(views)} capacity-view cases equal to contiguous copies; "
+        f"{len(quant)} quantize_append cases exact"
+    )
     return 0
 
 
