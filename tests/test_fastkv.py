@@ -60,12 +60,17 @@ def test_the_block_is_appended_once_and_taken_out_byte_for_byte() -> None:
 def test_the_planted_module_compiles_and_names_what_the_model_code_needs() -> None:
     source = (templates_dir() / FAST_FILE).read_text(encoding="utf-8")
     compile(source, FAST_FILE, "exec")
-    for name in ("def install(namespace)", "quantize_append", "capacity-views"):
+    for name in ("def install(namespace)", "attention_step", "attention-step"):
         assert name in source
 
 
 @pytest.fixture()
-def ckpt(tmp_path: Path, isolated_hf: Path) -> Path:
+def ckpt(tmp_path: Path, isolated_hf: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    from transformers import dynamic_module_utils as dmu
+
+    # fix runs in this process, where transformers read the modules cache's place when it
+    # was first imported: this test's private one instead
+    monkeypatch.setattr(dmu, "HF_MODULES_CACHE", str(isolated_hf / "modules"))
     return generate_checkpoint(tmp_path / "Qwen", dtype="fp32")
 
 

@@ -31,15 +31,21 @@ def model(tmp_path_factory: pytest.TempPathFactory, shared_build_cache: Path) ->
                QWEN_KVPREP_CACHE=str(shared_build_cache), **NO_TOOLKIT)
     done = kvprep("fix", str(ckpt), "--no-smoke", "--json", env=env, timeout=1800)
     assert done.returncode == 0, done.stdout + done.stderr
-    saved = {k: os.environ.get(k) for k in ("HF_HOME", "HF_MODULES_CACHE", "QWEN_KVPREP_CACHE")}
-    os.environ.update({k: env[k] for k in saved})
-    try:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import dynamic_module_utils as dmu
 
+    # transformers read the modules cache's place at its import: point it at the one fix
+    # planted into for this load only, and put everything back for the tests after
+    saved = {k: os.environ.get(k) for k in ("HF_HOME", "HF_MODULES_CACHE", "QWEN_KVPREP_CACHE")}
+    saved_root = dmu.HF_MODULES_CACHE
+    os.environ.update({k: env[k] for k in saved})
+    dmu.HF_MODULES_CACHE = env["HF_MODULES_CACHE"]
+    try:
         m = AutoModelForCausalLM.from_pretrained(str(ckpt), trust_remote_code=True).eval()
         m.tokenizer = AutoTokenizer.from_pretrained(str(ckpt), trust_remote_code=True)
         yield m
     finally:
+        dmu.HF_MODULES_CACHE = saved_root
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
