@@ -100,13 +100,19 @@ class _Buffers:
 
     def owns(self, past):
         """True when `past` is this layer's latest cache, so appending cannot change a
-        cache anyone else holds."""
-        codes = past[0][0]
+        cache anyone else holds.
+
+        Judged by where its tensors start, not by `Tensor._base`, which inference_mode does
+        not track: the buffers are alive (this object holds them), so no other tensor can
+        start at their addresses.
+        """
+        (kq, _, _), (vq, _, _) = past
         return (
-            isinstance(codes, torch.Tensor)
-            and codes._base is self.k
-            and codes.shape[2] == self.length
-            and codes.shape[0] == self.k.shape[0]
+            kq.shape[2] == self.length
+            and kq.shape[0] == self.k.shape[0]
+            and kq.data_ptr() == self.k.data_ptr()
+            and vq.data_ptr() == self.v.data_ptr()
+            and kq.stride(-1) == self.k.shape[-1]
         )
 
     def copy_from(self, past, length):

@@ -171,3 +171,20 @@ def test_an_extension_without_the_features_runs_the_model_s_own_code(model: Any)
     finally:
         for layer, kernels in zip(layers, saved):
             layer.cache_kernels = kernels
+
+
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+def test_decoding_appends_in_place_without_copying_the_cache(model: Any, mode: str) -> None:
+    """Servers decode under inference_mode, where views do not know their base: the buffers
+    must still be recognised as the past's own and reused, not copied at every step."""
+    _fast(model, True)
+    context = torch.inference_mode() if mode == "inference_mode" else torch.no_grad()
+    layer = _layers(model)[0]
+    seen = []
+    with context:
+        out = model(torch.tensor(PROMPT), use_cache=True)
+        for _ in range(20):
+            seen.append(id(layer._qwen_kvprep_buffers))
+            nxt = out.logits[:, -1:].argmax(-1)
+            out = model(nxt, past_key_values=out.past_key_values, use_cache=True)
+    assert len(set(seen)) == 1, f"the buffers were replaced {len(set(seen)) - 1} times"
