@@ -68,9 +68,21 @@ def parse(facts: Facts) -> Union[Finding, list[Finding]]:
         where = f"repair line {cp.config_error_line} of {path}, or re-download it: " if (
             cp.config_error_line
         ) else "re-download it: "
+        error = cp.config_error or f"{path} cannot be read"
+        if getattr(cp, "config_error_json", False):
+            consequence = (
+                f", so loading fails with `OSError: It looks like the config file at '{path}' "
+                "is not a valid JSON file.`"
+            )
+        else:
+            # a size, number or nesting limit, a duplicate key: qwen-kvprep's own rules,
+            # which transformers may or may not share; say only what is ours
+            consequence = (
+                ": qwen-kvprep refuses it as a model config (a Qwen config.json is a few KiB "
+                "of plain JSON with unique keys), and fix changes nothing"
+            )
         return fail(
-            f"{cp.config_error or f'{path} cannot be read'}, so loading fails with `OSError: It "
-            f"looks like the config file at '{path}' is not a valid JSON file.`",
+            error + consequence,
             where + redownload(cp, [CONFIG]), paths=[path], line=cp.config_error_line,
         )
     cfg = cp.config

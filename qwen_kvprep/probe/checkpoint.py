@@ -135,6 +135,9 @@ class CheckpointFacts:
     config: Optional[dict[str, JSON]] = None
     config_error: Optional[str] = None
     config_error_line: Optional[int] = None  # where the JSON parser stopped
+    # the error is one transformers itself stops at with `OSError: ... not a valid JSON
+    # file` (a syntax error, bytes that are not UTF-8): checked with 4.37 and 4.53
+    config_error_json: bool = False
     config_is_symlink: bool = False
     config_link_target: Optional[str] = None
     modeling_text_supports_kv: Optional[bool] = None  # None: modeling_qwen.py unreadable
@@ -706,6 +709,7 @@ def probe_checkpoint(path: Path) -> CheckpointFacts:
     config: Optional[dict[str, JSON]] = None
     config_error: Optional[str] = None
     config_error_line: Optional[int] = None
+    config_error_json = False
     config_path = path / CONFIG
     if CONFIG in files:
         # the same reader and rules as fix: strict UTF-8, unique keys, a size limit
@@ -716,6 +720,7 @@ def probe_checkpoint(path: Path) -> CheckpointFacts:
             cause = exc.__cause__
             if isinstance(cause, json.JSONDecodeError):
                 config_error_line = cause.lineno
+            config_error_json = isinstance(cause, (json.JSONDecodeError, UnicodeDecodeError))
     is_link = config_path.is_symlink()
     link_target: Optional[str] = None
     if is_link:
@@ -772,6 +777,7 @@ def probe_checkpoint(path: Path) -> CheckpointFacts:
         config=config,
         config_error=config_error,
         config_error_line=config_error_line,
+        config_error_json=config_error_json,
         config_is_symlink=is_link,
         config_link_target=link_target,
         modeling_text_supports_kv=_mentions(modeling, "use_cache_quantization"),
