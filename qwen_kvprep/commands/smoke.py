@@ -51,6 +51,7 @@ def smoke(
     compare greedy output with the unquantized cache, and measure what it saves."""
     from qwen_kvprep.smoke import SmokeOptions, smoke_and_record
     from qwen_kvprep.smoke.progress import phase_progress
+    from qwen_kvprep.smoke.runner import spelt_as_given
 
     path = existing_dir(directory)
     options = SmokeOptions(
@@ -58,6 +59,7 @@ def smoke(
         max_new_tokens=max_new_tokens,
         prompt=prompt if prompt is not None else DEFAULT_PROMPT,
         timeout=timeout,
+        load_path=spelt_as_given(directory),
     )
     report = smoke_and_record(path, options, on_phase=phase_progress(output_options().as_json))
     finish(report.findings, directory=str(path), smoke=report.summary)

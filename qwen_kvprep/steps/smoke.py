@@ -18,13 +18,20 @@ def run(ctx: FixContext) -> None:
     from qwen_kvprep.smoke.progress import PhaseProgress
     from qwen_kvprep.smoke.protocol import DEFAULT_TIMEOUT_S
     from qwen_kvprep.smoke.record import record_smoke
+    from qwen_kvprep.smoke.runner import spelt_as_given
 
     opts = ctx.options
     timeout = opts.smoke_timeout if opts.smoke_timeout else DEFAULT_TIMEOUT_S
     show = opts.progress if opts.progress is not None else sys.stderr.isatty()
     report = run_smoke(
         ctx.directory,
-        SmokeOptions(timeout=timeout),
+        SmokeOptions(
+            timeout=timeout,
+            # a view is served from OUT; DIR as spelt only names the read-only original
+            load_path=spelt_as_given(opts.spelling)
+            if opts.spelling and opts.output is None
+            else None,
+        ),
         on_phase=PhaseProgress(sys.stderr) if show else None,
     )
     ctx.add(*report.findings)
