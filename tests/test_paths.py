@@ -10,6 +10,7 @@ import os
 import shutil
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -243,12 +244,33 @@ FILES = ("config.json",)
 def test_config_refusals_claim_transformers_only_where_checked() -> None:
     too_big = ckpt(config=None, files=FILES, config_error="cannot read config.json: is "
                    "52,428,800 bytes, more than the 16,777,216 allowed")
-    f = facts(checkpoint=too_big)
-    assert "qwen-kvprep refuses it" in text("config.parse", f)
-    assert "not a valid JSON file" not in text("config.parse", f)
+    for kind, said in ((None, "refuses it as a model config"), ("size", "would read it whole")):
+        said_of = text("config.parse", facts(checkpoint=replace(too_big, config_error_kind=kind)))
+        assert "qwen-kvprep refuses it" in said_of and said in said_of
+        assert "not a valid JSON file" not in said_of
     syntax = ckpt(config=None, config_error="config.json is not valid JSON: x at line 2",
-                  files=FILES, config_error_line=2, config_error_json=True)
+                  files=FILES, config_error_line=2, config_error_kind="json")
     assert "not a valid JSON file" in text("config.parse", facts(checkpoint=syntax))
+
+
+@pytest.mark.parametrize(
+    ("content", "kind"),
+    [
+        (b'{"model_type": "qwen",,}', "json"),
+        (b'{"model_type": "qw\xe9n"}', "json"),
+        (b'{"model_type": "qwen", "n": ' + b"9" * 5000 + b"}", "digits"),
+        (b'{"model_type": "qwen", "pad": "' + b"x" * (17 << 20) + b'"}', "size"),
+        (b'{"model_type": "qwen", "a": 1, "a": 2}', None),
+    ],
+)
+def test_the_kind_of_a_refused_config_is_what_was_checked_against_transformers(
+    tmp_path: Path, content: bytes, kind: str
+) -> None:
+    from qwen_kvprep.probe.checkpoint import probe_checkpoint
+
+    (tmp_path / "config.json").write_bytes(content)
+    cp = probe_checkpoint(tmp_path)
+    assert cp.config is None and cp.config_error_kind == kind, cp.config_error
 
 
 def test_a_full_disk_during_a_build_says_so_where_and_how_much(tmp_path: Path) -> None:

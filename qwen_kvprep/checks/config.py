@@ -69,18 +69,24 @@ def parse(facts: Facts) -> Union[Finding, list[Finding]]:
             cp.config_error_line
         ) else "re-download it: "
         error = cp.config_error or f"{path} cannot be read"
-        if getattr(cp, "config_error_json", False):
+        # what transformers does is claimed only where it was checked (CheckpointFacts.
+        # config_error_kind); otherwise only what qwen-kvprep refuses, and why
+        kind = getattr(cp, "config_error_kind", None)
+        ours = (
+            ": qwen-kvprep refuses it as a model config (a Qwen config.json is a few KiB of "
+            "plain JSON with unique keys), and fix changes nothing"
+        )
+        if kind == "json":
             consequence = (
                 f", so loading fails with `OSError: It looks like the config file at '{path}' "
                 "is not a valid JSON file.`"
             )
+        elif kind == "digits":
+            consequence = ours + "; transformers itself stops at it with the same ValueError"
+        elif kind == "size":
+            consequence = ours + " (transformers itself would read it whole and load it)"
         else:
-            # a size, number or nesting limit, a duplicate key: qwen-kvprep's own rules,
-            # which transformers may or may not share; say only what is ours
-            consequence = (
-                ": qwen-kvprep refuses it as a model config (a Qwen config.json is a few KiB "
-                "of plain JSON with unique keys), and fix changes nothing"
-            )
+            consequence = ours
         return fail(
             error + consequence,
             where + redownload(cp, [CONFIG]), paths=[path], line=cp.config_error_line,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import errno
 import importlib.util
 import json
 import os
@@ -135,9 +136,11 @@ class CheckpointFacts:
     config: Optional[dict[str, JSON]] = None
     config_error: Optional[str] = None
     config_error_line: Optional[int] = None  # where the JSON parser stopped
-    # the error is one transformers itself stops at with `OSError: ... not a valid JSON
-    # file` (a syntax error, bytes that are not UTF-8): checked with 4.37 and 4.53
-    config_error_json: bool = False
+    # what transformers itself does with the config.json refused, where that was checked
+    # (4.32.1, 4.37.2, 4.53.3): "json" (a syntax error or bytes that are not UTF-8: `OSError:
+    # ... not a valid JSON file`), "digits" (an integer over Python's 4300 digits: the same
+    # ValueError), "size" (over qwen-kvprep's limit: transformers loads it); None: unchecked
+    config_error_kind: Optional[str] = None
     config_is_symlink: bool = False
     config_link_target: Optional[str] = None
     modeling_text_supports_kv: Optional[bool] = None  # None: modeling_qwen.py unreadable
@@ -676,10 +679,22 @@ class _Where(TypedDict):
     special: tuple[tuple[str, str], ...]
 
 
+
+def _config_error_kind(cause: Optional[BaseException]) -> Optional[str]:
+    """CheckpointFacts.config_error_kind for the exception behind a refused config.json."""
+    if isinstance(cause, (json.JSONDecodeError, UnicodeDecodeError)):
+        return "json"
+    if isinstance(cause, OSError) and cause.errno == errno.EFBIG:
+        return "size"
+    if isinstance(cause, ValueError) and "digits" in str(cause):
+        return "digits"
+    return None
+
 def probe_checkpoint(path: Path) -> CheckpointFacts:
     """Everything the checkpoint and config checks need; never raises for a broken checkpoint."""
     path = Path(path)
-    # normpath: "ckpt/" or "a/ckpt/." must give "ckpt", as transformers' basename would.
+    # normpath: "ckpt/" or "a/ckpt/." give the folder's own name "ckpt" (transformers'
+    # basename of those spellings is "" or ".": see modcache.spelling_folders).
     name = Path(os.path.normpath(path.absolute())).name
     repo_id, revision, hub_root = hub_snapshot(path)
     is_git_checkout = os.path.exists(path / ".git")
@@ -709,7 +724,7 @@ def probe_checkpoint(path: Path) -> CheckpointFacts:
     config: Optional[dict[str, JSON]] = None
     config_error: Optional[str] = None
     config_error_line: Optional[int] = None
-    config_error_json = False
+    config_error_kind: Optional[str] = None
     config_path = path / CONFIG
     if CONFIG in files:
         # the same reader and rules as fix: strict UTF-8, unique keys, a size limit
@@ -720,7 +735,7 @@ def probe_checkpoint(path: Path) -> CheckpointFacts:
             cause = exc.__cause__
             if isinstance(cause, json.JSONDecodeError):
                 config_error_line = cause.lineno
-            config_error_json = isinstance(cause, (json.JSONDecodeError, UnicodeDecodeError))
+            config_error_kind = _config_error_kind(cause)
     is_link = config_path.is_symlink()
     link_target: Optional[str] = None
     if is_link:
@@ -777,7 +792,7 @@ def probe_checkpoint(path: Path) -> CheckpointFacts:
         config=config,
         config_error=config_error,
         config_error_line=config_error_line,
-        config_error_json=config_error_json,
+        config_error_kind=config_error_kind,
         config_is_symlink=is_link,
         config_link_target=link_target,
         modeling_text_supports_kv=_mentions(modeling, "use_cache_quantization"),
