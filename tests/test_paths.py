@@ -9,7 +9,7 @@ import json
 import os
 import shutil
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -39,7 +39,7 @@ class Killed(BaseException):
 def kill_at(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     """kill_at(name, n): the n-th call of os.<name> (replace or unlink) 'kills' the process;
     from then on every os.replace and os.unlink does too (a dead process cleans nothing)."""
-    real = {"replace": os.replace, "unlink": os.unlink}
+    real: dict[str, Callable[..., Any]] = {"replace": os.replace, "unlink": os.unlink}
     state = {"dead": False}
 
     def arm(name: str, n: int) -> None:
@@ -69,7 +69,7 @@ def kill_at(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
 
 def _twin(a: Any, tmp_path: Path, loader: bytes) -> Path:
     """/b/<name>, prepared after a with its own loader, planted into a's folder."""
-    b = tmp_path / "b" / a.directory.name
+    b: Path = tmp_path / "b" / a.directory.name
     b.mkdir(parents=True)
     for name in ("modeling_qwen.py", "config.json", *KERNEL_FILES):
         shutil.copy(a.directory / name, b / name)
@@ -190,13 +190,11 @@ def _caches(directory: Path) -> Any:
 
 
 def test_every_spelling_of_the_folder_is_planted_into(tmp_path: Path) -> None:
-    from transformers import dynamic_module_utils as dmu
-
-    from qwen_kvprep.modcache import spelling_folders
+    from qwen_kvprep.modcache import spelling_folders, transformers_root
 
     real = tmp_path / "models" / "Qwen-Chat"
     real.mkdir(parents=True)
-    package = Path(dmu.HF_MODULES_CACHE) / "transformers_modules"
+    package = transformers_root() / "transformers_modules"
     assert [f for f, _ in spelling_folders(real)] == [package]
     link = tmp_path / "current"
     link.symlink_to(real)
@@ -283,7 +281,7 @@ def test_a_full_disk_during_a_build_says_so_where_and_how_much(tmp_path: Path) -
     layout = CacheLayout(tmp_path / "cache")
     layout.logs.mkdir(parents=True)
     layout.tmp.mkdir(parents=True)
-    err = _failure(plan, layout, log, {"ok": False, "stage": "build"})  # type: ignore[arg-type]
+    err = _failure(plan, layout, log, {"ok": False, "stage": "build"})
     assert "the disk is full" in err.message and str(layout.tmp) in err.message
     assert "MiB free" in err.message
     assert err.fix is not None and "GiB" in err.fix
@@ -341,3 +339,30 @@ def test_a_fresh_container_gets_every_spelling_planted_by_the_fast_path(
     other = tmp_path / "serving"
     other.symlink_to(p.directory)  # a name fix did not plant for: prepared again
     assert "recorded for" in str(state_mismatch(Request(str(other))))
+
+
+def test_a_build_whose_compiler_hits_a_full_disk_is_refused_with_where_and_how_much(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ENOSPC injected where the compiler writes (the worker), not by filling a disk."""
+    import errno
+
+    from qwen_kvprep.buildcache import CacheLayout, builder
+    from qwen_kvprep.errors import BuildError
+    from qwen_kvprep.resources import kernels_dir
+
+    def full_disk(spec_path: Path, log: Any, env: Any, cwd: Path) -> None:
+        spec = json.loads(Path(spec_path).read_text())
+        error = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(cwd / "x.o"))
+        log.write(f"c++ -c x.cpp -o x.o\nfatal error: {error}\n".encode())
+        Path(spec["result"]).write_text(json.dumps({"ok": False, "stage": "build",
+                                                    "error": str(error)}))
+
+    monkeypatch.setattr(builder, "_run_worker", full_disk)
+    sources = {n: (kernels_dir() / n).read_bytes() for n in KERNEL_FILES[:1]}
+    layout = CacheLayout(tmp_path / "cache")
+    with pytest.raises(BuildError) as info:
+        builder.ensure_build(builder.plan_build(sources), layout)
+    assert "the disk is full" in info.value.message
+    assert str(layout.tmp) in info.value.message and "MiB free" in info.value.message
+    assert info.value.fix is not None and "1 GiB" in info.value.fix

@@ -456,9 +456,9 @@ def _failure(
     )
 
 
-# What a build writes, with room to spare: a CPU build's folder is under 1 MiB here, a
-# CUDA build for every architecture nvcc supports tens of MiB, and nvcc's intermediate
-# files (in TMPDIR) several times that while it runs.
+# The free space a full-disk message asks for: a margin, not a measurement for CUDA. A
+# CPU build writes under 1 MiB (measured); a CUDA build writes one cubin per architecture
+# and nvcc's intermediate files in TMPDIR while it runs, far more but not measured here.
 BUILD_SPACE = 1 << 30
 
 
@@ -477,9 +477,10 @@ def _disk_full(log: str, layout: CacheLayout) -> Optional[tuple[str, str]]:
     return (
         f"the disk is full: the compiler could not write its output (No space left on "
         f"device) in {where}",
-        f"free at least {BUILD_SPACE >> 30} GiB there (a build needs up to that, most of it "
-        "nvcc's temporary files in TMPDIR), or build elsewhere with --cache-dir DIR / "
-        "QWEN_KVPREP_CACHE and TMPDIR on a disk with room; then run the command again",
+        f"free at least {BUILD_SPACE >> 30} GiB there (a CPU build writes under 1 MiB; a CUDA "
+        "build writes one binary per GPU architecture, and nvcc its temporary files in "
+        "TMPDIR: 1 GiB leaves room for both), or build elsewhere with --cache-dir DIR (or "
+        "QWEN_KVPREP_CACHE) and TMPDIR on a disk with room; then run the command again",
     )
 
 
