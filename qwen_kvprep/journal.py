@@ -209,7 +209,7 @@ class Journal:
             entry = None
             self.retaken.append(str(path))
         if entry is None and adopt and current.kind == "file":
-            entry = self._inherit(path, key, current)
+            entry = self._inherit(path, key, current) or self._copied_from_us(path, current)
             if entry is not None:
                 table[key] = entry
         if entry is None:
@@ -250,6 +250,15 @@ class Journal:
         else:
             entry = {"kind": "absent", "written": written, "adopted": True}
         return entry
+
+    def _copied_from_us(self, path: Path, current: Present) -> Optional[Entry]:
+        """A modules-cache file that is transformers' copy of what fix wrote in the
+        checkpoint (it copies the checkpoint's cpp_kernels.py, and any .py the model code
+        imports, at every load): not an original to bring back, so recorded as absent."""
+        mine = self._data["files"].get(path.name)
+        if mine is None or current.digest not in (mine["written"] or []):
+            return None
+        return {"kind": "absent", "written": [], "adopted": True}
 
     def _drop_unused_stores(self) -> None:
         used = {e["store"].split("/", 1)[1] for e in self._entries() if e["kind"] == "file"}

@@ -86,7 +86,7 @@ def spelling_folders(checkpoint_dir: Path) -> list[tuple[Path, str]]:
     real = os.path.basename(os.path.realpath(checkpoint_dir))
     if real != os.path.basename(os.path.abspath(checkpoint_dir)):
         name = sanitize(real) if callable(sanitize) else real
-        out.append((root / package / name, "its real path (it is reached through a symlink)"))
+        out.append((root / package / name, "its real path, not the symlink"))
     return out
 
 

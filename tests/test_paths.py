@@ -176,7 +176,7 @@ def test_a_revert_killed_in_its_last_steps_is_finished_by_the_next(
     assert worst("state.record", f).value == "fail"
     assert "revert was cut short" in text("state.record", f)
     result = revert_checkpoint(p.directory)
-    assert result.done
+    assert str(state_dir / "state.json") in result.finished
     assert not state_dir.exists()
 
 
@@ -366,3 +366,24 @@ def test_a_build_whose_compiler_hits_a_full_disk_is_refused_with_where_and_how_m
     assert "the disk is full" in info.value.message
     assert str(layout.tmp) in info.value.message and "MiB free" in info.value.message
     assert info.value.fix is not None and "1 GiB" in info.value.fix
+
+
+def test_transformers_copy_of_our_loader_is_not_kept_as_an_original(
+    tmp_path: Path, modules_env: Any
+) -> None:
+    """A load by a symlink copied the checkpoint's loader into the link's folder before
+    fix was run by that link: revert removes it instead of bringing it back."""
+    from tests.safety_kit import LOADER
+
+    p = prepare(tmp_path)
+    cur = p.modules / "transformers_modules" / "cur"
+    cur.mkdir()
+    (cur / "cpp_kernels.py").write_bytes(LOADER)  # transformers' copy of ours
+    j = Journal(p.directory)
+    renewed = b"# qwen-kvprep loader (rendered for the link)\n"
+    j.write("cpp_kernels.py", renewed)
+    j.plant(cur / "cpp_kernels.py", renewed, p.modules)
+    j.register_user(cur)
+    revert_checkpoint(p.directory)
+    assert not (cur / "cpp_kernels.py").exists()
+    assert (p.folder / "cpp_kernels.py").read_bytes() == OFFICIAL_LOADER

@@ -219,7 +219,7 @@ def module_folder_candidates(directory: Path, root: Path) -> list[tuple[Path, st
 LOCAL = "local path"
 HUB = "hub repo id"
 SLASH_SPELLING = "a path ending in / or /."
-REAL_SPELLING = "its real path (it is reached through a symlink)"
+REAL_SPELLING = "its real path, not the symlink"
 
 
 def debris(directory: Path, folders: Sequence[Path]) -> tuple[str, ...]:

@@ -20,6 +20,9 @@ class RevertResult:
     done: list[str] = field(default_factory=list)  # restored or removed
     notes: list[str] = field(default_factory=list)  # left alone, and why
     temps: list[str] = field(default_factory=list)  # leftover temporary files removed
+    # what a revert killed after it removed the journal left, removed by this one
+    finished: list[str] = field(default_factory=list)
+    stale: list[str] = field(default_factory=list)  # records of folders no longer prepared
 
 
 def revert_checkpoint(directory: Path) -> RevertResult:
@@ -46,10 +49,7 @@ def revert_checkpoint(directory: Path) -> RevertResult:
                 journal = Journal(directory)
                 if not journal.exists:
                     # a revert killed after it removed the journal: finish it
-                    result.done = [
-                        f"{p} (left by a revert that was cut short)"
-                        for p in finish_cut_revert(directory)
-                    ]
+                    result.finished = finish_cut_revert(directory)
                     return result
                 plan_ok = not journal.plan_revert().problems
             except StateError:
@@ -73,7 +73,7 @@ def revert_checkpoint(directory: Path) -> RevertResult:
                     result.temps += remove_leftover_temps(
                         folder / USERS_DIRNAME, None, TEMP_GRACE_S
                     )
-                    result.temps += prune_users(folder)
+                    result.stale += prune_users(folder)
     except OSError as exc:
         raise os_failure(exc, directory, output_option=False) from exc
     return result
