@@ -387,3 +387,37 @@ def test_transformers_copy_of_our_loader_is_not_kept_as_an_original(
     revert_checkpoint(p.directory)
     assert not (cur / "cpp_kernels.py").exists()
     assert (p.folder / "cpp_kernels.py").read_bytes() == OFFICIAL_LOADER
+
+
+@pytest.mark.parametrize(
+    ("spelt", "version", "fails"),
+    [
+        ("/m/Qwen", "4.37.2", False),
+        ("/m/Qwen/", "4.32.1", False),  # loads (from transformers_modules/ itself)
+        ("/m/Qwen/.", "4.37.2", True),  # measured: ModuleNotFoundError
+        (".", "4.38.2", True),
+        (".", "4.39.0", False),  # normalised from 4.39 on (read in its source)
+        ("./", "4.53.3", False),
+        (".", None, False),  # unknown version: nothing claimed
+        ("/m/Qwen/sub/..", "4.53.3", True),  # measured: ImportError
+        ("../", "4.32.1", True),
+    ],
+)
+def test_the_spellings_transformers_cannot_load(
+    spelt: str, version: Any, fails: bool
+) -> None:
+    from qwen_kvprep.common import spelling_problem
+
+    assert (spelling_problem(spelt, version) is not None) == fails
+
+
+def test_doctor_says_plainly_that_a_spelling_cannot_load() -> None:
+    from tests.checks.facts import env_facts
+
+    for spelt, version in (("Qwen/sub/..", "4.53.3"), (".", "4.37.2")):
+        f = facts(env=env_facts(transformers_version=version), checkpoint=ckpt(spelt=spelt))
+        assert worst("checkpoint.dirname", f).value == "fail"
+        said = text("checkpoint.dirname", f)
+        assert "its own path" in said and "transformers_modules." in said
+    ok_facts = facts(env=env_facts(transformers_version="4.53.3"), checkpoint=ckpt(spelt="."))
+    assert worst("checkpoint.dirname", ok_facts).value == "ok"

@@ -129,6 +129,7 @@ class IndexFacts:
 class CheckpointFacts:
     path: Path
     name: str
+    spelt: Optional[str] = None  # the path as the user wrote it (doctor DIR), when known
     listing_error: Optional[str] = None
     files: tuple[str, ...] = ()  # top-level regular files (symlinks followed), sorted
     dangling: tuple[str, ...] = ()  # top-level symlinks whose target is gone
@@ -672,6 +673,7 @@ class _Where(TypedDict):
 
     path: Path
     name: str
+    spelt: Optional[str]
     repo_id: Optional[str]
     revision: Optional[str]
     hub_cache_dir: Optional[Path]
@@ -690,8 +692,9 @@ def _config_error_kind(cause: Optional[BaseException]) -> Optional[str]:
         return "digits"
     return None
 
-def probe_checkpoint(path: Path) -> CheckpointFacts:
-    """Everything the checkpoint and config checks need; never raises for a broken checkpoint."""
+def probe_checkpoint(path: Path, spelt: Optional[str] = None) -> CheckpointFacts:
+    """Everything the checkpoint and config checks need; never raises for a broken checkpoint.
+    `spelt` is the path as the user wrote it, kept for checkpoint.dirname."""
     path = Path(path)
     # normpath: "ckpt/" or "a/ckpt/." give the folder's own name "ckpt" (transformers'
     # basename of those spellings is "" or ".": see modcache.spelling_folders).
@@ -700,7 +703,7 @@ def probe_checkpoint(path: Path) -> CheckpointFacts:
     is_git_checkout = os.path.exists(path / ".git")
     listing, dangling, special, listing_error = _list_dir(path)
     base: _Where = {
-        "path": path, "name": name, "repo_id": repo_id, "revision": revision,
+        "path": path, "name": name, "spelt": spelt, "repo_id": repo_id, "revision": revision,
         "hub_cache_dir": hub_root, "is_git_checkout": is_git_checkout,
         "special": tuple(special),
     }

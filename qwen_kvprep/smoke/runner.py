@@ -60,6 +60,25 @@ def spelt_as_given(given: str) -> str:
     return given if os.path.isabs(given) else os.path.join(os.getcwd(), given)
 
 
+def load_path_for(given: str) -> tuple[str, Optional[str]]:
+    """(the path the smoke loads by, why not `given` itself): DIR as the user spelt it,
+    unless the installed transformers cannot load any model by that spelling (then the
+    directory's normalised absolute path, and the reason, which the caller reports)."""
+    import importlib.metadata
+    import os
+
+    from qwen_kvprep.common import spelling_problem
+
+    try:
+        version: Optional[str] = importlib.metadata.version("transformers")
+    except importlib.metadata.PackageNotFoundError:
+        version = None
+    problem = spelling_problem(given, version)
+    if problem is not None:
+        return os.path.abspath(given), problem
+    return spelt_as_given(given), None
+
+
 def child_command(directory: Path, options: SmokeOptions, fd: int) -> list[str]:
     return [
         sys.executable,
