@@ -421,3 +421,71 @@ def test_doctor_says_plainly_that_a_spelling_cannot_load() -> None:
         assert "its own path" in said and "transformers_modules." in said
     ok_facts = facts(env=env_facts(transformers_version="4.53.3"), checkpoint=ckpt(spelt="."))
     assert worst("checkpoint.dirname", ok_facts).value == "ok"
+
+
+@pytest.mark.parametrize("call", ["replace", "unlink"])
+def test_a_revert_killed_at_any_write_is_finished_by_the_next(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kill_at: Any, call: str
+) -> None:
+    """Kill the revert of one of two folders of the same name at its 1st, 2nd, ... rename
+    or unlink; the next revert (and then the other folder's) leaves nothing of either."""
+    for n in range(1, 40):
+        root = tmp_path / f"{call}-{n}"
+        monkeypatch.setenv("HF_MODULES_CACHE", str(root / "modules"))
+        a = prepare(root)
+        b = _twin(a, root, b"# qwen-kvprep loader (b's)\n")
+        kill_at(call, n)
+        try:
+            revert_checkpoint(a.directory)
+            killed = False
+        except Killed:
+            killed = True
+        kill_at(call, 10**9)  # alive again
+        revert_checkpoint(a.directory)
+        revert_checkpoint(b)
+        assert not (a.directory / ".qwen-kvprep").exists(), n
+        assert not (b / ".qwen-kvprep").exists(), n
+        assert (a.folder / "cpp_kernels.py").read_bytes() == OFFICIAL_LOADER, n
+        assert not any((a.folder / f).exists() for f in KERNEL_FILES), n
+        assert not (a.folder / USERS_DIRNAME).exists(), n
+        assert not [f for f in os.listdir(a.folder) if f.endswith(".tmp")], n
+        if not killed:
+            assert n > 1, f"no {call} call: the kill never struck"
+            break  # n is past the last write: every point was tried
+    else:
+        pytest.fail("the revert made more writes than tried")
+
+
+def test_a_fix_of_a_twin_killed_at_any_write_leaves_nothing_after_both_reverts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kill_at: Any
+) -> None:
+    """Every write of fix's journal and plants is a rename (it unlinks nothing here)."""
+    call = "replace"
+    for n in range(1, 40):
+        root = tmp_path / f"{call}-{n}"
+        monkeypatch.setenv("HF_MODULES_CACHE", str(root / "modules"))
+        a = prepare(root)
+        kill_at(call, n)
+        try:
+            b = _twin(a, root, b"# qwen-kvprep loader (b's)\n")
+            killed = False
+        except Killed:
+            b = root / "b" / a.directory.name
+            killed = True
+        kill_at(call, 10**9)
+        old = time.time() - 60  # what the kill left is past the modules cache's grace
+        for folder in (a.folder, a.folder / USERS_DIRNAME):
+            for name in os.listdir(folder) if folder.is_dir() else []:
+                os.utime(folder / name, (old, old), follow_symlinks=False)
+        revert_checkpoint(a.directory)
+        revert_checkpoint(b)
+        assert (a.folder / "cpp_kernels.py").read_bytes() == OFFICIAL_LOADER, n
+        assert not any((a.folder / f).exists() for f in KERNEL_FILES), n
+        assert not (a.folder / USERS_DIRNAME).exists(), n
+        assert not [f for f in os.listdir(a.folder) if f.endswith(".tmp")], n
+        assert not (b / ".qwen-kvprep").exists(), n
+        if not killed:
+            assert n > 1, f"no {call} call: the kill never struck"
+            break
+    else:
+        pytest.fail("the fix made more writes than tried")
