@@ -197,10 +197,14 @@ class Journal:
             and adopt
             and not is_ours(current, entry)
             and current.kind == "file"
-            and self._inherit(path, key, current) is not None
+            and (
+                self._copied_from_us(path, current) is not None
+                or self._inherit(path, key, current) is not None
+            )
         ):
-            # another prepared folder of the same name planted its copy over ours: not a
-            # user's file, so ours to replace and, at the last revert, to remove
+            # another prepared folder of the same name planted its copy over ours, or
+            # transformers copied the checkpoint's file of ours there: not a user's file,
+            # so ours to replace and, at the last revert, to remove
             assert current.digest is not None
             entry["written"] = [*(entry["written"] or []), current.digest][-WRITTEN_KEEP:]
         if entry is not None and not is_ours(current, entry):
