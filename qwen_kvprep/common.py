@@ -44,6 +44,41 @@ MODELING_FILE = "modeling_qwen.py"
 TRACKED_FILES = ("config.json", LOADER_FILE, *KERNEL_FILES, FAST_FILE, MODELING_FILE)
 MODULE_FILES = (*KERNEL_FILES, LOADER_FILE, FAST_FILE)
 
+# transformers names a local checkpoint's modules-cache folder after the last part of its
+# path as written and imports the code under a module name made from it: a path ending in
+# `..` never imports; one ending in `.` (`.`, `DIR/.`) does only from 4.39 on, which
+# normalises that name (docs/qwen-v1.md has the measurements).
+DOT_SPELLING_FIXED_IN = (4, 39)
+
+
+def spelling_problem(spelt: str, transformers_version: Optional[str]) -> Optional[str]:
+    """Why transformers cannot load a checkpoint by the path `spelt` as written (None: it
+    can, or the version that decides is unknown)."""
+    last = spelt.rstrip("/").rsplit("/", 1)[-1] if spelt.rstrip("/") else spelt
+    if spelt.endswith("/") and last not in (".", ".."):
+        return None
+    if last == "..":
+        return (
+            "the path ends in `..`, so transformers imports the remote code from outside its "
+            "modules package and fails (`ImportError: attempted relative import with no known "
+            "parent package`; 4.32 to 4.38: `ModuleNotFoundError: No module named "
+            "'transformers_modules.'`)"
+        )
+    if last == "." and transformers_version:
+        parts = transformers_version.split(".")
+        try:
+            version = (int(parts[0]), int(parts[1]))
+        except (IndexError, ValueError):
+            return None
+        if version < DOT_SPELLING_FIXED_IN:
+            return (
+                f"the path ends in `.`, which transformers {transformers_version} turns into "
+                "the module name `transformers_modules.` and fails (`ModuleNotFoundError: No "
+                "module named 'transformers_modules.'`; transformers 4.39 and later load it)"
+            )
+    return None
+
+
 ENV_CACHE = "QWEN_KVPREP_CACHE"  # the build cache
 ENV_LOCK_TIMEOUT = "QWEN_KVPREP_LOCK_TIMEOUT"  # waiting for another builder or fix
 

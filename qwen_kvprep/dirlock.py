@@ -27,8 +27,9 @@ from typing import Callable, NoReturn, Optional
 
 import filelock
 
-from qwen_kvprep.common import ENV_LOCK_TIMEOUT, STATE_DIRNAME, TRACKED_FILES
+from qwen_kvprep.common import ENV_LOCK_TIMEOUT, STATE_DIRNAME, STATE_FILE, TRACKED_FILES
 from qwen_kvprep.errors import LockTimeout
+from qwen_kvprep.fsutil import TEMP_NAME
 
 LOCK_FILE = "lock"
 
@@ -181,9 +182,12 @@ def _q(path: object) -> str:
 # The files fix writes in a model folder: only temporary files named after them are ours.
 OUR_FILES = frozenset(TRACKED_FILES)
 
-# Temporary files our atomic writes create: `.<name>.<8 random>.tmp` (fsutil, journal),
-# `.<name>.<pid>.lnk` (fsutil.atomic_symlink), `.<name>.revert` (revert before 0.2).
-_OUR_TEMP = re.compile(r"^\.(.+)\.(?:[a-z0-9_]{8}\.tmp|\d+\.lnk|revert)$")
+_OUR_TEMP = TEMP_NAME  # the temporary files our atomic writes create
+
+
+# How old a temporary file in a folder others write to (the modules cache) must be before
+# it counts as left by a killed write: ours are a few KiB, written and renamed at once.
+TEMP_GRACE_S = 10.0
 
 
 def remove_leftover_temps(
@@ -212,6 +216,32 @@ def remove_leftover_temps(
                 removed.append(entry)
         except OSError:
             continue
+    return removed
+
+
+def finish_cut_revert(directory: Path) -> list[str]:
+    """What a revert killed after removing the journal leaves in `.qwen-kvprep/` (the lock,
+    a stale state.json, originals, temporary files), removed; anything else there stays.
+    Call it holding the lock, only when there is no journal. Returns what was removed."""
+    state = Path(directory) / STATE_DIRNAME
+    try:
+        entries = set(os.listdir(state))
+    except OSError:
+        return []
+    removed: list[str] = []
+    if STATE_FILE in entries and not (entries - {LOCK_FILE, STATE_FILE, "originals"} - {
+        e for e in entries if _OUR_TEMP.match(e)
+    }):
+        with contextlib.suppress(OSError):
+            (state / STATE_FILE).unlink()
+            removed.append(str(state / STATE_FILE))
+        # revert removes the journal only once every original is back in place
+        with contextlib.suppress(OSError):
+            for name in os.listdir(state / "originals"):
+                if re.fullmatch(r"[0-9a-f]{64}", name):
+                    (state / "originals" / name).unlink()
+    if release_if_unused(directory):
+        removed.append(str(state))
     return removed
 
 

@@ -25,8 +25,8 @@ def validate_check_ids(ids: Sequence[str]) -> list[str]:
 
 
 def run_doctor(
-    directory: Optional[Path], check_ids: Sequence[str] = ()
+    directory: Optional[Path], check_ids: Sequence[str] = (), spelt: Optional[str] = None
 ) -> tuple[Facts, list[Finding]]:
     ids = validate_check_ids(check_ids) if check_ids else None
-    facts = gather(directory)
+    facts = gather(directory, spelt)
     return facts, run_checks(facts, ids)

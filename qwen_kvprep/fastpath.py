@@ -310,8 +310,10 @@ def _modules_mismatch(
     root = os.path.abspath(modules_cache_root()[0])
     recorded_root = str(modules.get("root"))
     rels = []
-    for key in ("folder", "hub_folder"):
-        recorded = modules.get(key)
+    also = modules.get("also")
+    for recorded in [modules.get("folder"), modules.get("hub_folder"), *(
+        also if isinstance(also, list) else []
+    )]:
         if not recorded:
             continue
         rel = inside(recorded_root, str(recorded))
@@ -393,6 +395,18 @@ def _register(fd: int, target: str) -> None:
             os.close(ufd)
 
 
+def _same_folder_planted(state: Mapping[str, object], recorded: str, target: str) -> bool:
+    """Whether `target` is another spelling of the recorded checkpoint (a symlink to it,
+    or its real path) whose modules-cache folder fix planted into as well."""
+    if os.path.realpath(recorded) != os.path.realpath(target):
+        return False
+    modules = _object(state.get("modules"))
+    also = modules.get("also")
+    folders = [modules.get("folder"), *(also if isinstance(also, list) else [])]
+    name = os.path.basename(target)
+    return any(isinstance(f, str) and os.path.basename(f) == name for f in folders)
+
+
 def state_mismatch(request: Request, planting: Optional[Planting] = None) -> Optional[str]:
     """Why the recorded state does not hold any more (None: it all still matches).
 
@@ -419,7 +433,8 @@ def state_mismatch(request: Request, planting: Optional[Planting] = None) -> Opt
         return f"no state recorded in {target} (fix has not completed there)"
     if state.get("tool_version") != __version__:
         return f"recorded by qwen-kvprep {state.get('tool_version')}, this is {__version__}"
-    if os.path.abspath(str(state.get("checkpoint"))) != target:
+    recorded = os.path.abspath(str(state.get("checkpoint")))
+    if recorded != target and not _same_folder_planted(state, recorded, target):
         # the modules-cache folder transformers uses is named after the checkpoint folder
         return f"the state was recorded for {state.get('checkpoint')}, not {target}"
 

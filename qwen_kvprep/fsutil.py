@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import tempfile
 from pathlib import Path
 from typing import Union
@@ -60,3 +61,19 @@ def atomic_symlink(target: str, link: PathLike) -> None:
         os.unlink(tmp)
     os.symlink(target, tmp)
     os.replace(tmp, link)
+
+
+# Temporary files our atomic writes create: `.<name>.<8 random>.tmp` (atomic_write_bytes,
+# the journal, prestart's fast path), `.<name>.<pid>.lnk` (atomic_symlink),
+# `.<name>.revert` (revert before 0.2).
+TEMP_NAME = re.compile(r"^\.(.+)\.(?:[a-z0-9_]{8}\.tmp|\d+\.lnk|revert)$")
+
+
+def leftover_temps(folder: PathLike) -> list[str]:
+    """The names of temporary files of ours in `folder` (none when it cannot be listed):
+    what a write killed half-way leaves. Lists only; dirlock removes them."""
+    try:
+        entries = sorted(os.listdir(folder))
+    except OSError:
+        return []
+    return [e for e in entries if TEMP_NAME.match(e) and os.path.isfile(os.path.join(folder, e))]

@@ -53,10 +53,12 @@ from qwen_kvprep.journalfile import (
     RevertPlan,
     empty_journal,
     folder_identity,
+    inherited,
     is_original,
     is_ours,
     manual_recovery,
     plan_revert,
+    prepared,
     present,
     read_journal,
     same_folder,
@@ -91,6 +93,7 @@ class Journal:
         # after revert: what was left alone, and why
         self.notes: list[str] = []
         self.identity = folder_identity(self.root)
+        self._base = os.path.abspath(modules_cache_root()[0])  # of the last plant()
         self._data: JournalData = self._load()
 
     # -- persistence -------------------------------------------------------------------
@@ -172,8 +175,13 @@ class Journal:
                 return False
             if adopt and entry is None:
                 # planted by someone else (another folder of the same name): recorded so that
-                # the last folder using it removes it
-                table[key] = {"kind": "absent", "written": [new], "adopted": True}
+                # the last folder using it removes it, or puts back what was there before
+                # the other folder planted it
+                table[key] = self._inherit(path, key, current) or {
+                    "kind": "absent",
+                    "written": [new],
+                    "adopted": True,
+                }
                 self._save()
             elif entry is not None and entry["written"] is not None and (
                 new not in entry["written"] and not is_original(current, entry)
@@ -184,11 +192,30 @@ class Journal:
         if self.dry_run:
             self.planned.append(PlannedWrite(path, current.data, data))
             return True
+        if (
+            entry is not None
+            and adopt
+            and not is_ours(current, entry)
+            and current.kind == "file"
+            and (
+                self._copied_from_us(path, current) is not None
+                or self._inherit(path, key, current) is not None
+            )
+        ):
+            # another prepared folder of the same name planted its copy over ours, or
+            # transformers copied the checkpoint's file of ours there: not a user's file,
+            # so ours to replace and, at the last revert, to remove
+            assert current.digest is not None
+            entry["written"] = [*(entry["written"] or []), current.digest][-WRITTEN_KEEP:]
         if entry is not None and not is_ours(current, entry):
             # changed since fix wrote it (a new upstream config.json, say): the user's file,
             # so it becomes the original revert brings back
             entry = None
             self.retaken.append(str(path))
+        if entry is None and adopt and current.kind == "file":
+            entry = self._inherit(path, key, current) or self._copied_from_us(path, current)
+            if entry is not None:
+                table[key] = entry
         if entry is None:
             entry = self._original(current, path)
             table[key] = entry
@@ -200,6 +227,42 @@ class Journal:
         atomic_write_bytes(path, data, mode)
         self._drop_unused_stores()
         return True
+
+    def _inherit(self, path: Path, rel: str, current: Present) -> Optional[Entry]:
+        """The entry for a modules-cache file another prepared folder of the same name
+        planted: its original (not its copy) becomes ours, and what it wrote counts as
+        ours, so the last of the two to be reverted leaves nothing of either behind."""
+        assert current.digest is not None
+        found = inherited(
+            path.parent, rel, current.digest, self.identity, self.root, Path(self._base)
+        )
+        if found is None:
+            return None
+        theirs, original = found
+        written = list(theirs["written"] or [])
+        if theirs["kind"] == "file":
+            assert original is not None
+            entry: Entry = {
+                "kind": "file",
+                "store": self._store(original),
+                "sha256": theirs.get("sha256"),
+                "mode": theirs.get("mode"),
+                "written": written,
+            }
+        elif theirs["kind"] == "symlink":
+            entry = {"kind": "symlink", "target": theirs["target"], "written": written}
+        else:
+            entry = {"kind": "absent", "written": written, "adopted": True}
+        return entry
+
+    def _copied_from_us(self, path: Path, current: Present) -> Optional[Entry]:
+        """A modules-cache file that is transformers' copy of what fix wrote in the
+        checkpoint (it copies the checkpoint's cpp_kernels.py, and any .py the model code
+        imports, at every load): not an original to bring back, so recorded as absent."""
+        mine = self._data["files"].get(path.name)
+        if mine is None or current.digest not in (mine["written"] or []):
+            return None
+        return {"kind": "absent", "written": [], "adopted": True}
 
     def _drop_unused_stores(self) -> None:
         used = {e["store"].split("/", 1)[1] for e in self._entries() if e["kind"] == "file"}
@@ -243,12 +306,15 @@ class Journal:
         if not self.dry_run:
             path.parent.mkdir(parents=True, exist_ok=True)
         group = self._group(base)
+        self._base = base
         return self._write(group["files"], rel, path, data, None, adopt=True)
 
     def register_user(self, folder: Path) -> None:
-        """Record in a modules-cache folder that this checkpoint relies on what is there."""
+        """Record in a modules-cache folder that this checkpoint relies on what is there
+        (and drop the records of folders that no longer do)."""
         if self.dry_run:
             return
+        prune_users(folder)
         users = Path(folder) / USERS_DIRNAME
         users.mkdir(parents=True, exist_ok=True)
         me = users / user_record_name(self.identity["path"])
@@ -306,6 +372,31 @@ class Journal:
         remove_state_dir(self.state_dir)
         self._data = empty_journal()
         return done
+
+
+def prune_users(folder: Path) -> list[str]:
+    """Remove the records in a modules-cache folder's USERS_DIRNAME of folders that are no
+    longer prepared (deleted, or reverted by a version that did not remove its record), and
+    the records folder itself once empty. Returns the records removed."""
+    users = Path(folder) / USERS_DIRNAME
+    removed: list[str] = []
+    try:
+        names = sorted(os.listdir(users))
+    except OSError:
+        return removed
+    for name in names:
+        try:
+            data = json.loads(read_regular(users / name, 4096, follow=False))
+        except (OSError, ValueError):
+            continue
+        path = data.get("path") if isinstance(data, dict) else None
+        if isinstance(path, str) and name == user_record_name(path) and not prepared(path):
+            with contextlib.suppress(OSError):
+                os.unlink(users / name)
+                removed.append(str(users / name))
+    with contextlib.suppress(OSError):
+        os.rmdir(users)
+    return removed
 
 
 def remove_state_dir(state_dir: Path) -> None:

@@ -502,35 +502,53 @@ class _Planner:
                         f"{folder}: {', '.join(os.path.basename(r) for r in sorted(rels))} "
                         f"left there, {others[0]} still uses them"
                     )
+                    for rel in sorted(rels):
+                        self._give_back(plan, Path(here), rel, others)
                 else:
                     for rel in sorted(rels):
                         self.entry(plan, Path(here), rel, files[rel], str(Path(here) / rel))
                 me = folder / USERS_DIRNAME / user_record_name(self.identity["path"])
-                plan.users.append((me, str(folder)))
+                for record in {me, *user_records(folder, self.identity, self.root)[0]}:
+                    plan.users.append((record, str(folder)))
 
     def _other_users(self, folder: Path) -> list[str]:
         """Prepared folders other than this one registered in a modules-cache folder."""
-        users = folder / USERS_DIRNAME
+        return [p for p in user_records(folder, self.identity, self.root)[1] if prepared(p)]
+
+    def _give_back(self, plan: RevertPlan, here: Path, rel: str, others: list[str]) -> None:
+        """A file this folder planted over another prepared folder's copy, in a folder both
+        use: put that folder's own copy back (fix plants the checkpoint's own files, so it
+        is in the checkpoint), so that its journal knows the file as its own and its
+        revert removes it."""
+        parts = rel.split("/")
         try:
-            names = sorted(os.listdir(users))
+            current = present_at_path(here, parts)
         except OSError:
-            return []
-        out = []
-        for name in names:
+            return
+        for other in others:
             try:
-                data = json.loads(read_regular(users / name, 4096, follow=False))
-            except (OSError, ValueError):
+                data = read_journal(Path(other), Path(here))
+            except StateError:
                 continue
-            path = data.get("path") if isinstance(data, dict) else None
-            if not isinstance(path, str) or name != user_record_name(path):
-                continue
-            if path == self.identity["path"] or os.path.realpath(path) == os.path.realpath(
-                self.root
-            ):
-                continue
-            if prepared(path):
-                out.append(path)
-        return out
+            for group in data["planted"]:
+                entry = group["files"].get(rel)
+                if entry is None or os.path.realpath(group["root"]) != os.path.realpath(here):
+                    continue
+                written = entry["written"] or []
+                if current.kind == "file" and current.digest in written:
+                    return  # already theirs
+                try:
+                    mine = read_regular(Path(other) / parts[-1], ORIGINAL_LIMIT, follow=False)
+                except OSError:
+                    continue
+                if sha256(mine) in written:
+                    plan.actions.append(
+                        (
+                            f"{here / rel} (put back as {other}, which still uses it, planted it)",
+                            Restore(here, parts, mine, 0o644),
+                        )
+                    )
+                    return
 
     def entry(
         self, plan: RevertPlan, base: Path, rel: str, entry: Entry, shown: str
@@ -618,6 +636,80 @@ class _Planner:
         plan.actions.append(
             (shown, Restore(base, parts, data, store_mode if mode is None else mode & 0o777))
         )
+
+
+def user_records(folder: Path, identity: Identity, root: Path) -> tuple[list[Path], list[str]]:
+    """The records in a modules-cache folder's USERS_DIRNAME: (this folder's own, under
+    any spelling of its path: a fix through a symlink and a revert through the real path
+    must find each other's; the other folders' paths). Unreadable records are skipped."""
+    users = Path(folder) / USERS_DIRNAME
+    try:
+        names = sorted(os.listdir(users))
+    except OSError:
+        return [], []
+    mine: list[Path] = []
+    others: list[str] = []
+    real = os.path.realpath(root)
+    for name in names:
+        try:
+            data = json.loads(read_regular(users / name, 4096, follow=False))
+        except (OSError, ValueError):
+            continue
+        path = data.get("path") if isinstance(data, dict) else None
+        if not isinstance(path, str) or name != user_record_name(path):
+            continue
+        if path == identity["path"] or os.path.realpath(path) == real:
+            mine.append(users / name)
+        else:
+            others.append(path)
+    return mine, others
+
+
+def inherited(
+    folder: Path, rel: str, digest: str, identity: Identity, root: Path, modules_root: Path
+) -> Optional[tuple[Entry, Optional[bytes]]]:
+    """When the file `rel` (relative to `modules_root`) in the modules-cache `folder`
+    holds `digest` because another prepared folder of the same name planted it there:
+    that folder's journal entry for it and the bytes of its original (None unless a
+    file). A fix planting over it takes that original as its own, so whichever of the
+    two is reverted last restores what was there before either, not the other's copy."""
+    for other in user_records(folder, identity, root)[1]:
+        if not prepared(other):
+            continue
+        try:
+            data = read_journal(Path(other), modules_root)
+        except StateError:
+            continue
+        for group in data["planted"]:
+            if os.path.realpath(group["root"]) != os.path.realpath(modules_root):
+                continue
+            entry = group["files"].get(rel)
+            if entry is None or digest not in (entry["written"] or []):
+                continue
+            if entry["kind"] != "file":
+                return entry, None
+            try:
+                original = read_regular(
+                    Path(other) / STATE_DIRNAME / entry["store"], ORIGINAL_LIMIT, follow=False
+                )
+            except OSError:
+                continue
+            if entry.get("sha256") not in (None, sha256(original)):
+                continue
+            return entry, original
+    return None
+
+
+def present_at_path(base: Path, parts: list[str]) -> Present:
+    """What `base/parts` holds, reached without following a symlink below `base`."""
+    try:
+        fd = open_dir_under(base, parts[:-1])
+    except FileNotFoundError:
+        return Present("absent")
+    try:
+        return present_at(fd, parts[-1])
+    finally:
+        os.close(fd)
 
 
 def prepared(path: str) -> bool:

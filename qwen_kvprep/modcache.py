@@ -62,6 +62,34 @@ def module_folder(checkpoint_dir: Path, materialize: bool = True) -> Path:
     return root / Path(rel).parent
 
 
+def spelling_folders(checkpoint_dir: Path) -> list[tuple[Path, str]]:
+    """Other modules-cache folders a load of this checkpoint by path runs from, besides
+    `module_folder` (the folder of its absolute path's basename), with how it is spelt.
+
+    transformers 4.32 to 4.53 name the folder after `os.path.basename` of the path exactly
+    as the caller wrote it (docs/qwen-v1.md has the measured table): `DIR/` (what shell
+    completion writes) and `DIR/.` give an empty name or `.`, so the model code runs from
+    `transformers_modules/` itself; a symlink gives the link's name, and the real folder's
+    name when the server loads it by its real path. fix plants into each of these, so every
+    spelling runs the kernel. A spelling ending in `..` is left out: transformers cannot
+    import the code from there at all.
+    """
+    from transformers import dynamic_module_utils as dmu
+
+    root = Path(getattr(dmu, "HF_MODULES_CACHE", None) or modules_cache_root()[0])
+    package = getattr(dmu, "TRANSFORMERS_DYNAMIC_MODULE_NAME", DYNAMIC_MODULE_NAME)
+    out: list[tuple[Path, str]] = []
+    sanitize = getattr(dmu, "_sanitize_module_name", None)
+    if not callable(sanitize) or sanitize("") == "":
+        # newer transformers may rename an empty name; then the slash spelling has its own
+        out.append((root / package, "a path ending in / or /."))
+    real = os.path.basename(os.path.realpath(checkpoint_dir))
+    if real != os.path.basename(os.path.abspath(checkpoint_dir)):
+        name = sanitize(real) if callable(sanitize) else real
+        out.append((root / package / name, "its real path, not the symlink"))
+    return out
+
+
 def hub_module_folder(repo_id: str, commit: str) -> Path:
     """Where transformers runs the remote code of a checkpoint loaded by repo id
     (`from_pretrained("Qwen/Qwen-7B-Chat")`): `transformers_modules/<org>/<name>/<commit>`.

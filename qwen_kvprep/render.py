@@ -295,6 +295,17 @@ def render_revert(directory: Path, result: RevertResult, build_cache: Path) -> s
     lines: list[str] = []
     if result.temps:
         lines.append(f"removed leftover temporary files: {', '.join(sorted(result.temps))}")
+    if result.stale:
+        lines.append(
+            "removed the records of folders no longer prepared: "
+            + ", ".join(sorted(result.stale))
+        )
+    if result.finished:
+        lines.append(
+            "finished a revert that was cut short (the files were already restored): removed "
+            + ", ".join(result.finished)
+        )
+        return "\n".join(lines)
     if not result.done and not result.notes:
         lines.append(f"nothing to revert: qwen-kvprep has not changed {directory}")
         return "\n".join(lines)

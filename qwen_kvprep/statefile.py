@@ -9,10 +9,13 @@ it, so they agree on what a damaged state is. Standard library only (the fast pa
      "files": {name: sha256 or null},      config.json, cpp_kernels.py, the kernel sources
      "sources": {...} | null, "packages": {name: version or null},
      "build": {"key", "dir", "so", "cuda", "arch_list"} | null,
-     "modules": {"root", "folder", "files": {name: sha256}, "hub_folder"} | null,
+     "modules": {"root", "folder", "files": {name: sha256}, "hub_folder", "also": [folder]}
+                | null,
      "smoke": {...} | null, "updated": iso time}
 
-In "modules", `folder` and `hub_folder` must lie inside `root` (they are used relative to
+In "modules", `folder`, `hub_folder` and the folders in `also` (where other spellings of
+the checkpoint's path run the model code from: `DIR/`, the real path of a symlink) must lie
+inside `root` (they are used relative to
 it, moved to the modules root of the environment that reads them), and `files` may name
 only the kernel sources and the loader.
 
@@ -54,6 +57,8 @@ if TYPE_CHECKING:  # typing costs milliseconds at import; only mypy needs it
 
     class StateModules(_StateModulesKeys, total=False):
         hub_folder: Optional[str]  # absolute, inside root: the folder a load by repo id uses
+        also: list[str]  # absolute, inside root (may be root/transformers_modules itself):
+        # the folders other spellings of the path use (modcache.spelling_folders)
 
     class _StateKeys(TypedDict):
         state_version: int
@@ -143,6 +148,12 @@ def schema_problem(data: JSON) -> Optional[str]:
         hub = modules.get("hub_folder")
         if hub is not None and (not _abs(hub) or inside(str(root), str(hub)) in (None, ".")):
             return f"records the modules folder {hub!r} outside its root {root!r}"
+        also = modules.get("also", [])
+        if not isinstance(also, list):
+            return "has modules whose also is not a list"
+        for other in also:
+            if not _abs(other) or inside(str(root), str(other)) in (None, "."):
+                return f"records the modules folder {other!r} outside its root {root!r}"
         planted = modules.get("files")
         if not isinstance(planted, dict):
             return "has modules without files"

@@ -483,8 +483,12 @@ def test_fresh_modules_cache_is_planted_and_the_kernel_runs(
     assert not imported_top_level(dump) & set(HEAVY)
     assert "KERNEL-OK" in res.stdout
     planted = list((tmp_path / "fresh-modules").rglob("cache_autogptq_cuda_kernel_256.cu"))
-    assert len(planted) == 1
-    assert planted[0].read_bytes() == (ckpt / "cache_autogptq_cuda_kernel_256.cu").read_bytes()
+    # the folder of the checkpoint's name, and transformers_modules/ itself (a load by
+    # the path with a trailing slash runs from there)
+    package = tmp_path / "fresh-modules" / "transformers_modules"
+    assert sorted(p.parent for p in planted) == [package, package / ckpt.name]
+    for copy in planted:
+        assert copy.read_bytes() == (ckpt / "cache_autogptq_cuda_kernel_256.cu").read_bytes()
 
 
 @pytest.mark.slow

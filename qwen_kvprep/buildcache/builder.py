@@ -448,8 +448,39 @@ def _failure(
     quoted = "\n".join(f"    {line}" for line in errors) or f"    {result.get('error', '?')}"
     message = f"{what} ({plan.mode}):\n{quoted}\n  full log: {kept}"
     fix = "; ".join(hints) if hints else f"read the full log {kept}"
+    full = _disk_full(text + "\n" + str(result.get("error", "")), layout)
+    if full is not None:
+        message, fix = f"{what} ({plan.mode}): {full[0]}\n{quoted}\n  full log: {kept}", full[1]
     return BuildError.failing(
         "build.compile", message, fix, [kept], errors=errors, key=plan.key, log=str(kept)
+    )
+
+
+# The free space a full-disk message asks for: a margin, not a measurement for CUDA. A
+# CPU build writes under 1 MiB (measured); a CUDA build writes one cubin per architecture
+# and nvcc's intermediate files in TMPDIR while it runs, far more but not measured here.
+BUILD_SPACE = 1 << 30
+
+
+def _disk_full(log: str, layout: CacheLayout) -> Optional[tuple[str, str]]:
+    """(what, fix) when the build stopped because a disk is full, else None."""
+    if "No space left on device" not in log and "Disk quota exceeded" not in log:
+        return None
+    places = []
+    for folder in dict.fromkeys([str(layout.tmp), tempfile.gettempdir()]):
+        try:
+            free = shutil.disk_usage(folder).free
+        except OSError:
+            continue
+        places.append(f"{folder} ({free / 2**20:,.0f} MiB free)")
+    where = " and ".join(places) or str(layout.tmp)
+    return (
+        f"the disk is full: the compiler could not write its output (No space left on "
+        f"device) in {where}",
+        f"free at least {BUILD_SPACE >> 30} GiB there (a CPU build writes under 1 MiB; a CUDA "
+        "build writes one binary per GPU architecture, and nvcc its temporary files in "
+        "TMPDIR: 1 GiB leaves room for both), or build elsewhere with --cache-dir DIR (or "
+        "QWEN_KVPREP_CACHE) and TMPDIR on a disk with room; then run the command again",
     )
 
 

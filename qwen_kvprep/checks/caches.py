@@ -26,6 +26,8 @@ from qwen_kvprep.common import LOADER_FILE as LOADER
 from qwen_kvprep.findings import Finding, FindingsLike
 from qwen_kvprep.probe.binary import BinaryArchs, runs_on
 from qwen_kvprep.probe.caches import (
+    HUB,
+    LOCAL,
     BuildRecord,
     CacheFacts,
     LockFile,
@@ -309,10 +311,14 @@ def _judge_folder(facts: Facts, mf: ModuleFolder, requested: bool) -> Finding:
         "files": dict(mf.files),
         "loader_is_ours": mf.loader_is_ours,
     }
+    # a folder only another spelling of DIR leads to (DIR/, a symlink's real path): say so
+    where = mf.path if mf.how in (LOCAL, HUB) else (
+        f"{mf.path} (the folder a load by {mf.how} runs the model code from)"
+    )
     missing = [n for n in KERNEL_FILES if not mf.files.get(n)]
     if missing:
         message = (
-            f"{mf.path} lacks {' and '.join(missing)}: the model looks for the kernel sources "
+            f"{where} lacks {' and '.join(missing)}: the model looks for the kernel sources "
             f"beside this copy of its code, warns `{FALLBACK_WARNING}` and silently runs the "
             "slow pure-torch path"
         )
@@ -330,7 +336,7 @@ def _judge_folder(facts: Facts, mf: ModuleFolder, requested: bool) -> Finding:
     ]
     if stale:
         return warn(
-            f"the kernel sources in {mf.path} differ from the checkpoint's ({', '.join(stale)}), "
+            f"the kernel sources in {where} differ from the checkpoint's ({', '.join(stale)}), "
             "so the model builds or loads different kernels than the checkpoint holds",
             fix,
             paths=[mf.path],
@@ -339,13 +345,13 @@ def _judge_folder(facts: Facts, mf: ModuleFolder, requested: bool) -> Finding:
     if mf.loader_is_ours is False:
         if getattr(cp, "loader_is_ours", False):
             return info(
-                f"{mf.path} still holds Qwen's original {LOADER}; transformers replaces it "
+                f"{where} still holds Qwen's original {LOADER}; transformers replaces it "
                 "with the checkpoint's (qwen-kvprep's loader) at the next load",
                 paths=[mf.path],
                 details=details,
             )
         message = (
-            f"{mf.path} holds Qwen's original {LOADER}, which compiles the sources at import "
+            f"{where} holds Qwen's original {LOADER}, which compiles the sources at import "
             "with paths relative to the working directory: started anywhere else, "
             "from_pretrained fails with `FileNotFoundError: './cache_autogptq_cuda_256.cpp'`"
         )
@@ -354,13 +360,13 @@ def _judge_folder(facts: Facts, mf: ModuleFolder, requested: bool) -> Finding:
         return info(message, fix, paths=[mf.path], details=details)
     if mf.loader_is_ours is None:
         return info(
-            f"{mf.path} holds the kernel sources; transformers copies the loader {LOADER} "
+            f"{where} holds the kernel sources; transformers copies the loader {LOADER} "
             "in at the next load",
             paths=[mf.path],
             details=details,
         )
     return ok(
-        f"{mf.path} holds the kernel sources and qwen-kvprep's loader",
+        f"{where} holds the kernel sources and qwen-kvprep's loader",
         paths=[mf.path],
         details=details,
     )

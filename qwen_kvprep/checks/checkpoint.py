@@ -6,6 +6,7 @@ those files. `fix` runs every `checkpoint.*` check first and refuses on any `fai
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
 from collections.abc import Sequence
@@ -24,7 +25,7 @@ from qwen_kvprep.checks.registry import (
     skip,
     warn,
 )
-from qwen_kvprep.common import FAST_FILE, KERNEL_FILES
+from qwen_kvprep.common import FAST_FILE, KERNEL_FILES, spelling_problem
 from qwen_kvprep.common import LOADER_FILE as LOADER
 from qwen_kvprep.configjson import CONFIG
 from qwen_kvprep.findings import Finding
@@ -506,6 +507,19 @@ def tokenizer(facts: Facts) -> CheckResult:
 )
 def dirname(facts: Facts) -> CheckResult:
     cp = checkpoint_of(facts)
+    problem = spelling_problem(cp.spelt, getattr(facts.env, "transformers_version", None)) if (
+        cp.spelt
+    ) else None
+    if problem is not None:
+        own = os.path.normpath(cp.path.absolute())
+        return fail(
+            f"{cp.spelt!r}: {problem}. A server loading the model by this spelling fails "
+            "the same way",
+            f"load it by its own path, {shlex.quote(own)} (or {shlex.quote(own + '/')}), "
+            "and give qwen-kvprep that path too",
+            paths=[cp.path],
+            spelt=cp.spelt,
+        )
     if not cp.dotted_name:
         return ok(f"the directory name {cp.name!r} has no dot")
     head = cp.name.split(".", 1)[0]

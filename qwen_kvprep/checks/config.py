@@ -68,9 +68,27 @@ def parse(facts: Facts) -> Union[Finding, list[Finding]]:
         where = f"repair line {cp.config_error_line} of {path}, or re-download it: " if (
             cp.config_error_line
         ) else "re-download it: "
+        error = cp.config_error or f"{path} cannot be read"
+        # what transformers does is claimed only where it was checked (CheckpointFacts.
+        # config_error_kind); otherwise only what qwen-kvprep refuses, and why
+        kind = getattr(cp, "config_error_kind", None)
+        ours = (
+            ": qwen-kvprep refuses it as a model config (a Qwen config.json is a few KiB of "
+            "plain JSON with unique keys), and fix changes nothing"
+        )
+        if kind == "json":
+            consequence = (
+                f", so loading fails with `OSError: It looks like the config file at '{path}' "
+                "is not a valid JSON file.`"
+            )
+        elif kind == "digits":
+            consequence = ours + "; transformers itself stops at it with the same ValueError"
+        elif kind == "size":
+            consequence = ours + " (transformers itself would read it whole and load it)"
+        else:
+            consequence = ours
         return fail(
-            f"{cp.config_error or f'{path} cannot be read'}, so loading fails with `OSError: It "
-            f"looks like the config file at '{path}' is not a valid JSON file.`",
+            error + consequence,
             where + redownload(cp, [CONFIG]), paths=[path], line=cp.config_error_line,
         )
     cfg = cp.config

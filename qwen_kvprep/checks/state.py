@@ -22,7 +22,7 @@ from qwen_kvprep.checks.registry import (
     skip,
     warn,
 )
-from qwen_kvprep.findings import FindingsLike
+from qwen_kvprep.findings import Finding, FindingsLike
 from qwen_kvprep.probe.facts import Facts
 
 
@@ -42,9 +42,34 @@ def record(facts: Facts) -> FindingsLike:
             "journal keeps the originals for revert)",
             paths=[caches.state_dir or directory],
         )
+    out: list[Finding] = []
+    if caches.debris:
+        shown = ", ".join(caches.debris[:3]) + (
+            f" and {len(caches.debris) - 3} more" if len(caches.debris) > 3 else ""
+        )
+        out.append(
+            warn(
+                f"left behind by a fix, prestart or revert that was killed, or by a folder "
+                f"removed without revert: {shown} (harmless, but not worth keeping)",
+                f"qwen-kvprep fix {shlex.quote(str(directory))} or qwen-kvprep revert "
+                f"{shlex.quote(str(directory))} removes them (the next one of either does)",
+                paths=list(caches.debris),
+            )
+        )
     if caches.state is None:
-        return skip("fix has not recorded a state here")
-    return ok("the recorded state is readable and sound")
+        return out or skip("fix has not recorded a state here")
+    if not caches.journal_present and caches.journal_error is None:
+        out.append(
+            fail(
+                f"{caches.state_dir}/state.json is left without the journal beside it: a "
+                "revert was cut short (the files fix changed are already restored), so "
+                "prestart and doctor would trust a state that no longer holds",
+                f"qwen-kvprep revert {shlex.quote(str(directory))}  (finishes it)",
+                paths=[caches.state_dir or directory],
+            )
+        )
+        return out
+    return [ok("the recorded state is readable and sound"), *out]
 
 
 @check(

@@ -41,7 +41,7 @@ def doctor(
     if list_checks:
         emit(render_check_list(load_all().values()))
         return
-    facts, findings = run_doctor(existing_dir(directory), check_ids)
+    facts, findings = run_doctor(existing_dir(directory), check_ids, spelt=directory)
     if as_report:
         emit(report_markdown(facts, findings))
         sys.exit(exit_code(findings))

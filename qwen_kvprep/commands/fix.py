@@ -97,6 +97,7 @@ def fix(
         progress=False if as_json else None,
         cache_dir=Path(cache_dir).absolute() if cache_dir else None,
         arch=arch,
+        spelling=directory,
     )
     result = run_fix(path, options)
     if dry_run and not as_json:

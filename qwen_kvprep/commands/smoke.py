@@ -49,18 +49,30 @@ def smoke(
     """Prove DIRECTORY's Int8 KV cache works: load it as a server would (in a child
     process), check every layer uses the quantized cache through the compiled kernel,
     compare greedy output with the unquantized cache, and measure what it saves."""
+    from qwen_kvprep.findings import warn
     from qwen_kvprep.smoke import SmokeOptions, smoke_and_record
     from qwen_kvprep.smoke.progress import phase_progress
+    from qwen_kvprep.smoke.runner import load_path_for
 
     path = existing_dir(directory)
+    load_path, problem = load_path_for(directory)
     options = SmokeOptions(
         device=device,
         max_new_tokens=max_new_tokens,
         prompt=prompt if prompt is not None else DEFAULT_PROMPT,
         timeout=timeout,
+        load_path=load_path,
     )
     report = smoke_and_record(path, options, on_phase=phase_progress(output_options().as_json))
-    finish(report.findings, directory=str(path), smoke=report.summary)
+    findings = list(report.findings)
+    if problem is not None:
+        findings.insert(0, warn(
+            "smoke.load",
+            f"{directory!r}: {problem}; the smoke loads {load_path} instead",
+            f"load the model by {load_path} (with or without a trailing slash)",
+            paths=[path],
+        ))
+    finish(findings, directory=str(path), smoke=report.summary)
 
 
 def register(group: click.Group) -> None:

@@ -8,13 +8,14 @@ from typing import Optional
 from qwen_kvprep.probe.facts import Facts
 
 
-def gather(directory: Optional[Path]) -> Facts:
-    """Probe the environment, the caches and (when given) the checkpoint."""
+def gather(directory: Optional[Path], spelt: Optional[str] = None) -> Facts:
+    """Probe the environment, the caches and (when given) the checkpoint; `spelt` is the
+    checkpoint's path as the user wrote it."""
     from qwen_kvprep.probe.caches import probe_caches
     from qwen_kvprep.probe.checkpoint import probe_checkpoint
     from qwen_kvprep.probe.env import probe_env
 
     env = probe_env()
-    checkpoint = probe_checkpoint(directory) if directory is not None else None
+    checkpoint = probe_checkpoint(directory, spelt) if directory is not None else None
     caches = probe_caches(directory, env)
     return Facts(env=env, checkpoint=checkpoint, caches=caches)

@@ -10,10 +10,11 @@ transformers < 4.54 names it (the versions that run Qwen v1).
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional, TypedDict
@@ -24,6 +25,8 @@ from qwen_kvprep.common import (
     LOADER_MARKER,
     STATE_DIRNAME,
     STATE_FILE,
+    TRACKED_FILES,
+    USERS_DIRNAME,
     build_cache_root,
     machine,
     python_tag,
@@ -32,7 +35,7 @@ from qwen_kvprep.common import (
 from qwen_kvprep.common import LOADER_FILE as LOADER
 from qwen_kvprep.common import modules_cache_root as _modules_cache_root
 from qwen_kvprep.probe.binary import BinaryArchs, read_archs
-from qwen_kvprep.untrusted import read_record
+from qwen_kvprep.untrusted import read_record, read_regular
 
 if TYPE_CHECKING:
     from qwen_kvprep.jsontypes import JSON
@@ -86,7 +89,7 @@ class ModuleFolder:
     """A transformers_modules/<name> folder the model code runs from."""
 
     path: str
-    how: str  # "local path" | "hub repo id"
+    how: str  # LOCAL | HUB | SLASH_SPELLING | REAL_SPELLING
     exists: bool = False
     files: Mapping[str, Optional[str]] = field(default_factory=dict)  # name -> sha256 or None
     loader_is_ours: Optional[bool] = None  # None: no cpp_kernels.py there
@@ -116,6 +119,7 @@ class CacheFacts:
     journal_error: Optional[str] = None  # why the journal cannot be read
     revert_problems: tuple[str, ...] = ()  # why revert would refuse (checked read-only)
     revert_notes: tuple[str, ...] = ()  # what revert would leave alone
+    debris: tuple[str, ...] = ()  # what killed commands of ours left (probe.caches.debris)
     python_tag: str = ""
     machine: str = ""
 
@@ -198,11 +202,57 @@ def module_folder_candidates(directory: Path, root: Path) -> list[tuple[Path, st
     """transformers_modules/<basename> (loaded by path, as transformers < 4.54 names it);
     for a huggingface_hub snapshot also <org>/<repo>/<commit> (loaded by repo id)."""
     base = root / "transformers_modules"
-    out = [(base / Path(str(directory).rstrip("/")).name, "local path")]
+    out = [(base / Path(str(directory).rstrip("/")).name, LOCAL)]
     m = _HUB_SNAPSHOT.search(str(directory))
     if m:
-        out.append((base / m.group(1) / m.group(2) / m.group(3), "hub repo id"))
+        out.append((base / m.group(1) / m.group(2) / m.group(3), HUB))
+    # transformers names the folder after the path as spelt (docs/qwen-v1.md): `DIR/` and
+    # `DIR/.` run the code from transformers_modules/ itself, a symlink's real path from
+    # the real folder's name (modcache.spelling_folders, which fix plants into)
+    out.append((base, SLASH_SPELLING))
+    real = os.path.basename(os.path.realpath(directory))
+    if real != Path(str(directory).rstrip("/")).name:
+        out.append((base / real, REAL_SPELLING))
     return out
+
+
+LOCAL = "local path"
+HUB = "hub repo id"
+SLASH_SPELLING = "a path ending in / or /."
+REAL_SPELLING = "its real path, not the symlink"
+
+
+def debris(directory: Path, folders: Sequence[Path]) -> tuple[str, ...]:
+    """What killed commands of ours left: temporary files in the checkpoint, its
+    `.qwen-kvprep/` and the modules-cache folders (and their users' records), and records
+    of prepared folders that are no longer prepared."""
+    from qwen_kvprep.fsutil import TEMP_NAME, leftover_temps
+    from qwen_kvprep.journalfile import prepared
+
+    found: list[str] = []
+    state = Path(directory) / STATE_DIRNAME
+    ours = set(TRACKED_FILES)
+    found += [
+        str(Path(directory) / n)
+        for n in leftover_temps(directory)
+        if (m := TEMP_NAME.match(n)) and m.group(1) in ours
+    ]
+    for folder in (state, state / "originals"):
+        found += [str(folder / n) for n in leftover_temps(folder)]
+    for folder in folders:
+        users = folder / USERS_DIRNAME
+        found += [str(folder / n) for n in leftover_temps(folder)]
+        found += [str(users / n) for n in leftover_temps(users)]
+        with contextlib.suppress(OSError):
+            for name in sorted(os.listdir(users)):
+                try:
+                    data = json.loads(read_regular(users / name, 4096, follow=False))
+                except (OSError, ValueError):
+                    continue
+                path = data.get("path") if isinstance(data, dict) else None
+                if isinstance(path, str) and not prepared(path):
+                    found.append(str(users / name))
+    return tuple(found)
 
 
 def _probe_module_folder(path: Path, how: str) -> ModuleFolder:
@@ -405,12 +455,14 @@ def probe_caches(
     state: Optional[State] = None
     state_error: Optional[str] = None
     journal: _JournalFacts = {}
+    left: tuple[str, ...] = ()
     if directory is not None:
         folders = tuple(
             _probe_module_folder(p, how) for p, how in module_folder_candidates(directory, root)
         )
         state, state_error = _read_state(Path(directory))
         journal = _read_journal(Path(directory), root)
+        left = debris(Path(directory), [Path(mf.path) for mf in folders if mf.exists])
     return CacheFacts(
         build_cache=folder_access(cache, cache_source),
         builds=_read_builds(cache),
@@ -421,6 +473,7 @@ def probe_caches(
         state=state,
         state_error=state_error,
         **journal,
+        debris=left,
         python_tag=tag,
         machine=mach,
     )

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import errno
 import importlib.util
 import json
 import os
@@ -130,6 +131,7 @@ class IndexFacts:
 class CheckpointFacts:
     path: Path
     name: str
+    spelt: Optional[str] = None  # the path as the user wrote it (doctor DIR), when known
     listing_error: Optional[str] = None
     files: tuple[str, ...] = ()  # top-level regular files (symlinks followed), sorted
     dangling: tuple[str, ...] = ()  # top-level symlinks whose target is gone
@@ -137,6 +139,11 @@ class CheckpointFacts:
     config: Optional[dict[str, JSON]] = None
     config_error: Optional[str] = None
     config_error_line: Optional[int] = None  # where the JSON parser stopped
+    # what transformers itself does with the config.json refused, where that was checked
+    # (4.32.1, 4.37.2, 4.53.3): "json" (a syntax error or bytes that are not UTF-8: `OSError:
+    # ... not a valid JSON file`), "digits" (an integer over Python's 4300 digits: the same
+    # ValueError), "size" (over qwen-kvprep's limit: transformers loads it); None: unchecked
+    config_error_kind: Optional[str] = None
     config_is_symlink: bool = False
     config_link_target: Optional[str] = None
     modeling_text_supports_kv: Optional[bool] = None  # None: modeling_qwen.py unreadable
@@ -674,6 +681,7 @@ class _Where(TypedDict):
 
     path: Path
     name: str
+    spelt: Optional[str]
     repo_id: Optional[str]
     revision: Optional[str]
     hub_cache_dir: Optional[Path]
@@ -681,16 +689,29 @@ class _Where(TypedDict):
     special: tuple[tuple[str, str], ...]
 
 
-def probe_checkpoint(path: Path) -> CheckpointFacts:
-    """Everything the checkpoint and config checks need; never raises for a broken checkpoint."""
+
+def _config_error_kind(cause: Optional[BaseException]) -> Optional[str]:
+    """CheckpointFacts.config_error_kind for the exception behind a refused config.json."""
+    if isinstance(cause, (json.JSONDecodeError, UnicodeDecodeError)):
+        return "json"
+    if isinstance(cause, OSError) and cause.errno == errno.EFBIG:
+        return "size"
+    if isinstance(cause, ValueError) and "digits" in str(cause):
+        return "digits"
+    return None
+
+def probe_checkpoint(path: Path, spelt: Optional[str] = None) -> CheckpointFacts:
+    """Everything the checkpoint and config checks need; never raises for a broken checkpoint.
+    `spelt` is the path as the user wrote it, kept for checkpoint.dirname."""
     path = Path(path)
-    # normpath: "ckpt/" or "a/ckpt/." must give "ckpt", as transformers' basename would.
+    # normpath: "ckpt/" or "a/ckpt/." give the folder's own name "ckpt" (transformers'
+    # basename of those spellings is "" or ".": see modcache.spelling_folders).
     name = Path(os.path.normpath(path.absolute())).name
     repo_id, revision, hub_root = hub_snapshot(path)
     is_git_checkout = os.path.exists(path / ".git")
     listing, dangling, special, listing_error = _list_dir(path)
     base: _Where = {
-        "path": path, "name": name, "repo_id": repo_id, "revision": revision,
+        "path": path, "name": name, "spelt": spelt, "repo_id": repo_id, "revision": revision,
         "hub_cache_dir": hub_root, "is_git_checkout": is_git_checkout,
         "special": tuple(special),
     }
@@ -714,6 +735,7 @@ def probe_checkpoint(path: Path) -> CheckpointFacts:
     config: Optional[dict[str, JSON]] = None
     config_error: Optional[str] = None
     config_error_line: Optional[int] = None
+    config_error_kind: Optional[str] = None
     config_path = path / CONFIG
     if CONFIG in files:
         # the same reader and rules as fix: strict UTF-8, unique keys, a size limit
@@ -724,6 +746,7 @@ def probe_checkpoint(path: Path) -> CheckpointFacts:
             cause = exc.__cause__
             if isinstance(cause, json.JSONDecodeError):
                 config_error_line = cause.lineno
+            config_error_kind = _config_error_kind(cause)
     is_link = config_path.is_symlink()
     link_target: Optional[str] = None
     if is_link:
@@ -781,6 +804,7 @@ def probe_checkpoint(path: Path) -> CheckpointFacts:
         config=config,
         config_error=config_error,
         config_error_line=config_error_line,
+        config_error_kind=config_error_kind,
         config_is_symlink=is_link,
         config_link_target=link_target,
         modeling_text_supports_kv=_mentions(modeling, "use_cache_quantization"),

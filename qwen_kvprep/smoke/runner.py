@@ -46,6 +46,37 @@ class SmokeOptions:
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
     prompt: str = DEFAULT_PROMPT
     timeout: float = DEFAULT_TIMEOUT_S
+    # the path the child loads by, spelt as the user gave it (absolute, but with its
+    # trailing slash or `.` kept: transformers names the modules-cache folder after it);
+    # None: the directory itself
+    load_path: Optional[str] = None
+
+
+def spelt_as_given(given: str) -> str:
+    """`given` made absolute without normalising it (`x/` stays `/cwd/x/`, `.` becomes
+    `/cwd/.`), so a child started elsewhere loads the model by the same spelling."""
+    import os
+
+    return given if os.path.isabs(given) else os.path.join(os.getcwd(), given)
+
+
+def load_path_for(given: str) -> tuple[str, Optional[str]]:
+    """(the path the smoke loads by, why not `given` itself): DIR as the user spelt it,
+    unless the installed transformers cannot load any model by that spelling (then the
+    directory's normalised absolute path, and the reason, which the caller reports)."""
+    import importlib.metadata
+    import os
+
+    from qwen_kvprep.common import spelling_problem
+
+    try:
+        version: Optional[str] = importlib.metadata.version("transformers")
+    except importlib.metadata.PackageNotFoundError:
+        version = None
+    problem = spelling_problem(given, version)
+    if problem is not None:
+        return os.path.abspath(given), problem
+    return spelt_as_given(given), None
 
 
 def child_command(directory: Path, options: SmokeOptions, fd: int) -> list[str]:
@@ -53,7 +84,7 @@ def child_command(directory: Path, options: SmokeOptions, fd: int) -> list[str]:
         sys.executable,
         "-m",
         "qwen_kvprep.smoke.child",
-        str(directory),
+        options.load_path or str(directory),
         "--fd",
         str(fd),
         "--device",

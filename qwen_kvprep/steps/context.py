@@ -39,6 +39,8 @@ class FixOptions:
     smoke_timeout: Optional[float] = None
     # --output OUT: fix a view of the directory in OUT and leave the directory untouched
     output: Optional[Path] = None
+    # DIR as the user wrote it (a trailing slash, `.`, a symlink): the smoke loads by it
+    spelling: Optional[str] = None
     # huggingface_hub's download bars: None = only when stderr is a terminal; False for --json
     progress: Optional[bool] = None
 

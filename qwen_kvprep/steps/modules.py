@@ -21,14 +21,16 @@ from qwen_kvprep.steps.context import FixContext
 
 
 def _plant_all(ctx: FixContext, folder: Path, files: dict[str, bytes]) -> list[str]:
-    from qwen_kvprep.dirlock import remove_leftover_temps
+    from qwen_kvprep.common import USERS_DIRNAME
+    from qwen_kvprep.dirlock import TEMP_GRACE_S, remove_leftover_temps
     from qwen_kvprep.modcache import transformers_root
 
     root = transformers_root()
     changed = []
     if not ctx.options.dry_run:
         # a killed write of ours (or of prestart) a while ago; never one in progress
-        remove_leftover_temps(folder, set(files), older_than=60.0)
+        remove_leftover_temps(folder, set(files), older_than=TEMP_GRACE_S)
+        remove_leftover_temps(folder / USERS_DIRNAME, older_than=TEMP_GRACE_S)
     for name, data in files.items():
         try:
             if ctx.journal.plant(folder / name, data, root):
@@ -50,7 +52,7 @@ def _plant_all(ctx: FixContext, folder: Path, files: dict[str, bytes]) -> list[s
 
 def run(ctx: FixContext) -> None:
     from qwen_kvprep.buildcache import sources_of
-    from qwen_kvprep.modcache import module_folder
+    from qwen_kvprep.modcache import module_folder, spelling_folders
     from qwen_kvprep.steps.fastkv import module_bytes
     from qwen_kvprep.steps.loader import loader_bytes
 
@@ -80,6 +82,17 @@ def run(ctx: FixContext) -> None:
     hub_folder = _hub_folder(ctx)
     if hub_folder is not None and hub_folder != folder:
         changed += [f"{n} (for loads by repo id)" for n in _plant_all(ctx, hub_folder, files)]
+    also: list[str] = []
+    spellings: list[str] = []  # the spellings something was planted for in this run
+    for other, spelt in spelling_folders(ctx.directory):
+        if other in (folder, hub_folder) or str(other) in also:
+            continue
+        # the same files where the other spellings of DIR make the model code run from
+        planted = _plant_all(ctx, other, files)
+        changed += [n for n in planted if n not in changed]
+        if planted:
+            spellings.append(f"{spelt}: {other}")
+        also.append(str(other))
     env_root = Path(os.path.abspath(modules_cache_root()[0]))
     if env_root not in folder.parents:
         ctx.add(
@@ -92,12 +105,19 @@ def run(ctx: FixContext) -> None:
         )
     hashes = {n: sha256_bytes(d) for n, d in files.items()}
     hub = str(hub_folder) if hub_folder is not None else None
-    ctx.modules = {"root": str(env_root), "folder": str(folder), "files": hashes, "hub_folder": hub}
+    ctx.modules = {
+        "root": str(env_root),
+        "folder": str(folder),
+        "files": hashes,
+        "hub_folder": hub,
+        "also": list(also),
+    }
     ctx.extra["modules"] = {
         "root": str(env_root),
         "folder": str(folder),
         "files": dict(hashes),
         "hub_folder": hub,
+        "also": list(also),
     }
     verb = "would plant" if ctx.options.dry_run else "planted"
     message = (
@@ -105,8 +125,15 @@ def run(ctx: FixContext) -> None:
         if changed
         else f"the modules cache already holds {', '.join(files)}"
     )
+    if spellings:
+        message += (
+            " (also where loads by another spelling of the path run from: "
+            + "; ".join(spellings) + ")"
+        )
     report = info if changed else ok
-    ctx.add(report("modules.plant", message, paths=[folder], folder=str(folder)))
+    ctx.add(
+        report("modules.plant", message, paths=[folder, *map(Path, also)], folder=str(folder))
+    )
 
 
 def _hub_folder(ctx: FixContext) -> Optional[Path]:

@@ -11,8 +11,8 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from qwen_kvprep.common import STATE_DIRNAME
-from qwen_kvprep.journal import Journal
+from qwen_kvprep.common import STATE_DIRNAME, USERS_DIRNAME
+from qwen_kvprep.journal import Journal, prune_users
 
 
 @dataclass
@@ -20,6 +20,9 @@ class RevertResult:
     done: list[str] = field(default_factory=list)  # restored or removed
     notes: list[str] = field(default_factory=list)  # left alone, and why
     temps: list[str] = field(default_factory=list)  # leftover temporary files removed
+    # what a revert killed after it removed the journal left, removed by this one
+    finished: list[str] = field(default_factory=list)
+    stale: list[str] = field(default_factory=list)  # records of folders no longer prepared
 
 
 def revert_checkpoint(directory: Path) -> RevertResult:
@@ -27,9 +30,10 @@ def revert_checkpoint(directory: Path) -> RevertResult:
     from qwen_kvprep.buildcache.lock import lock_timeout
     from qwen_kvprep.dirlock import (
         OUR_FILES,
+        TEMP_GRACE_S,
+        finish_cut_revert,
         folder_lock,
         lock_path,
-        release_if_unused,
         remove_leftover_temps,
     )
     from qwen_kvprep.errors import StateError, os_failure
@@ -44,7 +48,8 @@ def revert_checkpoint(directory: Path) -> RevertResult:
             try:
                 journal = Journal(directory)
                 if not journal.exists:
-                    release_if_unused(directory)
+                    # a revert killed after it removed the journal: finish it
+                    result.finished = finish_cut_revert(directory)
                     return result
                 plan_ok = not journal.plan_revert().problems
             except StateError:
@@ -58,8 +63,25 @@ def revert_checkpoint(directory: Path) -> RevertResult:
                     directory, set(OUR_FILES)
                 ) + remove_leftover_temps(directory / STATE_DIRNAME)
             journal = Journal(directory)
+            planted = journal.planted_files
             result.done = journal.revert()
             result.notes = journal.notes
+            if plan_ok:
+                # what a killed fix or prestart left beside the files planted there
+                for folder, names in _planted_folders(planted).items():
+                    result.temps += remove_leftover_temps(folder, names, TEMP_GRACE_S)
+                    result.temps += remove_leftover_temps(
+                        folder / USERS_DIRNAME, None, TEMP_GRACE_S
+                    )
+                    result.stale += prune_users(folder)
     except OSError as exc:
         raise os_failure(exc, directory, output_option=False) from exc
     return result
+
+
+def _planted_folders(planted: list[str]) -> dict[Path, set[str]]:
+    """The modules-cache folders of these planted paths, each with the names planted."""
+    out: dict[Path, set[str]] = {}
+    for path in planted:
+        out.setdefault(Path(path).parent, set()).add(os.path.basename(path))
+    return out

@@ -405,6 +405,7 @@ def test_module_folder_naming(tmp_path: Path) -> None:
     assert names == [
         "/m/transformers_modules/abc123",
         "/m/transformers_modules/Qwen/Qwen-7B-Chat/abc123",
+        "/m/transformers_modules",  # a load by the path with a trailing slash
     ]
 
 
