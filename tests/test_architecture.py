@@ -36,6 +36,7 @@ LAYERS: dict[str, int] = {
     "qwen_kvprep.catalogue": BASE,
     "qwen_kvprep.statefile": BASE,
     "qwen_kvprep.journalfile": BASE,
+    "qwen_kvprep.chart": BASE,
     "qwen_kvprep.probe": PROBE,
     "qwen_kvprep.checks": CHECKS,
     "qwen_kvprep.buildcache.arch": CHECKS,  # pure decisions over probed toolchain facts
