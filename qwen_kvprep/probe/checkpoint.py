@@ -27,7 +27,7 @@ from qwen_kvprep.common import KERNEL_FILES, LOADER_MARKER, sha256_file
 from qwen_kvprep.common import LOADER_FILE as LOADER
 from qwen_kvprep.configjson import CONFIG, parse_config_bytes, read_config_bytes
 from qwen_kvprep.errors import ConfigError, current_user
-from qwen_kvprep.untrusted import kind_of, open_regular, read_prefix
+from qwen_kvprep.untrusted import json_error_at, kind_of, open_regular, read_prefix
 
 if TYPE_CHECKING:
     from typing import TypeGuard
@@ -205,7 +205,8 @@ def load_json(text: str) -> tuple[JSON, Optional[str], Optional[int]]:
         data: JSON = json.loads(text)
         return data, None, None
     except json.JSONDecodeError as exc:
-        return None, f"{exc.msg} at line {exc.lineno}, column {exc.colno}", exc.lineno
+        what, line, column = json_error_at(exc)
+        return None, f"{what} at line {line}, column {column}", line
     except (ValueError, RecursionError) as exc:  # a hostile file nests 100,000 levels deep
         return None, f"{type(exc).__name__}: {exc}", None
 
@@ -715,7 +716,7 @@ def probe_checkpoint(path: Path) -> CheckpointFacts:
             config_error = exc.message
             cause = exc.__cause__
             if isinstance(cause, json.JSONDecodeError):
-                config_error_line = cause.lineno
+                config_error_line = json_error_at(cause)[1]
     is_link = config_path.is_symlink()
     link_target: Optional[str] = None
     if is_link:
