@@ -143,7 +143,11 @@ def test_lfs_pointer_shard_falls_back_to_the_index(tmp_path: Path) -> None:
     )
     facts = read_model(d)
     assert facts.weights_bytes == total
-    assert "1 of 2 shards absent" in facts.weights_source
+    assert "1 of 2 shards are Git LFS pointers (`git lfs pull` fetches them)" in (
+        facts.weights_source
+    )
+    (d / "model-00002-of-00002.safetensors").unlink()
+    assert "1 of 2 shards absent" in read_model(d).weights_source
 
 
 def test_unreadable_header_is_a_clean_error(tmp_path: Path) -> None:

@@ -157,6 +157,7 @@ class CheckpointFacts:
     revision: Optional[str] = None
     hub_cache_dir: Optional[Path] = None  # the huggingface_hub cache root holding the snapshot
     is_git_checkout: bool = False
+    git_root: Optional[Path] = None  # the work tree holding it (its own .git or a parent's)
     requirements: tuple[str, ...] = ()  # top-level modules the remote code imports
     missing_requirements: tuple[str, ...] = ()
 
@@ -671,7 +672,19 @@ class _Where(TypedDict):
     revision: Optional[str]
     hub_cache_dir: Optional[Path]
     is_git_checkout: bool
+    git_root: Optional[Path]
     special: tuple[tuple[str, str], ...]
+
+
+def _git_root(path: Path) -> Optional[Path]:
+    """The git work tree `path` is in (a model folder may be a clone, or a folder inside
+    one): the nearest folder from `path` up with a `.git` (a folder, or a worktree's
+    file). None outside any."""
+    here = path.absolute()
+    for folder in (here, *here.parents):
+        if os.path.lexists(folder / ".git"):
+            return folder
+    return None
 
 
 def probe_checkpoint(path: Path) -> CheckpointFacts:
@@ -680,11 +693,12 @@ def probe_checkpoint(path: Path) -> CheckpointFacts:
     # normpath: "ckpt/" or "a/ckpt/." must give "ckpt", as transformers' basename would.
     name = Path(os.path.normpath(path.absolute())).name
     repo_id, revision, hub_root = hub_snapshot(path)
-    is_git_checkout = os.path.exists(path / ".git")
+    git_root = _git_root(path)
+    is_git_checkout = git_root is not None
     listing, dangling, special, listing_error = _list_dir(path)
     base: _Where = {
         "path": path, "name": name, "repo_id": repo_id, "revision": revision,
-        "hub_cache_dir": hub_root, "is_git_checkout": is_git_checkout,
+        "hub_cache_dir": hub_root, "is_git_checkout": is_git_checkout, "git_root": git_root,
         "special": tuple(special),
     }
     if listing_error is not None:
