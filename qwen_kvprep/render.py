@@ -483,6 +483,7 @@ class BuildTiming(TypedDict, total=False):
     """The build the demo ran in the background, as its story tells it."""
 
     compiled: bool
+    reused: bool
     seconds: float
 
 
@@ -526,6 +527,9 @@ def render_demo(result: DemoStory) -> str:
         if prefixes[0] == "build.mode" and bg.get("compiled"):
             items.insert(0, f"compiled it in the background while the model was generated "
                          f"({bg['seconds']:.0f} s; cached for every later fix on this machine)")
+        elif prefixes[0] == "build.mode" and bg.get("reused"):
+            items.insert(0, "reused the build an earlier run left in the build cache (no "
+                         "compile)")
         if not items and prefixes == ("checkpoint.",) and m:
             items = ["every checkpoint check passed"]  # validate reports only problems
         if items:
