@@ -196,3 +196,24 @@ def test_sigint_to_a_running_command_exits_130(
     assert kvprep("revert", str(p.directory), env=modules_env).returncode == 0
     assert snapshot(p.directory) == p.pristine
     assert signal.SIGINT == 2  # 130 = 128 + SIGINT
+
+
+def test_sigint_during_fix_leaves_a_folder_fix_or_revert_finishes(
+    tmp_path: Path, isolated_hf: Path
+) -> None:
+    from qwen_kvprep.tiny import generate_checkpoint
+
+    model = generate_checkpoint(tmp_path / "tiny", layers=1, shards=1)
+    pristine = snapshot(model)
+    child = _SIGINT_CHILD.replace("calls[0] == 2", "calls[0] == 3")  # a few files in
+    res = subprocess.run(
+        [sys.executable, "-c", child, "fix", str(model), "--no-build", "--no-smoke"],
+        capture_output=True, text=True, timeout=300, env=dict(os.environ),
+    )
+    assert res.returncode == 130, res.stderr
+    assert "Aborted" not in res.stderr and "Traceback" not in res.stderr
+    assert not _temporaries(model)
+    json.loads((model / "config.json").read_text())  # whole
+    res = kvprep("revert", str(model))
+    assert res.returncode == 0, res.stderr
+    assert snapshot(model) == pristine
