@@ -45,5 +45,5 @@ def write_plan_plot(facts: ModelFacts, plan: PlanResult, gpu_source: str, path: 
         hlines=hlines,
         log_x=True,
     )
-    title = f"{facts.path.name}: plan on {gpu_source}"
+    title = f"{facts.path.name}: predicted peak GPU memory ({gpu_source})"
     return write_chart(path, title, [by_batch, by_tokens])
