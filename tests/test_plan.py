@@ -544,3 +544,19 @@ def test_plan_plot_png_with_matplotlib(tmp_path: Path) -> None:
     assert res.returncode == 0, res.stderr
     assert document(res)["plan"]["plot"] == str(out)
     assert out.read_bytes().startswith(b"\x89PNG")
+
+
+def test_without_gpu_options_plan_takes_the_gpu_present(monkeypatch: pytest.MonkeyPatch) -> None:
+    torch = pytest.importorskip("torch")
+
+    class Props:
+        name, total_memory = "NVIDIA L4", 23612293120
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda _i: Props())
+    res = invoke("plan", str(QWEN_7B), "--json")
+    assert res.returncode == 0, res.stderr
+    plan = document(res)["plan"]
+    assert plan["gpu_memory_bytes"] == 23612293120
+    assert plan["gpu_memory_source"] == "cuda:0 (NVIDIA L4)"
