@@ -217,3 +217,11 @@ def test_sigint_during_fix_leaves_a_folder_fix_or_revert_finishes(
     res = kvprep("revert", str(model))
     assert res.returncode == 0, res.stderr
     assert snapshot(model) == pristine
+
+
+def test_json_means_one_document_in_every_mode_of_doctor() -> None:
+    doc = document(kvprep("doctor", "--list-checks", "--json"))
+    assert {"id", "title"} == set(doc["checks"][0]) and len(doc["checks"]) > 20
+    doc = document(kvprep("doctor", "--report", "--json", "--check", "env.python"))
+    assert doc["report"].startswith("### qwen-kvprep report")
+    assert [f["id"] for f in doc["findings"]] == ["env.python"]
