@@ -401,6 +401,12 @@ def test_json_is_one_line_before_the_command(fake: Path, tmp_path: Path) -> None
     assert "click" not in dump.read_text().split()  # still the fast path
     req = parse_fast([str(fake), "--debug", "--json", "--", "x"])
     assert req is not None and req.as_json
+    # the global option before the command: the same line, still the fast path
+    dump.unlink()
+    res = kvprep("--json", "prestart", str(fake), "--", sys.executable, "-c", "print(1)",
+                 env=env)
+    assert res.returncode == 0 and json.loads(res.stdout.splitlines()[0])["ok"] is True
+    assert "click" not in dump.read_text().split()
 
 
 def test_json_of_a_fallback_carries_the_error(tmp_path: Path) -> None:
