@@ -26,8 +26,12 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     if lead < len(args) and args[lead] == "prestart":
         from qwen_kvprep.fastpath import fast
 
-        # execs CMD or exits when the state matches; returns otherwise
-        fast([*args[:lead], *args[lead + 1 :]])
+        try:
+            # execs CMD or exits when the state matches; returns otherwise
+            fast([*args[:lead], *args[lead + 1 :]])
+        except KeyboardInterrupt:  # as cli.main answers Ctrl-C, without importing it
+            sys.stderr.write("qwen-kvprep: interrupted\n")
+            raise SystemExit(130) from None
     from qwen_kvprep.cli import main as cli_main
 
     cli_main(args)
