@@ -214,6 +214,9 @@ def test_sigint_during_fix_leaves_a_folder_fix_or_revert_finishes(
     assert "Aborted" not in res.stderr and "Traceback" not in res.stderr
     assert not _temporaries(model)
     json.loads((model / "config.json").read_text())  # whole
+    res = kvprep("fix", str(model), "--no-build", "--no-smoke")  # finishes the job
+    assert res.returncode == 0, res.stderr
+    assert json.loads((model / "config.json").read_text())["use_cache_kernel"] is True
     res = kvprep("revert", str(model))
     assert res.returncode == 0, res.stderr
     assert snapshot(model) == pristine
