@@ -499,6 +499,7 @@ def test_gpu_by_name_and_the_list() -> None:
     # the capacity torch reports on the card, not its label
     assert _planned_bytes("--gpu", "a100-80g") == 84987740160
     assert _planned_bytes("--gpu", "RTX 4090") == _planned_bytes("--gpu", "4090")
+    assert _planned_bytes("--gpu", "NVIDIA H100 80GB HBM3") == _planned_bytes("--gpu", "h100")
     assert _planned_bytes("--gpu", "H100") < 80 * GIB
     res = invoke("plan", str(QWEN_7B), "--gpu", "4090")
     assert res.returncode == 0 and "NVIDIA GeForce RTX 4090" in res.stdout

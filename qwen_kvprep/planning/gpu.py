@@ -78,7 +78,10 @@ def _key(name: str) -> str:
     return key.removeprefix("rtx") if key.startswith("rtx") and key[3:].isdigit() else key
 
 
-_BY_KEY = {_key(alias): card for card in CARDS for alias in (card.name, *card.aliases)}
+# the device name too, as torch and nvidia-smi print it ("NVIDIA H100 80GB HBM3")
+_BY_KEY = {
+    _key(alias): card for card in CARDS for alias in (card.name, card.product, *card.aliases)
+}
 
 
 def find_card(name: str) -> Card:
