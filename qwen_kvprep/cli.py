@@ -17,7 +17,7 @@ import click
 
 from qwen_kvprep import __version__
 from qwen_kvprep.commands import register
-from qwen_kvprep.commands._common import OutputOptions, debug_option
+from qwen_kvprep.commands._common import OutputOptions, debug_option, json_option
 from qwen_kvprep.errors import EXIT_FAILED, EXIT_OK, EXIT_USAGE, KvprepError, os_failure
 from qwen_kvprep.redact import install_log_filter, scrub
 from qwen_kvprep.render import report_error
@@ -28,11 +28,22 @@ __all__ = ["cli", "main"]
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, "--version", prog_name="qwen-kvprep")
 @debug_option
+@json_option
 def cli() -> None:
-    """Make the Int8 KV cache of Qwen (v1) chat models work."""
+    """Make the Int8 KV cache of Qwen (v1) chat models work.
+
+    --debug and --json may come before or after the command."""
 
 
 register(cli)
+
+
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports it
+
+
+def _interrupted() -> int:
+    click.echo("qwen-kvprep: interrupted", err=True)
+    return EXIT_INTERRUPTED
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
@@ -43,9 +54,14 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         code = cli.main(args=args, prog_name="qwen-kvprep", standalone_mode=False, obj=options)
     except click.exceptions.Exit as exc:
         code = exc.exit_code
-    except click.Abort:
-        click.echo("Aborted.", err=True)
-        code = EXIT_FAILED
+    except click.Abort as exc:
+        # click turns Ctrl-C into Abort ("Aborted.", exit 1); a shell's convention is 130,
+        # and every write we make is atomic, so there is nothing half-written to report
+        if isinstance(exc.__cause__, KeyboardInterrupt):
+            code = _interrupted()
+        else:
+            click.echo("Aborted.", err=True)
+            code = EXIT_FAILED
     except click.ClickException as exc:
         if scrub(exc.format_message()) != exc.format_message():
             click.echo(f"Error: {scrub(exc.format_message())}", err=True)
@@ -57,8 +73,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             raise
         code = report_error(exc, as_json=options.as_json)
     except KeyboardInterrupt:
-        click.echo("Interrupted.", err=True)
-        code = 130
+        code = _interrupted()
     except OSError as exc:
         # a file-system refusal no command mapped itself: still something to act on
         if options.debug:

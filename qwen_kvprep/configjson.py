@@ -17,7 +17,13 @@ from typing import TYPE_CHECKING
 
 from qwen_kvprep import hubcli
 from qwen_kvprep.errors import ConfigError, current_user
-from qwen_kvprep.untrusted import DuplicateKey, NotRegularFile, load_json, read_regular
+from qwen_kvprep.untrusted import (
+    DuplicateKey,
+    NotRegularFile,
+    json_error_at,
+    load_json,
+    read_regular,
+)
 
 if TYPE_CHECKING:
     from qwen_kvprep.jsontypes import JSON
@@ -64,9 +70,10 @@ def parse_config(text: str, path: Path) -> OrderedDict[str, JSON]:
     try:
         data = load_json(text.encode("utf-8"), CONFIG_DEPTH, _ordered_unique)
     except json.JSONDecodeError as exc:
+        what, line, column = json_error_at(exc)
         raise ConfigError(
-            f"{path} is not valid JSON: {exc.msg} at line {exc.lineno}, column {exc.colno}",
-            fix=f"repair line {exc.lineno} of {shlex.quote(str(path))}, or {_redownload(path)}",
+            f"{path} is not valid JSON: {what} at line {line}, column {column}",
+            fix=f"repair line {line} of {shlex.quote(str(path))}, or {_redownload(path)}",
         ) from exc
     except DuplicateKey as exc:
         raise ConfigError(

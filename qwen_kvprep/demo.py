@@ -138,7 +138,11 @@ class BackgroundBuild:
     def __init__(self, cache_dir: Optional[Path], notify: Echo) -> None:
         self.cache_dir = cache_dir
         self.notify = notify
-        self.info: JSONObject = {}  # what it did: compiled, key, mode, seconds; or error
+        self.info: JSONObject = {}  # what it did: compiled/reused, key, mode, seconds; or error
+        # set once the thread knows whether it compiles (the cache may already hold the
+        # build): the demo then says "compiling" or "reusing", whichever is true
+        self.decided = threading.Event()
+        self.compiling = False
         self.thread = threading.Thread(target=self._work, name="demo-build", daemon=True)
 
     def _work(self) -> None:
@@ -150,15 +154,32 @@ class BackgroundBuild:
             layout = CacheLayout(resolve_cache_dir(self.cache_dir))
             plan = plan_build(vendored_sources(), None)
             if find_build(layout, plan.key) is not None:
+                self.info = {"compiled": False, "reused": True, "key": plan.key,
+                             "mode": plan.mode, "cache": str(layout.root)}
                 return
+            self.compiling = True
+            self.decided.set()
             built = ensure_build(plan, layout, notify=self.notify)
-            self.info = {"compiled": built.compiled, "key": built.key, "mode": plan.mode,
+            self.info = {"compiled": built.compiled, "reused": not built.compiled,
+                         "key": built.key, "mode": plan.mode,
                          "seconds": time.monotonic() - t0}
         except Exception as exc:  # fix's build step repeats it and reports it
             self.info = {"error": f"{type(exc).__name__}: {exc}"}
+        finally:
+            self.decided.set()
 
     def start(self) -> None:
         self.thread.start()
+
+    def announce(self, say: Echo) -> None:
+        """Say what the build is doing, once the thread knows: compiling (still under way),
+        or reusing the build an earlier run left in the cache."""
+        self.decided.wait()
+        if self.compiling and self.thread.is_alive():
+            say("compiling the kernel extension (the one slow step; cached afterwards) ...")
+        elif self.info.get("reused"):
+            say(f"reusing the kernel extension built earlier (build cache "
+                f"{self.info.get('cache', '?')}): no compile needed")
 
     def join(self) -> None:
         self.thread.join()
@@ -192,10 +213,10 @@ def run_demo(options: DemoOptions, echo: Optional[Echo] = None) -> DemoResult:
         generate_checkpoint(result.checkpoint)
         result.seconds["generate"] = time.monotonic() - t0
         result.model = _model_info(result.checkpoint)
+        background.announce(say)
         if background.thread.is_alive():
             # joined before fix rather than left for fix's build step to wait on the
-            # lock: that would report our own thread as "another builder"
-            say("compiling the kernel extension (the one slow step; cached afterwards) ...")
+            # lock: that would report our own thread as "another builder".
             # fix imports these later anyway; now the compiler leaves this core idle
             import transformers.dynamic_module_utils  # noqa: F401
 

@@ -18,10 +18,20 @@ if TYPE_CHECKING:
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
-    if args and args[0] == "prestart":
+    # the global options may come first (`qwen-kvprep --json prestart ...`); prestart's
+    # fast path reads them among its own
+    lead = 0
+    while lead < len(args) and args[lead] in ("--json", "--debug"):
+        lead += 1
+    if lead < len(args) and args[lead] == "prestart":
         from qwen_kvprep.fastpath import fast
 
-        fast(args[1:])  # execs CMD or exits when the state matches; returns otherwise
+        try:
+            # execs CMD or exits when the state matches; returns otherwise
+            fast([*args[:lead], *args[lead + 1 :]])
+        except KeyboardInterrupt:  # as cli.main answers Ctrl-C, without importing it
+            sys.stderr.write("qwen-kvprep: interrupted\n")
+            raise SystemExit(130) from None
     from qwen_kvprep.cli import main as cli_main
 
     cli_main(args)

@@ -58,8 +58,8 @@ EXIT_NOT_EXECUTABLE = 126
 class Request:
     """What one prestart call asks for, options and environment merged."""
 
-    __slots__ = ("allow_fallback", "arch", "cache_dir", "command", "directory", "output",
-                 "quiet", "smoke", "source")
+    __slots__ = ("allow_fallback", "arch", "as_json", "cache_dir", "command", "directory",
+                 "output", "quiet", "smoke", "source")
 
     def __init__(
         self,
@@ -72,6 +72,7 @@ class Request:
         quiet: bool = False,
         command: Sequence[str] = (),
         source: Optional[str] = None,
+        as_json: bool = False,
     ) -> None:
         self.directory = directory
         self.output = output
@@ -82,6 +83,7 @@ class Request:
         self.quiet = quiet
         self.command = list(command)
         self.source = source
+        self.as_json = as_json
 
     @property
     def target(self) -> str:
@@ -127,6 +129,8 @@ def parse_fast(args: Sequence[str]) -> Optional[Request]:
     if "--" in args:
         cut = args.index("--")
         args, command = args[:cut], args[cut + 1 :]
+        if not command:
+            return None  # `--` and nothing after it: click reports the usage error
     values: dict[str, Optional[str]] = {
         "--output": os.environ.get(ENV_OUTPUT) or None,
         "-o": None,
@@ -142,11 +146,16 @@ def parse_fast(args: Sequence[str]) -> Optional[Request]:
         "--quiet": env_flag(ENV_QUIET) if os.environ.get(ENV_QUIET, "").strip() else False,
     }
     positional: list[str] = []
+    as_json = False
     i = 0
     while i < len(args):
         arg = args[i]
         name, eq, value = arg.partition("=")
-        if name in values:
+        if arg == "--json":
+            as_json = True
+        elif arg == "--debug":
+            pass  # tracebacks: the fast path reports nothing it could show one for
+        elif name in values:
             if not eq:
                 if i + 1 >= len(args):
                     return None
@@ -180,6 +189,7 @@ def parse_fast(args: Sequence[str]) -> Optional[Request]:
         quiet=bool(flags["--quiet"]),
         command=command,
         source=values["--source"],
+        as_json=as_json,
     )
 
 
@@ -489,8 +499,9 @@ def state_mismatch(request: Request, planting: Optional[Planting] = None) -> Opt
 
 
 def say(request: Request, text: str) -> None:
-    # stderr: stdout belongs to CMD (a server's logs, a test's output).
-    if not request.quiet:
+    # stderr: stdout belongs to CMD (a server's logs, a test's output). With --json the
+    # document on stdout says it instead.
+    if not request.quiet and not request.as_json:
         from qwen_kvprep.redact import scrub
 
         sys.stderr.write(f"qwen-kvprep prestart: {scrub(text)}\n")
@@ -537,8 +548,46 @@ def _cannot_run(name: str, why: str, code: int) -> NoReturn:
     raise SystemExit(code)
 
 
+def json_document(
+    request: Request,
+    planting: Planting,
+    prepared: Optional[str] = None,
+    findings: Sequence[Mapping[str, object]] = (),
+    error: Optional[Mapping[str, object]] = None,
+) -> str:
+    """prestart's --json document, on one line: it is printed on stdout just before CMD
+    takes stdout over, so a log reader finds it whole as the first line.
+
+    `prepared` is why the slow path prepared the folder (None: the recorded state held);
+    `error` is the failure --allow-fallback let through."""
+    from qwen_kvprep import __version__
+
+    doc = {
+        "schema_version": 1,
+        "tool_version": __version__,
+        "ok": error is None,
+        "findings": list(findings),
+        "prestart": {
+            "directory": os.path.abspath(request.directory or ""),
+            "target": request.target,
+            "ready": error is None,
+            "prepared": prepared,
+            "planted": list(planting.files),
+            "command": list(request.command),
+            "fallback": error is not None,
+        },
+    }
+    if error is not None:
+        doc["error"] = dict(error)
+    from qwen_kvprep.redact import scrub
+
+    return scrub(json.dumps(doc, default=str))
+
+
 def start_ready(request: Request, planting: Planting) -> NoReturn:
     """Say what this start did and that the folder is ready, then hand over to CMD."""
+    if request.as_json:
+        sys.stdout.write(json_document(request, planting) + "\n")
     if planting.files:
         say(request, f"planted the kernel sources and loader into {', '.join(planting.folders())}")
     say(request, f"{request.target} is ready (recorded state matches)")

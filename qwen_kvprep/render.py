@@ -290,8 +290,9 @@ def fix_fields(
 # -- revert ------------------------------------------------------------------------------
 
 
-def render_revert(directory: Path, result: RevertResult, build_cache: Path) -> str:
-    """What revert restored, what it left alone and why."""
+def render_revert(directory: Path, result: RevertResult) -> str:
+    """What revert restored (with --dry-run: would restore), what it left alone and why."""
+    would = result.dry_run
     lines: list[str] = []
     if result.temps:
         lines.append(f"removed leftover temporary files: {', '.join(sorted(result.temps))}")
@@ -310,16 +311,34 @@ def render_revert(directory: Path, result: RevertResult, build_cache: Path) -> s
         lines.append(f"nothing to revert: qwen-kvprep has not changed {directory}")
         return "\n".join(lines)
     if result.done:
-        lines.append(f"restored {len(result.done)} file(s) in {directory}:")
+        verb = "would restore" if would else "restored"
+        lines.append(f"{verb} {len(result.done)} file(s) in {directory}:")
         lines += [f"  {item}" for item in result.done]
     else:
         lines.append(f"nothing to restore in {directory}")
     if result.notes:
-        lines.append("left alone:")
+        lines.append("would leave alone:" if would else "left alone:")
         lines += [f"  {note}" for note in result.notes]
+    if would:
+        lines.append(f"dry run: nothing was changed; `qwen-kvprep revert {directory}` does it")
     # builds are per ABI, not per checkpoint: other checkpoints may load the same one
-    lines.append(f"the shared build cache {build_cache} is kept (builds are shared)")
+    if result.build_cache is not None:
+        kept = "would be kept" if would else "is kept"
+        lines.append(f"the build cache fix used, {result.build_cache}, {kept} (builds are "
+                     "shared between checkpoints)")
     return "\n".join(lines)
+
+
+def revert_json(directory: Path, result: RevertResult) -> dict[str, object]:
+    """The `revert` member of `revert --json`."""
+    return {
+        "directory": str(directory),
+        "dry_run": result.dry_run,
+        "restored": list(result.done),
+        "left_alone": list(result.notes),
+        "temporary_files_removed": sorted(result.temps),
+        "build_cache": None if result.build_cache is None else str(result.build_cache),
+    }
 
 
 # -- demo --------------------------------------------------------------------------------
@@ -482,6 +501,7 @@ class BuildTiming(TypedDict, total=False):
     """The build the demo ran in the background, as its story tells it."""
 
     compiled: bool
+    reused: bool
     seconds: float
 
 
@@ -525,6 +545,9 @@ def render_demo(result: DemoStory) -> str:
         if prefixes[0] == "build.mode" and bg.get("compiled"):
             items.insert(0, f"compiled it in the background while the model was generated "
                          f"({bg['seconds']:.0f} s; cached for every later fix on this machine)")
+        elif prefixes[0] == "build.mode" and bg.get("reused"):
+            items.insert(0, "reused the build an earlier run left in the build cache (no "
+                         "compile)")
         if not items and prefixes == ("checkpoint.",) and m:
             items = ["every checkpoint check passed"]  # validate reports only problems
         if items:

@@ -5,7 +5,9 @@ value put into them is validated here."""
 
 from __future__ import annotations
 
+import json
 import re
+import shlex
 import string
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional, TypedDict
@@ -41,6 +43,48 @@ _SAFE = {
     "version": re.compile(r"^[0-9][A-Za-z0-9_.+-]*$"),
     "name": re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$"),
 }
+
+
+def wheel_name() -> str:
+    """The file name of qwen-kvprep's wheel for this version, as `pip wheel` makes it."""
+    return f"qwen_kvprep-{__version__}-py3-none-any.whl"
+
+
+def installed_from() -> Optional[tuple[str, str]]:
+    """Where the qwen-kvprep running here was installed from, as pip recorded it
+    (direct_url.json): ("dir", a checkout), ("wheel", a .whl) or ("archive", an sdist);
+    None for an index install or when pip recorded nothing."""
+    import importlib.metadata
+    from urllib.parse import unquote, urlparse
+
+    try:
+        raw = importlib.metadata.distribution("qwen-kvprep").read_text("direct_url.json")
+        data = json.loads(raw) if raw else None
+    except (importlib.metadata.PackageNotFoundError, OSError, ValueError):
+        return None
+    if not isinstance(data, dict):
+        return None
+    url = data.get("url")
+    if not isinstance(url, str) or not url.startswith("file://"):
+        return None
+    path = unquote(urlparse(url).path)
+    if not path or any(c in path for c in "\n\r"):
+        return None
+    if "dir_info" in data:
+        return "dir", path
+    return ("wheel" if path.endswith(".whl") else "archive"), path
+
+
+def wheel_command() -> str:
+    """The command that puts qwen-kvprep's wheel beside the Dockerfile, made from the copy
+    installed here: qwen-kvprep is not on PyPI, so the image installs what the user has."""
+    source = installed_from()
+    if source is None:
+        return "pip wheel --no-deps -w . /path/to/qwen-kvprep    # your copy of its source"
+    kind, path = source
+    if kind == "wheel" and Path(path).name == wheel_name():
+        return f"cp {shlex.quote(path)} ."
+    return f"pip wheel --no-deps -w . {shlex.quote(path)}"
 
 
 def _checked(kind: str, option: str, value: str) -> str:
@@ -98,6 +142,8 @@ def variables(
     cuda = _checked("version", "--cuda", cuda)
     return {
         "tool_version": __version__,
+        "wheel_name": wheel_name(),
+        "wheel_command": wheel_command(),
         "model_dir": model_dir,
         "model_name": model_name,
         "view_dir": view_dir or "",

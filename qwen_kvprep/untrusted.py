@@ -215,12 +215,41 @@ def load_json(
     return data
 
 
+def json_error_at(exc: json.JSONDecodeError) -> tuple[str, int, int]:
+    """(what is wrong, line, column) of a JSON syntax error, where a person would fix it.
+
+    The parser stops at the first character it cannot take, which for the commonest
+    mistakes is past the real one: a missing comma is reported at the start of the next
+    member (often the next line), a trailing comma at the closing bracket (after any blank
+    lines), a cut-off file at its end. For those, point just after the last thing before
+    the gap, and say what is wrong there."""
+    doc, pos = exc.doc, exc.pos
+    back = pos
+    while back > 0 and doc[back - 1] in " \t\r\n":
+        back -= 1
+    here, before = doc[pos : pos + 1], doc[back - 1 : back]
+    what = exc.msg
+    at = pos
+    if back > 0:
+        trailing = before == "," and (here in ("}", "]") or pos >= len(doc))
+        if trailing and exc.msg.startswith(("Expecting property name", "Expecting value")):
+            what, at = "a trailing ',' (JSON allows none before a closing bracket)", back - 1
+        elif pos >= len(doc):
+            what, at = "the text is cut off: it ends", back
+        elif exc.msg.startswith("Expecting ',' delimiter"):
+            what, at = "missing ',': it belongs", back
+    line = doc.count("\n", 0, at) + 1
+    column = at - doc.rfind("\n", 0, at)
+    return what, line, column
+
+
 def describe_json_error(exc: BaseException) -> str:
     """A sentence fragment for why bytes are not acceptable JSON."""
     if isinstance(exc, UnicodeDecodeError):
         return f"is not UTF-8 (byte {exc.start} is 0x{exc.object[exc.start]:02x})"
     if isinstance(exc, json.JSONDecodeError):
-        return f"is not valid JSON ({exc.msg} at line {exc.lineno}, column {exc.colno})"
+        what, line, column = json_error_at(exc)
+        return f"is not valid JSON ({what} at line {line}, column {column})"
     if isinstance(exc, DuplicateKey):
         return f"is ambiguous JSON: {exc}"
     if isinstance(exc, NotRegularFile):

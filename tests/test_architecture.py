@@ -37,6 +37,7 @@ LAYERS: dict[str, int] = {
     "qwen_kvprep.statefile": BASE,
     "qwen_kvprep.journalfile": BASE,
     "qwen_kvprep.fastkv": BASE,  # which model code the fast path applies to (pure text work)
+    "qwen_kvprep.chart": BASE,
     "qwen_kvprep.probe": PROBE,
     "qwen_kvprep.checks": CHECKS,
     "qwen_kvprep.buildcache.arch": CHECKS,  # pure decisions over probed toolchain facts

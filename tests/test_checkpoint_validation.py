@@ -36,7 +36,7 @@ from qwen_kvprep.probe.checkpoint import (
 from qwen_kvprep.probe.facts import Facts
 from qwen_kvprep.tiny import generate_checkpoint
 from tests import treesnap
-from tests.cli import document, invoke
+from tests.cli import document, invoke, kvprep
 from tests.treesnap import Snapshot
 
 # the command the fix hints name for this huggingface_hub
@@ -209,6 +209,33 @@ def test_lfs_pointer_in_a_git_clone_suggests_git_lfs_pull(ckpt: Path) -> None:
     _shards(ckpt)[0].write_bytes(LFS_POINTER)
     f = next(f for f in direct(ckpt) if f.id == "checkpoint.content")
     assert f.fix is not None and f.fix.startswith(f"git -C {ckpt} lfs pull --include=")
+
+
+def test_lfs_pointer_in_a_folder_of_a_git_clone_pulls_from_its_top(tmp_path: Path) -> None:
+    top = tmp_path / "repo"
+    (top / ".git").mkdir(parents=True)
+    model = generate_checkpoint(top / "models" / "tiny", layers=1, shards=2)
+    shard = sorted(model.glob("model-*.safetensors"))[0]
+    shard.write_bytes(LFS_POINTER)
+    res = kvprep("doctor", str(model), "--check", "checkpoint.content", "--json")
+    (f,) = json.loads(res.stdout)["findings"]
+    assert f["fix"].startswith(f"git -C {top} lfs pull --include=models/tiny/{shard.name} ")
+    assert "git lfs install" in f["fix"]
+
+
+def test_lfs_pointer_outside_a_git_clone_gets_both_ways(tmp_path: Path) -> None:
+    model = generate_checkpoint(tmp_path / "tiny", layers=1, shards=2)
+    shard = sorted(model.glob("model-*.safetensors"))[0]
+    shard.write_bytes(LFS_POINTER)
+    res = kvprep("doctor", str(model), "--check", "checkpoint.content", "--json")
+    (f,) = json.loads(res.stdout)["findings"]
+    assert f"git lfs pull --include={shard.name}" in f["fix"]
+    assert f"{DOWNLOAD} {PLACEHOLDER_REPO} {shard.name}" in f["fix"]
+    # profile, which needs the weights, says the same
+    res = kvprep("profile", str(model), "--json")
+    doc = json.loads(res.stdout)
+    assert res.returncode == 1 and "git lfs pull" in doc["error"]["fix"]
+    assert "--random-weights" in doc["error"]["fix"]
 
 
 def test_missing_shard(ckpt: Path, work: Path) -> None:

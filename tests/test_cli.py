@@ -5,8 +5,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from qwen_kvprep import __version__
-from tests.cli import kvprep
+from tests.cli import invoke, kvprep
 
 
 def test_version() -> None:
@@ -58,3 +60,30 @@ def test_json_error_document_is_one_object(tmp_path: Path) -> None:
     assert doc["ok"] is False
     for f in doc["findings"]:
         assert set(f) >= {"id", "severity", "message", "fix", "paths"}
+
+
+@pytest.mark.parametrize(
+    ("text", "line", "said"),
+    [
+        ('{\n  "model_type": "qwen",\n  "hidden_size": 4096\n  "num_layers": 2\n}\n', 3,
+         "missing ','"),
+        ('{\n  "model_type": "qwen",\n  "hidden_size": 4096,\n\n\n}\n', 3, "trailing ','"),
+        ('{\n  "model_type": "qwen",\n  "a": [1, 2,\n  ]\n}\n', 3, "trailing ','"),
+        ('{\n  "model_type": "qwen",\n  "hidden_size": 40\n\n', 3, "cut off"),
+        ('{"model_type": "qwen",\n oops}\n', 2, "Expecting property name"),
+    ],
+)
+def test_bad_json_is_reported_at_the_line_to_fix(
+    tmp_path: Path, text: str, line: int, said: str
+) -> None:
+    """The parser stops past a missing or trailing comma (often lines later): the message
+    points where the fix goes, in plan, fix and doctor alike."""
+    d = tmp_path / "ckpt"
+    d.mkdir()
+    (d / "config.json").write_text(text)
+    res = invoke("plan", str(d), "--gpu", "h100")
+    assert res.returncode == 1 and said in res.stderr, res.stderr
+    assert f"at line {line}," in res.stderr and f"repair line {line} " in res.stderr
+    res = kvprep("doctor", str(d), "--check", "config.parse", "--json")
+    (finding,) = json.loads(res.stdout)["findings"]
+    assert f"at line {line}," in finding["message"], finding

@@ -7,6 +7,7 @@ import json
 import os
 import resource
 import subprocess
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -163,7 +164,50 @@ def test_demo_from_a_cold_cache_then_a_warm_one(tmp_path: Path) -> None:
     assert doc["schema_version"] == 1 and doc["ok"] is True
     ids = {f["id"]: f for f in doc["findings"]}
     assert ids["build.build"]["severity"] == "ok"  # cached
+    assert doc["demo"]["background_build"]["reused"] is True  # not "compiling"
     kv = doc["demo"]["smoke"]["kv_bytes_per_token"]
     assert kv["ratio"] == pytest.approx(132 / 256)
     # how long it took is for `time qwen-kvprep demo` in .ci/run, not for an assertion
     print(f"demo: cold {cold_note}; warm {warm_note}")
+
+
+def _background(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, cached: bool) -> list[str]:
+    """What the demo says about its build, with the cache holding it or not (the build
+    itself stubbed: this is about the words)."""
+    from qwen_kvprep import demo
+    from qwen_kvprep.buildcache import builder
+
+    class Plan:
+        key, mode = "k1", "cpu"
+
+    gate = threading.Event()
+
+    def ensure_build(*_args: object, **_kwargs: object) -> object:
+        gate.wait(30)  # still compiling while the demo speaks
+
+        class Built:
+            compiled, key = True, "k1"
+
+        return Built()
+
+    monkeypatch.setattr(builder, "plan_build", lambda *_a: Plan())
+    monkeypatch.setattr(builder, "find_build", lambda *_a: object() if cached else None)
+    monkeypatch.setattr(builder, "ensure_build", ensure_build)
+    said: list[str] = []
+    background = demo.BackgroundBuild(tmp_path / "cache", said.append)
+    background.start()
+    background.announce(said.append)
+    gate.set()
+    background.join()
+    return said
+
+
+def test_demo_says_compiling_only_when_it_compiles(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    said = _background(monkeypatch, tmp_path, cached=True)
+    assert len(said) == 1 and said[0].startswith("reusing the kernel extension")
+    assert not any(s.startswith("compiling") for s in said)
+    said = _background(monkeypatch, tmp_path, cached=False)
+    assert [s for s in said if s.startswith("compiling")] and not [
+        s for s in said if s.startswith("reusing")]

@@ -6,6 +6,7 @@ import json
 import os
 import shutil
 import struct
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +28,7 @@ from qwen_kvprep.planning.capacity import Scenario, make_plan, max_batch, max_to
 from qwen_kvprep.planning.model import Gptq, read_model, weights_from_config
 from qwen_kvprep.planning.sizes import parse_int_list, parse_size
 from qwen_kvprep.tiny import generate_checkpoint
-from tests.cli import kvprep
+from tests.cli import document, invoke, kvprep
 
 DATA = Path(__file__).parent / "data"
 QWEN_7B = DATA / "qwen-7b-chat-config"
@@ -142,7 +143,11 @@ def test_lfs_pointer_shard_falls_back_to_the_index(tmp_path: Path) -> None:
     )
     facts = read_model(d)
     assert facts.weights_bytes == total
-    assert "1 of 2 shards absent" in facts.weights_source
+    assert "1 of 2 shards are Git LFS pointers (`git lfs pull` fetches them)" in (
+        facts.weights_source
+    )
+    (d / "model-00002-of-00002.safetensors").unlink()
+    assert "1 of 2 shards absent" in read_model(d).weights_source
 
 
 def test_unreadable_header_is_a_clean_error(tmp_path: Path) -> None:
@@ -330,11 +335,16 @@ def test_oom_flags_follow_gpu_memory() -> None:
 
 def test_sizes_and_lists() -> None:
     assert parse_size("80GiB") == 80 * GIB
-    assert parse_size("24GB") == 24 * 10**9
+    assert parse_size("80Gi") == 80 * GIB
+    assert parse_size("24GB") == 24 * GIB  # as docker reads it, and as a "24 GB" card has
+    assert parse_size("24gb") == 24 * GIB
+    assert parse_size("80G") == 80 * 10**9  # Kubernetes: G is decimal
+    assert parse_size("24000Mi") == 24000 * 2**20
     assert parse_size("81920MiB") == 80 * GIB
-    assert parse_size("85899345920") == 80 * GIB
+    assert parse_size("85899345920B") == 80 * GIB
     assert parse_size("79.5 gib") == int(79.5 * GIB)
-    for bad in ("80G", "lots", "-1GB", "0", "GiB"):
+    assert parse_size("512M") == 512 * 10**6 and parse_size("1T") == 10**12
+    for bad in ("24", "85899345920", "24g", "24m", "lots", "-1GB", "0Gi", "GiB", "24 Gx"):
         with pytest.raises(UsageError):
             parse_size(bad)
     assert parse_int_list("1, 4,16,4", "--batch") == (1, 4, 16)
@@ -420,8 +430,9 @@ def test_cli_needs_gpu_memory_without_a_gpu() -> None:
 
 
 def test_cli_errors(tmp_path: Path) -> None:
-    res = kvprep("plan", str(QWEN_7B), "--gpu-memory", "80G")
-    assert res.returncode == 2 and "GiB" in res.stderr and "Traceback" not in res.stderr
+    res = kvprep("plan", str(QWEN_7B), "--gpu-memory", "80")
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+    assert "needs a unit" in res.stderr and "24Gi" in res.stderr and "--gpu" in res.stderr
     res = kvprep("plan", str(QWEN_7B), "--gpu-memory", "80GiB", "--batch", "0")
     assert res.returncode == 2 and "--batch" in res.stderr
     res = kvprep(
@@ -459,3 +470,94 @@ def test_kernel_gemm_thresholds_match_the_kernel_sources() -> None:
     below = plan.predict_peak_bytes(shape, 1, 2048, 8, "int8", prefill_chunk=127)
     at = plan.predict_peak_bytes(shape, 1, 2048, 8, "int8", prefill_chunk=128)
     assert at - below >= 2 * 32 * 2048 * 128  # one layer's fp16 values, dequantized
+
+
+# -- which GPU: sizes as Kubernetes and docker write them, cards by name ----------------------
+
+
+def _planned_bytes(*args: str) -> int:
+    res = invoke("plan", str(QWEN_7B), *args, "--json")
+    assert res.returncode == 0, res.stderr
+    return int(document(res)["plan"]["gpu_memory_bytes"])
+
+
+def test_gpu_memory_forms_through_the_cli() -> None:
+    assert _planned_bytes("--gpu-memory", "24Gi") == 24 * GIB
+    assert _planned_bytes("--gpu-memory", "24GiB") == 24 * GIB
+    assert _planned_bytes("--gpu-memory", "24GB") == 24 * GIB
+    assert _planned_bytes("--gpu-memory", "80G") == 80 * 10**9
+    assert _planned_bytes("--gpu-memory", "24000Mi") == 24000 * 2**20
+    for bare in ("24", "24g"):
+        res = invoke("plan", str(QWEN_7B), "--gpu-memory", bare)
+        assert res.returncode == 2, res.stdout
+        assert "24Gi" in res.stderr and "10^9" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_gpu_by_name_and_the_list() -> None:
+    from qwen_kvprep.planning.gpu import CARDS
+
+    # the capacity torch reports on the card, not its label
+    assert _planned_bytes("--gpu", "a100-80g") == 84987740160
+    assert _planned_bytes("--gpu", "RTX 4090") == _planned_bytes("--gpu", "4090")
+    assert _planned_bytes("--gpu", "NVIDIA H100 80GB HBM3") == _planned_bytes("--gpu", "h100")
+    assert _planned_bytes("--gpu", "H100") < 80 * GIB
+    res = invoke("plan", str(QWEN_7B), "--gpu", "4090")
+    assert res.returncode == 0 and "NVIDIA GeForce RTX 4090" in res.stdout
+    listed = invoke("plan", "--gpu", "list")
+    assert listed.returncode == 0
+    for card in CARDS:
+        assert card.name in listed.stdout and card.product in listed.stdout
+    as_json = document(invoke("plan", "--gpu", "list", "--json"))
+    assert {g["name"] for g in as_json["gpus"]} == {c.name for c in CARDS}
+    for args, said in ((["--gpu", "a100"], "a100-40g"), (["--gpu", "tpu-v5"], "--gpu list"),
+                       (["--gpu", "4090", "--gpu-memory", "24Gi"], "one of them")):
+        res = invoke("plan", str(QWEN_7B), *args)
+        assert res.returncode == 2 and said in res.stderr, (args, res.stderr)
+    res = invoke("plan", "--gpu", "4090")
+    assert res.returncode == 2 and "model directory" in res.stderr
+
+
+def test_plan_plot_is_an_svg_without_matplotlib(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from xml.etree import ElementTree
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `pip install .` has none
+    out = tmp_path / "plan.svg"
+    res = invoke("plan", str(QWEN_7B), "--gpu", "a100-80g", "--plot", str(out))
+    assert res.returncode == 0, res.stderr
+    assert f"Plot: {out}" in res.stdout
+    svg = out.read_text()
+    ElementTree.fromstring(svg)
+    for text in ("unquantized cache", "Int8 cache", "batch size", "tokens cached", "fits below"):
+        assert text in svg, text
+    res = invoke("plan", str(QWEN_7B), "--gpu", "a100-80g", "--plot", str(tmp_path / "p.png"))
+    assert res.returncode == 2 and "p.svg" in res.stderr and "[plot]" in res.stderr
+    assert not (tmp_path / "p.png").exists()
+    res = invoke("plan", str(QWEN_7B), "--gpu", "a100-80g", "--plot", str(tmp_path / "p.pdf"))
+    assert res.returncode == 2 and ".svg or .png" in res.stderr
+
+
+def test_plan_plot_png_with_matplotlib(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "plan.png"
+    res = invoke("plan", str(QWEN_7B), "--gpu-memory", "80Gi", "--plot", str(out), "--json")
+    assert res.returncode == 0, res.stderr
+    assert document(res)["plan"]["plot"] == str(out)
+    assert out.read_bytes().startswith(b"\x89PNG")
+
+
+def test_without_gpu_options_plan_takes_the_gpu_present(monkeypatch: pytest.MonkeyPatch) -> None:
+    torch = pytest.importorskip("torch")
+
+    class Props:
+        name, total_memory = "NVIDIA L4", 23612293120
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda _i: Props())
+    res = invoke("plan", str(QWEN_7B), "--json")
+    assert res.returncode == 0, res.stderr
+    plan = document(res)["plan"]
+    assert plan["gpu_memory_bytes"] == 23612293120
+    assert plan["gpu_memory_source"] == "cuda:0 (NVIDIA L4)"

@@ -374,6 +374,55 @@ def test_directory_from_the_environment(fake: Path) -> None:
     assert res.stdout == "env\n"
 
 
+def test_dashes_without_a_command_are_a_usage_error(fake: Path) -> None:
+    """An image whose CMD is empty must not look like a server that stopped cleanly."""
+    assert parse_fast([str(fake), "--"]) is None  # left to click, which says what to pass
+    for args, env in (([str(fake), "--"], None),
+                      (["--"], {**os.environ, "QWEN_KVPREP_DIR": str(fake)})):
+        res = run_prestart(*args, env=env)
+        assert res.returncode == 2, res.stderr
+        assert "nothing after `--`" in res.stderr and "prestart DIR -- " in res.stderr
+        assert res.stdout == "" and "is ready" not in res.stderr
+    assert run_prestart(str(fake)).returncode == 0  # without `--`: only prepare
+
+
+def test_json_is_one_line_before_the_command(fake: Path, tmp_path: Path) -> None:
+    dump = tmp_path / "imports.txt"
+    env = {**os.environ, "QWEN_KVPREP_DEBUG_IMPORTS": str(dump)}
+    res = run_prestart(str(fake), "--json", "--", sys.executable, "-c", "print('served')",
+                       env=env)
+    assert res.returncode == 0, res.stderr
+    first, second = res.stdout.splitlines()
+    doc = json.loads(first)
+    assert doc["ok"] is True and doc["schema_version"] == 1
+    assert doc["prestart"]["ready"] is True and doc["prestart"]["prepared"] is None
+    assert doc["prestart"]["command"][-1] == "print('served')"
+    assert second == "served"
+    assert "is ready" not in res.stderr  # the document says it
+    assert "click" not in dump.read_text().split()  # still the fast path
+    req = parse_fast([str(fake), "--debug", "--json", "--", "x"])
+    assert req is not None and req.as_json
+    # the global option before the command: the same line, still the fast path
+    dump.unlink()
+    res = kvprep("--json", "prestart", str(fake), "--", sys.executable, "-c", "print(1)",
+                 env=env)
+    assert res.returncode == 0 and json.loads(res.stdout.splitlines()[0])["ok"] is True
+    assert "click" not in dump.read_text().split()
+
+
+def test_json_of_a_fallback_carries_the_error(tmp_path: Path) -> None:
+    bad = tmp_path / "Not-A-Model"
+    bad.mkdir()
+    res = run_prestart(str(bad), "--allow-fallback", "--json", "--", sys.executable, "-c",
+                       "print('started')")
+    assert res.returncode == 0, res.stderr
+    first, second = res.stdout.splitlines()
+    doc = json.loads(first)
+    assert doc["ok"] is False and doc["prestart"]["fallback"] is True
+    assert doc["error"]["message"] and second == "started"
+    assert "--allow-fallback" in res.stderr  # the warning stays on stderr
+
+
 # ------------------------------------------------------------------ failures before CMD
 
 

@@ -293,7 +293,7 @@ def test_kernel_counter_wraps_foreign_model_code() -> None:
     assert real.cache_kernels.__file__.endswith(".so")  # attributes pass through
 
 
-def test_plot_needs_matplotlib_and_says_how(
+def test_plot_png_needs_matplotlib_and_says_how(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     from qwen_kvprep.errors import UsageError
@@ -302,26 +302,46 @@ def test_plot_needs_matplotlib_and_says_how(
     with pytest.raises(UsageError, match=r"\.svg or \.png"):
         check_plot_target(tmp_path / "plot.pdf")
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import fails
+    check_plot_target(tmp_path / "plot.svg")  # an SVG is drawn without it
     with pytest.raises(UsageError) as caught:
-        check_plot_target(tmp_path / "plot.svg")
-    assert caught.value.fix == "pip install 'qwen-kvprep[plot]'"
+        check_plot_target(tmp_path / "plot.png")
+    assert caught.value.fix is not None
+    assert "plot.svg" in caught.value.fix and "pip install 'qwen-kvprep[plot]'" in caught.value.fix
 
 
-def test_plot_draws_both_modes(tmp_path: Path) -> None:
-    pytest.importorskip("matplotlib")
-    from qwen_kvprep.profile.plot import write_plot
-
+def _plot_profile() -> dict[str, Any]:
     rows = [_record(mode, b).row for b in (1, 2, 4) for mode in ("unquantized", "int8")]
     rows[4].update(oom=True, peak_bytes=None, error="OutOfMemoryError: x")
     for r in rows:
         r["predicted_bytes"] = (300 + 10 * r["batch"]) << 20
-    profile = {"rows": rows, "device": {"kind": "cuda", "name": "GPU", "total_bytes": 1 << 30},
-               "directory": "/m/Qwen-7B-Chat", "prompt_tokens": 8, "new_tokens": 4}
-    out = write_plot(profile, tmp_path / "mem.svg")
+    return {"rows": rows, "device": {"kind": "cuda", "name": "GPU", "total_bytes": 1 << 30},
+            "directory": "/m/Qwen-7B-Chat", "prompt_tokens": 8, "new_tokens": 4}
+
+
+def test_plot_draws_both_modes_as_svg_without_matplotlib(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from xml.etree import ElementTree
+
+    from qwen_kvprep.profile.plot import write_plot
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # the default install has none
+    out = write_plot(_plot_profile(), tmp_path / "mem.svg")  # type: ignore[arg-type]
     svg = out.read_text()
+    ElementTree.fromstring(svg)  # well-formed
     for label in ("unquantized predicted", "int8 measured", "unquantized out of memory",
-                  "capacity 1.0 GiB"):
+                  "capacity 1.0 GiB", "batch size", "peak memory (GiB)"):
         assert label in svg, label
+    assert svg.count("<circle") >= 5  # the measured points (plus the legend's)
+    assert not list(tmp_path.glob(".*tmp"))  # written atomically
+
+
+def test_plot_draws_a_png_with_matplotlib(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    from qwen_kvprep.profile.plot import write_plot
+
+    out = write_plot(_plot_profile(), tmp_path / "mem.png")  # type: ignore[arg-type]
+    assert out.read_bytes().startswith(b"\x89PNG")
 
 
 def _cli(*args: str, env: Optional[dict[str, str]] = None,

@@ -638,5 +638,7 @@ def test_refusal_names_every_problem_for_json(tmp_path: Path, modules_env: Any) 
     # config.json, cpp_kernels.py, and Qwen's cpp_kernels.py copy in the modules cache
     assert len(err.value.findings) == 3
     res = kvprep("revert", str(p.directory), "--json", env=modules_env)
-    assert res.returncode == 2  # revert has no --json: a usage error, not a traceback
-    assert "Traceback" not in res.stderr
+    assert res.returncode == 1 and "Traceback" not in res.stderr
+    doc = json.loads(res.stdout)
+    assert doc["ok"] is False and "revert refused" in doc["error"]["message"]
+    assert [f["id"] for f in doc["findings"]] == ["state.journal"] * 3

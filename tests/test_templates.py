@@ -77,6 +77,21 @@ def test_dockerfile_builds_in_the_image_and_starts_with_prestart() -> None:
     assert 'ENTRYPOINT ["qwen-kvprep", "prestart", "--"]' in text
 
 
+def test_dockerfile_installs_the_qwen_kvprep_the_user_has() -> None:
+    """qwen-kvprep is not on PyPI: the image installs a wheel of the copy installed here,
+    which the header says how to make (this checkout, installed editable for the tests)."""
+    from qwen_kvprep.templating import installed_from, wheel_name
+
+    text = render("docker")
+    assert "qwen-kvprep==" not in text
+    assert f"COPY {wheel_name()} /tmp/" in text
+    assert f"pip install /tmp/{wheel_name()}" in text
+    source = installed_from()
+    assert source is not None and source[0] == "dir"
+    assert Path(source[1]).resolve() == Path(__file__).resolve().parent.parent
+    assert f"#   pip wheel --no-deps -w . {source[1]}\n" in text
+
+
 def test_dockerfile_with_a_view_serves_from_it() -> None:
     text = render("docker", view_dir="/srv/prepared/Qwen-7B-Chat")
     assert "ENV QWEN_KVPREP_OUTPUT=/srv/prepared/Qwen-7B-Chat" in text

@@ -23,6 +23,9 @@ def test_wheel_carries_kernels_and_templates(tmp_path: Path) -> None:
         timeout=300,
     )
     (wheel,) = dist.glob("qwen_kvprep-*.whl")
+    from qwen_kvprep.templating import wheel_name
+
+    assert wheel.name == wheel_name()  # what the Dockerfile of `template docker` copies
     env_dir = tmp_path / "fresh-venv"
     venv.EnvBuilder(with_pip=True).create(env_dir)
     py = env_dir / "bin" / "python"

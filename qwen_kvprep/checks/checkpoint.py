@@ -10,7 +10,7 @@ import os
 import re
 import shlex
 from collections.abc import Sequence
-from pathlib import PurePosixPath
+from pathlib import Path, PurePosixPath
 from typing import Optional, Union
 
 from qwen_kvprep import hubcli
@@ -111,12 +111,29 @@ def python_redownload(cp: CheckpointFacts, files: Sequence[str]) -> str:
     )
 
 
+def lfs_pull(cp: CheckpointFacts, files: Sequence[str]) -> str:
+    """The command that replaces Git LFS pointers by the real files: `git lfs pull` in the
+    work tree the folder is in (paths relative to its top, as --include takes them), else
+    the same in the clone the folder was copied from."""
+    if cp.git_root is not None:
+        rel = [Path(os.path.relpath(cp.path.absolute() / f, cp.git_root)).as_posix()
+               for f in files]
+        include = shlex.quote(",".join(rel))
+        return (f"git -C {shlex.quote(str(cp.git_root))} lfs pull --include={include} "
+                "(needs git-lfs: `git lfs install` once)")
+    include = shlex.quote(",".join(files))
+    return (f"in the git clone this folder was copied from, `git lfs pull --include={include}` "
+            "(needs git-lfs: `git lfs install` once), then copy the files again")
+
+
 def refetch(cp: CheckpointFacts, files: Sequence[str], lfs: bool = False) -> str:
-    """Fix text for bad files: `git lfs pull` in a git clone with LFS pointers, else hf."""
-    if lfs and cp.is_git_checkout:
-        include = shlex.quote(",".join(files))
-        return f"git -C {shlex.quote(str(cp.path))} lfs pull --include={include}"
-    return redownload(cp, files)
+    """Fix text for bad files: `git lfs pull` for LFS pointers in a git work tree; the
+    download for anything else; for pointers outside a work tree, both."""
+    if not lfs:
+        return redownload(cp, files)
+    if cp.git_root is not None:
+        return lfs_pull(cp, files)
+    return f"{lfs_pull(cp, files)}; or re-download them: {redownload(cp, files)}"
 
 
 def _plural(names: Sequence[str], one: str, many: str) -> str:

@@ -10,9 +10,10 @@ from qwen_kvprep.commands._common import (
     exit_code,
     finish,
     json_option,
+    output_options,
     strict_option,
 )
-from qwen_kvprep.render import emit
+from qwen_kvprep.render import emit, render_json
 
 
 @click.command()
@@ -38,13 +39,18 @@ def doctor(
     from qwen_kvprep.doctor import run_doctor
     from qwen_kvprep.render import render_check_list, report_markdown
 
+    as_json = output_options().as_json
     if list_checks:
-        emit(render_check_list(load_all().values()))
+        checks = load_all().values()
+        emit(render_json([], checks=[{"id": c.id, "title": c.title} for c in checks])
+             if as_json else render_check_list(checks))
         return
     facts, findings = run_doctor(existing_dir(directory), check_ids, spelt=directory)
-    if as_report:
+    if as_report and not as_json:
         emit(report_markdown(facts, findings))
         sys.exit(exit_code(findings))
+    if as_report:  # --json: the findings document, the Markdown block under `report`
+        finish(findings, report=report_markdown(facts, findings))
     finish(findings)
 
 

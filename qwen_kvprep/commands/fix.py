@@ -48,6 +48,7 @@ from qwen_kvprep.render import emit, fix_fields, render_planned
 )
 @click.option(
     "--output",
+    "-o",
     metavar="OUT",
     help="Read-only DIRECTORY: prepare a view of it in OUT (links to the weights, patched "
     "copies of what fix changes) and fix that; DIRECTORY is not touched. Serve from OUT.",

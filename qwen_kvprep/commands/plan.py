@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Optional
 
 import click
@@ -16,12 +17,21 @@ DEFAULT_PROMPT_TOKENS = 1
 
 
 @click.command()
-@click.argument("directory")
+@click.argument("directory", required=False)
+@click.option(
+    "--gpu",
+    "gpu_name",
+    metavar="NAME",
+    help="The card to plan for, by name: h100, h200, a100-80g, a100-40g, l40s, l4, a10g, "
+    "v100-32g, 4090, 3090, 5090 (with the memory torch reports on it); `--gpu list` "
+    "shows them. [default: the GPU torch sees]",
+)
 @click.option(
     "--gpu-memory",
     metavar="SIZE",
-    help="Memory of the GPU to plan for: 80GiB, 24GB, 81920MiB or bytes. "
-    "[default: the total of the GPU torch sees]",
+    help="Or the GPU's memory with a unit: 80Gi, 80GiB or 80GB (binary: 2^30 bytes a GB, "
+    "as docker reads it and as a card's label means it), 80G (Kubernetes: 10^9), "
+    "81920Mi. A bare number is refused.",
 )
 @click.option(
     "--batch",
@@ -60,27 +70,48 @@ DEFAULT_PROMPT_TOKENS = 1
     metavar="C",
     help="Feed the prompt in forwards of C tokens. [default: the whole prompt at once]",
 )
+@click.option(
+    "--plot",
+    type=click.Path(dir_okay=False, path_type=Path),
+    metavar="FILE",
+    help="Also draw the predicted peaks against batch and against tokens into FILE "
+    "(.svg, drawn by qwen-kvprep itself; .png needs matplotlib).",
+)
 @json_option
 def plan(
-    directory: str,
+    directory: Optional[str],
+    gpu_name: Optional[str],
     gpu_memory: Optional[str],
     batch_list: str,
     tokens_list: str,
     dtype: Optional[str],
     prompt_tokens: int,
     prefill_chunk: Optional[int],
+    plot: Optional[Path],
 ) -> None:
     """Predict DIRECTORY's peak GPU memory with and without the Int8 KV cache, for each
     batch size and token count, and the largest batch and longest context that fit.
 
     Reads config.json and the safetensors headers only (or the index's total size, or
-    the config alone, when the weights are not there); needs no GPU with --gpu-memory."""
+    the config alone, when the weights are not there); needs no GPU with --gpu or
+    --gpu-memory. `plan --gpu list` lists the cards --gpu knows."""
     from qwen_kvprep.errors import UsageError
     from qwen_kvprep.planning import plan_checkpoint
+    from qwen_kvprep.planning.gpu import card_memory, cards_json, find_card, render_cards
     from qwen_kvprep.planning.render import payload, render_text
     from qwen_kvprep.planning.sizes import parse_int_list, parse_size
 
+    as_json = output_options().as_json
+    if gpu_name is not None and gpu_name.strip().lower() == "list":
+        emit(render_json([], gpus=cards_json()) if as_json else render_cards())
+        return
+    if directory is None:
+        raise UsageError("plan needs the model directory",
+                         fix="qwen-kvprep plan DIR --gpu a100-80g (or --gpu-memory 80Gi)")
     path = existing_dir(directory)
+    if gpu_name is not None and gpu_memory is not None:
+        raise UsageError("--gpu and --gpu-memory both say which GPU to plan for",
+                         fix="give one of them")
     # options first: a typo in a list should not wait for the checkpoint to be read
     batches = parse_int_list(batch_list, "--batch")
     tokens = parse_int_list(tokens_list, "--tokens")
@@ -93,12 +124,25 @@ def plan(
     memory = None
     if gpu_memory is not None:
         memory = (parse_size(gpu_memory), f"--gpu-memory {gpu_memory}")
+    elif gpu_name is not None:
+        memory = card_memory(find_card(gpu_name))
+    if plot is not None:
+        from qwen_kvprep.chart import check_target
+
+        check_target(plot)
     planned = plan_checkpoint(path, batches, tokens, memory, dtype, prompt_tokens, prefill_chunk)
     facts, result, gpu_source = planned.facts, planned.result, planned.gpu_source
-    if output_options().as_json:
-        emit(render_json([], plan=payload(facts, result, gpu_source)))
+    extra: dict[str, object] = {}
+    if plot is not None:
+        from qwen_kvprep.planning.plot import write_plan_plot
+
+        extra["plot"] = str(write_plan_plot(facts, result, gpu_source, plot))
+    if as_json:
+        emit(render_json([], plan={**payload(facts, result, gpu_source), **extra}))
     else:
         emit(render_text(facts, result, gpu_source, shown=directory))
+        if plot is not None:
+            emit(f"\nPlot: {extra['plot']}")
 
 
 def register(group: click.Group) -> None:

@@ -25,6 +25,7 @@ from qwen_kvprep.fastpath import (
 from qwen_kvprep.steps.prestart import Prepared, prepare_or_fall_back
 
 _COMMAND_KEY = "qwen_kvprep.prestart.command"
+_DASHES_KEY = "qwen_kvprep.prestart.dashes"
 
 
 class _CommandAfterDashes(click.Command):
@@ -34,6 +35,7 @@ class _CommandAfterDashes(click.Command):
 
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
         command: list[str] = []
+        ctx.meta[_DASHES_KEY] = "--" in args
         if "--" in args:
             cut = args.index("--")
             args, command = args[:cut], args[cut + 1 :]
@@ -98,11 +100,13 @@ def prestart(
     When the state `fix` recorded still matches (file hashes, torch/transformers versions,
     the build, the modules-cache copies) this takes milliseconds and imports neither torch
     nor transformers. Otherwise it does the missing part of fix (smoke only with --smoke).
-    CMD replaces this process, so its signals and exit code are its own; without CMD,
-    prestart exits 0 when the directory is ready. Its own messages go to stderr.
+    CMD replaces this process, so its signals and exit code are its own; without `--`,
+    prestart exits 0 when the directory is ready (`--` with nothing after it is a usage
+    error). Its own messages go to stderr; --json prints one JSON line on stdout before CMD
+    starts.
     DIRECTORY may come from $QWEN_KVPREP_DIR.
     """
-    from qwen_kvprep.commands._common import existing_dir
+    from qwen_kvprep.commands._common import existing_dir, output_options
     from qwen_kvprep.errors import UsageError
 
     if directory is None:
@@ -110,8 +114,16 @@ def prestart(
             "prestart needs the model directory",
             fix=f"qwen-kvprep prestart DIR -- CMD ..., or set {ENV_DIR}",
         )
-    path = existing_dir(directory)
     command: list[str] = ctx.meta.get(_COMMAND_KEY, [])
+    if ctx.meta.get(_DASHES_KEY) and not command:
+        # an image whose CMD is empty: starting nothing and exiting 0 would look like a
+        # server that stopped cleanly
+        raise UsageError(
+            "nothing after `--`: prestart starts the command that follows it",
+            fix="put the server command after `--`: qwen-kvprep prestart DIR -- python3 -m "
+            "your_server (in an image: give it a CMD); to only prepare DIR, leave out `--`",
+        )
+    path = existing_dir(directory)
     run(
         Request(
             str(path),
@@ -123,6 +135,7 @@ def prestart(
             quiet=quiet,
             command=command,
             source=source,
+            as_json=output_options().as_json,
         )
     )
 
@@ -137,7 +150,26 @@ def run(request: Request) -> NoReturn:
     say(request, f"preparing: {reason}")
     done = prepare_or_fall_back(request, planting)
     _report(request, done)
+    if request.as_json:
+        _print_json(request, planting, reason, done)
     hand_over(request.command)
+
+
+def _print_json(request: Request, planting: Planting, reason: str, done: Prepared) -> None:
+    """The --json document of a start that prepared DIR (or fell back), before exec."""
+    from qwen_kvprep.errors import KvprepError
+    from qwen_kvprep.fastpath import json_document
+    from qwen_kvprep.redact import scrub_findings
+
+    error = None
+    if done.failure is not None:
+        failure = done.failure
+        error = {
+            "message": failure.message if isinstance(failure, KvprepError) else repr(failure),
+            "fix": failure.fix if isinstance(failure, KvprepError) else None,
+        }
+    findings = [f.to_json() for f in scrub_findings(done.findings)]
+    sys.stdout.write(json_document(request, planting, reason, findings, error) + "\n")
 
 
 def _report(request: Request, done: Prepared) -> None:
@@ -146,7 +178,9 @@ def _report(request: Request, done: Prepared) -> None:
     from qwen_kvprep.redact import scrub
 
     if done.failure is not None:
-        if isinstance(done.failure, KvprepError):
+        if request.as_json:
+            pass  # the document on stdout carries the failure
+        elif isinstance(done.failure, KvprepError):
             from qwen_kvprep.render import report_error
 
             report_error(done.failure, as_json=False)
@@ -163,7 +197,7 @@ def _report(request: Request, done: Prepared) -> None:
         sys.stderr.write("qwen-kvprep prestart: WARNING: --allow-fallback: starting the "
                          "command without a working Int8 KV cache kernel\n")
         return
-    if done.findings and not request.quiet:
+    if done.findings and not request.quiet and not request.as_json:
         from qwen_kvprep.render import emit, render_human
 
         emit(render_human(done.findings), sys.stderr)

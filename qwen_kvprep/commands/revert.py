@@ -2,24 +2,35 @@ from __future__ import annotations
 
 import click
 
-from qwen_kvprep.commands._common import existing_dir
-from qwen_kvprep.render import emit, render_revert
+from qwen_kvprep.commands._common import existing_dir, json_option, output_options
+from qwen_kvprep.render import emit, render_json, render_revert, revert_json
 
 
 @click.command()
 @click.argument("directory")
-def revert(directory: str) -> None:
+@click.option(
+    "--dry-run",
+    is_flag=True,
+    help="Check everything and list what would be restored and what left alone; change "
+    "nothing.",
+)
+@json_option
+def revert(directory: str, dry_run: bool) -> None:
     """Undo everything `fix` did to DIRECTORY, byte for byte.
 
     Every recorded entry is checked first; if one cannot be restored safely nothing is
     changed and revert exits 1 saying which and why. A file changed since fix wrote it is
-    left as it is (and listed), as is what another prepared folder still uses.
+    left as it is (and listed), as is what another prepared folder still uses. The build
+    cache fix used is shared and kept.
     """
-    from qwen_kvprep.buildcache import resolve_cache_dir
-    from qwen_kvprep.steps.revert import revert_checkpoint
+    from qwen_kvprep.steps.revert import preview_revert, revert_checkpoint
 
     path = existing_dir(directory)
-    emit(render_revert(path, revert_checkpoint(path), resolve_cache_dir(None)))
+    result = preview_revert(path) if dry_run else revert_checkpoint(path)
+    if output_options().as_json:
+        emit(render_json([], revert=revert_json(path, result)))
+    else:
+        emit(render_revert(path, result))
 
 
 def register(group: click.Group) -> None:

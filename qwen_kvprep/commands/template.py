@@ -5,7 +5,8 @@ from typing import Optional
 
 import click
 
-from qwen_kvprep.render import emit
+from qwen_kvprep.commands._common import json_option, output_options
+from qwen_kvprep.render import emit, render_json
 from qwen_kvprep.templating import (
     DEFAULT_ARCH,
     DEFAULT_CACHE,
@@ -39,8 +40,11 @@ from qwen_kvprep.templating import (
 @click.option("--name", help="Deployment name (k8s; default: from the model folder name).")
 @click.option("--replicas", type=click.IntRange(1), default=2, show_default=True,
               help="Replicas (k8s).")
-@click.option("-o", "--out-file", type=click.Path(dir_okay=False), metavar="FILE",
+@click.option("-o", "--output", type=click.Path(dir_okay=False), metavar="FILE",
               help="Write to FILE instead of stdout.")
+@click.option("--out-file", "out_file", type=click.Path(dir_okay=False), hidden=True,
+              help="Deprecated spelling of -o/--output.")
+@json_option
 def template(
     kind: str,
     model_dir: str,
@@ -52,11 +56,13 @@ def template(
     torch_version: str,
     name: Optional[str],
     replicas: int,
+    output: Optional[str],
     out_file: Optional[str],
 ) -> None:
-    """Print a deployment file: docker (multi-stage Dockerfile that builds the kernel in the
-    image), entrypoint (shell entrypoint running prestart), k8s (Deployment whose init
-    container prepares a view of a read-only model volume; shared build cache)."""
+    """Print (or write with -o FILE) a deployment file: docker (multi-stage Dockerfile
+    that builds the kernel in the image), entrypoint (shell entrypoint running prestart),
+    k8s (Deployment whose init container prepares a view of a read-only model volume;
+    shared build cache)."""
     text = render(
         kind,
         model_dir=model_dir,
@@ -69,11 +75,24 @@ def template(
         name=name,
         replicas=replicas,
     )
-    if out_file is None:
+    if out_file is not None:
+        # -o means the same in every command: where it writes what it makes (fix and
+        # prestart: the view folder; here: the file)
+        emit("qwen-kvprep template: --out-file is deprecated, use -o/--output", sys.stderr)
+        if output is not None and output != out_file:
+            from qwen_kvprep.errors import UsageError
+
+            raise UsageError("-o/--output and --out-file name different files",
+                             fix="give -o FILE alone")
+        output = out_file
+    if output is not None:
+        write(output, kind, text)
+    if output_options().as_json:
+        emit(render_json([], template={"kind": kind, "output": output, "text": text}))
+    elif output is None:
         emit(text.rstrip("\n"))
-        return
-    write(out_file, kind, text)
-    emit(f"wrote {out_file}", sys.stderr)
+    else:
+        emit(f"wrote {output}", sys.stderr)
 
 
 def register(group: click.Group) -> None:

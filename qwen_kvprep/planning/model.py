@@ -287,10 +287,14 @@ def weights_on_disk(path: Path, dtype_bytes: int) -> Optional[tuple[int, str]]:
             n = len(index.files)
             return _headers(path, present, dtype_bytes), f"safetensors headers of {n} files"
         if index.total_size is not None:
-            absent = len(index.files) - len(present)
-            return index.total_size, (
-                f"{ST_INDEX} metadata.total_size; {absent} of {len(index.files)} shards absent"
-            )
+            # a stand-in that is a file here is a Git LFS pointer (_present refuses others)
+            pointers = [f for f in index.files if f not in present and (path / f).is_file()]
+            absent = len(index.files) - len(present) - len(pointers)
+            n = len(index.files)
+            gaps = [f"{len(pointers)} of {n} shards are Git LFS pointers (`git lfs pull` "
+                    "fetches them)"] if pointers else []
+            gaps += [f"{absent} of {n} shards absent"] if absent else []
+            return index.total_size, f"{ST_INDEX} metadata.total_size; {', '.join(gaps)}"
     if (path / BIN_INDEX).is_file():
         index = _index(path, BIN_INDEX)
         if index.total_size is not None:

@@ -30,7 +30,7 @@ from qwen_kvprep.configjson import CONFIG, parse_config_bytes, read_config_bytes
 from qwen_kvprep.errors import ConfigError, current_user
 from qwen_kvprep.fastkv import is_patched, recognise
 from qwen_kvprep.resources import templates_dir
-from qwen_kvprep.untrusted import kind_of, open_regular, read_prefix
+from qwen_kvprep.untrusted import json_error_at, kind_of, open_regular, read_prefix
 
 if TYPE_CHECKING:
     from typing import TypeGuard
@@ -172,6 +172,7 @@ class CheckpointFacts:
     revision: Optional[str] = None
     hub_cache_dir: Optional[Path] = None  # the huggingface_hub cache root holding the snapshot
     is_git_checkout: bool = False
+    git_root: Optional[Path] = None  # the work tree holding it (its own .git or a parent's)
     requirements: tuple[str, ...] = ()  # top-level modules the remote code imports
     missing_requirements: tuple[str, ...] = ()
 
@@ -220,7 +221,8 @@ def load_json(text: str) -> tuple[JSON, Optional[str], Optional[int]]:
         data: JSON = json.loads(text)
         return data, None, None
     except json.JSONDecodeError as exc:
-        return None, f"{exc.msg} at line {exc.lineno}, column {exc.colno}", exc.lineno
+        what, line, column = json_error_at(exc)
+        return None, f"{what} at line {line}, column {column}", line
     except (ValueError, RecursionError) as exc:  # a hostile file nests 100,000 levels deep
         return None, f"{type(exc).__name__}: {exc}", None
 
@@ -686,8 +688,19 @@ class _Where(TypedDict):
     revision: Optional[str]
     hub_cache_dir: Optional[Path]
     is_git_checkout: bool
+    git_root: Optional[Path]
     special: tuple[tuple[str, str], ...]
 
+
+def _git_root(path: Path) -> Optional[Path]:
+    """The git work tree `path` is in (a model folder may be a clone, or a folder inside
+    one): the nearest folder from `path` up with a `.git` (a folder, or a worktree's
+    file). None outside any."""
+    here = path.absolute()
+    for folder in (here, *here.parents):
+        if os.path.lexists(folder / ".git"):
+            return folder
+    return None
 
 
 def _config_error_kind(cause: Optional[BaseException]) -> Optional[str]:
@@ -700,6 +713,7 @@ def _config_error_kind(cause: Optional[BaseException]) -> Optional[str]:
         return "digits"
     return None
 
+
 def probe_checkpoint(path: Path, spelt: Optional[str] = None) -> CheckpointFacts:
     """Everything the checkpoint and config checks need; never raises for a broken checkpoint.
     `spelt` is the path as the user wrote it, kept for checkpoint.dirname."""
@@ -708,11 +722,12 @@ def probe_checkpoint(path: Path, spelt: Optional[str] = None) -> CheckpointFacts
     # basename of those spellings is "" or ".": see modcache.spelling_folders).
     name = Path(os.path.normpath(path.absolute())).name
     repo_id, revision, hub_root = hub_snapshot(path)
-    is_git_checkout = os.path.exists(path / ".git")
+    git_root = _git_root(path)
+    is_git_checkout = git_root is not None
     listing, dangling, special, listing_error = _list_dir(path)
     base: _Where = {
         "path": path, "name": name, "spelt": spelt, "repo_id": repo_id, "revision": revision,
-        "hub_cache_dir": hub_root, "is_git_checkout": is_git_checkout,
+        "hub_cache_dir": hub_root, "is_git_checkout": is_git_checkout, "git_root": git_root,
         "special": tuple(special),
     }
     if listing_error is not None:
@@ -745,7 +760,7 @@ def probe_checkpoint(path: Path, spelt: Optional[str] = None) -> CheckpointFacts
             config_error = exc.message
             cause = exc.__cause__
             if isinstance(cause, json.JSONDecodeError):
-                config_error_line = cause.lineno
+                config_error_line = json_error_at(cause)[1]
             config_error_kind = _config_error_kind(cause)
     is_link = config_path.is_symlink()
     link_target: Optional[str] = None

@@ -76,19 +76,24 @@ def read_config(directory: Path) -> JSONObject:
     return data
 
 
-def _weights_problem(directory: Path) -> Optional[str]:
-    """Why transformers cannot load weights from `directory`, or None."""
+def _weights_problem(directory: Path) -> Optional[tuple[str, Optional[str]]]:
+    """Why transformers cannot load weights from `directory`, and the command that fetches
+    them when one does (Git LFS pointers); None when they are there."""
+    from qwen_kvprep.checks.checkpoint import lfs_pull
     from qwen_kvprep.probe.checkpoint import probe_checkpoint
 
     cp = probe_checkpoint(directory)
     if cp.weights_layout == "none":
-        return "has no weights (no model.safetensors, safetensors index with shards, or .bin)"
+        return ("has no weights (no model.safetensors, safetensors index with shards, or .bin)",
+                None)
     if cp.index is not None and cp.index.missing:
         missing = ", ".join(cp.index.missing[:3]) + (" …" if len(cp.index.missing) > 3 else "")
-        return f"lacks {len(cp.index.missing)} weight file(s) its index lists ({missing})"
+        return f"lacks {len(cp.index.missing)} weight file(s) its index lists ({missing})", None
     bad = [p for p in cp.content_problems if p.name in cp.weight_files]
     if bad:
-        return f"has weight files that are not weights: {bad[0].name} {bad[0].detail}"
+        pointers = [p.name for p in bad if p.kind == "lfs-pointer"]
+        fetch = lfs_pull(cp, pointers) if pointers else None
+        return f"has weight files that are not weights: {bad[0].name} {bad[0].detail}", fetch
     return None
 
 
@@ -111,10 +116,11 @@ def model_source(directory: Path, random_weights: bool) -> Iterator[ModelSource]
     if not random_weights:
         problem = _weights_problem(directory)
         if problem is not None:
-            message = f"{directory} {problem}"
+            message = f"{directory} {problem[0]}"
+            fetch = problem[1] or "download the weights"
             fix = (
-                f"profile the architecture alone with random weights: qwen-kvprep profile "
-                f"{directory} --random-weights (or download the weights)"
+                f"{fetch}; or profile the architecture alone with random weights: "
+                f"qwen-kvprep profile {directory} --random-weights"
             )
             raise CheckpointError.failing("profile.source", message, fix, [directory])
         yield ModelSource(

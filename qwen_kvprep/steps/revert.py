@@ -10,6 +10,7 @@ import contextlib
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Optional
 
 from qwen_kvprep.common import STATE_DIRNAME, USERS_DIRNAME
 from qwen_kvprep.journal import Journal, prune_users
@@ -23,6 +24,54 @@ class RevertResult:
     # what a revert killed after it removed the journal left, removed by this one
     finished: list[str] = field(default_factory=list)
     stale: list[str] = field(default_factory=list)  # records of folders no longer prepared
+    # the build cache fix recorded using (None: no build recorded); revert keeps it
+    build_cache: Optional[Path] = None
+    dry_run: bool = False
+
+
+def recorded_build_cache(directory: Path) -> Optional[Path]:
+    """The build cache the recorded build lives in (`<cache>/builds/<key>`), as fix
+    recorded it in state.json; None when no build is recorded or the state is unusable."""
+    from qwen_kvprep.statefile import read_state
+
+    state, _problem = read_state(str(directory))
+    build = state.get("build") if state else None
+    folder = build.get("dir") if isinstance(build, dict) else None
+    if not isinstance(folder, str) or not folder:
+        return None
+    return Path(folder).parent.parent
+
+
+def preview_revert(directory: Path) -> RevertResult:
+    """What revert would do, checked as revert checks it, with nothing changed: no lock is
+    taken (that would write one) and nothing is removed. Raises StateError as revert
+    would."""
+    from qwen_kvprep.errors import StateError, os_failure
+    from qwen_kvprep.findings import fail
+    from qwen_kvprep.journalfile import manual_recovery
+
+    directory = Path(directory)
+    result = RevertResult(dry_run=True)
+    if not (directory / STATE_DIRNAME).is_dir():
+        return result
+    result.build_cache = recorded_build_cache(directory)
+    try:
+        journal = Journal(directory)
+        if not journal.exists:
+            return result
+        plan = journal.plan_revert()
+    except OSError as exc:
+        raise os_failure(exc, directory, output_option=False) from exc
+    if plan.problems:
+        recovery = manual_recovery(directory / STATE_DIRNAME)
+        raise StateError(
+            f"revert would be refused, nothing would be changed: {plan.problems[0]}",
+            fix=recovery,
+            findings=[fail("state.journal", p, recovery) for p in plan.problems],
+        )
+    result.done = [description for description, _action in plan.actions]
+    result.notes = plan.notes
+    return result
 
 
 def revert_checkpoint(directory: Path) -> RevertResult:
@@ -42,6 +91,7 @@ def revert_checkpoint(directory: Path) -> RevertResult:
     result = RevertResult()
     if not (directory / STATE_DIRNAME).is_dir():
         return result  # nothing recorded: nothing to lock, nothing to do
+    result.build_cache = recorded_build_cache(directory)  # before the state goes
     lock_existed = os.path.lexists(lock_path(directory))
     try:
         with folder_lock(directory, "qwen-kvprep command", lock_timeout(), stderr_notify):
