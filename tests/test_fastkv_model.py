@@ -26,7 +26,7 @@ def model(tmp_path_factory: pytest.TempPathFactory, shared_build_cache: Path) ->
     from tests.toolkit import NO_TOOLKIT
 
     tmp = tmp_path_factory.mktemp("fastkv")
-    ckpt = generate_checkpoint(tmp / "Qwen", dtype="fp32", layers=2)
+    ckpt = generate_checkpoint(tmp / "FastKV-Qwen", dtype="fp32", layers=2)
     env = dict(os.environ, HF_HOME=str(tmp / "hf"), HF_MODULES_CACHE=str(tmp / "hf" / "modules"),
                QWEN_KVPREP_CACHE=str(shared_build_cache), **NO_TOOLKIT)
     done = kvprep("fix", str(ckpt), "--no-smoke", "--json", env=env, timeout=1800)
@@ -40,6 +40,7 @@ def model(tmp_path_factory: pytest.TempPathFactory, shared_build_cache: Path) ->
     saved_root = dmu.HF_MODULES_CACHE
     os.environ.update({k: env[k] for k in saved})
     dmu.HF_MODULES_CACHE = env["HF_MODULES_CACHE"]
+    _forget_remote_code()  # a model of this name loaded earlier in this process
     try:
         m = AutoModelForCausalLM.from_pretrained(str(ckpt), trust_remote_code=True).eval()
         m.tokenizer = AutoTokenizer.from_pretrained(str(ckpt), trust_remote_code=True)
@@ -51,8 +52,12 @@ def model(tmp_path_factory: pytest.TempPathFactory, shared_build_cache: Path) ->
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-        for name in [n for n in sys.modules if n.startswith("transformers_modules")]:
-            del sys.modules[name]
+        _forget_remote_code()
+
+
+def _forget_remote_code() -> None:
+    for name in [n for n in sys.modules if n.startswith("transformers_modules")]:
+        del sys.modules[name]
 
 
 def _layers(model: Any) -> list[Any]:
