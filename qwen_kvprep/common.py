@@ -48,9 +48,13 @@ MODULE_FILES = (*KERNEL_FILES, LOADER_FILE)
 # on CPU and on CUDA (torch/Triton kernels), and FORCE_BUILD skips its attempt to fetch
 # a prebuilt wheel from GitHub.
 GPTQ_REQUIREMENTS = ("optimum>=1.24,<2.1", "gptqmodel==2.2.0")
+# The bounds of transformers and huggingface-hub are repeated because pip ignores what the
+# installed qwen-kvprep requires: alone, gptqmodel's requirements pull transformers 5.
 GPTQ_INSTALL = (
     "pip install setuptools wheel && CUDA_VISIBLE_DEVICES= GPTQMODEL_FORCE_BUILD=1 "
-    "pip install --no-build-isolation " + " ".join(f'"{r}"' for r in GPTQ_REQUIREMENTS)
+    "pip install --no-build-isolation "
+    + " ".join(f'"{r}"' for r in GPTQ_REQUIREMENTS)
+    + ' "transformers>=4.49,<4.54" "huggingface-hub<1.0"'
 )
 
 ENV_CACHE = "QWEN_KVPREP_CACHE"  # the build cache
