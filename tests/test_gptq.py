@@ -33,14 +33,19 @@ LAYERS = 2
 HIDDEN = 256  # 2 heads of 128: two groups of 128 per input row
 FF = 256  # intermediate 512, Qwen's convention of twice the MLP width
 
-# (name, out, in) of each quantized linear of a block in the default tiny checkpoint
-SHAPES = {
-    "attn.c_attn": (3 * HIDDEN, HIDDEN),
-    "attn.c_proj": (HIDDEN, HIDDEN),
-    "mlp.w1": (FF, HIDDEN),
-    "mlp.w2": (FF, HIDDEN),
-    "mlp.c_proj": (HIDDEN, FF),
-}
+
+def _shapes(hidden: int, ff: int) -> dict[str, tuple[int, int]]:
+    """(out, in) of each quantized linear of a block."""
+    return {
+        "attn.c_attn": (3 * hidden, hidden),
+        "attn.c_proj": (hidden, hidden),
+        "mlp.w1": (ff, hidden),
+        "mlp.w2": (ff, hidden),
+        "mlp.c_proj": (hidden, ff),
+    }
+
+
+SHAPES = _shapes(HIDDEN, FF)  # the default tiny checkpoint
 
 
 # -- the format, by hand ------------------------------------------------------------------
@@ -338,3 +343,59 @@ def test_doctor_gptq_findings_ok_with_the_backend(fixed: dict[str, Any]) -> None
     assert found["env.gptq"]["severity"] == "ok", found["env.gptq"]
     assert "gptqmodel 2.2" in found["env.gptq"]["message"]
     assert found["checkpoint.gptq"]["severity"] == "info"
+
+
+# Peak live tensor bytes (tests/live_tensors.py) of plan's contract run on the GPTQ model,
+# and the bytes the loaded model holds. TORCHDYNAMO_DISABLE: gptqmodel compiles its
+# dequantization with torch.compile, which a dispatch mode cannot see into; eager, every
+# intermediate is counted.
+PEAK = r"""
+import json, sys
+from tests.live_tensors import load, measure
+model = load(sys.argv[1], int8=sys.argv[2] == "int8")
+held = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+cases = json.loads(sys.argv[3])
+print("REPORT " + json.dumps({"held": held, "peaks": [measure(model, *c) for c in cases]}))
+"""
+
+
+@pytest.mark.slow
+def test_plan_predicts_gptq_weights_and_peak(tmp_path: Path) -> None:
+    """plan against a measured CPU peak, as tests/test_plan.py does for bf16 checkpoints."""
+    needs.gptq_backend()
+    from qwen_kvprep.plan import CUBLAS_WORKSPACE_BYTES, MODES, model_shape, predict_peak_bytes
+
+    d = generate_checkpoint(
+        tmp_path / "Qwen-tiny-Int4", gptq=True, heads=4, intermediate=2048
+    )  # hidden 512, MLP width 1024
+    shape = model_shape(d)
+    # a decode-bound and a prefill-bound run, chunked: short, every dispatched op is tracked
+    cases = [(16, 1, 31, None), (8, 256, 2, 64)]
+    env = _env(tmp_path, tmp_path / "build-cache")
+    env.update(TORCHDYNAMO_DISABLE="1", PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    script = tmp_path / "peak.py"
+    script.write_text(PEAK)
+    # gptqmodel's torch kernel dequantizes one layer per call: its intermediates (the
+    # unpacked int32 and int8 codes, the gathered scales, the fp16 weight) are alive at once
+    # for the largest layer, about 6 bytes per weight in eager mode. plan counts the kernels
+    # that use the packed weights directly (what a GPU uses), so this is allowed on top.
+    largest = max(n_in * n_out for n_out, n_in in _shapes(hidden=512, ff=1024).values())
+    transient = 6 * largest
+    for mode in MODES:
+        done = subprocess.run(
+            [sys.executable, str(script), str(d), mode, json.dumps(cases)],
+            env=env, cwd=str(tmp_path), capture_output=True, text=True, timeout=900,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr[-4000:]
+        line = next(x for x in done.stdout.splitlines() if x.startswith("REPORT "))
+        report = json.loads(line[len("REPORT ") :])
+        # the Int4 weights, counted from the safetensors headers, are what the model holds
+        assert report["held"] == shape.weights_bytes
+        for (batch, prompt, new, chunk), measured in zip(cases, report["peaks"]):
+            predicted = predict_peak_bytes(shape, batch, prompt, new, mode, chunk)
+            predicted -= CUBLAS_WORKSPACE_BYTES  # no cuBLAS on CPU
+            extra = measured - predicted
+            assert -0.05 * measured <= extra <= 0.05 * measured + transient, (
+                mode, batch, prompt, new, chunk, measured, predicted,
+            )  # fmt: skip
+
