@@ -399,3 +399,34 @@ def test_plan_predicts_gptq_weights_and_peak(tmp_path: Path) -> None:
                 mode, batch, prompt, new, chunk, measured, predicted,
             )  # fmt: skip
 
+
+
+@pytest.mark.slow
+def test_profile_and_plan_report_the_int4_weights(fixed: dict[str, Any]) -> None:
+    from qwen_kvprep.plan import model_shape
+
+    ckpt, env = fixed["ckpt"], fixed["env"]
+    weights = model_shape(ckpt).weights_bytes
+    dense = model_shape(generate_checkpoint(fixed["tmp"] / "dense", dtype="fp16")).weights_bytes
+    # the block linears shrink to about a quarter; embeddings and lm_head stay fp16
+    assert weights < dense - 0.7 * 2 * LAYERS * sum(o * i for o, i in SHAPES.values())
+    done = kvprep("plan", str(ckpt), "--gpu-memory", "1GiB", "--json", env=env, timeout=300)
+    assert done.returncode == 0, done.stderr
+    plan = json.loads(done.stdout)["plan"]
+    assert plan["weights_bytes"] == weights
+    assert plan["model"]["gptq"] == {"bits": 4, "group_size": 128}
+    done = kvprep(
+        "profile", str(ckpt), "--device", "cpu", "--batch", "1", "--tokens", "2", "--json",
+        env=env, timeout=900,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    profile = json.loads(done.stdout)["profile"]
+    assert profile["model"]["weights_bytes"] == weights
+    assert profile["model"]["gptq_bits"] == 4
+    int8 = [r for r in profile["rows"] if r["mode"] == "int8"]
+    assert int8 and all(r["kernel_layers"] == LAYERS for r in int8), int8
+    text = kvprep(
+        "profile", str(ckpt), "--device", "cpu", "--batch", "1", "--tokens", "1",
+        env=env, timeout=900,
+    ).stdout  # fmt: skip
+    assert "(GPTQ Int4)" in text
