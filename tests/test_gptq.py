@@ -183,6 +183,31 @@ def test_gptq_refusals_and_the_command_line(tmp_path: Path) -> None:
     assert (tmp_path / "cli" / "quantize_config.json").is_file()
 
 
+def test_smoke_judges_the_gptq_linears() -> None:
+    from qwen_kvprep.common import GPTQ_INSTALL
+    from qwen_kvprep.findings import Severity
+    from qwen_kvprep.smoke.evaluate import _gptq, known_cause
+
+    good = {
+        "blocks": 2, "modules": 10, "called": 10, "calls": 160, "plain_linears": [],
+        "classes": {"gptqmodel.nn_modules.qlinear.torch.TorchQuantLinear": 10},
+    }  # fmt: skip
+    assert _gptq(good, "/m").severity is Severity.OK  # type: ignore[arg-type]
+    for change, words in (
+        ({"modules": 8, "called": 8}, "8 modules hold GPTQ-packed weights where 2 blocks need 10"),
+        ({"plain_linears": ["transformer.h.0.mlp.w1"]}, "plain nn.Linear"),
+        ({"called": 9}, "only 9 of 10 quantized linear modules ran"),
+    ):
+        bad = _gptq({**good, **change}, "/m")  # type: ignore[arg-type]
+        assert bad.severity is Severity.FAIL and words in bad.message, bad.message
+        assert bad.fix is not None and "env.gptq" in bad.fix
+    # transformers' own words when the backend is missing name the install command
+    said = "ImportError: Loading a GPTQ quantized model requires optimum (`pip install optimum`)"
+    assert known_cause(said, "/m") == (
+        "this is a GPTQ Int4 checkpoint and its backend is missing: " + GPTQ_INSTALL
+    )
+
+
 # -- with the backend -----------------------------------------------------------------------
 
 # Loads the checkpoint exactly as a server would, then reports: which modules compute the
@@ -430,3 +455,16 @@ def test_profile_and_plan_report_the_int4_weights(fixed: dict[str, Any]) -> None
         env=env, timeout=900,
     ).stdout  # fmt: skip
     assert "(GPTQ Int4)" in text
+
+
+@pytest.mark.slow
+def test_demo_gptq(tmp_path: Path, shared_build_cache: Path) -> None:
+    needs.gptq_backend()
+    env = _env(tmp_path, shared_build_cache)
+    done = kvprep("demo", str(tmp_path / "demo"), "--gptq", "--json", env=env, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    doc = json.loads(done.stdout)
+    assert doc["demo"]["model"]["gptq"] is True
+    smoke = doc["demo"]["smoke"]
+    assert smoke["ok"] and smoke["kernel_layers"] == smoke["layers"] == LAYERS
+    assert smoke["gptq"]["called"] == smoke["gptq"]["modules"] == 5 * LAYERS

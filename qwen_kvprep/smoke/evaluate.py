@@ -29,6 +29,7 @@ import shlex
 import signal
 from typing import Optional, TypedDict
 
+from qwen_kvprep.common import GPTQ_INSTALL
 from qwen_kvprep.findings import Finding, Severity, fail, info, ok, skip, warn
 from qwen_kvprep.smoke.protocol import (
     FALLBACK_WARNINGS,
@@ -182,6 +183,11 @@ _HINTS = (
         "requires the following packages",
         "install the packages the model code imports: pip install tiktoken einops "
         "transformers_stream_generator",
+    ),
+    (
+        "Loading a GPTQ quantized model requires",
+        "this is a GPTQ Int4 checkpoint and its backend is missing: "
+        + GPTQ_INSTALL.replace("{", "{{").replace("}", "}}"),
     ),
     (
         "out of memory",
