@@ -202,10 +202,13 @@ def test_smoke_judges_the_gptq_linears() -> None:
         assert bad.severity is Severity.FAIL and words in bad.message, bad.message
         assert bad.fix is not None and "env.gptq" in bad.fix
     # transformers' own words when the backend is missing name the install command
-    said = "ImportError: Loading a GPTQ quantized model requires optimum (`pip install optimum`)"
-    assert known_cause(said, "/m") == (
-        "this is a GPTQ Int4 checkpoint and its backend is missing: " + GPTQ_INSTALL
-    )
+    for said in (
+        "ImportError: Loading a GPTQ quantized model requires optimum (`pip install optimum`)",
+        "PackageNotFoundError: No package metadata was found for auto-gptq",  # 4.37
+    ):
+        assert known_cause(said, "/m") == (
+            "this is a GPTQ Int4 checkpoint and its backend is missing: " + GPTQ_INSTALL
+        )
 
 
 # -- with the backend -----------------------------------------------------------------------

@@ -190,6 +190,12 @@ _HINTS = (
         + GPTQ_INSTALL.replace("{", "{{").replace("}", "}}"),
     ),
     (
+        # what older transformers (4.37) say without any GPTQ package
+        "No package metadata was found for auto-gptq",
+        "this is a GPTQ Int4 checkpoint and its backend is missing: "
+        + GPTQ_INSTALL.replace("{", "{{").replace("}", "}}"),
+    ),
+    (
         "out of memory",
         "the model does not fit this device: try --device cpu, or a machine with more "
         "memory",
