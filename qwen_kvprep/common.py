@@ -79,6 +79,23 @@ def spelling_problem(spelt: str, transformers_version: Optional[str]) -> Optiona
     return None
 
 
+# The GPTQ backend for Int4 checkpoints, as pyproject.toml's `gptq` extra pins it (README,
+# "Int4 GPTQ checkpoints"): gptqmodel 2.2.0 is its last release that accepts transformers
+# < 4.54, optimum 2.1 and later need a newer gptqmodel. gptqmodel ships only a source
+# archive whose setup.py imports torch, so pip must build it without build isolation;
+# with no GPU visible (and no TORCH_CUDA_ARCH_LIST) it builds pure Python, which runs
+# on CPU and on CUDA (torch/Triton kernels), and FORCE_BUILD skips its attempt to fetch
+# a prebuilt wheel from GitHub.
+GPTQ_REQUIREMENTS = ("optimum>=1.24,<2.1", "gptqmodel==2.2.0")
+# The bounds of transformers and huggingface-hub are repeated because pip ignores what the
+# installed qwen-kvprep requires: alone, gptqmodel's requirements pull transformers 5.
+GPTQ_INSTALL = (
+    "pip install setuptools wheel && CUDA_VISIBLE_DEVICES= GPTQMODEL_FORCE_BUILD=1 "
+    "pip install --no-build-isolation "
+    + " ".join(f'"{r}"' for r in GPTQ_REQUIREMENTS)
+    + ' "transformers>=4.49,<4.54" "huggingface-hub<1.0"'
+)
+
 ENV_CACHE = "QWEN_KVPREP_CACHE"  # the build cache
 ENV_LOCK_TIMEOUT = "QWEN_KVPREP_LOCK_TIMEOUT"  # waiting for another builder or fix
 

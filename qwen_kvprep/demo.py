@@ -43,6 +43,7 @@ class DemoOptions:
     cache_dir: Optional[Path] = None
     progress: bool = False
     smoke_timeout: Optional[float] = None
+    gptq: bool = False  # an Int4 GPTQ checkpoint (needs the GPTQ backend)
 
 
 @dataclass
@@ -122,6 +123,7 @@ def _model_info(checkpoint: Path) -> JSONObject:
         "vocab_size": cfg.get("vocab_size"),
         "dtype": dtype,
         "weights_bytes": weights,
+        "gptq": isinstance(cfg.get("quantization_config"), dict),
     }
 
 
@@ -208,9 +210,12 @@ def run_demo(options: DemoOptions, echo: Optional[Echo] = None) -> DemoResult:
 
         background = BackgroundBuild(options.cache_dir, say)
         background.start()
-        say("generating a tiny Qwen (v1) compatible checkpoint ...")
+        say(
+            "generating a tiny Qwen (v1) compatible checkpoint"
+            + (" (GPTQ Int4)" if options.gptq else "") + " ..."
+        )
         t0 = time.monotonic()
-        generate_checkpoint(result.checkpoint)
+        generate_checkpoint(result.checkpoint, gptq=options.gptq)
         result.seconds["generate"] = time.monotonic() - t0
         result.model = _model_info(result.checkpoint)
         background.announce(say)

@@ -58,6 +58,7 @@ class ModelShape:
     vocab: int  # vocab_size (padded)
     dtype_bytes: int  # 2 for bf16/fp16, 4 for fp32
     weights_bytes: int  # bytes of all weight tensors as they sit on the GPU
+    gptq_bits: Optional[int] = None  # GPTQ checkpoints: the bits of the packed weights
 
 
 def model_shape(checkpoint: Path, dtype: Optional[str] = None) -> ModelShape:
@@ -79,6 +80,7 @@ def shape_of(facts: ModelFacts) -> ModelShape:
         vocab=facts.vocab,
         dtype_bytes=facts.dtype_bytes,
         weights_bytes=facts.weights_bytes,
+        gptq_bits=facts.gptq.bits if facts.gptq is not None else None,
     )
 
 

@@ -386,9 +386,18 @@ class _PeakMemory(TypedDict, total=False):
     bytes: int
 
 
+class _Gptq(TypedDict):
+    modules: int
+    called: int
+    calls: int
+    classes: dict[str, int]
+
+
 class SmokeSummary(TypedDict, total=False):
     """What the demo tells of the smoke summary (smoke.evaluate makes it; fix reports it
     as its "smoke" result)."""
+
+    gptq: _Gptq
 
     error: str
     load_seconds: Optional[float]
@@ -421,6 +430,13 @@ def _smoke_lines(smoke: SmokeSummary) -> list[str]:
         f"the compiled kernel ran in {k}/{n} layers ({smoke.get('kernel_calls', 0)} calls)"
         + ("" if k == n and n else ": the model FELL BACK to the slow torch path")
     )
+    g = smoke.get("gptq")
+    if g:
+        backend = ", ".join(sorted(g["classes"])) or "no GPTQ module"
+        lines.append(
+            f"the Int4 weights: {g['called']} of {g['modules']} GPTQ linear layers ran "
+            f"({g['calls']} calls; {backend})"
+        )
     kv = smoke.get("kv_bytes_per_token") or {}
     quantized, unquantized = kv.get("quantized"), kv.get("unquantized")
     if quantized is not None and unquantized:
@@ -495,6 +511,7 @@ class DemoModel(TypedDict):
     head_dim: int
     dtype: str
     weights_bytes: int
+    gptq: bool
 
 
 class BuildTiming(TypedDict, total=False):
@@ -536,7 +553,9 @@ def render_demo(result: DemoStory) -> str:
             f"({result.seconds.get('generate', 0):.1f} s)",
             [
                 f"{m['layers']} layers, {m['heads']} heads of dim {m['head_dim']}, {m['dtype']}, "
-                f"{_size(m['weights_bytes'])} of weights, qwen-kvprep's own remote code"
+                f"{_size(m['weights_bytes'])} of weights"
+                + (" (GPTQ Int4, as Qwen's -Int4 repos)" if m.get("gptq") else "")
+                + ", qwen-kvprep's own remote code"
             ],
         )
     bg = cast("BuildTiming", result.background_build)

@@ -17,7 +17,7 @@ import sys
 import warnings
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional, Protocol, TypedDict, Union, cast
+from typing import TYPE_CHECKING, Callable, Optional, Protocol, TypedDict, Union, cast
 
 if TYPE_CHECKING:
     import torch
@@ -319,3 +319,60 @@ def cache_length(past: object) -> Optional[int]:
         return int(first.shape[1])
     except (IndexError, TypeError, AttributeError):
         return None
+
+
+# -- GPTQ ---------------------------------------------------------------------------------
+# The packed tensors every GPTQ linear module holds, whichever backend made it (gptqmodel's
+# TorchQuantLinear, TritonV2QuantLinear, ...; auto-gptq's QuantLinear classes).
+GPTQ_TENSORS = ("qweight", "qzeros", "scales")
+
+
+def is_gptq_model(model: torch.nn.Module) -> bool:
+    """True when the loaded model's config says GPTQ (`quantization_config.quant_method`)."""
+    config = getattr(model, "config", None)
+    qc: object = getattr(config, "quantization_config", None)
+    method = qc.get("quant_method") if isinstance(qc, dict) else getattr(qc, "quant_method", None)
+    return str(getattr(method, "value", method) or "").lower() == "gptq"
+
+
+def gptq_linears(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """The modules that compute a linear layer from GPTQ-packed weights."""
+    import torch
+
+    return [
+        (name, mod)
+        for name, mod in model.named_modules()
+        if all(isinstance(getattr(mod, t, None), torch.Tensor) for t in GPTQ_TENSORS)
+    ]
+
+
+def plain_block_linears(model: torch.nn.Module) -> list[str]:
+    """`nn.Linear` modules inside the transformer blocks (`...h.N....`): none in a GPTQ model."""
+    import torch
+
+    return [
+        name
+        for name, mod in model.named_modules()
+        if isinstance(mod, torch.nn.Linear) and ".h." in f".{name}"
+    ]
+
+
+class CallCounter:
+    """Counts forward calls of some modules through forward hooks, until `remove()`."""
+
+    def __init__(self, modules: list[tuple[str, torch.nn.Module]]) -> None:
+        self.counts = dict.fromkeys((n for n, _ in modules), 0)
+        self._handles = [
+            mod.register_forward_hook(self._hook(name)) for name, mod in modules
+        ]
+
+    def _hook(self, name: str) -> Callable[..., None]:
+        def hook(*_: object) -> None:
+            self.counts[name] += 1
+
+        return hook
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []

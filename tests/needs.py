@@ -29,6 +29,7 @@ KINDS = {
     "non-root": "a user that file permissions apply to",
     "tool": "a system tool (nm, setpriv, a C++20 compiler, /proc of other processes)",
     "env": "an environment variable left unset",
+    "gptq": "the GPTQ backend of the `gptq` extra (optimum and gptqmodel; README, Int4 GPTQ)",
 }
 ENV_ALLOWED = "QWEN_KVPREP_TEST_ALLOWED_SKIPS"
 PREFIX = "needs "
@@ -86,6 +87,15 @@ def nvcc() -> Any:
     if info.release[0] != int(str(torch.version.cuda).split(".")[0]):
         skip("nvcc", f"nvcc {info.version} and torch's CUDA {torch.version.cuda} differ in major")
     return info
+
+
+def gptq_backend() -> None:
+    """optimum and gptqmodel importable (`common.GPTQ_INSTALL` installs them)."""
+    import importlib.util
+
+    missing = [m for m in ("optimum", "gptqmodel") if importlib.util.find_spec(m) is None]
+    if missing:
+        skip("gptq", f"{' and '.join(missing)} not installed")
 
 
 def tool(name: str) -> str:

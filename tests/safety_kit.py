@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from qwen_kvprep import __version__
+from qwen_kvprep.common import TRACKED_FILES
 from qwen_kvprep.journal import Journal
 from qwen_kvprep.resources import KERNEL_FILES
 from tests.treesnap import Snapshot, snapshot
@@ -51,8 +52,9 @@ def write_state(directory: Path, modules: Path, folder: Path, build: Optional[Pa
         "state_version": 1,
         "tool_version": __version__,
         "checkpoint": str(directory),
-        "files": {n: sha((directory / n).read_bytes()) for n in
-                  ("config.json", "cpp_kernels.py", *KERNEL_FILES)},
+        # as fix records them: every tracked file, None for one that is absent
+        "files": {n: sha((directory / n).read_bytes()) if (directory / n).is_file() else None
+                  for n in TRACKED_FILES},
         "sources": {"origin": "vendored", "repo_id": None, "revision": None},
         "packages": {n: importlib.metadata.version(n) for n in ("torch", "transformers")},
         "build": None,

@@ -503,7 +503,7 @@ def test_legacy_pytorch_bin(work: Path) -> None:
 def test_gptq_recognised(work: Path) -> None:
     d = generate_checkpoint(work / "Qwen-tiny-Int4", gptq=True)
     found = assert_case(d, work, "checkpoint.gptq", "info")
-    assert "auto-gptq" in found[0]["fix"] and "optimum" in found[0]["fix"]
+    assert "gptqmodel" in found[0]["fix"] and "optimum" in found[0]["fix"]
     assert probe_checkpoint(d).gptq is True
     # Recognised from config.json's quantization_config alone too.
     (d / "quantize_config.json").unlink()

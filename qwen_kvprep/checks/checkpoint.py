@@ -25,7 +25,7 @@ from qwen_kvprep.checks.registry import (
     skip,
     warn,
 )
-from qwen_kvprep.common import FAST_FILE, KERNEL_FILES, spelling_problem
+from qwen_kvprep.common import FAST_FILE, GPTQ_INSTALL, KERNEL_FILES, spelling_problem
 from qwen_kvprep.common import LOADER_FILE as LOADER
 from qwen_kvprep.configjson import CONFIG
 from qwen_kvprep.findings import Finding
@@ -557,9 +557,10 @@ def gptq(facts: Facts) -> CheckResult:
     if not cp.gptq:
         return ok("not a GPTQ checkpoint")
     return info(
-        f"GPTQ Int4 checkpoint (from {cp.gptq_source}): loading it needs optimum and auto-gptq "
-        "besides torch and transformers; the Int8 KV cache works with it",
-        "pip install optimum auto-gptq", source=cp.gptq_source,
+        f"GPTQ Int4 checkpoint (from {cp.gptq_source}): loading it needs a GPTQ backend "
+        "(optimum and gptqmodel, see env.gptq) besides torch and transformers; the Int8 KV "
+        "cache works with it",
+        GPTQ_INSTALL, source=cp.gptq_source,
     )
 
 

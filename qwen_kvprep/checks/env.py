@@ -25,6 +25,7 @@ from qwen_kvprep.checks.registry import (
     skip,
     warn,
 )
+from qwen_kvprep.common import GPTQ_INSTALL
 from qwen_kvprep.findings import Finding, FindingsLike
 from qwen_kvprep.probe.binary import parse_arch_label, runs_on
 from qwen_kvprep.probe.caches import usable_builds
@@ -802,33 +803,82 @@ def flash_attn(facts: Facts) -> FindingsLike:
     needs=(ENV, GIVEN_CHECKPOINT),
 )
 def gptq(facts: Facts) -> FindingsLike:
+    """What transformers' GPTQ loader (GptqHfQuantizer, through optimum) needs, by version.
+
+    Measured with transformers 4.53.3 and torch 2.13 (CPU): optimum 1.24.0, 1.27.0 and
+    2.0.0 with gptqmodel 2.2.0 load and run a GPTQ checkpoint on CPU; optimum 2.1.0 and
+    2.2.0 fail to import gptqmodel 2.2.0 (`cannot import name 'METHOD'`), 2.3.0 asks for
+    gptqmodel >= 7. gptqmodel 4.0 and later need transformers >= 4.55, which cannot run
+    Qwen v1. auto-gptq 0.7.1 (archived) works with peft 0.10 but fails to import with a
+    recent peft (`cannot import name 'PEFT_TYPE_TO_MODEL_MAPPING'`, peft 0.21).
+    """
     env = env_of(facts)
     cp = facts.checkpoint
     if not getattr(cp, "gptq", False):
         return skip("not a GPTQ (Int4) checkpoint")
-    optimum = env.package("optimum")
-    backends = [env.package(m) for m in ("auto_gptq", "gptqmodel")]
-    details = {
-        "optimum": optimum.version if optimum.found else None,
-        "auto_gptq": backends[0].version if backends[0].found else None,
-        "gptqmodel": backends[1].version if backends[1].found else None,
+    found = {
+        m: env.package(m)
+        for m in ("optimum", "gptqmodel", "auto_gptq", "peft", "transformers")
     }
-    missing = []
-    if not optimum.found:
-        missing.append("optimum")
-    if not any(b.found for b in backends):
-        missing.append("auto-gptq")
-    if missing:
+    details: dict[str, object] = {
+        m: (p.version if p.found else None) for m, p in found.items()
+    }
+    details["install"] = GPTQ_INSTALL
+    v = {m: version_tuple(p.version) if p.found else None for m, p in found.items()}
+    optimum, gptqmodel, auto_gptq = v["optimum"], v["gptqmodel"], v["auto_gptq"]
+    transformers = v["transformers"]
+    ver = {m: p.version for m, p in found.items()}
+    problems: list[str] = []
+    if optimum is None:
+        problems.append("optimum is not installed (transformers loads GPTQ through it)")
+    if gptqmodel is not None:
+        if gptqmodel < (1, 6):
+            problems.append(f"gptqmodel {ver['gptqmodel']} is too old (optimum needs >= 1.6)")
+        elif gptqmodel >= (4,):
+            problems.append(
+                f"gptqmodel {ver['gptqmodel']} needs transformers >= 4.55, which cannot run "
+                "Qwen v1: use gptqmodel 2.2.0"
+            )
+        if optimum is not None and optimum < (1, 24):
+            problems.append(
+                f"optimum {ver['optimum']} is too old for gptqmodel (transformers wants "
+                "optimum >= 1.24)"
+            )
+        elif optimum is not None and optimum >= (2, 1) and gptqmodel < (7,):
+            problems.append(
+                f"optimum {ver['optimum']} cannot use gptqmodel {ver['gptqmodel']} (2.1 and 2.2 "
+                "fail to import it, 2.3 asks for gptqmodel >= 7): use optimum < 2.1"
+            )
+        if transformers is not None and transformers < (4, 49):
+            problems.append(
+                f"transformers {ver['transformers']} knows only auto-gptq; gptqmodel needs "
+                "transformers >= 4.49"
+            )
+    elif auto_gptq is not None:
+        if auto_gptq < (0, 4, 2):
+            problems.append(
+                f"auto-gptq {ver['auto_gptq']} is too old (transformers wants >= 0.4.2)"
+            )
+    else:
+        problems.append("no GPTQ backend is installed (gptqmodel, or the archived auto-gptq)")
+    if problems:
         return fail(
-            "this is a GPTQ Int4 checkpoint, and transformers refuses to load it without "
-            f"{' and '.join(missing)} (`ImportError: Loading a GPTQ quantized model requires "
-            "optimum ... and auto-gptq`)",
-            f"pip install {' '.join(missing)}",
+            "this is a GPTQ Int4 checkpoint, and transformers cannot load it here: "
+            + "; ".join(problems),
+            GPTQ_INSTALL,
             details=details,
         )
-    backend = next(b for b in backends if b.found)
-    return ok(
-        f"GPTQ checkpoint: optimum {optimum.version or '?'} and "
-        f"{backend.module} {backend.version or '?'} installed",
+    if gptqmodel is not None:
+        return ok(
+            f"GPTQ checkpoint: optimum {ver['optimum']} and gptqmodel {ver['gptqmodel']} "
+            "installed (runs on CPU and CUDA)",
+            details=details,
+        )
+    peft = f" with peft {ver['peft']}" if ver["peft"] else ""
+    return info(
+        f"GPTQ checkpoint: optimum {ver['optimum']} and auto-gptq {ver['auto_gptq']}{peft} "
+        "installed; auto-gptq is archived and fails to import with recent peft releases "
+        "(`PEFT_TYPE_TO_MODEL_MAPPING`): gptqmodel is the maintained backend",
+        GPTQ_INSTALL,
         details=details,
     )

@@ -23,9 +23,18 @@ from qwen_kvprep.render import emit
     metavar="S",
     help="Seconds the smoke child may take before it is killed.",
 )
+@click.option(
+    "--gptq",
+    is_flag=True,
+    help="An Int4 GPTQ checkpoint, as Qwen's -Int4 repos ship (needs the GPTQ backend: "
+    "README, Int4 GPTQ checkpoints).",
+)
 @json_option
 def demo(
-    directory: Optional[str], cache_dir: Optional[str], smoke_timeout: Optional[float]
+    directory: Optional[str],
+    cache_dir: Optional[str],
+    smoke_timeout: Optional[float],
+    gptq: bool,
 ) -> None:
     """See the whole Int8 KV-cache path work on a tiny generated model, in about a minute.
 
@@ -48,6 +57,7 @@ def demo(
             cache_dir=Path(cache_dir) if cache_dir else None,
             progress=progress,
             smoke_timeout=smoke_timeout,
+            gptq=gptq,
         ),
         echo,
     )

@@ -69,6 +69,7 @@ PACKAGES: Mapping[str, tuple[str, ...]] = {
     "auto_gptq": ("auto-gptq", "auto_gptq"),
     "optimum": ("optimum",),
     "gptqmodel": ("gptqmodel",),
+    "peft": ("peft",),  # auto-gptq imports it
 }
 
 

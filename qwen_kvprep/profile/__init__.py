@@ -82,6 +82,7 @@ def run_profile(
             "heads": shape.heads if shape else None,
             "head_dim": shape.head_dim if shape else None,
             "weights_bytes": shape.weights_bytes if shape else None,
+            "gptq_bits": shape.gptq_bits if shape else None,
             "kv_bytes_per_token": units,
         },
         "rows": rows,

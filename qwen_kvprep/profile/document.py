@@ -19,7 +19,8 @@ class ModelSummary(TypedDict):
     layers: Optional[int]
     heads: Optional[int]
     head_dim: Optional[int]
-    weights_bytes: Optional[int]
+    weights_bytes: Optional[int]  # as plan counts them: GPTQ's packed tensors for Int4
+    gptq_bits: Optional[int]  # GPTQ checkpoints: 4 for Qwen's Int4
     kv_bytes_per_token: PerToken
 
 

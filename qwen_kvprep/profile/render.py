@@ -116,6 +116,14 @@ def quality_block(q: Optional[QualityResult]) -> Optional[str]:
     ])
 
 
+def _weights(profile: ProfileDocument) -> str:
+    model = profile["model"]
+    weights, bits = model.get("weights_bytes"), model.get("gptq_bits")
+    if weights is None:
+        return ""
+    return f"; weights {human_bytes(weights)}" + (f" (GPTQ Int{bits})" if bits else "")
+
+
 def render_text(profile: ProfileDocument) -> str:
     d = profile["device"]
     head = (
@@ -124,6 +132,7 @@ def render_text(profile: ProfileDocument) -> str:
         + f" on {d.get('kind')} ({d.get('name')}), {profile['dtype']}, prompt "
         f"{profile['prompt_tokens']} + {profile['new_tokens']} new tokens"
         + (f", prefill chunks of {profile['prefill_chunk']}" if profile["prefill_chunk"] else "")
+        + _weights(profile)
     )
     out = [head, "", table(profile["rows"], profile["model"]["layers"]), "",
            summary(profile)]

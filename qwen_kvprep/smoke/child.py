@@ -28,12 +28,16 @@ from qwen_kvprep.runtime import (
     FAST_STEPS,
     FLAG,
     KERNELS,
+    CallCounter,
     CountingKernels,
     attention_layers,
     captured_warnings,
+    gptq_linears,
     input_device,
+    is_gptq_model,
     kernel_info,
     moved_to_gpu,
+    plain_block_linears,
     pretrained_model,
     pretrained_tokenizer,
     resolve_device,
@@ -58,6 +62,7 @@ from qwen_kvprep.smoke.protocol import (
     CacheSummary,
     Comparison,
     FirstStep,
+    GptqModules,
     LayerRow,
     ModeRun,
     PeakMemory,
@@ -354,9 +359,16 @@ def smoke(
     for counter in proxies:
         if counter is not None:
             counter.calls = 0
+    gptq = is_gptq_model(model)
+    quant_linears = gptq_linears(model)
+    linear_calls = CallCounter(quant_linears) if gptq else None
     ev.start(PHASE_QUANTIZED)
     # The model as configured first: with the patched config this is the quantized cache.
-    q = run_mode(model, input_ids, new_tokens, device, quantized=quantized_on)
+    try:
+        q = run_mode(model, input_ids, new_tokens, device, quantized=quantized_on)
+    finally:
+        if linear_calls is not None:
+            linear_calls.remove()
     for row, (_, mod), counter in zip(layer_rows, layers, proxies):
         row["kernel_calls"] = counter.calls if counter is not None else 0
         row["fast_steps"] = int(getattr(mod, FAST_STEPS, 0) or 0)
@@ -366,7 +378,7 @@ def smoke(
     u = run_mode(model, input_ids, new_tokens, device, quantized=False)
 
     first_step, comparison = compare_runs(q, u)
-    return {
+    result: SmokeResult = {
         "result_version": RESULT_VERSION,
         "device": device,
         "device_name": device_name,
@@ -392,6 +404,30 @@ def smoke(
             "bytes": max(q["peak_memory"]["bytes"], u["peak_memory"]["bytes"],
                          peak_after_load["bytes"]),
         },
+    }
+    if linear_calls is not None:
+        result["gptq"] = _gptq_modules(model, quant_linears, linear_calls, len(layers))
+    return result
+
+
+def _gptq_modules(
+    model: torch.nn.Module,
+    quant_linears: list[tuple[str, torch.nn.Module]],
+    counter: CallCounter,
+    blocks: int,
+) -> GptqModules:
+    """Which modules computed the linear layers of a GPTQ model, and whether they ran."""
+    classes: dict[str, int] = {}
+    for _, mod in quant_linears:
+        key = f"{type(mod).__module__}.{type(mod).__qualname__}"
+        classes[key] = classes.get(key, 0) + 1
+    return {
+        "blocks": blocks,
+        "modules": len(quant_linears),
+        "classes": classes,
+        "called": sum(1 for c in counter.counts.values() if c > 0),
+        "calls": sum(counter.counts.values()),
+        "plain_linears": plain_block_linears(model),
     }
 
 

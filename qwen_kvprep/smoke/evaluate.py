@@ -29,6 +29,7 @@ import shlex
 import signal
 from typing import Optional, TypedDict
 
+from qwen_kvprep.common import GPTQ_INSTALL
 from qwen_kvprep.findings import Finding, Severity, fail, info, ok, skip, warn
 from qwen_kvprep.smoke.protocol import (
     FALLBACK_WARNINGS,
@@ -36,6 +37,7 @@ from qwen_kvprep.smoke.protocol import (
     PHASE_WORDS,
     CacheLayer,
     CacheSummary,
+    GptqModules,
     PeakMemory,
     SmokeResult,
 )
@@ -139,6 +141,7 @@ class SmokeSummary(_SummaryHead, total=False):
     load_seconds: Optional[float]
     peak_memory: Optional[PeakMemory]
     peak_memory_by_run: Optional[ByMode]
+    gptq: GptqModules  # GPTQ checkpoints only
 
 
 class _FailureDetails(TypedDict):
@@ -181,6 +184,17 @@ _HINTS = (
         "requires the following packages",
         "install the packages the model code imports: pip install tiktoken einops "
         "transformers_stream_generator",
+    ),
+    (
+        "Loading a GPTQ quantized model requires",
+        "this is a GPTQ Int4 checkpoint and its backend is missing: "
+        + GPTQ_INSTALL.replace("{", "{{").replace("}", "}}"),
+    ),
+    (
+        # what older transformers (4.37) say without any GPTQ package
+        "No package metadata was found for auto-gptq",
+        "this is a GPTQ Int4 checkpoint and its backend is missing: "
+        + GPTQ_INSTALL.replace("{", "{{").replace("}", "}}"),
     ),
     (
         "out of memory",
@@ -420,6 +434,47 @@ def _fast_path(result: SmokeResult, directory: str) -> Finding:
     )
 
 
+# Quantized linear layers per transformer block in Qwen's Int4 checkpoints: attn.c_attn,
+# attn.c_proj, mlp.w1, mlp.w2, mlp.c_proj.
+GPTQ_LINEARS_PER_BLOCK = 5
+
+
+def _gptq(g: GptqModules, directory: str) -> Finding:
+    """smoke.gptq: every block linear of a GPTQ checkpoint ran through the GPTQ backend."""
+    blocks, modules, called = g["blocks"], g["modules"], g["called"]
+    expected = GPTQ_LINEARS_PER_BLOCK * blocks
+    classes = ", ".join(f"{n} x{c}" for n, c in sorted(g["classes"].items())) or "none"
+    problems = []
+    if modules < expected:
+        problems.append(
+            f"{modules} modules hold GPTQ-packed weights where {blocks} blocks need {expected}"
+        )
+    if g["plain_linears"]:
+        problems.append(
+            f"{len(g['plain_linears'])} linear layers inside the blocks are plain nn.Linear "
+            f"({', '.join(g['plain_linears'][:3])}{', ...' if len(g['plain_linears']) > 3 else ''})"
+        )
+    if called < modules:
+        problems.append(f"only {called} of {modules} quantized linear modules ran")
+    details: dict[str, object] = {**g, "expected": expected}
+    if problems:
+        return fail(
+            "smoke.gptq",
+            "the GPTQ checkpoint's linear layers do not all run through the GPTQ backend: "
+            + "; ".join(problems),
+            fix=f"run `qwen-kvprep doctor {_q(directory)} --check env.gptq` and install what "
+            "it names",
+            paths=[directory],
+            details=details,
+        )
+    return ok(
+        "smoke.gptq",
+        f"all {modules} linear layers of the {blocks} blocks ran through the GPTQ backend "
+        f"({g['calls']} calls; {classes})",
+        details=details,
+    )
+
+
 def _agreement(result: SmokeResult, directory: str) -> tuple[Finding, Agreement]:
     """The finding, and its details for the summary."""
     q = result.get("quantized") or {}
@@ -589,8 +644,9 @@ def _measure(m: SmokeNumbers, result: SmokeResult) -> Finding:
 def evaluate(
     outcome: SmokeOutcome, options: SmokeOptions, directory: str
 ) -> tuple[list[Finding], SmokeSummary]:
-    """Findings (ids smoke.load, smoke.run, smoke.quantization, smoke.kernel,
-    smoke.agreement, smoke.measure) and the summary object for --json and the state."""
+    """Findings (ids smoke.load, smoke.run, smoke.quantization, smoke.kernel, smoke.gptq
+    for GPTQ checkpoints, smoke.agreement, smoke.measure) and the summary object for
+    --json and the state."""
     summary: SmokeSummary = {
         "ok": False,
         "device_requested": options.device,
@@ -620,9 +676,13 @@ def evaluate(
         _fast_path(result, directory),
         agreement_finding,
     ]
+    gptq = result.get("gptq")
+    if gptq is not None:
+        findings.insert(3, _gptq(gptq, directory))
     m = measurements(result)
     findings.append(_measure(m, result))
     layers = result.get("layers") or []
+    summary.update({"gptq": gptq} if gptq is not None else {})
     return findings, {
         **summary,
         "ok": not any(f.severity is Severity.FAIL for f in findings),

@@ -147,8 +147,18 @@ class Comparison(TypedDict):
     divergence_rel_margin: Optional[float]
 
 
-class SmokeResult(TypedDict):
-    """Everything the child measured (the "result" event)."""
+class GptqModules(TypedDict):
+    """How the linear layers ran, for a GPTQ checkpoint (config.json's quantization_config)."""
+
+    blocks: int  # attention layers, one per transformer block
+    modules: int  # modules holding GPTQ-packed weights (qweight, qzeros, scales)
+    classes: dict[str, int]  # their classes, "module.Class" -> count
+    called: int  # of them, how many ran during the quantized run
+    calls: int  # their forward calls during the quantized run
+    plain_linears: list[str]  # nn.Linear modules left inside the blocks
+
+
+class _SmokeResultBase(TypedDict):
 
     result_version: int
     device: str
@@ -171,3 +181,9 @@ class SmokeResult(TypedDict):
     quantized: QuantizedRun
     unquantized: ModeRun
     peak_memory: PeakMemory
+
+
+class SmokeResult(_SmokeResultBase, total=False):
+    """Everything the child measured (the "result" event); `gptq` for GPTQ checkpoints."""
+
+    gptq: GptqModules

@@ -17,7 +17,10 @@ checkpoint for everything qwen-kvprep touches, at a few MB and CPU speed:
       model-0000N-of-0000M.safetensors + model.safetensors.index.json
                                    (shards=1: model.safetensors alone; legacy_bin=True:
                                    pytorch_model.bin alone)
-      quantize_config.json         only with gptq=True (weights stay plain)
+      quantize_config.json         only with gptq=True: then the block linears are GPTQ
+                                   Int4 tensors (qweight, qzeros, scales, g_idx; see
+                                   tiny/gptq.py), everything else fp16, and config.json
+                                   carries quantization_config, as Qwen's -Int4 repos
       cache_autogptq_cuda_256.cpp, cache_autogptq_cuda_kernel_256.cu
                                    only when kernel_sources is given
 
@@ -25,7 +28,9 @@ Knobs: layers, heads, head_dim (hidden = heads * head_dim; keep 128 with bf16 so
 token of one head costs 132 quantized bytes against 256), intermediate (Qwen convention:
 twice the MLP width), vocab_merges, shards, dtype ("bf16", "fp16", "fp32", or "auto" for
 none of the three flags set), seed (weights, and nothing else, depend on it),
-config_overrides (merged last; the value REMOVE deletes a key).
+config_overrides (merged last; the value REMOVE deletes a key). gptq=True writes an Int4
+checkpoint (dtype fp16, the only one GPTQ models run in; the default then): loading it
+needs a GPTQ backend (`pip install "qwen-kvprep[gptq]"`, see README).
 
 The folder name is not checked: a dot in it (`qwen-7b-v1.0`) reproduces the module
 import failure of docs/qwen-v1.md ("Checkpoint"), which tests may want.
@@ -47,6 +52,7 @@ from typing import TYPE_CHECKING, Optional, Union
 from qwen_kvprep.common import KERNEL_FILES
 from qwen_kvprep.errors import UsageError
 from qwen_kvprep.jsontypes import JSON, JSONObject
+from qwen_kvprep.tiny import gptq as _gptq
 
 if TYPE_CHECKING:
     import torch
@@ -192,19 +198,6 @@ def _config(
         "use_logn_attn": True,
         "vocab_size": vocab_size,
     }
-
-
-_GPTQ: JSONObject = {
-    "bits": 4,
-    "group_size": 128,
-    "damp_percent": 0.01,
-    "desc_act": False,
-    "static_groups": False,
-    "sym": True,
-    "true_sequential": True,
-    "model_name_or_path": None,
-    "model_file_base_name": "model",
-}
 
 
 # Weight design (see _weights). Tuned by measuring top-2 logit margins over 1,024
@@ -378,7 +371,7 @@ def generate_checkpoint(
     intermediate: int = 512,
     vocab_merges: int = 256,
     shards: int = 2,
-    dtype: str = "bf16",
+    dtype: Optional[str] = None,
     seed: int = 0,
     legacy_bin: bool = False,
     gptq: bool = False,
@@ -388,11 +381,17 @@ def generate_checkpoint(
     """Write a tiny Qwen v1 checkpoint into `dest` (created; must be absent or empty).
 
     Returns `dest`. Raises UsageError for bad knobs, a non-empty `dest`, or a
-    `kernel_sources` folder that lacks one of the two kernel files.
+    `kernel_sources` folder that lacks one of the two kernel files. `dtype` defaults to
+    "bf16", and to "fp16" (the only one allowed) with gptq=True.
     """
     dest = Path(dest)
+    if dtype is None:
+        dtype = "fp16" if gptq else "bf16"
     if dtype not in DTYPES:
         raise UsageError(f"dtype must be one of {', '.join(DTYPES)}, not {dtype!r}")
+    if gptq and dtype != "fp16":
+        # transformers loads GPTQ checkpoints in fp16, as Qwen's Int4 configs say (fp16: true)
+        raise UsageError(f"a GPTQ checkpoint runs in fp16, not {dtype}: leave dtype unset")
     if layers < 1 or heads < 1 or head_dim < 2 or head_dim % 2 or intermediate < 2:
         raise UsageError("layers, heads >= 1; head_dim even >= 2; intermediate >= 2")
     if vocab_merges < 0:
@@ -422,7 +421,10 @@ def generate_checkpoint(
         dtype=dtype,
     )
     if gptq:
-        config["quantization_config"] = dict(_GPTQ, quant_method="gptq")
+        config["quantization_config"] = dict(_gptq.QUANTIZE_CONFIG, quant_method="gptq")
+        hidden = heads * head_dim
+        _gptq.check_shape("attn.c_attn", 3 * hidden, hidden)
+        _gptq.check_shape("mlp.c_proj", hidden, intermediate // 2)
     for key, value in (config_overrides or {}).items():
         if isinstance(value, _Remove):  # REMOVE, its only instance
             config.pop(key, None)
@@ -439,6 +441,8 @@ def generate_checkpoint(
         dtype=dtype,
         seed=seed,
     )
+    if gptq:
+        tensors = _gptq.quantize_tensors(tensors)
 
     dest.mkdir(parents=True, exist_ok=True)
     _write_json(dest / "config.json", config)
@@ -470,7 +474,7 @@ def generate_checkpoint(
     )
     _write_weights(dest, tensors, shards=shards, legacy_bin=legacy_bin)
     if gptq:
-        _write_json(dest / "quantize_config.json", dict(_GPTQ))
+        _write_json(dest / "quantize_config.json", dict(_gptq.QUANTIZE_CONFIG))
     for src in sources:
         shutil.copyfile(src, dest / src.name)
     return dest

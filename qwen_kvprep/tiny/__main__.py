@@ -20,10 +20,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--intermediate", type=int, default=512)
     parser.add_argument("--vocab-merges", type=int, default=256)
     parser.add_argument("--shards", type=int, default=2)
-    parser.add_argument("--dtype", choices=DTYPES, default="bf16")
+    parser.add_argument("--dtype", choices=DTYPES, help="default bf16; fp16 with --gptq")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--legacy-bin", action="store_true", help="one pytorch_model.bin")
-    parser.add_argument("--gptq", action="store_true", help="mark it as a GPTQ Int4 variant")
+    parser.add_argument(
+        "--gptq", action="store_true", help="a GPTQ Int4 checkpoint, as Qwen's -Int4 repos ship"
+    )
     parser.add_argument("--kernel-sources", type=Path, help="folder with the two kernel files")
     args = parser.parse_args(argv)
     try:

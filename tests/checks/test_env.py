@@ -3,12 +3,16 @@ probe's parsers and its run on this machine."""
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import re
 import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+from qwen_kvprep.common import GPTQ_INSTALL, GPTQ_REQUIREMENTS
 from qwen_kvprep.findings import Severity
 from qwen_kvprep.probe.env import (
     CompilerInfo,
@@ -525,11 +529,45 @@ def test_gptq_packages() -> None:
     assert worst("env.gptq", facts(checkpoint=ckpt())) is Severity.SKIP
     f = facts(checkpoint=ckpt(gptq=True))
     assert worst("env.gptq", f) is Severity.FAIL
-    assert "pip install optimum auto-gptq" in text("env.gptq", f)
-    both = env_facts(packages=packages(optimum="1.16.1", auto_gptq="0.6.0"))
-    assert worst("env.gptq", facts(both, checkpoint=ckpt(gptq=True))) is Severity.OK
-    gptqmodel = env_facts(packages=packages(optimum="1.23.0", gptqmodel="1.4.0"))
-    assert worst("env.gptq", facts(gptqmodel, checkpoint=ckpt(gptq=True))) is Severity.OK
+    assert "optimum is not installed" in text("env.gptq", f)
+    assert "no GPTQ backend" in text("env.gptq", f)
+    assert GPTQ_INSTALL in text("env.gptq", f)
+
+    def gptq(**versions: str) -> tuple[Severity, str]:
+        pk = {"transformers": "4.53.3", **versions}
+        fa = facts(env_facts(packages=packages(**pk)), checkpoint=ckpt(gptq=True))
+        return worst("env.gptq", fa), text("env.gptq", fa)
+
+    # the combinations measured (checks/env.py, gptq's docstring)
+    for optimum in ("1.24.0", "1.27.0", "2.0.0"):
+        assert gptq(optimum=optimum, gptqmodel="2.2.0")[0] is Severity.OK
+    sev, msg = gptq(optimum="2.1.0", gptqmodel="2.2.0")
+    assert sev is Severity.FAIL and "use optimum < 2.1" in msg and GPTQ_INSTALL in msg
+    sev, msg = gptq(optimum="1.23.0", gptqmodel="2.2.0")
+    assert sev is Severity.FAIL and "optimum 1.23.0 is too old" in msg
+    sev, msg = gptq(optimum="1.27.0", gptqmodel="1.4.3")
+    assert sev is Severity.FAIL and "gptqmodel 1.4.3 is too old" in msg
+    sev, msg = gptq(optimum="1.27.0", gptqmodel="4.2.5")
+    assert sev is Severity.FAIL and "transformers >= 4.55" in msg
+    sev, msg = gptq(optimum="1.27.0", gptqmodel="2.2.0", transformers="4.37.2")
+    assert sev is Severity.FAIL and "gptqmodel needs transformers >= 4.49" in msg
+    sev, msg = gptq(gptqmodel="2.2.0")
+    assert sev is Severity.FAIL and "optimum is not installed" in msg
+    # the archived backend: it works (with an old peft), said so, not a failure
+    sev, msg = gptq(optimum="1.27.0", auto_gptq="0.7.1", peft="0.10.0")
+    assert sev is Severity.INFO and "archived" in msg and "peft 0.10.0" in msg
+    assert gptq(optimum="1.27.0", auto_gptq="0.4.1")[0] is Severity.FAIL
+
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_gptq_install_matches_the_extra() -> None:
+    # tomllib is Python >= 3.11 and the oldest CI stage runs 3.9: the extra is one line
+    text_ = (REPO / "pyproject.toml").read_text()
+    line = re.search(r"^gptq = (\[.*\])$", text_, re.M)
+    assert line is not None
+    assert tuple(ast.literal_eval(line.group(1))) == GPTQ_REQUIREMENTS
 
 
 # ---------------------------------------------------------------------------------------
