@@ -754,7 +754,8 @@ void quantize_append(const at::Tensor& x, const at::Tensor& codes, const at::Ten
 // fp16. pos: the tokens already cached. attention_mask: added to the scores (the model's
 // additive mask) or undefined; causal: mask the scores causally (the model does so only
 // when nothing is cached); scale_div: the scores are divided by it (0: not scaled);
-// head_mask: multiplies the probabilities, or undefined.
+// head_mask: multiplies the probabilities, or undefined; per_token: one scale and zero
+// point per new token instead of one per chunk (the model's own way; see quantize_append).
 // Returns the context [B, S, H*D] in the query's dtype, then the cache as the model returns
 // it: key codes [B,H,D,L] (the model's [B,H,L,D] transposed), key scales, key zeros,
 // value codes [B,H,L,D], value scales, value zeros, L = pos + S.
@@ -770,15 +771,16 @@ std::vector<at::Tensor> attention_step(const at::Tensor& query, const at::Tensor
                                        const at::Tensor& value_zeros, int64_t pos,
                                        const c10::optional<at::Tensor>& attention_mask,
                                        bool causal, double scale_div, bool softmax_in_fp32,
-                                       const c10::optional<at::Tensor>& head_mask) {
+                                       const c10::optional<at::Tensor>& head_mask,
+                                       bool per_token) {
   TORCH_CHECK_VALUE(query.dim() == 4 && key.dim() == 4 && value.dim() == 4, kStepName,
                     ": query, key and value must be [B, S, H, D], got ", shape_str(query),
                     ", ", shape_str(key), ", ", shape_str(value));
   TORCH_CHECK_VALUE(query.sizes() == key.sizes() && key.sizes() == value.sizes(), kStepName,
                     ": query, key and value must have one shape, got ", shape_str(query),
                     ", ", shape_str(key), ", ", shape_str(value));
-  quantize_append(key, key_codes, key_scales, key_zeros, pos, true, false);
-  quantize_append(value, value_codes, value_scales, value_zeros, pos, false, false);
+  quantize_append(key, key_codes, key_scales, key_zeros, pos, true, per_token);
+  quantize_append(value, value_codes, value_scales, value_zeros, pos, false, per_token);
   const int64_t B = query.size(0), S = query.size(1), H = query.size(2), D = query.size(3);
   const int64_t L = pos + S;
   const at::Tensor k = key_codes.narrow(3, 0, L);
@@ -880,7 +882,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("key_scales"), py::arg("key_zeros"), py::arg("value_codes"),
         py::arg("value_scales"), py::arg("value_zeros"), py::arg("pos"),
         py::arg("attention_mask"), py::arg("causal"), py::arg("scale_div"),
-        py::arg("softmax_in_fp32"), py::arg("head_mask"),
+        py::arg("softmax_in_fp32"), py::arg("head_mask"), py::arg("per_token") = false,
         py::call_guard<py::gil_scoped_release>());
   m.def("features", &features,
         "Capabilities beyond the model's two functions: 'capacity-views' (mat/scales/zeros "

@@ -63,6 +63,19 @@ ATTRIBUTES = (
 FUNCTIONS = ("apply_rotary_pos_emb", "quantize_cache_v")
 
 
+PER_TOKEN_LINE = b"PER_TOKEN_PREFILL = False\n"
+
+
+def render_module(template: bytes, per_token_prefill: bool) -> bytes:
+    """qwen_kvprep_kv.py as fix plants it: the template, with per-token prompt scales
+    switched on when asked."""
+    if not per_token_prefill:
+        return template
+    if template.count(PER_TOKEN_LINE) != 1:
+        raise ValueError("templates/qwen_kvprep_kv.py lacks its PER_TOKEN_PREFILL line")
+    return template.replace(PER_TOKEN_LINE, b"PER_TOKEN_PREFILL = True\n")
+
+
 def is_patched(text: str) -> bool:
     return BEGIN in text
 

@@ -89,17 +89,20 @@ def _check_mode(mode: str) -> None:
         raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
 
 
-def kv_bytes_per_token(shape: ModelShape, mode: str) -> int:
+def kv_bytes_per_token(shape: ModelShape, mode: str, fast_path: bool = False) -> int:
     """Cache bytes of one token of one sequence, all layers, keys and values.
 
-    Unquantized: 2·L·H·D·e. Int8: 2·L·H·(D + 2·e) -- a uint8 code per element plus a
-    scale and a zero per token and head, kept in the model's dtype (e bytes each).
+    Unquantized: 2·L·H·D·e. Int8: 2·L·H·(D + 2·s) -- a uint8 code per element plus a
+    scale and a zero per token and head, s bytes each: the model's dtype (e) in the
+    model's own code, fp16 (2) in qwen-kvprep's fast path, which keeps them as the kernels
+    take them. The two differ only for fp32 models.
     """
     _check_mode(mode)
+    scale_bytes = 2 if fast_path else shape.dtype_bytes
     per_head = (
         shape.head_dim * shape.dtype_bytes
         if mode == "unquantized"
-        else (shape.head_dim + 2 * shape.dtype_bytes)
+        else (shape.head_dim + 2 * scale_bytes)
     )
     return 2 * shape.layers * shape.heads * per_head
 

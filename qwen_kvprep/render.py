@@ -270,7 +270,9 @@ def render_planned(planned: Sequence[PlannedWrite]) -> str:
             )
         )
         # a big file is shown by its diff when that is short (a block added to the model code)
-        if len(p.new) > _WHOLE_FILE and len(diff) > _DIFF_LINES:
+        if len(p.new) > _WHOLE_FILE and (
+            len(diff) > _DIFF_LINES or sum(map(len, diff)) > _WHOLE_FILE
+        ):
             out.append(f"would replace {p.path} ({len(p.old or b'')} -> {len(p.new)} bytes)")
             continue
         out.append("".join(diff).rstrip("\n"))

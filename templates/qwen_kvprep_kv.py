@@ -50,6 +50,10 @@ BLOCK = 128  # tokens: buffers grow in whole blocks (rows stay 16-byte aligned)
 MARK = "_qwen_kvprep_fast"  # set on the classes install() patched
 STEPS = "qwen_kvprep_fast_steps"  # attention steps a layer ran through the fast path
 OFF = "qwen_kvprep_fast_off"  # set on a layer to run the model's own code (comparisons)
+# One scale and zero point per token for a prompt, instead of the model's one per (row,
+# head) over the whole prompt: far smaller errors where token norms vary, other numbers
+# than the model's own. `qwen-kvprep fix --per-token-prefill` sets it.
+PER_TOKEN_PREFILL = False
 
 
 def supported(kernels):
@@ -198,6 +202,7 @@ def _fast_forward(layer, apply_rotary, hidden_states, rotary_pos_emb_list, layer
         dim**0.5 if layer.scale_attn_weights else 0.0,
         bool(getattr(layer, "softmax_in_fp32", False)),
         head_mask,
+        PER_TOKEN_PREFILL,
     )
     buffers.length = total
     present = ((k.transpose(-1, -2), ks, kz), (v, vs, vz)) if use_cache else None

@@ -138,3 +138,15 @@ def test_an_unrecognised_revision_is_left_alone_with_the_reason(ckpt: Path) -> N
     assert "rotary_pos_emb" in finding["message"] and finding["fix"]
     assert path.read_text(encoding="utf-8") == older
     assert not (ckpt / FAST_FILE).exists()
+
+
+def test_per_token_prefill_is_one_line_of_the_planted_module(ckpt: Path) -> None:
+    template = (templates_dir() / FAST_FILE).read_bytes()
+    assert fastkv.render_module(template, False) == template
+    on = fastkv.render_module(template, True)
+    assert on.replace(b"PER_TOKEN_PREFILL = True\n", fastkv.PER_TOKEN_LINE) == template
+    with pytest.raises(ValueError):
+        fastkv.render_module(template.replace(fastkv.PER_TOKEN_LINE, b""), True)
+    doc = _fix(str(ckpt), "--per-token-prefill")
+    assert doc["fast_path"] is True
+    assert (ckpt / FAST_FILE).read_bytes() == on

@@ -193,3 +193,21 @@ def test_decoding_appends_in_place_without_copying_the_cache(model: Any, mode: s
             nxt = out.logits[:, -1:].argmax(-1)
             out = model(nxt, past_key_values=out.past_key_values, use_cache=True)
     assert len(set(seen)) == 1, f"the buffers were replaced {len(set(seen)) - 1} times"
+
+
+def test_per_token_prefill_gives_each_prompt_token_its_own_scale(model: Any) -> None:
+    _fast(model, True)
+    module = sys.modules[type(_layers(model)[0]).__module__.rsplit(".", 1)[0] + ".qwen_kvprep_kv"]
+    prompt = torch.tensor(PROMPT)
+    try:
+        for flag in (False, True):
+            module.PER_TOKEN_PREFILL = flag
+            with torch.no_grad():
+                out = model(prompt, use_cache=True)
+                nxt = model(out.logits[:, -1:].argmax(-1), past_key_values=out.past_key_values,
+                            use_cache=True)
+            key_scales = nxt.past_key_values[0][0][1][0, 0, :, 0]  # layer 0, row 0, head 0
+            distinct = len(set(key_scales[: prompt.size(1)].tolist()))
+            assert distinct == (prompt.size(1) if flag else 1), (flag, distinct)
+    finally:
+        module.PER_TOKEN_PREFILL = False

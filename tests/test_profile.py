@@ -414,8 +414,9 @@ def test_tiny_checkpoint_both_modes_kernel_and_quality(fixed: dict[str, Any]) ->
             "max_batch"} <= set(p)
     assert p["device"]["kind"] == "cpu" and p["versions"]["torch"]
     assert p["dtype"] == "bf16" and p["model"]["layers"] == 2
+    # bf16: the fast path's fp16 scales take the same bytes as the model's own bf16 ones
     assert p["model"]["kv_bytes_per_token"] == {"unquantized": TINY_UNQUANTIZED,
-                                                "int8": TINY_INT8}
+                                                "int8": TINY_INT8, "int8-fast": TINY_INT8}
     rows = p["rows"]
     assert [(r["mode"], r["batch"]) for r in rows] == [
         ("unquantized", 1), ("int8", 1), ("unquantized", 2), ("int8", 2)]

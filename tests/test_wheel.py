@@ -36,7 +36,9 @@ def test_wheel_carries_kernels_and_templates(tmp_path: Path) -> None:
         "import json, qwen_kvprep.resources as r;"
         "k = r.kernels_dir(); t = r.templates_dir();"
         "print(json.dumps({'k': str(k), 't': str(t),"
-        " 'kf': sorted(p.name for p in k.iterdir()), 'tf': sorted(p.name for p in t.iterdir())}))"
+        # files only: pip byte-compiles the .py template into a __pycache__ beside it
+        " 'kf': sorted(p.name for p in k.iterdir() if p.is_file()),"
+        " 'tf': sorted(p.name for p in t.iterdir() if p.is_file())}))"
     )
     out = subprocess.run([str(py), "-I", "-c", probe], check=True, capture_output=True,
                          text=True, cwd=tmp_path, timeout=60)

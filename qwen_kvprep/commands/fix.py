@@ -21,6 +21,12 @@ from qwen_kvprep.render import emit, fix_fields, render_planned
     "the model's own, slower code.",
 )
 @click.option(
+    "--per-token-prefill",
+    is_flag=True,
+    help="Fast path: quantize a prompt with one scale per token instead of the model's one "
+    "per prompt (much smaller error where token norms vary; not the model's own numbers).",
+)
+@click.option(
     "--smoke-timeout",
     type=click.FloatRange(min=1.0),
     metavar="S",
@@ -70,6 +76,7 @@ def fix(
     no_build: bool,
     no_smoke: bool,
     no_fast_path: bool,
+    per_token_prefill: bool,
     smoke_timeout: Optional[float],
     source: str,
     repo_id: Optional[str],
@@ -89,6 +96,7 @@ def fix(
         build=not no_build,
         smoke=not no_smoke,
         fast_path=not no_fast_path,
+        per_token_prefill=per_token_prefill,
         smoke_timeout=smoke_timeout,
         source=source,
         repo_id=repo_id,

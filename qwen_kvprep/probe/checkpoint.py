@@ -24,11 +24,11 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import TYPE_CHECKING, NamedTuple, Optional, TypedDict, Union
 
-from qwen_kvprep.common import FAST_FILE, KERNEL_FILES, LOADER_MARKER, sha256_file
+from qwen_kvprep.common import FAST_FILE, KERNEL_FILES, LOADER_MARKER, sha256_bytes, sha256_file
 from qwen_kvprep.common import LOADER_FILE as LOADER
 from qwen_kvprep.configjson import CONFIG, parse_config_bytes, read_config_bytes
 from qwen_kvprep.errors import ConfigError, current_user
-from qwen_kvprep.fastkv import is_patched, recognise
+from qwen_kvprep.fastkv import is_patched, recognise, render_module
 from qwen_kvprep.resources import templates_dir
 from qwen_kvprep.untrusted import json_error_at, kind_of, open_regular, read_prefix
 
@@ -692,6 +692,15 @@ class _Where(TypedDict):
     special: tuple[tuple[str, str], ...]
 
 
+def _fast_module_hashes() -> set[str]:
+    """sha256 of qwen_kvprep_kv.py as this qwen-kvprep plants it, either way it can."""
+    try:
+        template = (templates_dir() / FAST_FILE).read_bytes()
+    except OSError:
+        return set()
+    return {sha256_bytes(render_module(template, flag)) for flag in (False, True)}
+
+
 def _git_root(path: Path) -> Optional[Path]:
     """The git work tree `path` is in (a model folder may be a clone, or a folder inside
     one): the nearest folder from `path` up with a `.git` (a folder, or a worktree's
@@ -827,8 +836,7 @@ def probe_checkpoint(path: Path, spelt: Optional[str] = None) -> CheckpointFacts
         fast_path_problem=recognise(modeling) if modeling is not None else "it is missing",
         fast_path_imported=modeling is not None and is_patched(modeling),
         fast_module_sha256=fast_sha,
-        fast_module_current=fast_sha is not None
-        and fast_sha == _sha256(templates_dir() / FAST_FILE),
+        fast_module_current=fast_sha is not None and fast_sha in _fast_module_hashes(),
         remote_code={f: _sha256(path / f) if f in files else None for f in REMOTE_CODE_FILES},
         gptq=gptq_source is not None,
         gptq_source=gptq_source,

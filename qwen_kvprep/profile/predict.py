@@ -13,8 +13,10 @@ from qwen_kvprep.profile.protocol import MODES
 if TYPE_CHECKING:
     from qwen_kvprep.profile.runner import ProfileRow
 
-# KV-cache bytes of one token per mode (None without a model shape)
+# KV-cache bytes of one token per mode (None without a model shape); FAST_INT8 for Int8
+# runs through qwen-kvprep's fast path (fp16 scales and zeros)
 PerToken = dict[str, Optional[int]]
+FAST_INT8 = "int8-fast"
 
 
 def shape_of(directory: Path, dtype: Optional[str]) -> tuple[Optional[ModelShape], Optional[str]]:
@@ -28,7 +30,9 @@ def shape_of(directory: Path, dtype: Optional[str]) -> tuple[Optional[ModelShape
 
 
 def per_token(shape: Optional[ModelShape]) -> PerToken:
-    return {m: (kv_bytes_per_token(shape, m) if shape is not None else None) for m in MODES}
+    units = {m: (kv_bytes_per_token(shape, m) if shape is not None else None) for m in MODES}
+    units[FAST_INT8] = kv_bytes_per_token(shape, "int8", True) if shape is not None else None
+    return units
 
 
 def fill_predictions(
@@ -45,7 +49,8 @@ def fill_predictions(
 
 def expected_kv_bytes(row: ProfileRow, per_token: PerToken) -> Optional[int]:
     """batch x cached tokens x bytes per token: what the cache must hold, exactly."""
-    unit = per_token.get(row["mode"])
+    fast = row["mode"] == "int8" and bool(row.get("fast_layers"))
+    unit = per_token.get(FAST_INT8 if fast else row["mode"])
     cached = row.get("cached_tokens")
     if unit is None or cached is None:
         return None

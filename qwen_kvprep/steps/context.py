@@ -31,6 +31,7 @@ class FixOptions:
     smoke: bool = True
     # the Int8 cache's fast path in the model's code (steps/fastkv.py)
     fast_path: bool = True
+    per_token_prefill: bool = False  # the fast path's per-token scales for prompts
     source: str = "auto"
     repo_id: Optional[str] = None
     revision: Optional[str] = None

@@ -16,9 +16,9 @@ from qwen_kvprep.untrusted import read_regular
 MODEL_CODE_LIMIT = 4 << 20  # modeling_qwen.py is about 60 KB
 
 
-def module_bytes() -> bytes:
+def module_bytes(per_token_prefill: bool = False) -> bytes:
     """The fast path's module as planted (also into the modules cache)."""
-    return (templates_dir() / FAST_FILE).read_bytes()
+    return fastkv.render_module((templates_dir() / FAST_FILE).read_bytes(), per_token_prefill)
 
 
 def run(ctx: FixContext) -> None:
@@ -53,7 +53,7 @@ def run(ctx: FixContext) -> None:
         )
         ctx.extra["fast_path"] = False
         return
-    planted = ctx.journal.write(FAST_FILE, module_bytes())
+    planted = ctx.journal.write(FAST_FILE, module_bytes(ctx.options.per_token_prefill))
     changed = ctx.journal.write(MODELING_FILE, fastkv.patched(text).encode("utf-8"))
     ctx.extra["fast_path"] = True
     if planted or changed:

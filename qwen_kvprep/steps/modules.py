@@ -59,7 +59,7 @@ def run(ctx: FixContext) -> None:
     files = dict(sorted(sources_of(ctx.sources).items()))
     files[LOADER_FILE] = loader_bytes(ctx)
     if ctx.extra.get("fast_path") is True:
-        files[FAST_FILE] = module_bytes()
+        files[FAST_FILE] = module_bytes(ctx.options.per_token_prefill)
     predicted = module_folder(ctx.directory, materialize=False)
     changed = _plant_all(ctx, predicted, files)
     folder = predicted
