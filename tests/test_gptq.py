@@ -381,7 +381,9 @@ PEAK = r"""
 import json, sys
 from tests.live_tensors import load, measure
 model = load(sys.argv[1], int8=sys.argv[2] == "int8")
-held = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+# what the checkpoint's tensors became: parameters and persistent buffers (the state dict),
+# not the tables the model code computes itself (logn_tensor, a non-persistent buffer)
+held = sum(t.numel() * t.element_size() for t in model.state_dict().values())
 cases = json.loads(sys.argv[3])
 print("REPORT " + json.dumps({"held": held, "peaks": [measure(model, *c) for c in cases]}))
 """
