@@ -762,6 +762,26 @@ void quantize_append(const at::Tensor& x, const at::Tensor& codes, const at::Ten
 
 constexpr const char* kStepName = "attention_step";
 
+// torch < 2.1 has no fp16 softmax or clamp on the CPU: there the scores go through fp32 and
+// back (clamping is exact either way; the model's own code fails outright there).
+at::Tensor softmax_last(const at::Tensor& w) {
+  try {
+    return w.softmax(-1);
+  } catch (const c10::Error&) {
+    if (w.scalar_type() != at::kHalf || !w.device().is_cpu()) throw;
+    return w.to(at::kFloat).softmax(-1).to(at::kHalf);
+  }
+}
+
+at::Tensor clamp_fp16_min(const at::Tensor& w) {
+  try {
+    return w.clamp_(at::Scalar(-65504.0), c10::nullopt);
+  } catch (const c10::Error&) {
+    if (!w.device().is_cpu()) throw;
+    return w.to(at::kFloat).clamp_(at::Scalar(-65504.0), c10::nullopt).to(at::kHalf);
+  }
+}
+
 std::vector<at::Tensor> attention_step(const at::Tensor& query, const at::Tensor& key,
                                        const at::Tensor& value, const at::Tensor& key_codes,
                                        const at::Tensor& key_scales,
@@ -801,10 +821,10 @@ std::vector<at::Tensor> attention_step(const at::Tensor& query, const at::Tensor
     w = w.add(*attention_mask);
     if (w.scalar_type() == at::kHalf) {
       // fp16 min + fp16 min is -inf, and a row of them would make softmax NaN
-      w.clamp_(at::Scalar(-65504.0), c10::nullopt);
+      w = clamp_fp16_min(w);
     }
   }
-  w = softmax_in_fp32 ? w.to(at::kFloat).softmax(-1) : w.softmax(-1);
+  w = softmax_in_fp32 ? w.to(at::kFloat).softmax(-1) : softmax_last(w);
   w = w.to(query.scalar_type());
   if (head_mask.has_value() && head_mask->defined()) w = w.mul(*head_mask);
   at::Tensor out = at::empty({B, H, S, D}, q.options().dtype(at::kHalf));

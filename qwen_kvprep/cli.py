@@ -57,7 +57,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     except click.Abort as exc:
         # click turns Ctrl-C into Abort ("Aborted.", exit 1); a shell's convention is 130,
         # and every write we make is atomic, so there is nothing half-written to report
-        if isinstance(exc.__cause__, KeyboardInterrupt):
+        # (click >= 8.1 chains the KeyboardInterrupt as the cause, 8.0 only as the context)
+        if isinstance(exc.__cause__ or exc.__context__, KeyboardInterrupt):
             code = _interrupted()
         else:
             click.echo("Aborted.", err=True)

@@ -482,7 +482,8 @@ def quantize_reference(
     zero = torch.tensor(0) - mn / scale
     s4 = scale if per_token else scale.unsqueeze(-1)
     z4 = zero if per_token else zero.unsqueeze(-1)
-    q = torch.clamp(f / s4 + z4, 0, 255).to(torch.uint8)
+    # clamped in fp32: exact, and torch < 2.1 has no fp16 clamp on the CPU
+    q = torch.clamp((f / s4 + z4).float(), 0, 255).to(torch.uint8)
     shape = (*f.shape[:3], 1)
     return q, s4.half().expand(shape), z4.half().expand(shape)
 

@@ -88,6 +88,16 @@ def quantize_cache_v(fdata, bits, qmax, qmin):
     return qdata.contiguous(), scale, zero
 
 
+def _fp16_cpu_safe(op, tensor):
+    """op(tensor); through fp32 and back where torch (< 2.1) lacks the fp16 CPU kernel."""
+    try:
+        return op(tensor)
+    except RuntimeError:
+        if tensor.dtype != torch.float16 or tensor.is_cuda:
+            raise
+        return op(tensor.float()).half()
+
+
 def dequantize_cache_torch(qdata, scale, zero):
     return scale * (qdata - zero)
 
@@ -287,12 +297,14 @@ class QWenAttention(nn.Module):
             attn_weights = attn_weights + attention_mask
             if attn_weights.dtype == torch.float16:
                 # fp16 min + fp16 min is -inf, and a row of them would make softmax NaN
-                attn_weights = attn_weights.clamp_(min=torch.finfo(attn_weights.dtype).min)
+                attn_weights = _fp16_cpu_safe(
+                    lambda w: w.clamp_(min=torch.finfo(torch.float16).min), attn_weights
+                )
 
         if self.softmax_in_fp32:
             attn_weights = F.softmax(attn_weights.float(), dim=-1)
         else:
-            attn_weights = F.softmax(attn_weights, dim=-1)
+            attn_weights = _fp16_cpu_safe(lambda w: F.softmax(w, dim=-1), attn_weights)
         attn_weights = attn_weights.type(query.dtype)
         attn_weights = self.attn_dropout(attn_weights)
         if head_mask is not None:
