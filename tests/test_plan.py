@@ -356,6 +356,16 @@ def test_sizes_and_lists() -> None:
 # -- the prediction against the tiny model's real allocations ---------------------------------
 
 
+def _old_cpu_softmax() -> bool:
+    import torch
+    from packaging.version import Version
+
+    return Version(torch.__version__.split("+")[0]) < Version("2.1")
+
+
+OLD_CPU_SOFTMAX = _old_cpu_softmax()
+
+
 @pytest.mark.slow
 def test_prediction_matches_live_tensors_of_the_tiny_model(
     tmp_path: Path, isolated_hf: Path
@@ -378,7 +388,13 @@ def test_prediction_matches_live_tensors_of_the_tiny_model(
                 - shape.weights_bytes
                 - CUBLAS_WORKSPACE_BYTES
             )
-            assert abs(predicted - measured) <= 0.05 * measured, (mode, batch, prompt, new)
+            allowed = 0.05 * measured
+            if mode == "int8" and OLD_CPU_SOFTMAX:
+                # torch < 2.1 has no fp16 softmax on the CPU: the scores [b, h, q, l] go
+                # through an fp32 copy there, which plan (the CUDA allocator's view) leaves out
+                q = chunk or prompt
+                allowed += 4 * batch * shape.heads * q * (prompt + new)
+            assert abs(predicted - measured) <= allowed, (mode, batch, prompt, new)
 
 
 # -- the command --------------------------------------------------------------------------------
