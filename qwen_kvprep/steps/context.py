@@ -1,9 +1,9 @@
 """What the steps of `fix` share: the options, the chosen kernel sources, and the context
 each step reads and extends.
 
-Every step module imports this one; `steps/fix.py` imports the steps by name when it runs
-them. Keeping these types here, below both, is what lets a step name `FixContext` without
-a step and `fix` importing each other.
+Every step module imports this one, and `steps/fix.py` imports the steps (a table of their
+`run` functions). Keeping these types here, below both, is what lets a step name
+`FixContext` without a step importing `fix`.
 """
 
 from __future__ import annotations

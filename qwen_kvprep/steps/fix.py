@@ -3,7 +3,6 @@ state → smoke. Each step reads and extends one FixContext (steps/context.py)."
 
 from __future__ import annotations
 
-import importlib
 import os
 import shutil
 from dataclasses import dataclass, field
@@ -14,6 +13,17 @@ from qwen_kvprep.common import JOURNAL_FILE, STATE_DIRNAME
 from qwen_kvprep.errors import KvprepError
 from qwen_kvprep.findings import Finding
 from qwen_kvprep.journal import Journal, PlannedWrite
+from qwen_kvprep.steps import (
+    build,
+    config_patch,
+    fastkv,
+    loader,
+    modules,
+    smoke,
+    sources,
+    state,
+    validate,
+)
 from qwen_kvprep.steps.context import FixContext, FixOptions
 
 if TYPE_CHECKING:
@@ -31,18 +41,20 @@ class FixResult:
     extra: JSONObject
 
 
-# (module, condition): steps run in this order; a step raises a KvprepError to stop.
-_STEPS: list[tuple[str, Callable[[FixOptions], bool]]] = [
-    ("validate", lambda o: True),
-    ("sources", lambda o: True),
-    ("config_patch", lambda o: True),
-    ("build", lambda o: True),  # reports --no-build itself (the loader then builds lazily)
-    ("loader", lambda o: True),
-    ("fastkv", lambda o: True),
-    ("modules", lambda o: True),
-    ("state", lambda o: True),
+# (step, condition): steps run in this order; a step raises a KvprepError to stop. No step
+# imports this module, so the table holds the functions themselves.
+_Step = Callable[[FixContext], None]
+_STEPS: list[tuple[_Step, Optional[Callable[[FixOptions], bool]]]] = [
+    (validate.run, None),  # done before the first write when DIR itself is fixed
+    (sources.run, None),
+    (config_patch.run, None),
+    (build.run, None),  # reports --no-build itself (the loader then builds lazily)
+    (loader.run, None),
+    (fastkv.run, None),
+    (modules.run, None),
+    (state.run, None),
     # last: proves the result (a child process loads the model); dry-run has nothing to prove
-    ("smoke", lambda o: o.smoke and not o.dry_run),
+    (smoke.run, lambda o: o.smoke and not o.dry_run),
 ]
 
 
@@ -90,7 +102,6 @@ def _preflight(source: Path, target: Path, options: FixOptions) -> _Early:
     earlier run (StateError). A damaged state.json is only noted: fix writes it anew."""
     from qwen_kvprep.findings import info
     from qwen_kvprep.state import state_problem
-    from qwen_kvprep.steps import validate
 
     early = _Early()
     facts, findings = validate.check(source)
@@ -177,12 +188,12 @@ def _run_steps(
     ctx = FixContext(directory, options, Journal(directory, dry_run=options.dry_run))
     ctx.add(*early.findings, *view_findings)
     ctx.facts = early.facts
-    for name, wanted in _STEPS:
-        if name == "validate" and early.facts is not None:
+    for step, wanted in _STEPS:
+        if step is validate.run and early.facts is not None:
             continue  # done before the first write
-        if wanted(options):
+        if wanted is None or wanted(options):
             try:
-                importlib.import_module(f"qwen_kvprep.steps.{name}").run(ctx)
+                step(ctx)
             except KvprepError as exc:
                 # what the earlier steps found (a warning about replaced files, say)
                 # belongs in the refusal too, before the reason itself
