@@ -5,7 +5,7 @@ from typing import Optional
 
 import click
 
-from qwen_kvprep.commands._common import finish, json_option
+from qwen_kvprep.commands._common import cache_dir_option, finish, json_option
 
 
 @click.command()
@@ -15,11 +15,7 @@ from qwen_kvprep.commands._common import finish, json_option
     help='GPU architectures, e.g. "8.0;9.0" or "8.6+PTX" (default: TORCH_CUDA_ARCH_LIST, '
     "else the visible GPUs, else every architecture the installed nvcc supports).",
 )
-@click.option(
-    "--cache-dir",
-    type=click.Path(file_okay=False, path_type=Path),
-    help="Build cache folder (default: $QWEN_KVPREP_CACHE, else ~/.cache/qwen-kvprep).",
-)
+@cache_dir_option()
 @click.option(
     "--source-dir",
     type=click.Path(exists=True, file_okay=False, path_type=Path),
@@ -36,7 +32,7 @@ from qwen_kvprep.commands._common import finish, json_option
 @json_option
 def build(
     arch: Optional[str],
-    cache_dir: Optional[Path],
+    cache_dir: Optional[str],
     source_dir: Optional[Path],
     force: bool,
     lock_timeout: Optional[float],
@@ -49,7 +45,8 @@ def build(
     """
     from qwen_kvprep.steps.build import build_into_cache
 
-    built = build_into_cache(source_dir, arch, cache_dir, force, lock_timeout)
+    built = build_into_cache(
+        source_dir, arch, Path(cache_dir) if cache_dir else None, force, lock_timeout)
     finish(built.findings, **built.to_json())
 
 

@@ -6,17 +6,13 @@ from typing import Optional
 
 import click
 
-from qwen_kvprep.commands._common import finish, json_option, output_options
+from qwen_kvprep.commands._common import cache_dir_option, finish, json_option, output_options
 from qwen_kvprep.render import emit
 
 
 @click.command()
 @click.argument("directory", required=False)
-@click.option(
-    "--cache-dir",
-    metavar="DIR",
-    help="Build cache to use (default: $QWEN_KVPREP_CACHE, else ~/.cache/qwen-kvprep).",
-)
+@cache_dir_option()
 @click.option(
     "--smoke-timeout",
     type=click.FloatRange(min=1.0),

@@ -5,7 +5,13 @@ from typing import Optional
 
 import click
 
-from qwen_kvprep.commands._common import existing_dir, finish, json_option, output_options
+from qwen_kvprep.commands._common import (
+    cache_dir_option,
+    existing_dir,
+    finish,
+    json_option,
+    output_options,
+)
 from qwen_kvprep.render import emit, fix_fields, render_planned
 
 
@@ -59,11 +65,7 @@ from qwen_kvprep.render import emit, fix_fields, render_planned
     help="Read-only DIRECTORY: prepare a view of it in OUT (links to the weights, patched "
     "copies of what fix changes) and fix that; DIRECTORY is not touched. Serve from OUT.",
 )
-@click.option(
-    "--cache-dir",
-    metavar="DIR",
-    help="Build cache folder (default: $QWEN_KVPREP_CACHE, else ~/.cache/qwen-kvprep).",
-)
+@cache_dir_option()
 @click.option(
     "--arch",
     metavar="LIST",

@@ -5,6 +5,7 @@ from typing import NoReturn, Optional
 
 import click
 
+from qwen_kvprep.commands._common import cache_dir_option
 from qwen_kvprep.common import ENV_CACHE
 from qwen_kvprep.fastpath import (
     ENV_ALLOW_FALLBACK,
@@ -65,10 +66,7 @@ class _CommandAfterDashes(click.Command):
     help="When preparing fails, print the problem and start CMD anyway (it will run "
     f"without the kernel). [env: {ENV_ALLOW_FALLBACK}=1]",
 )
-@click.option(
-    "--cache-dir", metavar="DIR", envvar=ENV_CACHE,
-    help=f"Build cache folder (shared between replicas is fine). [env: {ENV_CACHE}]",
-)
+@cache_dir_option(envvar=ENV_CACHE)
 @click.option(
     "--arch", metavar="LIST", envvar=ENV_ARCH,
     help=f'CUDA architectures to build for when a build is needed, e.g. "8.0;9.0". '

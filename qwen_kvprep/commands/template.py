@@ -5,7 +5,7 @@ from typing import Optional
 
 import click
 
-from qwen_kvprep.commands._common import json_option, output_options
+from qwen_kvprep.commands._common import cache_dir_option, json_option, output_options
 from qwen_kvprep.render import emit, render_json
 from qwen_kvprep.templating import (
     DEFAULT_ARCH,
@@ -31,8 +31,7 @@ from qwen_kvprep.templating import (
 @click.option("--view-dir", metavar="DIR",
               help="Read-only model directory: prepare a view here and serve from it "
               "(k8s always does: /prepared/<model name>).")
-@click.option("--cache-dir", default=DEFAULT_CACHE, show_default=True,
-              help="Build cache baked into the image (docker).")
+@cache_dir_option(image_default=DEFAULT_CACHE)
 @click.option("--cuda", default=DEFAULT_CUDA, show_default=True,
               help="CUDA version of the nvidia/cuda base images (docker).")
 @click.option("--torch", "torch_version", default=DEFAULT_TORCH, show_default=True,
