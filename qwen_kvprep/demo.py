@@ -24,10 +24,12 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional, TypedDict
 
 from qwen_kvprep.errors import KvprepError, UsageError
 from qwen_kvprep.findings import Finding, Severity, fail
+from qwen_kvprep.jsontypes import as_json_object
+from qwen_kvprep.steps.context import FixExtra
 
 if TYPE_CHECKING:
     from qwen_kvprep.jsontypes import JSONObject
@@ -46,17 +48,46 @@ class DemoOptions:
     gptq: bool = False  # an Int4 GPTQ checkpoint (needs the GPTQ backend)
 
 
+class _DemoModelHead(TypedDict):
+    layers: int
+    heads: int
+    head_dim: int
+    dtype: str
+    weights_bytes: int
+
+
+class DemoModel(_DemoModelHead, total=False):
+    """The tiny model the demo generated (its config.json and weights)."""
+
+    hidden_size: int
+    vocab_size: int
+    gptq: bool
+
+
+class BuildTiming(TypedDict, total=False):
+    """What the background build did: compiled or reused (key, mode, where, how long), or
+    the error that fix's build step then repeats and reports."""
+
+    compiled: bool
+    reused: bool
+    key: str
+    mode: str
+    cache: str
+    seconds: float
+    error: str
+
+
 @dataclass
 class DemoResult:
     base: Path
     checkpoint: Path
     kept: bool
     findings: list[Finding] = field(default_factory=list)
-    extra: JSONObject = field(default_factory=dict)  # fix's (FixResult.extra)
-    model: JSONObject = field(default_factory=dict)  # what the tiny checkpoint is
+    extra: FixExtra = field(default_factory=FixExtra)  # fix's (FixResult.extra)
+    model: Optional[DemoModel] = None  # what the tiny checkpoint is, once generated
     seconds: dict[str, float] = field(default_factory=dict)
     error: Optional[KvprepError] = None
-    background_build: JSONObject = field(default_factory=dict)  # BackgroundBuild.info
+    background_build: BuildTiming = field(default_factory=BuildTiming)
 
     @property
     def ok(self) -> bool:
@@ -68,11 +99,11 @@ class DemoResult:
             "directory": str(self.base),
             "checkpoint": str(self.checkpoint),
             "kept": self.kept,
-            "model": self.model,
+            "model": as_json_object(self.model or {}),
             "seconds": seconds,
-            "background_build": self.background_build,
-            "fix": {k: v for k, v in self.extra.items() if k != "smoke"},
-            "smoke": self.extra.get("smoke"),
+            "background_build": as_json_object(self.background_build),
+            "fix": as_json_object({k: v for k, v in self.extra.items() if k != "smoke"}),
+            "smoke": as_json_object(self.extra["smoke"]) if "smoke" in self.extra else None,
         }
 
 
@@ -111,16 +142,24 @@ def _private_hf(base: Path) -> None:
         )
 
 
-def _model_info(checkpoint: Path) -> JSONObject:
+def _model_info(checkpoint: Path) -> DemoModel:
+    """The generated checkpoint's geometry (the tiny generator writes every key)."""
     cfg: JSONObject = json.loads((checkpoint / "config.json").read_text(encoding="utf-8"))
     weights = sum(p.stat().st_size for p in checkpoint.glob("*.safetensors"))
     dtype = next((d for d in ("bf16", "fp16", "fp32") if cfg.get(d)), "auto")
+
+    def number(key: str) -> int:
+        value = cfg.get(key)
+        if not isinstance(value, int):
+            raise KvprepError(f"the generated checkpoint's config.json has no {key}")
+        return value
+
     return {
-        "layers": cfg.get("num_hidden_layers"),
-        "heads": cfg.get("num_attention_heads"),
-        "head_dim": cfg.get("kv_channels"),
-        "hidden_size": cfg.get("hidden_size"),
-        "vocab_size": cfg.get("vocab_size"),
+        "layers": number("num_hidden_layers"),
+        "heads": number("num_attention_heads"),
+        "head_dim": number("kv_channels"),
+        "hidden_size": number("hidden_size"),
+        "vocab_size": number("vocab_size"),
         "dtype": dtype,
         "weights_bytes": weights,
         "gptq": isinstance(cfg.get("quantization_config"), dict),
@@ -140,7 +179,7 @@ class BackgroundBuild:
     def __init__(self, cache_dir: Optional[Path], notify: Echo) -> None:
         self.cache_dir = cache_dir
         self.notify = notify
-        self.info: JSONObject = {}  # what it did: compiled/reused, key, mode, seconds; or error
+        self.info: BuildTiming = {}  # what it did: compiled/reused, key, mode, seconds; or error
         # set once the thread knows whether it compiles (the cache may already hold the
         # build): the demo then says "compiling" or "reusing", whichever is true
         self.decided = threading.Event()
@@ -242,7 +281,7 @@ def run_demo(options: DemoOptions, echo: Optional[Echo] = None) -> DemoResult:
                 ),
             )
             result.findings = list(fixed.findings)
-            result.extra = dict(fixed.extra)
+            result.extra = fixed.extra
         except KvprepError as exc:
             result.error = exc
             result.findings = list(exc.findings) or [fail("smoke.demo", exc.message, fix=exc.fix)]

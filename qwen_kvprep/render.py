@@ -12,7 +12,7 @@ import json
 import os
 import sys
 from collections.abc import Iterable, Mapping, Sequence
-from typing import IO, TYPE_CHECKING, Optional, Protocol, TypedDict, cast
+from typing import IO, TYPE_CHECKING, Optional
 
 from qwen_kvprep import __version__
 from qwen_kvprep.checks import AREAS
@@ -23,9 +23,11 @@ if TYPE_CHECKING:
     from pathlib import Path
 
     from qwen_kvprep.checks import Check
+    from qwen_kvprep.demo import DemoResult
     from qwen_kvprep.errors import KvprepError
     from qwen_kvprep.journal import PlannedWrite
     from qwen_kvprep.probe.facts import Facts
+    from qwen_kvprep.smoke.evaluate import SmokeSummary
     from qwen_kvprep.steps.revert import RevertResult
 
 SCHEMA_VERSION = 1
@@ -362,58 +364,6 @@ def _num(x: float) -> str:
     return f"{x:,.0f}" if float(x).is_integer() else f"{x:,.1f}"
 
 
-class _KvBytes(TypedDict, total=False):
-    quantized: Optional[float]  # bytes per token; None: the quantized run did not quantize
-    unquantized: Optional[float]
-    ratio: Optional[float]
-    head_dim: Optional[int]
-    scale_bytes: Optional[int]
-    element_bytes: Optional[int]
-
-
-class _Agreement(TypedDict, total=False):
-    tokens: int
-    identical_tokens: int
-    first_divergence: Optional[int]  # None: the generations agree throughout
-    first_step_rel_logit_diff: Optional[float]
-
-
-class _PerRun(TypedDict, total=False):
-    quantized: Optional[float]
-    unquantized: Optional[float]
-
-
-class _PeakMemory(TypedDict, total=False):
-    kind: str  # "cuda_max_allocated" | the process's peak RSS
-    bytes: int
-
-
-class _Gptq(TypedDict):
-    modules: int
-    called: int
-    calls: int
-    classes: dict[str, int]
-
-
-class SmokeSummary(TypedDict, total=False):
-    """What the demo tells of the smoke summary (smoke.evaluate makes it; fix reports it
-    as its "smoke" result)."""
-
-    gptq: _Gptq
-
-    error: str
-    load_seconds: Optional[float]
-    device: str
-    device_name: str
-    layers: int
-    kernel_layers: int
-    kernel_calls: int
-    kv_bytes_per_token: _KvBytes
-    agreement: _Agreement
-    tokens_per_s: _PerRun
-    peak_memory: Optional[_PeakMemory]
-
-
 def _smoke_lines(smoke: SmokeSummary) -> list[str]:
     if not smoke:
         return []
@@ -439,9 +389,9 @@ def _smoke_lines(smoke: SmokeSummary) -> list[str]:
             f"the Int4 weights: {g['called']} of {g['modules']} GPTQ linear layers ran "
             f"({g['calls']} calls; {backend})"
         )
-    kv = smoke.get("kv_bytes_per_token") or {}
-    quantized, unquantized = kv.get("quantized"), kv.get("unquantized")
-    if quantized is not None and unquantized:
+    kv = smoke.get("kv_bytes_per_token")
+    quantized, unquantized = (kv["quantized"], kv["unquantized"]) if kv else (None, None)
+    if kv and quantized is not None and unquantized:
         line = (
             f"KV cache per token: {_num(quantized)} bytes instead of "
             f"{_num(unquantized)} ({kv['ratio']:.3f}x)"
@@ -467,61 +417,17 @@ def _smoke_lines(smoke: SmokeSummary) -> list[str]:
                 f"quantized and unquantized generations agree on the first "
                 f"{ag['first_divergence']}/{total} tokens; first-step logits within {rel:.1%}"
             )
-    tps = smoke.get("tokens_per_s") or {}
-    peak = smoke.get("peak_memory") or {}
-    if tps.get("quantized") and tps.get("unquantized"):
-        what = "GPU peak" if peak.get("kind") == "cuda_max_allocated" else "peak RSS"
+    tps = smoke.get("tokens_per_s")
+    peak = smoke.get("peak_memory")
+    if tps and tps["quantized"] and tps["unquantized"]:
+        what = "GPU peak" if peak and peak["kind"] == "cuda_max_allocated" else "peak RSS"
+        mib = (peak["bytes"] if peak else 0) / 2**20
         lines.append(
             f"speed: {tps['quantized']:.0f} tokens/s quantized, {tps['unquantized']:.0f} "
-            f"unquantized; {what} {peak.get('bytes', 0) / 2**20:.0f} MiB (a tiny model: this "
+            f"unquantized; {what} {mib:.0f} MiB (a tiny model: this "
             "says nothing about real speed)"
         )
     return lines
-
-
-class DemoStory(Protocol):
-    """What the demo's story is told from: qwen_kvprep.demo.DemoResult (named by its shape:
-    the demo module runs fix, and this module stays below everything that does)."""
-
-    @property
-    def base(self) -> Path: ...
-    @property
-    def checkpoint(self) -> Path: ...
-    @property
-    def kept(self) -> bool: ...
-    @property
-    def findings(self) -> list[Finding]: ...
-    @property
-    def extra(self) -> Mapping[str, object]: ...  # fix's results: "smoke", "cache_dir"...
-    @property
-    def model(self) -> Mapping[str, object]: ...  # DemoModel
-    @property
-    def seconds(self) -> Mapping[str, float]: ...
-    @property
-    def error(self) -> Optional[KvprepError]: ...
-    @property
-    def background_build(self) -> Mapping[str, object]: ...  # BuildTiming
-    @property
-    def ok(self) -> bool: ...
-
-
-class DemoModel(TypedDict):
-    """The tiny model the demo generated, as its story tells it."""
-
-    layers: int
-    heads: int
-    head_dim: int
-    dtype: str
-    weights_bytes: int
-    gptq: bool
-
-
-class BuildTiming(TypedDict, total=False):
-    """The build the demo ran in the background, as its story tells it."""
-
-    compiled: bool
-    reused: bool
-    seconds: float
 
 
 # (heading, finding id prefixes, ids left out): the steps of fix as the demo tells them
@@ -535,11 +441,10 @@ _DEMO_STEPS: tuple[tuple[str, tuple[str, ...], tuple[str, ...]], ...] = (
 )
 
 
-def render_demo(result: DemoStory) -> str:
+def render_demo(result: DemoResult) -> str:
     """What the demo did, numbered, in words a newcomer follows."""
     f = result.findings
-    # what the demo module put there, in the shapes above
-    m = cast("DemoModel", result.model)
+    m = result.model
     out = ["qwen-kvprep demo: the Int8 KV-cache path on a tiny random model (no download)", ""]
     step = 0
 
@@ -560,7 +465,7 @@ def render_demo(result: DemoStory) -> str:
                 + ", qwen-kvprep's own remote code"
             ],
         )
-    bg = cast("BuildTiming", result.background_build)
+    bg = result.background_build
     for head, prefixes, exclude in _DEMO_STEPS:
         items = [x.message + _mark(x) for x in _of(f, *prefixes) if x.id not in exclude]
         if prefixes[0] == "build.mode" and bg.get("compiled"):
@@ -573,7 +478,7 @@ def render_demo(result: DemoStory) -> str:
             items = ["every checkpoint check passed"]  # validate reports only problems
         if items:
             add(head, items)
-    smoke = cast("SmokeSummary", result.extra.get("smoke") or {})
+    smoke = result.extra.get("smoke")
     if smoke:
         add("smoke test, in a child process", _smoke_lines(smoke))
     problems = [x for x in f if x.severity in (Severity.WARN, Severity.FAIL)]

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Optional, TypedDict
 
 from qwen_kvprep.common import sha256_bytes
 from qwen_kvprep.findings import Finding
@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from qwen_kvprep.buildcache.builder import BuildResult
     from qwen_kvprep.jsontypes import JSONObject
     from qwen_kvprep.probe.facts import Facts
+    from qwen_kvprep.smoke.evaluate import SmokeSummary
     from qwen_kvprep.statefile import StateModules
 
 
@@ -44,6 +45,19 @@ class FixOptions:
     spelling: Optional[str] = None
     # huggingface_hub's download bars: None = only when stderr is a terminal; False for --json
     progress: Optional[bool] = None
+
+
+class FixExtra(TypedDict, total=False):
+    """What fix adds to its --json document, each key set by the step that knows it."""
+
+    sources: JSONObject  # SourceSet.to_json (steps/sources.py)
+    cache_dir: str  # the build cache used (steps/build.py)
+    build: JSONObject  # BuildResult.to_json, or the one reused (steps/build.py)
+    loader: str  # the loader file (steps/loader.py)
+    fast_path: bool  # whether the model's code got the fast path (steps/fastkv.py)
+    modules: StateModules  # the modules-cache copies (steps/modules.py)
+    state: str  # state.json (steps/state.py)
+    smoke: SmokeSummary  # the smoke's summary (steps/smoke.py)
 
 
 @dataclass(frozen=True)
@@ -82,7 +96,7 @@ class FixContext:
     sources: Optional[SourceSet] = None  # chosen by steps/sources.py
     build: Optional[BuildResult] = None  # the build used (steps/build.py)
     modules: Optional[StateModules] = None  # what steps/modules.py planted where
-    extra: JSONObject = field(default_factory=dict)  # what fix adds to its JSON output
+    extra: FixExtra = field(default_factory=FixExtra)  # fix's --json additions
 
     def add(self, *findings: Finding) -> None:
         self.findings.extend(findings)

@@ -24,21 +24,20 @@ from qwen_kvprep.steps import (
     state,
     validate,
 )
-from qwen_kvprep.steps.context import FixContext, FixOptions
+from qwen_kvprep.steps.context import FixContext, FixExtra, FixOptions
 
 if TYPE_CHECKING:
-    from qwen_kvprep.jsontypes import JSONObject
     from qwen_kvprep.probe.facts import Facts
 
 # What callers of `run_fix` use; the steps themselves import steps/context.py.
-__all__ = ["FixOptions", "FixResult", "run_fix"]
+__all__ = ["FixExtra", "FixOptions", "FixResult", "run_fix"]
 
 
 @dataclass(frozen=True)
 class FixResult:
     findings: list[Finding]
     planned: list[PlannedWrite]
-    extra: JSONObject
+    extra: FixExtra
 
 
 # (step, condition): steps run in this order; a step raises a KvprepError to stop. No step
@@ -142,7 +141,7 @@ def _run_locked(
     # OUT at the same moment may be preparing it (a waiter that gives up leaves it alone).
     with folder_lock(target, what, lock_timeout(), stderr_notify):
         if skip_if is not None and skip_if():
-            return FixResult([], [], {})  # another replica prepared it meanwhile
+            return FixResult([], [], FixExtra())  # another replica prepared it meanwhile
         try:
             return _run_steps(source, target, options, early)
         except BaseException:

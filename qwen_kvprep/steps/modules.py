@@ -112,13 +112,7 @@ def run(ctx: FixContext) -> None:
         "hub_folder": hub,
         "also": list(also),
     }
-    ctx.extra["modules"] = {
-        "root": str(env_root),
-        "folder": str(folder),
-        "files": dict(hashes),
-        "hub_folder": hub,
-        "also": list(also),
-    }
+    ctx.extra["modules"] = ctx.modules
     verb = "would plant" if ctx.options.dry_run else "planted"
     message = (
         f"{verb} {', '.join(changed)} in the modules cache"

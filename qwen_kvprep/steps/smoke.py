@@ -36,7 +36,8 @@ def run(ctx: FixContext) -> None:
         on_phase=PhaseProgress(sys.stderr) if show else None,
     )
     ctx.add(*report.findings)
-    ctx.extra["smoke"] = as_json_object(report.summary)
+    as_json_object(report.summary)  # a TypeError here, not a document json.dumps refuses
+    ctx.extra["smoke"] = report.summary
     try:
         record_smoke(ctx.directory, report.summary, ctx.journal)
     except OSError as exc:
