@@ -16,6 +16,8 @@ from typing import IO, TYPE_CHECKING, Optional
 
 from qwen_kvprep import __version__
 from qwen_kvprep.checks import AREAS
+from qwen_kvprep.errors import KvprepError
+from qwen_kvprep.fastpath import Planting, Request, json_document, say
 from qwen_kvprep.findings import Finding, Severity
 from qwen_kvprep.redact import scrub, scrub_findings, scrub_mapping, sensitive_names
 
@@ -24,10 +26,10 @@ if TYPE_CHECKING:
 
     from qwen_kvprep.checks import Check
     from qwen_kvprep.demo import DemoResult
-    from qwen_kvprep.errors import KvprepError
     from qwen_kvprep.journal import PlannedWrite
     from qwen_kvprep.probe.facts import Facts
     from qwen_kvprep.smoke.evaluate import SmokeSummary
+    from qwen_kvprep.steps.prestart import Prepared
     from qwen_kvprep.steps.revert import RevertResult
 
 SCHEMA_VERSION = 1
@@ -289,6 +291,48 @@ def fix_fields(
     if dry_run:
         fields["would_write"] = [{"path": str(p.path), "bytes": len(p.new)} for p in planned]
     return fields
+
+
+# -- prestart ------------------------------------------------------------------------------
+
+
+def prestart_json(request: Request, planting: Planting, reason: str, done: Prepared) -> str:
+    """prestart's --json line when it prepared DIR (or fell back), printed before exec."""
+    error = None
+    if done.failure is not None:
+        failure = done.failure
+        error = {
+            "message": failure.message if isinstance(failure, KvprepError) else repr(failure),
+            "fix": failure.fix if isinstance(failure, KvprepError) else None,
+        }
+    findings = [f.to_json() for f in scrub_findings(done.findings)]
+    return json_document(request, planting, reason, findings, error)
+
+
+def report_prestart(request: Request, done: Prepared) -> None:
+    """What prestart's slow path did, on stderr (stdout belongs to CMD)."""
+    if done.failure is not None:
+        if request.as_json:
+            pass  # the document on stdout carries the failure
+        elif isinstance(done.failure, KvprepError):
+            report_error(done.failure, as_json=False)
+        else:
+            sys.stderr.write(
+                f"qwen-kvprep prestart: unexpected error: {scrub(repr(done.failure))}\n"
+            )
+        if done.view_error is not None:
+            sys.stderr.write(
+                f"qwen-kvprep prestart: cannot make {request.target} a view: "
+                f"{scrub(str(done.view_error))}\n"
+            )
+        # not through say(): --quiet silences success, never this
+        sys.stderr.write("qwen-kvprep prestart: WARNING: --allow-fallback: starting the "
+                         "command without a working Int8 KV cache kernel\n")
+        return
+    if done.findings and not request.quiet and not request.as_json:
+        emit(render_human(done.findings), sys.stderr)
+    if done.recheck is not None:
+        say(request, f"note: prepared, but the next start will check again ({done.recheck})")
 
 
 # -- revert ------------------------------------------------------------------------------

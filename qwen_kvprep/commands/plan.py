@@ -6,14 +6,14 @@ from typing import Optional
 import click
 
 from qwen_kvprep.commands._common import existing_dir, json_option, output_options
+from qwen_kvprep.planning import (
+    DEFAULT_BATCHES,
+    DEFAULT_PROMPT_TOKENS,
+    DEFAULT_TOKENS,
+    plan_checkpoint,
+    plan_inputs,
+)
 from qwen_kvprep.render import emit, render_json
-
-DEFAULT_BATCHES = "1,4,16,32,64,100"
-DEFAULT_TOKENS = "512,1024,2048,4096,8192"
-# Qwen measured its published tables by generating from a one-token prompt, so the
-# default runs are that too: the peak is then the decode's, set by the cache. Long prompts
-# add the prefill's logits and scores; model them with --prompt-tokens/--prefill-chunk.
-DEFAULT_PROMPT_TOKENS = 1
 
 
 @click.command()
@@ -33,43 +33,25 @@ DEFAULT_PROMPT_TOKENS = 1
     "as docker reads it and as a card's label means it), 80G (Kubernetes: 10^9), "
     "81920Mi. A bare number is refused.",
 )
-@click.option(
-    "--batch",
-    "batch_list",
-    metavar="LIST",
-    default=DEFAULT_BATCHES,
-    show_default=True,
-    help="Batch sizes; the first is the one the longest context is reported at.",
-)
-@click.option(
-    "--tokens",
-    "tokens_list",
-    metavar="LIST",
-    default=DEFAULT_TOKENS,
-    show_default=True,
-    help="Tokens cached at the end of a run (prompt included); the first is the one the "
-    "largest batch is reported at.",
-)
+@click.option("--batch", "batch_list", metavar="LIST", default=DEFAULT_BATCHES,
+              show_default=True,
+              help="Batch sizes; the first is the one the longest context is reported at.")
+@click.option("--tokens", "tokens_list", metavar="LIST", default=DEFAULT_TOKENS,
+              show_default=True,
+              help="Tokens cached at the end of a run (prompt included); the first is the "
+              "one the largest batch is reported at.")
 @click.option(
     "--dtype",
     type=click.Choice(["bf16", "fp16"]),
     help="Precision the model is loaded in. [default: as config.json says; bf16 if it "
     "sets none, fp16 for GPTQ]",
 )
-@click.option(
-    "--prompt-tokens",
-    type=click.IntRange(min=1),
-    default=DEFAULT_PROMPT_TOKENS,
-    show_default=True,
-    metavar="P",
-    help="Prompt length of each row; the rest of each token count is generated.",
-)
-@click.option(
-    "--prefill-chunk",
-    type=click.IntRange(min=1),
-    metavar="C",
-    help="Feed the prompt in forwards of C tokens. [default: the whole prompt at once]",
-)
+@click.option("--prompt-tokens", type=click.IntRange(min=1), default=DEFAULT_PROMPT_TOKENS,
+              show_default=True, metavar="P",
+              help="Prompt length of each row; the rest of each token count is generated.")
+@click.option("--prefill-chunk", type=click.IntRange(min=1), metavar="C",
+              help="Feed the prompt in forwards of C tokens. [default: the whole prompt at "
+              "once]")
 @click.option(
     "--plot",
     type=click.Path(dir_okay=False, path_type=Path),
@@ -96,10 +78,8 @@ def plan(
     the config alone, when the weights are not there); needs no GPU with --gpu or
     --gpu-memory. `plan --gpu list` lists the cards --gpu knows."""
     from qwen_kvprep.errors import UsageError
-    from qwen_kvprep.planning import plan_checkpoint
-    from qwen_kvprep.planning.gpu import card_memory, cards_json, find_card, render_cards
+    from qwen_kvprep.planning.gpu import cards_json, render_cards
     from qwen_kvprep.planning.render import payload, render_text
-    from qwen_kvprep.planning.sizes import parse_int_list, parse_size
 
     as_json = output_options().as_json
     if gpu_name is not None and gpu_name.strip().lower() == "list":
@@ -109,40 +89,20 @@ def plan(
         raise UsageError("plan needs the model directory",
                          fix="qwen-kvprep plan DIR --gpu a100-80g (or --gpu-memory 80Gi)")
     path = existing_dir(directory)
-    if gpu_name is not None and gpu_memory is not None:
-        raise UsageError("--gpu and --gpu-memory both say which GPU to plan for",
-                         fix="give one of them")
-    # options first: a typo in a list should not wait for the checkpoint to be read
-    batches = parse_int_list(batch_list, "--batch")
-    tokens = parse_int_list(tokens_list, "--tokens")
-    short = [t for t in tokens if t < prompt_tokens]
-    if short:
-        raise UsageError(
-            f"--tokens {short[0]} is shorter than the {prompt_tokens}-token prompt",
-            fix="tokens count the prompt too: raise --tokens or lower --prompt-tokens",
-        )
-    memory = None
-    if gpu_memory is not None:
-        memory = (parse_size(gpu_memory), f"--gpu-memory {gpu_memory}")
-    elif gpu_name is not None:
-        memory = card_memory(find_card(gpu_name))
-    if plot is not None:
-        from qwen_kvprep.chart import check_target
-
-        check_target(plot)
-    planned = plan_checkpoint(path, batches, tokens, memory, dtype, prompt_tokens, prefill_chunk)
+    batches, tokens, memory = plan_inputs(
+        gpu_name, gpu_memory, batch_list, tokens_list, prompt_tokens, plot
+    )
+    planned = plan_checkpoint(
+        path, batches, tokens, memory, dtype, prompt_tokens, prefill_chunk, plot
+    )
     facts, result, gpu_source = planned.facts, planned.result, planned.gpu_source
-    extra: dict[str, object] = {}
-    if plot is not None:
-        from qwen_kvprep.planning.plot import write_plan_plot
-
-        extra["plot"] = str(write_plan_plot(facts, result, gpu_source, plot))
+    extra = {} if planned.plot is None else {"plot": str(planned.plot)}
     if as_json:
         emit(render_json([], plan={**payload(facts, result, gpu_source), **extra}))
     else:
         emit(render_text(facts, result, gpu_source, shown=directory))
-        if plot is not None:
-            emit(f"\nPlot: {extra['plot']}")
+        if planned.plot is not None:
+            emit(f"\nPlot: {planned.plot}")
 
 
 def register(group: click.Group) -> None:

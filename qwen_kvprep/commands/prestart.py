@@ -5,8 +5,10 @@ from typing import NoReturn, Optional
 
 import click
 
-from qwen_kvprep.commands._common import cache_dir_option
+from qwen_kvprep.commands._common import cache_dir_option, existing_dir, output_options
+from qwen_kvprep.commands._dashes import CommandAfterDashes, command_after_dashes
 from qwen_kvprep.common import ENV_CACHE
+from qwen_kvprep.errors import UsageError
 from qwen_kvprep.fastpath import (
     ENV_ALLOW_FALLBACK,
     ENV_ARCH,
@@ -23,34 +25,11 @@ from qwen_kvprep.fastpath import (
     start_ready,
     state_mismatch,
 )
-from qwen_kvprep.steps.prestart import Prepared, prepare_or_fall_back
-
-_COMMAND_KEY = "qwen_kvprep.prestart.command"
-_DASHES_KEY = "qwen_kvprep.prestart.dashes"
+from qwen_kvprep.render import prestart_json, report_prestart
+from qwen_kvprep.steps.prestart import prepare_or_fall_back
 
 
-class _CommandAfterDashes(click.Command):
-    """Everything after the first `--` is CMD, taken whole before click parses the rest:
-    click would otherwise give CMD's first word to DIR when DIR comes from
-    $QWEN_KVPREP_DIR, and read CMD's own options as ours."""
-
-    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
-        command: list[str] = []
-        ctx.meta[_DASHES_KEY] = "--" in args
-        if "--" in args:
-            cut = args.index("--")
-            args, command = args[:cut], args[cut + 1 :]
-        ctx.meta[_COMMAND_KEY] = command
-        try:
-            return super().parse_args(ctx, args)
-        except click.UsageError as exc:
-            if "extra argument" not in exc.message:
-                raise
-            hint = "; put the command after `--`: prestart DIR -- CMD ARGS..."
-            raise click.UsageError(exc.message + hint, ctx) from None
-
-
-@click.command(cls=_CommandAfterDashes)
+@click.command(cls=CommandAfterDashes)
 @click.argument("directory", required=False, envvar=ENV_DIR)
 @click.option(
     "--output", "-o", metavar="OUT", envvar=ENV_OUTPUT,
@@ -104,38 +83,16 @@ def prestart(
     starts.
     DIRECTORY may come from $QWEN_KVPREP_DIR.
     """
-    from qwen_kvprep.commands._common import existing_dir, output_options
-    from qwen_kvprep.errors import UsageError
-
     if directory is None:
         raise UsageError(
             "prestart needs the model directory",
             fix=f"qwen-kvprep prestart DIR -- CMD ..., or set {ENV_DIR}",
         )
-    command: list[str] = ctx.meta.get(_COMMAND_KEY, [])
-    if ctx.meta.get(_DASHES_KEY) and not command:
-        # an image whose CMD is empty: starting nothing and exiting 0 would look like a
-        # server that stopped cleanly
-        raise UsageError(
-            "nothing after `--`: prestart starts the command that follows it",
-            fix="put the server command after `--`: qwen-kvprep prestart DIR -- python3 -m "
-            "your_server (in an image: give it a CMD); to only prepare DIR, leave out `--`",
-        )
+    command = command_after_dashes(ctx)
     path = existing_dir(directory)
-    run(
-        Request(
-            str(path),
-            output=output,
-            smoke=smoke,
-            allow_fallback=allow_fallback,
-            cache_dir=cache_dir,
-            arch=arch,
-            quiet=quiet,
-            command=command,
-            source=source,
-            as_json=output_options().as_json,
-        )
-    )
+    run(Request(str(path), output=output, smoke=smoke, allow_fallback=allow_fallback,
+                cache_dir=cache_dir, arch=arch, quiet=quiet, command=command, source=source,
+                as_json=output_options().as_json))
 
 
 def run(request: Request) -> NoReturn:
@@ -147,60 +104,10 @@ def run(request: Request) -> NoReturn:
         start_ready(request, planting)
     say(request, f"preparing: {reason}")
     done = prepare_or_fall_back(request, planting)
-    _report(request, done)
+    report_prestart(request, done)
     if request.as_json:
-        _print_json(request, planting, reason, done)
+        sys.stdout.write(prestart_json(request, planting, reason, done) + "\n")
     hand_over(request.command)
-
-
-def _print_json(request: Request, planting: Planting, reason: str, done: Prepared) -> None:
-    """The --json document of a start that prepared DIR (or fell back), before exec."""
-    from qwen_kvprep.errors import KvprepError
-    from qwen_kvprep.fastpath import json_document
-    from qwen_kvprep.redact import scrub_findings
-
-    error = None
-    if done.failure is not None:
-        failure = done.failure
-        error = {
-            "message": failure.message if isinstance(failure, KvprepError) else repr(failure),
-            "fix": failure.fix if isinstance(failure, KvprepError) else None,
-        }
-    findings = [f.to_json() for f in scrub_findings(done.findings)]
-    sys.stdout.write(json_document(request, planting, reason, findings, error) + "\n")
-
-
-def _report(request: Request, done: Prepared) -> None:
-    """What the slow path did, on stderr (stdout belongs to CMD)."""
-    from qwen_kvprep.errors import KvprepError
-    from qwen_kvprep.redact import scrub
-
-    if done.failure is not None:
-        if request.as_json:
-            pass  # the document on stdout carries the failure
-        elif isinstance(done.failure, KvprepError):
-            from qwen_kvprep.render import report_error
-
-            report_error(done.failure, as_json=False)
-        else:
-            sys.stderr.write(
-                f"qwen-kvprep prestart: unexpected error: {scrub(repr(done.failure))}\n"
-            )
-        if done.view_error is not None:
-            sys.stderr.write(
-                f"qwen-kvprep prestart: cannot make {request.target} a view: "
-                f"{scrub(str(done.view_error))}\n"
-            )
-        # not through say(): --quiet silences success, never this
-        sys.stderr.write("qwen-kvprep prestart: WARNING: --allow-fallback: starting the "
-                         "command without a working Int8 KV cache kernel\n")
-        return
-    if done.findings and not request.quiet and not request.as_json:
-        from qwen_kvprep.render import emit, render_human
-
-        emit(render_human(done.findings), sys.stderr)
-    if done.recheck is not None:
-        say(request, f"note: prepared, but the next start will check again ({done.recheck})")
 
 
 def register(group: click.Group) -> None:

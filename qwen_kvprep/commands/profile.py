@@ -6,35 +6,8 @@ from typing import Optional
 import click
 
 from qwen_kvprep.commands._common import existing_dir, finish, json_option, output_options
+from qwen_kvprep.profile import BUILTIN_PASSAGE, parse_batches, quality_file
 from qwen_kvprep.profile.protocol import DEFAULT_PROMPT_TOKENS, DEFAULT_TIMEOUT_S, DEVICES, DTYPES
-
-_BUILTIN = "\0builtin"  # --quality without a file
-
-
-def parse_batches(value: Optional[str]) -> Optional[tuple[int, ...]]:
-    from qwen_kvprep.errors import UsageError
-
-    if value is None:
-        return None
-    try:
-        batches = tuple(int(part) for part in value.replace(" ", "").split(",") if part)
-    except ValueError:
-        raise UsageError(f"--batch {value!r}: give batch sizes like 1,4,16") from None
-    if not batches or min(batches) < 1:
-        raise UsageError(f"--batch {value!r}: give one or more batch sizes >= 1")
-    return batches
-
-
-def quality_file(value: Optional[str]) -> Optional[Path]:
-    """The text of `--quality TEXTFILE`; None for the built-in passage or no --quality."""
-    from qwen_kvprep.errors import UsageError
-
-    if value in (None, _BUILTIN):
-        return None
-    path = Path(str(value)).absolute()
-    if not path.is_file():
-        raise UsageError(f"--quality {value}: no such file")
-    return path
 
 
 @click.command()
@@ -55,7 +28,7 @@ def quality_file(value: Optional[str]) -> Optional[Path]:
               "device: no weights needed.")
 @click.option("--dtype", type=click.Choice(DTYPES),
               help="Model dtype (default: as config.json says).")
-@click.option("--quality", is_flag=False, flag_value=_BUILTIN, default=None,
+@click.option("--quality", is_flag=False, flag_value=BUILTIN_PASSAGE, default=None,
               metavar="[TEXTFILE]",
               help="Also compare the two caches teacher-forced over a text (the built-in "
               "passage, or TEXTFILE).")

@@ -13,11 +13,20 @@ if TYPE_CHECKING:
     from qwen_kvprep.planning.model import ModelFacts
 
 
+DEFAULT_BATCHES = "1,4,16,32,64,100"
+DEFAULT_TOKENS = "512,1024,2048,4096,8192"
+# Qwen measured its published tables by generating from a one-token prompt, so the
+# default runs are that too: the peak is then the decode's, set by the cache. Long prompts
+# add the prefill's logits and scores; model them with --prompt-tokens/--prefill-chunk.
+DEFAULT_PROMPT_TOKENS = 1
+
+
 @dataclass(frozen=True)
 class CheckpointPlan:
     facts: ModelFacts
     result: PlanResult
     gpu_source: str  # where the GPU's memory figure came from
+    plot: Optional[Path] = None  # the plot drawn (--plot FILE)
 
 
 def plan_checkpoint(
@@ -28,10 +37,11 @@ def plan_checkpoint(
     dtype: Optional[str] = None,
     prompt_tokens: int = 1,
     prefill_chunk: Optional[int] = None,
+    plot: Optional[Path] = None,
 ) -> CheckpointPlan:
     """The predicted peaks for every batch size and token count, and the largest batch and
     longest context that fit. `gpu_memory` is (bytes, where that figure came from); without
-    it, the total of the GPU torch sees."""
+    it, the total of the GPU torch sees. With `plot`, the peaks are drawn into that file."""
     from qwen_kvprep.plan import shape_of
     from qwen_kvprep.planning.capacity import Scenario, make_plan
     from qwen_kvprep.planning.model import read_model
@@ -48,4 +58,48 @@ def plan_checkpoint(
         gpu_memory_bytes=memory,
         softmax_in_fp32=facts.softmax_in_fp32,
     )
-    return CheckpointPlan(facts, make_plan(shape_of(facts), scenario, batches, tokens), gpu_source)
+    result = make_plan(shape_of(facts), scenario, batches, tokens)
+    if plot is not None:
+        from qwen_kvprep.planning.plot import write_plan_plot
+
+        plot = write_plan_plot(facts, result, gpu_source, plot)
+    return CheckpointPlan(facts, result, gpu_source, plot)
+
+
+def plan_inputs(
+    gpu_name: Optional[str],
+    gpu_memory: Optional[str],
+    batch_list: str,
+    tokens_list: str,
+    prompt_tokens: int,
+    plot: Optional[Path] = None,
+) -> tuple[tuple[int, ...], tuple[int, ...], Optional[tuple[int, str]]]:
+    """plan's options, checked before the checkpoint is read (a typo in a list should not
+    wait for it): the batches, the token counts, and the GPU memory with where that figure
+    came from (None: the GPU torch sees). A --plot FILE that could not be written is
+    refused here too."""
+    from qwen_kvprep.errors import UsageError
+    from qwen_kvprep.planning.gpu import card_memory, find_card
+    from qwen_kvprep.planning.sizes import parse_int_list, parse_size
+
+    if gpu_name is not None and gpu_memory is not None:
+        raise UsageError("--gpu and --gpu-memory both say which GPU to plan for",
+                         fix="give one of them")
+    batches = parse_int_list(batch_list, "--batch")
+    tokens = parse_int_list(tokens_list, "--tokens")
+    short = [t for t in tokens if t < prompt_tokens]
+    if short:
+        raise UsageError(
+            f"--tokens {short[0]} is shorter than the {prompt_tokens}-token prompt",
+            fix="tokens count the prompt too: raise --tokens or lower --prompt-tokens",
+        )
+    memory = None
+    if gpu_memory is not None:
+        memory = (parse_size(gpu_memory), f"--gpu-memory {gpu_memory}")
+    elif gpu_name is not None:
+        memory = card_memory(find_card(gpu_name))
+    if plot is not None:
+        from qwen_kvprep.chart import check_target
+
+        check_target(plot)
+    return batches, tokens, memory

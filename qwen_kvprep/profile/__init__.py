@@ -17,13 +17,50 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from qwen_kvprep.errors import UsageError
 from qwen_kvprep.findings import Finding
 from qwen_kvprep.profile.document import ProfileDocument
 from qwen_kvprep.profile.progress import ProgressBar
 from qwen_kvprep.profile.protocol import RANDOM_SEED
 from qwen_kvprep.profile.runner import Measurements, ProfileError, ProfileOptions, ProfileRow
 
-__all__ = ["ProfileError", "ProfileOptions", "ProfileReport", "profile_and_plot", "run_profile"]
+__all__ = [
+    "BUILTIN_PASSAGE",
+    "ProfileError",
+    "ProfileOptions",
+    "ProfileReport",
+    "parse_batches",
+    "profile_and_plot",
+    "quality_file",
+    "run_profile",
+]
+
+
+# The options profile takes, as the command line spells them.
+BUILTIN_PASSAGE = "\0builtin"  # --quality without a file
+
+
+def parse_batches(value: Optional[str]) -> Optional[tuple[int, ...]]:
+    """`--batch 1,4,16`; None: the device's default batches."""
+    if value is None:
+        return None
+    try:
+        batches = tuple(int(part) for part in value.replace(" ", "").split(",") if part)
+    except ValueError:
+        raise UsageError(f"--batch {value!r}: give batch sizes like 1,4,16") from None
+    if not batches or min(batches) < 1:
+        raise UsageError(f"--batch {value!r}: give one or more batch sizes >= 1")
+    return batches
+
+
+def quality_file(value: Optional[str]) -> Optional[Path]:
+    """The text of `--quality TEXTFILE`; None for the built-in passage or no --quality."""
+    if value in (None, BUILTIN_PASSAGE):
+        return None
+    path = Path(str(value)).absolute()
+    if not path.is_file():
+        raise UsageError(f"--quality {value}: no such file")
+    return path
 
 
 @dataclass(frozen=True)
