@@ -23,7 +23,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, NoReturn, Optional
+from typing import Callable, Literal, NoReturn, Optional
 
 import filelock
 
@@ -43,6 +43,24 @@ class _Held:
 # (thread, realpath of the state folder) -> the lock this process holds there.
 # Per thread: another thread of this process waits like another process would.
 _HELD: dict[tuple[int, str], _Held] = {}
+
+
+def take(
+    lock: filelock.BaseFileLock, timeout: float, poll: float, on_wait: Callable[[], None]
+) -> Literal["free", "waited", "timeout"]:
+    """Take an OS file lock (folder_lock's and the build cache's alike): at once when it is
+    free, else after `on_wait()` (which says whom we wait for) within `timeout` seconds.
+    OSErrors of filelock (a removed lock file) are the caller's."""
+    try:
+        lock.acquire(timeout=0)
+        return "free"
+    except filelock.Timeout:
+        on_wait()
+    try:
+        lock.acquire(timeout=timeout, poll_interval=poll)
+    except filelock.Timeout:
+        return "timeout"
+    return "waited"
 
 
 def lock_path(directory: Path) -> Path:
@@ -107,26 +125,25 @@ def folder_lock(
             return
         _refuse_links(state, path)
         lock = filelock.FileLock(str(path))
-        try:
-            lock.acquire(timeout=0)
-        except filelock.Timeout:
+
+        def waiting() -> None:
+            nonlocal told
             if not told:
                 notify(
                     f"waiting for another {what} of {directory} (giving up after "
                     f"{timeout:.0f} s, see {ENV_LOCK_TIMEOUT})"
                 )
                 told = True
-            try:
-                lock.acquire(timeout=max(0.0, deadline - time.monotonic()), poll_interval=0.05)
-            except filelock.Timeout:
-                _timed_out(path, timeout)
-            except FileNotFoundError:
-                continue  # the holder removed the folder (revert): make it again and retry
+
+        try:
+            taken = take(lock, max(0.0, deadline - time.monotonic()), 0.05, waiting)
         except FileNotFoundError:
-            continue
+            continue  # the holder removed the folder (revert): make it again and retry
         except OSError:
             yield False
             return
+        if taken == "timeout":
+            _timed_out(path, timeout)
         if not _still_at_path(lock, path):
             lock.release()
             if time.monotonic() > deadline:

@@ -61,6 +61,7 @@ from qwen_kvprep.journalfile import (
     prepared,
     present,
     read_journal,
+    read_user_records,
     same_folder,
 )
 from qwen_kvprep.untrusted import NotRegularFile, open_dir_under, read_regular, relpath_problem
@@ -378,24 +379,14 @@ def prune_users(folder: Path) -> list[str]:
     """Remove the records in a modules-cache folder's USERS_DIRNAME of folders that are no
     longer prepared (deleted, or reverted by a version that did not remove its record), and
     the records folder itself once empty. Returns the records removed."""
-    users = Path(folder) / USERS_DIRNAME
     removed: list[str] = []
-    try:
-        names = sorted(os.listdir(users))
-    except OSError:
-        return removed
-    for name in names:
-        try:
-            data = json.loads(read_regular(users / name, 4096, follow=False))
-        except (OSError, ValueError):
-            continue
-        path = data.get("path") if isinstance(data, dict) else None
-        if isinstance(path, str) and name == user_record_name(path) and not prepared(path):
+    for record, path in read_user_records(folder):
+        if not prepared(path):
             with contextlib.suppress(OSError):
-                os.unlink(users / name)
-                removed.append(str(users / name))
+                os.unlink(record)
+                removed.append(str(record))
     with contextlib.suppress(OSError):
-        os.rmdir(users)
+        os.rmdir(Path(folder) / USERS_DIRNAME)
     return removed
 
 

@@ -638,28 +638,37 @@ class _Planner:
         )
 
 
-def user_records(folder: Path, identity: Identity, root: Path) -> tuple[list[Path], list[str]]:
-    """The records in a modules-cache folder's USERS_DIRNAME: (this folder's own, under
-    any spelling of its path: a fix through a symlink and a revert through the real path
-    must find each other's; the other folders' paths). Unreadable records are skipped."""
+def read_user_records(folder: Path) -> list[tuple[Path, str]]:
+    """(record, the prepared folder it names) for each record in a modules-cache folder's
+    USERS_DIRNAME, in name order; unreadable records, and records not named after the
+    folder they name, are skipped (bounded reads: the folder is shared)."""
     users = Path(folder) / USERS_DIRNAME
     try:
         names = sorted(os.listdir(users))
     except OSError:
-        return [], []
-    mine: list[Path] = []
-    others: list[str] = []
-    real = os.path.realpath(root)
+        return []
+    found: list[tuple[Path, str]] = []
     for name in names:
         try:
             data = json.loads(read_regular(users / name, 4096, follow=False))
         except (OSError, ValueError):
             continue
         path = data.get("path") if isinstance(data, dict) else None
-        if not isinstance(path, str) or name != user_record_name(path):
-            continue
+        if isinstance(path, str) and name == user_record_name(path):
+            found.append((users / name, path))
+    return found
+
+
+def user_records(folder: Path, identity: Identity, root: Path) -> tuple[list[Path], list[str]]:
+    """The records in a modules-cache folder's USERS_DIRNAME: (this folder's own, under
+    any spelling of its path: a fix through a symlink and a revert through the real path
+    must find each other's; the other folders' paths)."""
+    mine: list[Path] = []
+    others: list[str] = []
+    real = os.path.realpath(root)
+    for record, path in read_user_records(folder):
         if path == identity["path"] or os.path.realpath(path) == real:
-            mine.append(users / name)
+            mine.append(record)
         else:
             others.append(path)
     return mine, others

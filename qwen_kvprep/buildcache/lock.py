@@ -22,6 +22,7 @@ import filelock
 
 from qwen_kvprep.buildcache.paths import CacheLayout
 from qwen_kvprep.common import ENV_LOCK_TIMEOUT
+from qwen_kvprep.dirlock import take
 from qwen_kvprep.errors import LockTimeout, UsageError
 from qwen_kvprep.fsutil import atomic_write_text
 
@@ -81,29 +82,29 @@ def build_lock(
     path = layout.lock_path(key)
     lock = filelock.FileLock(str(path))
     start = time.monotonic()
-    waited = 0.0  # exactly 0 when nobody held it: callers tell "had to wait" by this
-    try:
-        lock.acquire(timeout=0)
-    except filelock.Timeout:
-        owner = read_owner(layout, key)
+    first_owner: list[Optional[JSONObject]] = []
+
+    def waiting() -> None:
+        first_owner.append(read_owner(layout, key))
         notify(
-            f"waiting for build lock held by {describe_owner(owner)[len('held by ') :]} "
+            f"waiting for build lock held by {describe_owner(first_owner[0])[len('held by ') :]} "
             f"(lock {path}; giving up after {timeout:.0f} s, see {ENV_LOCK_TIMEOUT})"
         )
-        try:
-            lock.acquire(timeout=timeout, poll_interval=0.1)
-        except filelock.Timeout:
-            owner = read_owner(layout, key) or owner
-            message = (
-                f"gave up after {timeout:.0f} s waiting for the build lock {path}, "
-                f"{describe_owner(owner)}"
-            )
-            fix = (
-                "that process is still building (the lock is released the moment it exits): "
-                f"wait for it, stop it, or allow a longer wait with {ENV_LOCK_TIMEOUT}=SECONDS"
-            )
-            raise LockTimeout.failing("build.lock", message, fix, [path]) from None
-        waited = max(time.monotonic() - start, 1e-6)
+
+    taken = take(lock, timeout, 0.1, waiting)
+    if taken == "timeout":
+        owner = read_owner(layout, key) or first_owner[0]
+        message = (
+            f"gave up after {timeout:.0f} s waiting for the build lock {path}, "
+            f"{describe_owner(owner)}"
+        )
+        fix = (
+            "that process is still building (the lock is released the moment it exits): "
+            f"wait for it, stop it, or allow a longer wait with {ENV_LOCK_TIMEOUT}=SECONDS"
+        )
+        raise LockTimeout.failing("build.lock", message, fix, [path])
+    # exactly 0 when nobody held it: callers tell "had to wait" by this
+    waited = 0.0 if taken == "free" else max(time.monotonic() - start, 1e-6)
     owner_path = layout.owner_path(key)
     try:
         atomic_write_text(
