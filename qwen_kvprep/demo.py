@@ -26,10 +26,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Optional, TypedDict
 
+from qwen_kvprep.buildcache import CacheLayout, resolve_cache_dir, vendored_sources
+from qwen_kvprep.buildcache.builder import ensure_build, find_build, plan_build
+from qwen_kvprep.checks import load_all
 from qwen_kvprep.errors import KvprepError, UsageError
 from qwen_kvprep.findings import Finding, Severity, fail
 from qwen_kvprep.jsontypes import as_json_object
 from qwen_kvprep.steps.context import FixExtra
+from qwen_kvprep.steps.fix import FixOptions, run_fix
 
 if TYPE_CHECKING:
     from qwen_kvprep.jsontypes import JSONObject
@@ -187,9 +191,6 @@ class BackgroundBuild:
         self.thread = threading.Thread(target=self._work, name="demo-build", daemon=True)
 
     def _work(self) -> None:
-        from qwen_kvprep.buildcache import CacheLayout, resolve_cache_dir, vendored_sources
-        from qwen_kvprep.buildcache.builder import ensure_build, find_build, plan_build
-
         t0 = time.monotonic()
         try:
             layout = CacheLayout(resolve_cache_dir(self.cache_dir))
@@ -229,7 +230,6 @@ class BackgroundBuild:
 def run_demo(options: DemoOptions, echo: Optional[Echo] = None) -> DemoResult:
     """Generate, fix and smoke a tiny checkpoint. Failures of fix come back in the result
     (error, findings); the temporary folder is removed in every case."""
-    from qwen_kvprep.steps.fix import FixOptions, run_fix
     from qwen_kvprep.tiny import generate_checkpoint
 
     say = echo or (lambda _text: None)
@@ -264,7 +264,6 @@ def run_demo(options: DemoOptions, echo: Optional[Echo] = None) -> DemoResult:
             # fix imports these later anyway; now the compiler leaves this core idle
             import transformers.dynamic_module_utils  # noqa: F401
 
-            from qwen_kvprep.checks import load_all
 
             load_all()
         background.join()

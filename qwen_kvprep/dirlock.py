@@ -28,8 +28,9 @@ from typing import Callable, Literal, NoReturn, Optional
 import filelock
 
 from qwen_kvprep.common import ENV_LOCK_TIMEOUT, STATE_DIRNAME, STATE_FILE, TRACKED_FILES
-from qwen_kvprep.errors import LockTimeout
+from qwen_kvprep.errors import LockTimeout, StateError
 from qwen_kvprep.fsutil import TEMP_NAME
+from qwen_kvprep.untrusted import kind_of
 
 LOCK_FILE = "lock"
 
@@ -172,7 +173,6 @@ def _refuse_links(state: Path, path: Path) -> None:
     every write of ours land wherever it points."""
     import stat
 
-    from qwen_kvprep.errors import StateError
 
     for item, want in ((state, stat.S_ISDIR), (path, stat.S_ISREG)):
         try:
@@ -180,8 +180,6 @@ def _refuse_links(state: Path, path: Path) -> None:
         except FileNotFoundError:
             continue
         if not want(mode):
-            from qwen_kvprep.untrusted import kind_of
-
             raise StateError(
                 f"{item} is {kind_of(mode)}, where qwen-kvprep keeps its own "
                 f"{'folder' if item == state else 'lock file'}: refusing to write through it",

@@ -36,6 +36,7 @@ from qwen_kvprep.common import (
 )
 from qwen_kvprep.common import sha256_bytes as sha256
 from qwen_kvprep.errors import StateError
+from qwen_kvprep.findings import fail
 from qwen_kvprep.fsutil import atomic_write_bytes, atomic_write_text
 from qwen_kvprep.journalfile import (
     ORIGINAL_LIMIT,
@@ -351,7 +352,6 @@ class Journal:
                 message += f" (and {len(plan.problems) - 1} more: " + "; ".join(
                     plan.problems[1:4]
                 ) + ")"
-            from qwen_kvprep.findings import fail
 
             raise StateError(
                 message,

@@ -194,6 +194,7 @@ def facts_table(facts: Facts) -> dict[str, str]:
     rows: dict[str, str] = {}
     env = facts.env
     if env is not None:
+        # here: probe/env.py (subprocess, sysconfig) would cost every CLI start ~15 ms
         from qwen_kvprep.probe.env import summary
 
         rows.update({k: _cell(v) for k, v in summary(env).items()})

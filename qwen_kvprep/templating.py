@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Optional, TypedDict
 from qwen_kvprep import __version__
 from qwen_kvprep.errors import UsageError
 from qwen_kvprep.fsutil import atomic_write_text
+from qwen_kvprep.resources import templates_dir
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -177,8 +178,6 @@ class TemplateOptions(TypedDict, total=False):
 
 
 def render(kind: str, **options: Unpack[TemplateOptions]) -> str:
-    from qwen_kvprep.resources import templates_dir
-
     text = (templates_dir() / TEMPLATES[kind]).read_text(encoding="utf-8")
     # substitute (not safe_substitute): a $name the code does not provide is a bug here,
     # not something to ship to a user's Dockerfile.

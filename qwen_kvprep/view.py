@@ -16,6 +16,9 @@ import json
 import os
 
 from qwen_kvprep.common import STATE_DIRNAME, TRACKED_FILES, sha256_small
+from qwen_kvprep.errors import RefusedError, UsageError
+from qwen_kvprep.findings import info
+from qwen_kvprep.fsutil import atomic_symlink, atomic_write_text
 from qwen_kvprep.untrusted import read_record
 
 TYPE_CHECKING = False
@@ -86,7 +89,6 @@ def check_output_dir(source: Path, out: Path) -> None:
     """Refuse an OUT that cannot work or would damage something, before touching it."""
     from pathlib import Path as _Path
 
-    from qwen_kvprep.errors import RefusedError, UsageError
 
     source = _Path(os.path.abspath(source))  # the form the marker and the links hold
     out = _Path(os.path.abspath(out))
@@ -147,7 +149,6 @@ def prepare_view(source: Path, out: Path) -> ViewResult:
     from datetime import datetime, timezone
     from pathlib import Path as _Path
 
-    from qwen_kvprep.fsutil import atomic_symlink, atomic_write_text
 
     # Links and the marker hold this absolute form; prestart compares against it.
     source = _Path(os.path.abspath(source))
@@ -220,7 +221,6 @@ def fix_target(source: Path, out: Path, dry_run: bool) -> tuple[Path, list[Findi
     (a dry run writes nothing, so the source is safe)."""
     from pathlib import Path as _Path
 
-    from qwen_kvprep.findings import info
 
     source = _Path(os.path.abspath(source))
     out = _Path(os.path.abspath(out))

@@ -49,6 +49,7 @@ from qwen_kvprep.common import KERNEL_FILES, machine, python_tag, sha256_bytes, 
 from qwen_kvprep.errors import BuildError, SourceError
 from qwen_kvprep.fsutil import fsync_dir
 from qwen_kvprep.probe.toolchain import NvccInfo, TorchInfo, nvcc_info, torch_info
+from qwen_kvprep.redact import scrub
 
 if TYPE_CHECKING:
     from qwen_kvprep.buildcache._worker import WorkerSpec
@@ -70,8 +71,6 @@ Notify = Callable[[str], None]
 
 
 def stderr_notify(message: str) -> None:
-    from qwen_kvprep.redact import scrub
-
     print(f"qwen-kvprep: {scrub(message)}", file=sys.stderr, flush=True)
 
 

@@ -9,6 +9,8 @@ import importlib
 
 import click
 
+from qwen_kvprep.commands._common import debug_option, json_option
+
 # A command module is added here when it is written.
 _MODULES = [
     "doctor",
@@ -25,8 +27,6 @@ _MODULES = [
 
 
 def register(group: click.Group) -> None:
-    from qwen_kvprep.commands._common import debug_option, json_option
-
     for name in _MODULES:
         importlib.import_module(f"qwen_kvprep.commands.{name}").register(group)
     for command in group.commands.values():

@@ -7,7 +7,8 @@ from typing import Optional
 import click
 
 from qwen_kvprep.commands._common import cache_dir_option, finish, json_option, output_options
-from qwen_kvprep.render import emit
+from qwen_kvprep.render import emit, render_demo
+from qwen_kvprep.smoke.progress import wants_progress
 
 
 @click.command()
@@ -41,8 +42,6 @@ def demo(
     `fix` finds it.
     """
     from qwen_kvprep.demo import DemoOptions, run_demo
-    from qwen_kvprep.render import render_demo
-    from qwen_kvprep.smoke.progress import wants_progress
 
     as_json = output_options().as_json
     progress = wants_progress(as_json)

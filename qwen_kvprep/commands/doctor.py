@@ -5,6 +5,7 @@ from typing import Optional
 
 import click
 
+from qwen_kvprep.checks import load_all
 from qwen_kvprep.commands._common import (
     existing_dir,
     exit_code,
@@ -13,7 +14,7 @@ from qwen_kvprep.commands._common import (
     output_options,
     strict_option,
 )
-from qwen_kvprep.render import emit, render_json
+from qwen_kvprep.render import emit, render_check_list, render_json, report_markdown
 
 
 @click.command()
@@ -35,9 +36,7 @@ def doctor(
     DIRECTORY is a Qwen checkpoint; without it only the environment and caches are checked.
     doctor never changes anything.
     """
-    from qwen_kvprep.checks import load_all
     from qwen_kvprep.doctor import run_doctor
-    from qwen_kvprep.render import render_check_list, report_markdown
 
     as_json = output_options().as_json
     if list_checks:

@@ -6,14 +6,15 @@ from typing import Optional
 import click
 
 from qwen_kvprep.commands._common import existing_dir, json_option, output_options
-from qwen_kvprep.planning import (
-    DEFAULT_BATCHES,
-    DEFAULT_PROMPT_TOKENS,
-    DEFAULT_TOKENS,
-    plan_checkpoint,
-    plan_inputs,
-)
+from qwen_kvprep.errors import UsageError
 from qwen_kvprep.render import emit, render_json
+
+DEFAULT_BATCHES = "1,4,16,32,64,100"
+DEFAULT_TOKENS = "512,1024,2048,4096,8192"
+# Qwen measured its published tables by generating from a one-token prompt, so the
+# default runs are that too: the peak is then the decode's, set by the cache. Long prompts
+# add the prefill's logits and scores; model them with --prompt-tokens/--prefill-chunk.
+DEFAULT_PROMPT_TOKENS = 1
 
 
 @click.command()
@@ -77,7 +78,7 @@ def plan(
     Reads config.json and the safetensors headers only (or the index's total size, or
     the config alone, when the weights are not there); needs no GPU with --gpu or
     --gpu-memory. `plan --gpu list` lists the cards --gpu knows."""
-    from qwen_kvprep.errors import UsageError
+    from qwen_kvprep.planning import plan_checkpoint, plan_inputs
     from qwen_kvprep.planning.gpu import cards_json, render_cards
     from qwen_kvprep.planning.render import payload, render_text
 

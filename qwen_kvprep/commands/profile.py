@@ -6,8 +6,16 @@ from typing import Optional
 import click
 
 from qwen_kvprep.commands._common import existing_dir, finish, json_option, output_options
-from qwen_kvprep.profile import BUILTIN_PASSAGE, parse_batches, quality_file
+from qwen_kvprep.profile import (
+    BUILTIN_PASSAGE,
+    ProfileOptions,
+    parse_batches,
+    profile_and_plot,
+    quality_file,
+)
+from qwen_kvprep.profile.progress import progress_bar
 from qwen_kvprep.profile.protocol import DEFAULT_PROMPT_TOKENS, DEFAULT_TIMEOUT_S, DEVICES, DTYPES
+from qwen_kvprep.render import emit
 
 
 @click.command()
@@ -62,11 +70,8 @@ def profile(
 ) -> None:
     """Measure DIRECTORY's memory, speed and quality with the unquantized and the Int8
     KV cache, one child process per batch size and mode, beside plan's prediction."""
-    from qwen_kvprep.profile import ProfileOptions, profile_and_plot
     from qwen_kvprep.profile.plot import check_plot_target
-    from qwen_kvprep.profile.progress import progress_bar
     from qwen_kvprep.profile.render import render_text
-    from qwen_kvprep.render import emit
 
     as_json = output_options().as_json
     path = existing_dir(directory)

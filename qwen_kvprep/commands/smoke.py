@@ -5,12 +5,16 @@ from typing import Optional
 import click
 
 from qwen_kvprep.commands._common import existing_dir, finish, json_option, output_options
+from qwen_kvprep.findings import warn
+from qwen_kvprep.smoke import SmokeOptions, smoke_and_record
+from qwen_kvprep.smoke.progress import phase_progress
 from qwen_kvprep.smoke.protocol import (
     DEFAULT_MAX_NEW_TOKENS,
     DEFAULT_PROMPT,
     DEFAULT_TIMEOUT_S,
     DEVICES,
 )
+from qwen_kvprep.smoke.runner import load_path_for
 
 
 @click.command()
@@ -49,11 +53,6 @@ def smoke(
     """Prove DIRECTORY's Int8 KV cache works: load it as a server would (in a child
     process), check every layer uses the quantized cache through the compiled kernel,
     compare greedy output with the unquantized cache, and measure what it saves."""
-    from qwen_kvprep.findings import warn
-    from qwen_kvprep.smoke import SmokeOptions, smoke_and_record
-    from qwen_kvprep.smoke.progress import phase_progress
-    from qwen_kvprep.smoke.runner import load_path_for
-
     path = existing_dir(directory)
     load_path, problem = load_path_for(directory)
     options = SmokeOptions(

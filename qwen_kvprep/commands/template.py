@@ -6,6 +6,7 @@ from typing import Optional
 import click
 
 from qwen_kvprep.commands._common import cache_dir_option, json_option, output_options
+from qwen_kvprep.errors import UsageError
 from qwen_kvprep.render import emit, render_json
 from qwen_kvprep.templating import (
     DEFAULT_ARCH,
@@ -79,8 +80,6 @@ def template(
         # prestart: the view folder; here: the file)
         emit("qwen-kvprep template: --out-file is deprecated, use -o/--output", sys.stderr)
         if output is not None and output != out_file:
-            from qwen_kvprep.errors import UsageError
-
             raise UsageError("-o/--output and --out-file name different files",
                              fix="give -o FILE alone")
         output = out_file

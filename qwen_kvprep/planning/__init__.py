@@ -8,17 +8,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
+from qwen_kvprep.chart import check_target
+from qwen_kvprep.errors import UsageError
+from qwen_kvprep.plan import shape_of
+from qwen_kvprep.planning.capacity import Scenario, make_plan
+from qwen_kvprep.planning.gpu import card_memory, find_card, visible_gpu_memory
+from qwen_kvprep.planning.model import read_model
+from qwen_kvprep.planning.plot import write_plan_plot
+from qwen_kvprep.planning.sizes import parse_int_list, parse_size
+
 if TYPE_CHECKING:
     from qwen_kvprep.planning.capacity import PlanResult
     from qwen_kvprep.planning.model import ModelFacts
-
-
-DEFAULT_BATCHES = "1,4,16,32,64,100"
-DEFAULT_TOKENS = "512,1024,2048,4096,8192"
-# Qwen measured its published tables by generating from a one-token prompt, so the
-# default runs are that too: the peak is then the decode's, set by the cache. Long prompts
-# add the prefill's logits and scores; model them with --prompt-tokens/--prefill-chunk.
-DEFAULT_PROMPT_TOKENS = 1
 
 
 @dataclass(frozen=True)
@@ -42,14 +43,8 @@ def plan_checkpoint(
     """The predicted peaks for every batch size and token count, and the largest batch and
     longest context that fit. `gpu_memory` is (bytes, where that figure came from); without
     it, the total of the GPU torch sees. With `plot`, the peaks are drawn into that file."""
-    from qwen_kvprep.plan import shape_of
-    from qwen_kvprep.planning.capacity import Scenario, make_plan
-    from qwen_kvprep.planning.model import read_model
-
     facts = read_model(directory, dtype)
     if gpu_memory is None:
-        from qwen_kvprep.planning.gpu import visible_gpu_memory
-
         gpu_memory = visible_gpu_memory()
     memory, gpu_source = gpu_memory
     scenario = Scenario(
@@ -60,8 +55,6 @@ def plan_checkpoint(
     )
     result = make_plan(shape_of(facts), scenario, batches, tokens)
     if plot is not None:
-        from qwen_kvprep.planning.plot import write_plan_plot
-
         plot = write_plan_plot(facts, result, gpu_source, plot)
     return CheckpointPlan(facts, result, gpu_source, plot)
 
@@ -78,10 +71,6 @@ def plan_inputs(
     wait for it): the batches, the token counts, and the GPU memory with where that figure
     came from (None: the GPU torch sees). A --plot FILE that could not be written is
     refused here too."""
-    from qwen_kvprep.errors import UsageError
-    from qwen_kvprep.planning.gpu import card_memory, find_card
-    from qwen_kvprep.planning.sizes import parse_int_list, parse_size
-
     if gpu_name is not None and gpu_memory is not None:
         raise UsageError("--gpu and --gpu-memory both say which GPU to plan for",
                          fix="give one of them")
@@ -99,7 +88,5 @@ def plan_inputs(
     elif gpu_name is not None:
         memory = card_memory(find_card(gpu_name))
     if plot is not None:
-        from qwen_kvprep.chart import check_target
-
         check_target(plot)
     return batches, tokens, memory

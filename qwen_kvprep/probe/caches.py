@@ -34,7 +34,11 @@ from qwen_kvprep.common import (
 )
 from qwen_kvprep.common import LOADER_FILE as LOADER
 from qwen_kvprep.common import modules_cache_root as _modules_cache_root
+from qwen_kvprep.errors import KvprepError
+from qwen_kvprep.fsutil import TEMP_NAME, leftover_temps
+from qwen_kvprep.journalfile import folder_identity, plan_revert, prepared, read_journal
 from qwen_kvprep.probe.binary import BinaryArchs, read_archs
+from qwen_kvprep.statefile import read_state
 from qwen_kvprep.untrusted import read_record, read_regular
 
 if TYPE_CHECKING:
@@ -226,9 +230,6 @@ def debris(directory: Path, folders: Sequence[Path]) -> tuple[str, ...]:
     """What killed commands of ours left: temporary files in the checkpoint, its
     `.qwen-kvprep/` and the modules-cache folders (and their users' records), and records
     of prepared folders that are no longer prepared."""
-    from qwen_kvprep.fsutil import TEMP_NAME, leftover_temps
-    from qwen_kvprep.journalfile import prepared
-
     found: list[str] = []
     state = Path(directory) / STATE_DIRNAME
     ours = set(TRACKED_FILES)
@@ -311,8 +312,6 @@ def _read_builds(cache: Path) -> tuple[BuildRecord, ...]:
 
 def _read_state(directory: Path) -> tuple[Optional[State], Optional[str]]:
     """The recorded state, read as prestart and fix read it (size, depth, schema)."""
-    from qwen_kvprep.statefile import read_state
-
     try:
         return read_state(str(directory))
     except Exception as exc:  # never abort doctor over what a folder holds
@@ -333,9 +332,6 @@ class _JournalFacts(TypedDict, total=False):
 def _read_journal(directory: Path, modules_root: Path) -> _JournalFacts:
     """Whether DIR has a journal, whether it is sound, and whether revert would succeed:
     revert's own checks, run read-only."""
-    from qwen_kvprep.errors import KvprepError
-    from qwen_kvprep.journalfile import folder_identity, plan_revert, read_journal
-
     out: _JournalFacts = {"state_dir": str(directory / STATE_DIRNAME)}
     out["journal_present"] = os.path.lexists(directory / STATE_DIRNAME / JOURNAL_FILE)
     if not out["journal_present"]:

@@ -18,11 +18,18 @@ from pathlib import Path
 from typing import Optional
 
 from qwen_kvprep.errors import UsageError
-from qwen_kvprep.findings import Finding
+from qwen_kvprep.findings import Finding, info
 from qwen_kvprep.profile.document import ProfileDocument
 from qwen_kvprep.profile.progress import ProgressBar
 from qwen_kvprep.profile.protocol import RANDOM_SEED
-from qwen_kvprep.profile.runner import Measurements, ProfileError, ProfileOptions, ProfileRow
+from qwen_kvprep.profile.runner import (
+    Measurements,
+    ProfileError,
+    ProfileOptions,
+    ProfileRow,
+    measure,
+)
+from qwen_kvprep.profile.source import model_source
 
 __all__ = [
     "BUILTIN_PASSAGE",
@@ -85,10 +92,10 @@ def run_profile(
     """Measure; never raises for what a child does (crashes, hangs and OOMs come back in
     the rows and findings). Raises KvprepError subclasses when it cannot start: a folder
     without weights (and no --random-weights), an unreadable config.json, no torch."""
+    # here: the CLI imports this package for profile/protocol.py at every start, and the
+    # evaluation and plan's prediction (plan.py, planning/) would add to each start
     from qwen_kvprep.profile.evaluate import evaluate
     from qwen_kvprep.profile.predict import fill_predictions, per_token, shape_of
-    from qwen_kvprep.profile.runner import measure
-    from qwen_kvprep.profile.source import model_source
 
     with model_source(directory, options.random_weights) as source:
         found = measure(source, options, bar)
@@ -139,7 +146,6 @@ def profile_and_plot(
     report = run_profile(directory, options, bar)
     if plot is None:
         return report
-    from qwen_kvprep.findings import info
     from qwen_kvprep.profile.plot import write_plot
 
     written = write_plot(report.profile, plot)

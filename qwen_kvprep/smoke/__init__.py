@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from qwen_kvprep.findings import Finding
+from qwen_kvprep.findings import Finding, warn
 from qwen_kvprep.smoke.evaluate import SmokeSummary, evaluate, expected_ratio
 from qwen_kvprep.smoke.runner import PhaseCallback, SmokeOptions, SmokeOutcome, run_child
 
@@ -50,7 +50,8 @@ def smoke_and_record(
     """`qwen-kvprep smoke`: run_smoke, then the verdict recorded in the checkpoint's state
     (when fix left one), under the folder's lock. A state that cannot be written is a
     warning: the smoke itself has been judged."""
-    from qwen_kvprep.findings import warn
+    # here: the CLI imports this package for smoke/protocol.py at every start, and the
+    # record's journal and build-cache modules would cost it ~15 ms
     from qwen_kvprep.smoke.record import record_smoke
 
     report = run_smoke(directory, options, on_phase)

@@ -9,6 +9,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
 from qwen_kvprep import __version__
+from qwen_kvprep.buildcache.builder import stderr_notify
+from qwen_kvprep.buildcache.lock import lock_timeout
+from qwen_kvprep.dirlock import folder_lock
 from qwen_kvprep.journal import Journal
 from qwen_kvprep.jsontypes import JSONObject, as_json_object
 from qwen_kvprep.state import load_state, state_path, update_state
@@ -73,9 +76,6 @@ def record_smoke(
         update_state(journal, smoke=state_entry(summary))
         return Path(state_path(Path(directory)))
     # `qwen-kvprep smoke DIR` on its own: take the folder's lock, as fix and revert do
-    from qwen_kvprep.buildcache.builder import stderr_notify
-    from qwen_kvprep.buildcache.lock import lock_timeout
-    from qwen_kvprep.dirlock import folder_lock
 
     with folder_lock(Path(directory), "qwen-kvprep command", lock_timeout(), stderr_notify):
         if not isinstance(load_state(Path(directory)), dict):

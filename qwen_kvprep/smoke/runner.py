@@ -18,6 +18,7 @@ from qwen_kvprep.childproc import (
     run_events_child,
     tail_lines,
 )
+from qwen_kvprep.common import spelling_problem
 from qwen_kvprep.smoke.protocol import (
     DEFAULT_MAX_NEW_TOKENS,
     DEFAULT_PROMPT,
@@ -67,7 +68,6 @@ def load_path_for(given: str) -> tuple[str, Optional[str]]:
     import importlib.metadata
     import os
 
-    from qwen_kvprep.common import spelling_problem
 
     try:
         version: Optional[str] = importlib.metadata.version("transformers")

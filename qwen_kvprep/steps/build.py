@@ -10,9 +10,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
-from qwen_kvprep.common import LOADER_FILE
+from qwen_kvprep.buildcache import CacheLayout, read_sources, resolve_cache_dir, sources_of
+from qwen_kvprep.buildcache import vendored_sources as vendored
+from qwen_kvprep.buildcache.arch import visible_gpu_archs
+from qwen_kvprep.buildcache.builder import ensure_build, find_build, find_compatible, plan_build
+from qwen_kvprep.common import KERNEL_FILES, LOADER_FILE
 from qwen_kvprep.errors import KvprepError
 from qwen_kvprep.findings import Finding, info, ok, skip, warn
+from qwen_kvprep.steps import loader
 from qwen_kvprep.steps.context import FixContext
 
 if TYPE_CHECKING:
@@ -25,8 +30,6 @@ def _degrade_gracefully(ctx: FixContext) -> list[Finding]:
     """config.json already asks for the kernel; with the original cpp_kernels.py still in
     place the model would JIT-build at import and crash (docs/qwen-v1.md). Our loader instead
     raises ImportError there, and the model falls back with its warning."""
-    from qwen_kvprep.steps import loader
-
     try:
         loader.run(ctx)
     except (KvprepError, OSError):
@@ -51,8 +54,6 @@ def _reuse_compatible(
     --arch / TORCH_CUDA_ARCH_LIST it targets the visible GPU; a cached build that covers
     the visible GPUs serves both, and compiling again would only cost time.
     """
-    from qwen_kvprep.buildcache.builder import find_build, find_compatible
-
     if plan.torch.cuda is None or arch_option or os.environ.get("TORCH_CUDA_ARCH_LIST"):
         return None
     # with nvcc and no GPU the default list is meant to be portable: build it
@@ -60,7 +61,6 @@ def _reuse_compatible(
         return None
     if find_build(layout, plan.key) is not None:
         return None  # the exact build exists: the normal path takes it
-    from qwen_kvprep.buildcache.arch import visible_gpu_archs
 
     gpus = tuple(
         (int(a.split(".")[0]), int(a.split(".")[1])) for a in visible_gpu_archs()
@@ -74,9 +74,6 @@ def _no_kernel_for_gpus(plan: BuildPlan) -> bool:
 
 
 def run(ctx: FixContext) -> None:
-    from qwen_kvprep.buildcache import CacheLayout, resolve_cache_dir, sources_of
-    from qwen_kvprep.buildcache.builder import ensure_build, find_build, plan_build
-
     layout = CacheLayout(resolve_cache_dir(ctx.options.cache_dir))
     ctx.extra["cache_dir"] = str(layout.root)
     if not ctx.options.build:
@@ -195,11 +192,6 @@ def build_into_cache(
     """The extension for this torch in the build cache, compiled (under the key's lock) only
     when the cache has no build of these sources for this ABI, or with `force`. No
     checkpoint is involved: the sources are qwen-kvprep's own, or those in `source_dir`."""
-    from qwen_kvprep.buildcache import CacheLayout, read_sources, resolve_cache_dir
-    from qwen_kvprep.buildcache import vendored_sources as vendored
-    from qwen_kvprep.buildcache.builder import ensure_build, plan_build
-    from qwen_kvprep.common import KERNEL_FILES
-
     layout = CacheLayout(resolve_cache_dir(cache_dir))
     sources = read_sources(source_dir, required=KERNEL_FILES[:1]) if source_dir else vendored()
     plan = plan_build(sources, arch)

@@ -25,6 +25,7 @@ from qwen_kvprep import catalogue, hubcli
 from qwen_kvprep.common import KERNEL_FILES
 from qwen_kvprep.errors import SourceError, UsageError
 from qwen_kvprep.findings import Finding, fail
+from qwen_kvprep.redact import install_log_filter
 
 HEAD_BYTES = 32  # how much of a refused body a finding quotes
 
@@ -268,7 +269,6 @@ def fetch_official(
     from huggingface_hub import constants, hf_hub_download
     from huggingface_hub.utils import HFValidationError, validate_repo_id
 
-    from qwen_kvprep.redact import install_log_filter
 
     install_log_filter()  # its retry warnings print the URL, HF_ENDPOINT credentials and all
     try:

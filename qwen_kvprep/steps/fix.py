@@ -9,10 +9,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Optional
 
+from qwen_kvprep.buildcache.builder import stderr_notify
+from qwen_kvprep.buildcache.lock import lock_timeout
 from qwen_kvprep.common import JOURNAL_FILE, STATE_DIRNAME
-from qwen_kvprep.errors import KvprepError
-from qwen_kvprep.findings import Finding
+from qwen_kvprep.dirlock import OUR_FILES, folder_lock, release_if_unused, remove_leftover_temps
+from qwen_kvprep.errors import KvprepError, os_failure
+from qwen_kvprep.findings import Finding, info
 from qwen_kvprep.journal import Journal, PlannedWrite
+from qwen_kvprep.state import state_problem
 from qwen_kvprep.steps import (
     build,
     config_patch,
@@ -25,6 +29,7 @@ from qwen_kvprep.steps import (
     validate,
 )
 from qwen_kvprep.steps.context import FixContext, FixExtra, FixOptions
+from qwen_kvprep.view import check_output_dir, fix_target
 
 if TYPE_CHECKING:
     from qwen_kvprep.probe.facts import Facts
@@ -69,13 +74,9 @@ def run_fix(
     did it). A run that fails before recording anything removes what it created (an empty
     `.qwen-kvprep/`, a new OUT); OS errors become messages that say what to do.
     """
-    from qwen_kvprep.errors import os_failure
-
     source = Path(os.path.abspath(directory))
     target = source
     if options.output is not None:
-        from qwen_kvprep.view import check_output_dir
-
         target = Path(os.path.abspath(options.output))
         check_output_dir(source, target)
     try:
@@ -99,9 +100,6 @@ def _preflight(source: Path, target: Path, options: FixOptions) -> _Early:
     """Read-only checks of every input, before anything is written anywhere: the
     checkpoint and its config.json (CheckpointError/ConfigError), the journal of an
     earlier run (StateError). A damaged state.json is only noted: fix writes it anew."""
-    from qwen_kvprep.findings import info
-    from qwen_kvprep.state import state_problem
-
     early = _Early()
     facts, findings = validate.check(source)
     if target == source:
@@ -128,10 +126,6 @@ def _run_locked(
     early: _Early,
     skip_if: Optional[Callable[[], bool]],
 ) -> FixResult:
-    from qwen_kvprep.buildcache.builder import stderr_notify
-    from qwen_kvprep.buildcache.lock import lock_timeout
-    from qwen_kvprep.dirlock import folder_lock
-
     new_top = None  # the outermost folder this run creates for --output
     if target != source:
         new_top = _first_missing(target)
@@ -152,8 +146,6 @@ def _run_locked(
 def _undo_creation(target: Path, new_top: Optional[Path]) -> None:
     """After a failure: remove what this run created, unless something was recorded in
     it (a failed build leaves the patched config and its journal: revert undoes that)."""
-    from qwen_kvprep.dirlock import release_if_unused
-
     if new_top is not None and not os.path.lexists(target / STATE_DIRNAME / JOURNAL_FILE):
         shutil.rmtree(new_top, ignore_errors=True)
     else:
@@ -172,13 +164,9 @@ def _first_missing(path: Path) -> Optional[Path]:
 def _run_steps(
     source: Path, target: Path, options: FixOptions, early: _Early
 ) -> FixResult:
-    from qwen_kvprep.dirlock import OUR_FILES, remove_leftover_temps
-
     view_findings: list[Finding] = []
     directory = source
     if options.output is not None:
-        from qwen_kvprep.view import fix_target
-
         directory, view_findings = fix_target(source, target, options.dry_run)
     if not options.dry_run:
         remove_leftover_temps(directory, set(OUR_FILES))
@@ -201,8 +189,6 @@ def _run_steps(
                 exc.findings = (*earlier, *exc.findings)
                 raise
     for path in ctx.journal.retaken:
-        from qwen_kvprep.findings import info
-
         ctx.add(
             info(
                 "checkpoint.changed",

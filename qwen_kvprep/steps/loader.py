@@ -4,6 +4,8 @@ original for `revert`."""
 
 from __future__ import annotations
 
+from qwen_kvprep.buildcache import CacheLayout, resolve_cache_dir, sources_of
+from qwen_kvprep.buildcache.loader import render_loader, source_hashes
 from qwen_kvprep.common import LOADER_FILE
 from qwen_kvprep.findings import info, ok
 from qwen_kvprep.steps.context import FixContext
@@ -11,9 +13,6 @@ from qwen_kvprep.steps.context import FixContext
 
 def loader_bytes(ctx: FixContext) -> bytes:
     """The rendered loader for this fix (also planted into the modules cache)."""
-    from qwen_kvprep.buildcache import CacheLayout, resolve_cache_dir, sources_of
-    from qwen_kvprep.buildcache.loader import render_loader, source_hashes
-
     root = CacheLayout(resolve_cache_dir(ctx.options.cache_dir)).root
     build = ctx.build
     return render_loader(

@@ -14,17 +14,30 @@ import re
 from pathlib import Path
 from typing import Optional
 
-from qwen_kvprep.common import FAST_FILE, LOADER_FILE, modules_cache_root, sha256_bytes, sha256_file
+from qwen_kvprep.buildcache import sources_of
+from qwen_kvprep.common import (
+    FAST_FILE,
+    LOADER_FILE,
+    USERS_DIRNAME,
+    modules_cache_root,
+    sha256_bytes,
+    sha256_file,
+)
+from qwen_kvprep.dirlock import TEMP_GRACE_S, remove_leftover_temps
 from qwen_kvprep.errors import CacheError
 from qwen_kvprep.findings import info, ok, warn
+from qwen_kvprep.modcache import (
+    hub_module_folder,
+    module_folder,
+    spelling_folders,
+    transformers_root,
+)
 from qwen_kvprep.steps.context import FixContext
+from qwen_kvprep.steps.fastkv import module_bytes
+from qwen_kvprep.steps.loader import loader_bytes
 
 
 def _plant_all(ctx: FixContext, folder: Path, files: dict[str, bytes]) -> list[str]:
-    from qwen_kvprep.common import USERS_DIRNAME
-    from qwen_kvprep.dirlock import TEMP_GRACE_S, remove_leftover_temps
-    from qwen_kvprep.modcache import transformers_root
-
     root = transformers_root()
     changed = []
     if not ctx.options.dry_run:
@@ -51,11 +64,6 @@ def _plant_all(ctx: FixContext, folder: Path, files: dict[str, bytes]) -> list[s
 
 
 def run(ctx: FixContext) -> None:
-    from qwen_kvprep.buildcache import sources_of
-    from qwen_kvprep.modcache import module_folder, spelling_folders
-    from qwen_kvprep.steps.fastkv import module_bytes
-    from qwen_kvprep.steps.loader import loader_bytes
-
     files = dict(sorted(sources_of(ctx.sources).items()))
     files[LOADER_FILE] = loader_bytes(ctx)
     if ctx.extra.get("fast_path") is True:
@@ -132,8 +140,6 @@ def run(ctx: FixContext) -> None:
 
 def _hub_folder(ctx: FixContext) -> Optional[Path]:
     """The repo-id folder, when the checkpoint is a huggingface_hub cache snapshot."""
-    from qwen_kvprep.modcache import hub_module_folder
-
     checkpoint = ctx.facts.checkpoint if ctx.facts is not None else None
     if checkpoint is None:
         return None

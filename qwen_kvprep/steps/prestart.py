@@ -17,6 +17,8 @@ from typing import Optional
 from qwen_kvprep.errors import KvprepError, UsageError
 from qwen_kvprep.fastpath import Planting, Request, state_mismatch
 from qwen_kvprep.findings import Finding, failed
+from qwen_kvprep.steps.fix import FixOptions, run_fix
+from qwen_kvprep.view import prepare_view, read_marker
 
 
 @dataclass
@@ -35,8 +37,6 @@ class Prepared:
 def prepare(request: Request, planting: Planting) -> list[Finding]:
     """Do what the state says is missing, by running fix (idempotent steps: what is
     already right costs a hash). Returns fix's findings; raises KvprepError on failure."""
-    from qwen_kvprep.steps.fix import FixOptions, run_fix
-
     assert request.directory is not None
     directory = Path(os.path.abspath(request.directory))
     options = FixOptions(
@@ -67,7 +67,6 @@ def plain_view_for_fallback(request: Request) -> Optional[Exception]:
     failed (CMD still starts, and reports its own problem), or None."""
     if not request.output or request.directory is None:
         return None
-    from qwen_kvprep.view import prepare_view, read_marker
 
     out = request.target
     if read_marker(out) is not None:

@@ -12,8 +12,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from qwen_kvprep.buildcache.builder import stderr_notify
+from qwen_kvprep.buildcache.lock import lock_timeout
 from qwen_kvprep.common import STATE_DIRNAME, USERS_DIRNAME
+from qwen_kvprep.dirlock import (
+    OUR_FILES,
+    TEMP_GRACE_S,
+    finish_cut_revert,
+    folder_lock,
+    lock_path,
+    remove_leftover_temps,
+)
+from qwen_kvprep.errors import StateError, os_failure
+from qwen_kvprep.findings import fail
 from qwen_kvprep.journal import Journal, prune_users
+from qwen_kvprep.journalfile import manual_recovery
+from qwen_kvprep.statefile import read_state
 
 
 @dataclass
@@ -32,8 +46,6 @@ class RevertResult:
 def recorded_build_cache(directory: Path) -> Optional[Path]:
     """The build cache the recorded build lives in (`<cache>/builds/<key>`), as fix
     recorded it in state.json; None when no build is recorded or the state is unusable."""
-    from qwen_kvprep.statefile import read_state
-
     state, _problem = read_state(str(directory))
     build = state.get("build") if state else None
     folder = build.get("dir") if isinstance(build, dict) else None
@@ -46,10 +58,6 @@ def preview_revert(directory: Path) -> RevertResult:
     """What revert would do, checked as revert checks it, with nothing changed: no lock is
     taken (that would write one) and nothing is removed. Raises StateError as revert
     would."""
-    from qwen_kvprep.errors import StateError, os_failure
-    from qwen_kvprep.findings import fail
-    from qwen_kvprep.journalfile import manual_recovery
-
     directory = Path(directory)
     result = RevertResult(dry_run=True)
     if not (directory / STATE_DIRNAME).is_dir():
@@ -75,18 +83,6 @@ def preview_revert(directory: Path) -> RevertResult:
 
 
 def revert_checkpoint(directory: Path) -> RevertResult:
-    from qwen_kvprep.buildcache.builder import stderr_notify
-    from qwen_kvprep.buildcache.lock import lock_timeout
-    from qwen_kvprep.dirlock import (
-        OUR_FILES,
-        TEMP_GRACE_S,
-        finish_cut_revert,
-        folder_lock,
-        lock_path,
-        remove_leftover_temps,
-    )
-    from qwen_kvprep.errors import StateError, os_failure
-
     directory = Path(directory)
     result = RevertResult()
     if not (directory / STATE_DIRNAME).is_dir():

@@ -11,16 +11,15 @@ from typing import Optional
 
 from qwen_kvprep.findings import Finding, warn
 from qwen_kvprep.jsontypes import as_json_object
+from qwen_kvprep.smoke import SmokeOptions, run_smoke
+from qwen_kvprep.smoke.progress import PhaseProgress
+from qwen_kvprep.smoke.protocol import DEFAULT_TIMEOUT_S
+from qwen_kvprep.smoke.record import record_smoke
+from qwen_kvprep.smoke.runner import load_path_for
 from qwen_kvprep.steps.context import FixContext
 
 
 def run(ctx: FixContext) -> None:
-    from qwen_kvprep.smoke import SmokeOptions, run_smoke
-    from qwen_kvprep.smoke.progress import PhaseProgress
-    from qwen_kvprep.smoke.protocol import DEFAULT_TIMEOUT_S
-    from qwen_kvprep.smoke.record import record_smoke
-    from qwen_kvprep.smoke.runner import load_path_for
-
     opts = ctx.options
     timeout = opts.smoke_timeout if opts.smoke_timeout else DEFAULT_TIMEOUT_S
     show = opts.progress if opts.progress is not None else sys.stderr.isatty()

@@ -18,6 +18,7 @@ from qwen_kvprep import catalogue, resources
 from qwen_kvprep.common import KERNEL_FILES, sha256_bytes
 from qwen_kvprep.errors import SourceError, UsageError, current_user
 from qwen_kvprep.findings import Finding, fail, info, ok, warn
+from qwen_kvprep.probe.checkpoint import hub_snapshot
 from qwen_kvprep.steps import download
 from qwen_kvprep.steps.context import FixContext, SourceSet
 from qwen_kvprep.untrusted import NotRegularFile, read_regular
@@ -195,8 +196,6 @@ def resolve_repo(
     if checkpoint is not None:
         own_repo, own_revision = checkpoint.repo_id, checkpoint.revision
     else:
-        from qwen_kvprep.probe.checkpoint import hub_snapshot
-
         own_repo, own_revision, _ = hub_snapshot(Path(directory))
     repo_id = repo_option or own_repo
     if revision_option:

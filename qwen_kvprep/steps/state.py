@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Optional
 
 from qwen_kvprep.common import KERNEL_FILES
 from qwen_kvprep.findings import info, ok
+from qwen_kvprep.state import load_state, new_state, same_state, save_state, state_path
 from qwen_kvprep.steps.context import FixContext
 
 if TYPE_CHECKING:
@@ -44,8 +45,6 @@ def _keep_origin(previous: State, state: State) -> None:
 
 
 def run(ctx: FixContext) -> None:
-    from qwen_kvprep.state import load_state, new_state, same_state, save_state, state_path
-
     path = state_path(ctx.directory)
     if ctx.options.dry_run:
         ctx.add(info("checkpoint.state", f"would record what fix did in {path}", paths=[path]))

@@ -10,6 +10,7 @@ from pathlib import Path
 from qwen_kvprep.checks import load_all, run_one
 from qwen_kvprep.errors import CheckpointError, ConfigError
 from qwen_kvprep.findings import Finding, Severity
+from qwen_kvprep.probe.checkpoint import probe_checkpoint
 from qwen_kvprep.probe.facts import Facts
 from qwen_kvprep.steps.context import FixContext
 
@@ -18,8 +19,6 @@ _ALSO = ("config.parse",)
 
 def check(directory: Path) -> tuple[Facts, list[Finding]]:
     """(facts, findings that are not ok); raises CheckpointError/ConfigError on a failure."""
-    from qwen_kvprep.probe.checkpoint import probe_checkpoint
-
     facts = Facts(checkpoint=probe_checkpoint(directory))
     findings: list[Finding] = []
     for chk in load_all().values():
