@@ -4,8 +4,8 @@ The journal keeps each file's original once (bytes under `originals/`, named by 
 sha256; the link target of a symlink; or the fact that it did not exist) under
 `<checkpoint>/.qwen-kvprep/`, and records the files planted in the modules cache, so that
 `revert` can restore the directory byte for byte. It is saved before every change, so a
-crash half-way still reverts cleanly. How `journal.json` is read back and checked, and how
-revert decides what to do, is in journalfile.py.
+crash half-way still reverts cleanly. How `journal.json` is read back and checked is in
+journalfile.py; what revert would do is decided in probe/revertplan.py.
 
 A file that changed since fix last wrote it is the user's: a later fix takes it as the new
 original, and revert leaves it alone and says so.
@@ -45,25 +45,27 @@ from qwen_kvprep.journalfile import (
     WRITTEN_KEEP,
     Entry,
     JournalData,
-    Link,
     PlantedGroup,
     Present,
+    empty_journal,
+    folder_identity,
+    manual_recovery,
+    present,
+    read_journal,
+    same_folder,
+)
+from qwen_kvprep.probe.revertplan import (
+    Link,
     Remove,
     Restore,
     RevertAction,
     RevertPlan,
-    empty_journal,
-    folder_identity,
     inherited,
     is_original,
     is_ours,
-    manual_recovery,
     plan_revert,
     prepared,
-    present,
-    read_journal,
     read_user_records,
-    same_folder,
 )
 from qwen_kvprep.untrusted import NotRegularFile, open_dir_under, read_regular, relpath_problem
 

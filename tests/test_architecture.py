@@ -1,6 +1,7 @@
 """The package's layering, read from its import statements.
 
-Layers point one way: base → probe → checks → actions → render → commands → cli. A module
+Layers point one way: base → probe → checks → engines → orchestrators → render → commands →
+cli. A module
 may import modules of its own layer or below, never above, and no two modules may import
 each other (directly or through others). prestart's fast path imports only the standard
 library and the stdlib-only base modules. docs/architecture.md says what each layer is for.
@@ -17,8 +18,10 @@ from pathlib import Path
 PKG = Path(__file__).resolve().parent.parent / "qwen_kvprep"
 EXCLUDED = ("tiny/remote/",)  # the remote code a tiny checkpoint carries: not ours to import
 
-BASE, PROBE, CHECKS, ACTIONS, RENDER, COMMANDS, CLI = range(7)
-LAYER_NAMES = ("base", "probe", "checks", "actions", "render", "commands", "cli")
+BASE, PROBE, CHECKS, ENGINES, ORCHESTRATORS, RENDER, COMMANDS, CLI = range(8)
+LAYER_NAMES = (
+    "base", "probe", "checks", "engines", "orchestrators", "render", "commands", "cli"
+)
 
 # Longest prefix wins. Every module of the package must be covered.
 LAYERS: dict[str, int] = {
@@ -41,24 +44,26 @@ LAYERS: dict[str, int] = {
     "qwen_kvprep.probe": PROBE,
     "qwen_kvprep.checks": CHECKS,
     "qwen_kvprep.buildcache.arch": CHECKS,  # pure decisions over probed toolchain facts
-    "qwen_kvprep.steps": ACTIONS,
-    "qwen_kvprep.buildcache": ACTIONS,
-    "qwen_kvprep.journal": ACTIONS,
-    "qwen_kvprep.state": ACTIONS,
-    "qwen_kvprep.view": ACTIONS,
-    "qwen_kvprep.modcache": ACTIONS,
-    "qwen_kvprep.dirlock": ACTIONS,
-    "qwen_kvprep.fastpath": ACTIONS,
-    "qwen_kvprep.smoke": ACTIONS,
-    "qwen_kvprep.profile": ACTIONS,
-    "qwen_kvprep.planning": ACTIONS,
-    "qwen_kvprep.plan": ACTIONS,
-    "qwen_kvprep.childproc": ACTIONS,
-    "qwen_kvprep.runtime": ACTIONS,
-    "qwen_kvprep.tiny": ACTIONS,
-    "qwen_kvprep.demo": ACTIONS,
-    "qwen_kvprep.doctor": ACTIONS,
-    "qwen_kvprep.templating": ACTIONS,
+    # engines: each does one kind of work (build, journal, smoke, profile, plan...)
+    "qwen_kvprep.buildcache": ENGINES,
+    "qwen_kvprep.journal": ENGINES,
+    "qwen_kvprep.state": ENGINES,
+    "qwen_kvprep.view": ENGINES,
+    "qwen_kvprep.modcache": ENGINES,
+    "qwen_kvprep.dirlock": ENGINES,
+    "qwen_kvprep.fastpath": ENGINES,
+    "qwen_kvprep.smoke": ENGINES,
+    "qwen_kvprep.profile": ENGINES,
+    "qwen_kvprep.planning": ENGINES,
+    "qwen_kvprep.plan": ENGINES,
+    "qwen_kvprep.childproc": ENGINES,
+    "qwen_kvprep.runtime": ENGINES,
+    "qwen_kvprep.tiny": ENGINES,
+    "qwen_kvprep.templating": ENGINES,
+    # orchestrators: run engines in order for one command (fix's steps, demo, doctor)
+    "qwen_kvprep.steps": ORCHESTRATORS,
+    "qwen_kvprep.demo": ORCHESTRATORS,
+    "qwen_kvprep.doctor": ORCHESTRATORS,
     "qwen_kvprep.render": RENDER,
     "qwen_kvprep.commands": COMMANDS,
     "qwen_kvprep.cli": CLI,
@@ -242,6 +247,83 @@ ANY_LIMIT = 25
 def test_explicit_any_is_rare() -> None:
     uses = explicit_any()
     assert len(uses) <= ANY_LIMIT, f"{len(uses)} explicit Any (limit {ANY_LIMIT}): {uses}"
+
+
+# Imports of the package's own modules inside functions hide a link from the reader and from
+# this test's graph until the function runs. Those left keep prestart's fast path and the
+# CLI's start light, or order the smoke/profile children's imports; each says why.
+IN_FUNCTION_LIMIT = 44
+COMMAND_LINES_LIMIT = 120  # a command parses options, calls the library and renders
+
+
+def imports_in_functions() -> list[str]:
+    """module:line of every import of a qwen_kvprep module inside a function."""
+    known = modules()
+    found: set[str] = set()
+    for name, path in known.items():
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        for fn in ast.walk(tree):
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for node in ast.walk(fn):
+                if isinstance(node, (ast.Import, ast.ImportFrom)):
+                    one = ast.Module(body=[node], type_ignores=[])
+                    if any(True for _ in _imports_in(name, path, one, known)):
+                        found.add(f"{name}:{node.lineno}")
+    return sorted(found)
+
+
+def _imports_in(
+    module: str, path: Path, tree: ast.Module, known: dict[str, Path]
+) -> Iterator[str]:
+    is_pkg = path.name == "__init__.py"
+    for node in tree.body:
+        if isinstance(node, ast.Import):
+            yield from (a.name for a in node.names if a.name.split(".")[0] == "qwen_kvprep")
+        elif isinstance(node, ast.ImportFrom):
+            target = _resolve(module, is_pkg, node)
+            if target.split(".")[0] == "qwen_kvprep":
+                yield target
+
+
+def test_few_imports_inside_functions() -> None:
+    found = imports_in_functions()
+    assert len(found) <= IN_FUNCTION_LIMIT, (
+        f"{len(found)} in-function imports (limit {IN_FUNCTION_LIMIT}): {found}"
+    )
+
+
+def test_in_function_counter_sees_them() -> None:
+    assert any(f.startswith("qwen_kvprep.checks:") for f in imports_in_functions())
+
+
+def test_commands_are_thin() -> None:
+    long = {
+        name: n
+        for name, path in modules().items()
+        if name.startswith("qwen_kvprep.commands.")
+        and (n := len(path.read_text(encoding="utf-8").splitlines())) > COMMAND_LINES_LIMIT
+    }
+    assert not long, f"commands over {COMMAND_LINES_LIMIT} lines: {long}"
+
+
+def test_each_class_is_declared_once() -> None:
+    """A shape declared twice drifts apart: one class per name in the package."""
+    seen: dict[str, str] = {}
+    twice: list[str] = []
+    for name, path in modules().items():
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ClassDef):
+                if node.name in seen:
+                    twice.append(f"{node.name}: {seen[node.name]} and {name}")
+                seen[node.name] = name
+    assert not twice, twice
+
+
+def test_orchestrators_sit_above_engines() -> None:
+    assert layer_of("qwen_kvprep.steps.fix") > layer_of("qwen_kvprep.buildcache.builder")
+    assert layer_of("qwen_kvprep.demo") > layer_of("qwen_kvprep.smoke.runner")
+    assert layer_of("qwen_kvprep.probe.revertplan") < layer_of("qwen_kvprep.journal")
 
 
 if __name__ == "__main__":  # `python tests/test_architecture.py`: the report

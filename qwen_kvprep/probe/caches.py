@@ -36,8 +36,9 @@ from qwen_kvprep.common import LOADER_FILE as LOADER
 from qwen_kvprep.common import modules_cache_root as _modules_cache_root
 from qwen_kvprep.errors import KvprepError
 from qwen_kvprep.fsutil import TEMP_NAME, leftover_temps
-from qwen_kvprep.journalfile import folder_identity, plan_revert, prepared, read_journal
+from qwen_kvprep.journalfile import folder_identity, read_journal
 from qwen_kvprep.probe.binary import BinaryArchs, read_archs
+from qwen_kvprep.probe.revertplan import plan_revert, prepared
 from qwen_kvprep.statefile import read_state
 from qwen_kvprep.untrusted import read_record, read_regular
 
