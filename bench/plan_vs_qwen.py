@@ -23,8 +23,9 @@ from pathlib import Path
 from typing import Optional
 
 from qwen_kvprep.commands.plan import DEFAULT_PROMPT_TOKENS
-from qwen_kvprep.plan import CUDA_CONTEXT_BYTES, ModelShape, fits, model_shape
+from qwen_kvprep.plan import CUDA_CONTEXT_BYTES, ModelShape, fits
 from qwen_kvprep.planning.capacity import Scenario, max_batch, peak
+from qwen_kvprep.planning.model import model_shape
 
 ROOT = Path(__file__).resolve().parent.parent
 CHECKOUT = ROOT / "tests" / "data" / "qwen-7b-chat-config"

@@ -29,11 +29,7 @@ Nothing here imports torch.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
-from typing import TYPE_CHECKING, Optional
-
-if TYPE_CHECKING:
-    from qwen_kvprep.planning.model import ModelFacts
+from typing import Optional
 
 MODES = ("unquantized", "int8")
 
@@ -50,6 +46,9 @@ CUDA_CONTEXT_BYTES = 512 * 1024**2
 
 @dataclass(frozen=True)
 class ModelShape:
+    """What the prediction needs of a model (planning/model.py reads it from a checkpoint:
+    `read_model(...).shape`, or `model_shape(DIR)`)."""
+
     layers: int  # num_hidden_layers
     heads: int  # num_attention_heads
     head_dim: int  # kv_channels (hidden_size // heads)
@@ -59,29 +58,6 @@ class ModelShape:
     dtype_bytes: int  # 2 for bf16/fp16, 4 for fp32
     weights_bytes: int  # bytes of all weight tensors as they sit on the GPU
     gptq_bits: Optional[int] = None  # GPTQ checkpoints: the bits of the packed weights
-
-
-def model_shape(checkpoint: Path, dtype: Optional[str] = None) -> ModelShape:
-    """From config.json and the safetensors headers (or the index's metadata.total_size
-    when the shards are absent; or, with neither, counted from config.json). Never reads
-    tensor data. Raises KvprepError subclasses with a fix hint on bad input."""
-    from qwen_kvprep.planning.model import read_model
-
-    return shape_of(read_model(Path(checkpoint), dtype))
-
-
-def shape_of(facts: ModelFacts) -> ModelShape:
-    return ModelShape(
-        layers=facts.layers,
-        heads=facts.heads,
-        head_dim=facts.head_dim,
-        hidden=facts.hidden,
-        intermediate=facts.intermediate,
-        vocab=facts.vocab,
-        dtype_bytes=facts.dtype_bytes,
-        weights_bytes=facts.weights_bytes,
-        gptq_bits=facts.gptq.bits if facts.gptq is not None else None,
-    )
 
 
 def _check_mode(mode: str) -> None:

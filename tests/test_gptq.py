@@ -393,7 +393,8 @@ print("REPORT " + json.dumps({"held": held, "peaks": [measure(model, *c) for c i
 def test_plan_predicts_gptq_weights_and_peak(tmp_path: Path) -> None:
     """plan against a measured CPU peak, as tests/test_plan.py does for bf16 checkpoints."""
     needs.gptq_backend()
-    from qwen_kvprep.plan import CUBLAS_WORKSPACE_BYTES, MODES, model_shape, predict_peak_bytes
+    from qwen_kvprep.plan import CUBLAS_WORKSPACE_BYTES, MODES, predict_peak_bytes
+    from qwen_kvprep.planning.model import model_shape
 
     d = generate_checkpoint(
         tmp_path / "Qwen-tiny-Int4", gptq=True, heads=4, intermediate=2048
@@ -433,7 +434,7 @@ def test_plan_predicts_gptq_weights_and_peak(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_profile_and_plan_report_the_int4_weights(fixed: dict[str, Any]) -> None:
-    from qwen_kvprep.plan import model_shape
+    from qwen_kvprep.planning.model import model_shape
 
     ckpt, env = fixed["ckpt"], fixed["env"]
     weights = model_shape(ckpt).weights_bytes

@@ -21,11 +21,10 @@ from qwen_kvprep.plan import (
     ModelShape,
     fits,
     kv_bytes_per_token,
-    model_shape,
     predict_peak_bytes,
 )
 from qwen_kvprep.planning.capacity import Scenario, make_plan, max_batch, max_tokens, peak
-from qwen_kvprep.planning.model import Gptq, read_model, weights_from_config
+from qwen_kvprep.planning.model import Gptq, model_shape, read_model, weights_from_config
 from qwen_kvprep.planning.sizes import parse_int_list, parse_size
 from qwen_kvprep.tiny import generate_checkpoint
 from tests.cli import document, invoke, kvprep
@@ -67,7 +66,7 @@ def test_kv_bytes_per_token_is_the_readme_formula() -> None:
 
 def test_7b_from_index_total_size_without_shards() -> None:
     facts = read_model(QWEN_7B)
-    assert facts.weights_bytes == 15_442_649_088
+    assert facts.shape.weights_bytes == 15_442_649_088
     assert "metadata.total_size" in facts.weights_source
     assert "8 of 8 shards absent" in facts.weights_source
     index = json.loads((QWEN_7B / "model.safetensors.index.json").read_text())
@@ -81,7 +80,7 @@ def test_7b_from_index_total_size_without_shards() -> None:
 
 def test_7b_config_alone_counts_the_same_bytes_as_the_index(tmp_path: Path) -> None:
     facts = read_model(config_only(QWEN_7B, tmp_path / "c"))
-    assert facts.weights_bytes == 15_442_649_088 == 2 * params(32, 4096, 11008, 151936)
+    assert facts.shape.weights_bytes == 15_442_649_088 == 2 * params(32, 4096, 11008, 151936)
     assert "counted from config.json" in facts.weights_source
 
 
@@ -93,8 +92,8 @@ def test_other_sizes_from_config(
     folder: Path, layers: int, hidden: int, ff: int, vocab: int
 ) -> None:
     facts = read_model(folder)
-    assert facts.weights_bytes == 2 * params(layers, hidden, ff, vocab)
-    assert facts.head_dim == 128 and facts.layers == layers
+    assert facts.shape.weights_bytes == 2 * params(layers, hidden, ff, vocab)
+    assert facts.shape.head_dim == 128 and facts.shape.layers == layers
 
 
 def test_dtype_override_and_resolution(tmp_path: Path) -> None:
@@ -107,7 +106,8 @@ def test_dtype_override_and_resolution(tmp_path: Path) -> None:
     cfg["fp32"] = True
     (d / "config.json").write_text(json.dumps(cfg))
     facts = read_model(d)
-    assert facts.dtype == "fp32" and facts.weights_bytes == 4 * params(32, 4096, 11008, 151936)
+    assert facts.dtype == "fp32"
+    assert facts.shape.weights_bytes == 4 * params(32, 4096, 11008, 151936)
     cfg["bf16"] = True
     (d / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ConfigError, match="allows one"):
@@ -120,17 +120,17 @@ def test_tiny_checkpoint_from_headers(tmp_path: Path) -> None:
     d = generate_checkpoint(tmp_path / "tiny", shards=2)
     facts = read_model(d)
     index = json.loads((d / "model.safetensors.index.json").read_text())
-    assert facts.weights_bytes == index["metadata"]["total_size"]
+    assert facts.shape.weights_bytes == index["metadata"]["total_size"]
     assert facts.weights_source == "safetensors headers of 2 files"
     single = generate_checkpoint(tmp_path / "single", shards=1)
     assert read_model(single).weights_source == "model.safetensors header"
-    assert read_model(single).weights_bytes == facts.weights_bytes
+    assert read_model(single).shape.weights_bytes == facts.shape.weights_bytes
 
 
 def test_floating_tensors_are_priced_at_the_load_dtype(tmp_path: Path) -> None:
     d = generate_checkpoint(tmp_path / "fp32", dtype="fp32", shards=1)
-    as_stored = read_model(d).weights_bytes
-    assert read_model(d, "bf16").weights_bytes * 2 == as_stored
+    as_stored = read_model(d).shape.weights_bytes
+    assert read_model(d, "bf16").shape.weights_bytes * 2 == as_stored
 
 
 def test_lfs_pointer_shard_falls_back_to_the_index(tmp_path: Path) -> None:
@@ -142,7 +142,7 @@ def test_lfs_pointer_shard_falls_back_to_the_index(tmp_path: Path) -> None:
         f"version https://git-lfs.github.com/spec/v1\noid sha256:{'0' * 64}\nsize {size}\n"
     )
     facts = read_model(d)
-    assert facts.weights_bytes == total
+    assert facts.shape.weights_bytes == total
     assert "1 of 2 shards are Git LFS pointers (`git lfs pull` fetches them)" in (
         facts.weights_source
     )
@@ -205,7 +205,7 @@ def test_gptq_headers_and_config_agree(tmp_path: Path) -> None:
     save_file(_gptq_tensors(layers, hidden, ff, vocab, 4, 128), str(d / "model.safetensors"))
     from_headers = read_model(d)
     assert from_headers.weights_source == "model.safetensors header"
-    assert counted.weights_bytes == from_headers.weights_bytes
+    assert counted.shape.weights_bytes == from_headers.shape.weights_bytes
     assert from_headers.dtype == "fp16" and from_headers.gptq == Gptq(4, 128)
 
 
@@ -214,8 +214,8 @@ def test_int4_7b_weights_from_config() -> None:
     assert facts.gptq == Gptq(bits=4, group_size=128) and facts.dtype == "fp16"
     dense = 2 * params(32, 4096, 11008, 151936)
     # the embeddings stay 16-bit; the block projections shrink to about a quarter
-    assert 0.35 * dense < facts.weights_bytes < 0.40 * dense
-    assert facts.weights_bytes == weights_from_config(
+    assert 0.35 * dense < facts.shape.weights_bytes < 0.40 * dense
+    assert facts.shape.weights_bytes == weights_from_config(
         layers=32, heads=32, head_dim=128, hidden=4096, intermediate=22016, vocab=151936,
         dtype_bytes=2, no_bias=True, gptq=Gptq(4, 128),
     )  # fmt: skip
@@ -482,7 +482,7 @@ def test_kernel_gemm_thresholds_match_the_kernel_sources() -> None:
     found = dict(re.findall(r"constexpr int64_t (kGemmMinQ\w+) = (\d+);", cu))
     assert int(found["kGemmMinQQk"]) == plan.KERNEL_GEMM_MIN_Q_QK
     assert int(found["kGemmMinQPv"]) == plan.KERNEL_GEMM_MIN_Q_PV
-    shape = plan.model_shape(Path(__file__).parent / "data" / "qwen-7b-chat-config")
+    shape = model_shape(Path(__file__).parent / "data" / "qwen-7b-chat-config")
     below = plan.predict_peak_bytes(shape, 1, 2048, 8, "int8", prefill_chunk=127)
     at = plan.predict_peak_bytes(shape, 1, 2048, 8, "int8", prefill_chunk=128)
     assert at - below >= 2 * 32 * 2048 * 128  # one layer's fp16 values, dequantized

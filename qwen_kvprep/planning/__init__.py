@@ -10,7 +10,6 @@ from typing import TYPE_CHECKING, Optional
 
 from qwen_kvprep.chart import check_target
 from qwen_kvprep.errors import UsageError
-from qwen_kvprep.plan import shape_of
 from qwen_kvprep.planning.capacity import Scenario, make_plan
 from qwen_kvprep.planning.gpu import card_memory, find_card, visible_gpu_memory
 from qwen_kvprep.planning.model import read_model
@@ -53,7 +52,7 @@ def plan_checkpoint(
         gpu_memory_bytes=memory,
         softmax_in_fp32=facts.softmax_in_fp32,
     )
-    result = make_plan(shape_of(facts), scenario, batches, tokens)
+    result = make_plan(facts.shape, scenario, batches, tokens)
     if plot is not None:
         plot = write_plan_plot(facts, result, gpu_source, plot)
     return CheckpointPlan(facts, result, gpu_source, plot)

@@ -7,6 +7,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Optional
 
+from qwen_kvprep.jsontypes import JSONObject
 from qwen_kvprep.plan import MODES, ModelShape, fits, predict_peak_bytes
 
 # Searches stop here: far beyond any GPU, so hitting the bound means "memory is not the
@@ -39,6 +40,17 @@ class Row:
 
     def oom_of(self, mode: str) -> bool:
         return self.unquantized_oom if mode == "unquantized" else self.int8_oom
+
+    def to_json(self) -> JSONObject:
+        """One row of `plan --json`'s table."""
+        return {
+            "batch": self.batch,
+            "tokens": self.tokens,
+            "unquantized_bytes": self.unquantized_bytes,
+            "int8_bytes": self.int8_bytes,
+            "unquantized_oom": self.unquantized_oom,
+            "int8_oom": self.int8_oom,
+        }
 
 
 def peak(shape: ModelShape, scenario: Scenario, mode: str, batch: int, tokens: int) -> int:

@@ -20,6 +20,7 @@ from qwen_kvprep import hubcli
 from qwen_kvprep.configjson import CONFIG, parse_config
 from qwen_kvprep.errors import CheckpointError, ConfigError, UsageError
 from qwen_kvprep.jsontypes import JSON, JSONObject
+from qwen_kvprep.plan import ModelShape
 from qwen_kvprep.probe.checkpoint import (
     BIN_INDEX,
     DTYPE_SIZES,
@@ -53,27 +54,38 @@ class Gptq:
 
 @dataclass(frozen=True)
 class ModelFacts:
-    """Everything plan reads from a checkpoint directory, with where each part came from."""
+    """Everything plan reads from a checkpoint directory: the shape the prediction takes,
+    and where each part came from."""
 
     path: Path
-    layers: int
-    heads: int
-    head_dim: int
-    hidden: int
-    intermediate: int
-    vocab: int
+    shape: ModelShape
     dtype: str  # "bf16" | "fp16" | "fp32"
     dtype_source: str
-    weights_bytes: int
     weights_source: str
     gptq: Optional[Gptq]
     softmax_in_fp32: bool
     seq_length: Optional[int]
     max_position_embeddings: Optional[int]
 
-    @property
-    def dtype_bytes(self) -> int:
-        return DTYPE_BYTES[self.dtype]
+    def to_json(self) -> JSONObject:
+        """The "model" object of `plan --json`."""
+        s = self.shape
+        gptq: JSON = (
+            None if self.gptq is None
+            else {"bits": self.gptq.bits, "group_size": self.gptq.group_size}
+        )
+        return {
+            "layers": s.layers,
+            "heads": s.heads,
+            "head_dim": s.head_dim,
+            "hidden": s.hidden,
+            "intermediate": s.intermediate,
+            "vocab": s.vocab,
+            "dtype": self.dtype,
+            "gptq": gptq,
+            "seq_length": self.seq_length,
+            "max_position_embeddings": self.max_position_embeddings,
+        }
 
 
 def _fix_config(path: Path) -> str:
@@ -344,20 +356,32 @@ def read_model(path: Path, dtype: Optional[str] = None) -> ModelFacts:
         source = f"counted from {CONFIG}: no weight files or index in the folder"
     else:
         weights, source = found
-    return ModelFacts(
-        path=path,
+    shape = ModelShape(
         layers=layers,
         heads=heads,
         head_dim=head_dim,
         hidden=hidden,
         intermediate=intermediate,
         vocab=vocab,
+        dtype_bytes=dtype_bytes,
+        weights_bytes=weights,
+        gptq_bits=gptq.bits if gptq is not None else None,
+    )
+    return ModelFacts(
+        path=path,
+        shape=shape,
         dtype=dtype_name,
         dtype_source=dtype_source,
-        weights_bytes=weights,
         weights_source=source,
         gptq=gptq,
         softmax_in_fp32=config.get("softmax_in_fp32") is True,
         seq_length=_optional_int(config, "seq_length"),
         max_position_embeddings=_optional_int(config, "max_position_embeddings"),
     )
+
+
+def model_shape(checkpoint: Path, dtype: Optional[str] = None) -> ModelShape:
+    """From config.json and the safetensors headers (or the index's metadata.total_size
+    when the shards are absent; or, with neither, counted from config.json). Never reads
+    tensor data. Raises KvprepError subclasses with a fix hint on bad input."""
+    return read_model(Path(checkpoint), dtype).shape

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Optional, TypedDict
 
+from qwen_kvprep.jsontypes import JSONObject
 from qwen_kvprep.plan import CUBLAS_WORKSPACE_BYTES, CUDA_CONTEXT_BYTES, kv_bytes_per_token
 from qwen_kvprep.planning.capacity import PlanResult
 from qwen_kvprep.planning.model import ModelFacts
@@ -12,43 +13,16 @@ from qwen_kvprep.planning.sizes import gib, human
 MODE_LABEL = {"unquantized": "unquantized cache", "int8": "Int8 cache"}
 
 
-class GptqJSON(TypedDict):
-    bits: int
-    group_size: int
-
-
-class ModelJSON(TypedDict):
-    layers: int
-    heads: int
-    head_dim: int
-    hidden: int
-    intermediate: int
-    vocab: int
-    dtype: str
-    gptq: Optional[GptqJSON]
-    seq_length: Optional[int]
-    max_position_embeddings: Optional[int]
-
-
 class KvBytesJSON(TypedDict):
     unquantized: int
     int8: int
-
-
-class RowJSON(TypedDict):
-    batch: int
-    tokens: int
-    unquantized_bytes: int
-    int8_bytes: int
-    unquantized_oom: bool
-    int8_oom: bool
 
 
 class PlanJSON(TypedDict):
     """The "plan" object of `plan --json`."""
 
     directory: str
-    model: ModelJSON
+    model: JSONObject  # ModelFacts.to_json
     weights_bytes: int
     weights_source: str
     kv_bytes_per_token: KvBytesJSON
@@ -57,7 +31,7 @@ class PlanJSON(TypedDict):
     cuda_context_bytes: int
     prompt_tokens: int
     prefill_chunk: Optional[int]
-    table: list[RowJSON]
+    table: list[JSONObject]  # Row.to_json
     max_batch: dict[str, int]  # per mode, at max_batch_at_tokens
     max_batch_at_tokens: int
     max_tokens: dict[str, int]  # per mode, at max_tokens_at_batch
@@ -92,20 +66,7 @@ def payload(facts: ModelFacts, plan: PlanResult, gpu_source: str) -> PlanJSON:
     shape = plan.shape
     return {
         "directory": str(facts.path),
-        "model": {
-            "layers": shape.layers,
-            "heads": shape.heads,
-            "head_dim": shape.head_dim,
-            "hidden": shape.hidden,
-            "intermediate": shape.intermediate,
-            "vocab": shape.vocab,
-            "dtype": facts.dtype,
-            "gptq": None
-            if facts.gptq is None
-            else {"bits": facts.gptq.bits, "group_size": facts.gptq.group_size},
-            "seq_length": facts.seq_length,
-            "max_position_embeddings": facts.max_position_embeddings,
-        },
+        "model": facts.to_json(),
         "weights_bytes": shape.weights_bytes,
         "weights_source": facts.weights_source,
         "kv_bytes_per_token": {
@@ -117,17 +78,7 @@ def payload(facts: ModelFacts, plan: PlanResult, gpu_source: str) -> PlanJSON:
         "cuda_context_bytes": CUDA_CONTEXT_BYTES,
         "prompt_tokens": plan.scenario.prompt_tokens,
         "prefill_chunk": plan.scenario.prefill_chunk,
-        "table": [
-            {
-                "batch": r.batch,
-                "tokens": r.tokens,
-                "unquantized_bytes": r.unquantized_bytes,
-                "int8_bytes": r.int8_bytes,
-                "unquantized_oom": r.unquantized_oom,
-                "int8_oom": r.int8_oom,
-            }
-            for r in plan.rows
-        ],
+        "table": [r.to_json() for r in plan.rows],
         "max_batch": dict(plan.max_batch),
         "max_batch_at_tokens": plan.tokens[0],
         "max_tokens": dict(plan.max_tokens),
