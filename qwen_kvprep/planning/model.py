@@ -341,31 +341,23 @@ def read_model(path: Path, dtype: Optional[str] = None) -> ModelFacts:
     dtype_name, dtype_source = resolve_dtype(config, dtype, gptq is not None)
     dtype_bytes = DTYPE_BYTES[dtype_name]
     found = weights_on_disk(path, dtype_bytes)
+    dims = {
+        "layers": layers,
+        "heads": heads,
+        "head_dim": head_dim,
+        "hidden": hidden,
+        "intermediate": intermediate,
+        "vocab": vocab,
+        "dtype_bytes": dtype_bytes,
+    }
     if found is None:
-        weights = weights_from_config(
-            layers=layers,
-            heads=heads,
-            head_dim=head_dim,
-            hidden=hidden,
-            intermediate=intermediate,
-            vocab=vocab,
-            dtype_bytes=dtype_bytes,
-            no_bias=bool(config.get("no_bias", True)),
-            gptq=gptq,
-        )
+        no_bias = bool(config.get("no_bias", True))
+        weights = weights_from_config(**dims, no_bias=no_bias, gptq=gptq)
         source = f"counted from {CONFIG}: no weight files or index in the folder"
     else:
         weights, source = found
     shape = ModelShape(
-        layers=layers,
-        heads=heads,
-        head_dim=head_dim,
-        hidden=hidden,
-        intermediate=intermediate,
-        vocab=vocab,
-        dtype_bytes=dtype_bytes,
-        weights_bytes=weights,
-        gptq_bits=gptq.bits if gptq is not None else None,
+        **dims, weights_bytes=weights, gptq_bits=gptq.bits if gptq is not None else None
     )
     return ModelFacts(
         path=path,
