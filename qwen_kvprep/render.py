@@ -50,6 +50,7 @@ _AREA_TITLE = {
     "config": "config.json",
     "kernels": "Kernel sources",
     "build": "Build",
+    "prebuilt": "Prebuilt kernels",
     "fastkv": "Fast path (modeling_qwen.py)",
     "modules": "Modules cache",
     "state": "Recorded state (.qwen-kvprep)",

@@ -53,6 +53,14 @@ from qwen_kvprep.render import emit, fix_fields, render_planned
     help="Branch, tag or commit for --source hub (default: the snapshot's commit, else main).",
 )
 @click.option(
+    "--prebuilt",
+    metavar="SOURCE",
+    help="Install a prebuilt extension instead of compiling: SOURCE is a folder written by "
+    "`build --export`, a Hub repo ORG/NAME[@REVISION], or a lock file written by "
+    "`build --lock`. The variant this machine needs is verified (sha256) before anything is "
+    "written; no compiler is used.",
+)
+@click.option(
     "--output",
     "-o",
     metavar="OUT",
@@ -81,6 +89,7 @@ def fix(
     source: str,
     repo_id: Optional[str],
     revision: Optional[str],
+    prebuilt: Optional[str],
     output: Optional[str],
     cache_dir: Optional[str],
     arch: Optional[str],
@@ -107,6 +116,7 @@ def fix(
         cache_dir=Path(cache_dir).absolute() if cache_dir else None,
         arch=arch,
         spelling=directory,
+        prebuilt=prebuilt,
     )
     result = run_fix(path, options)
     if dry_run and not as_json:

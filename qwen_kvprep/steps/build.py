@@ -89,6 +89,11 @@ def run(ctx: FixContext) -> None:
             )
         )
         return
+    if ctx.prebuilt is not None:
+        from qwen_kvprep.steps.prebuilt import install_for_fix
+
+        install_for_fix(ctx)  # verified before the first write; nothing is compiled
+        return
     plan = plan_build(sources_of(ctx.sources), ctx.options.arch)
     mode = warn if _no_kernel_for_gpus(plan) else info
     ctx.add(

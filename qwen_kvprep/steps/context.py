@@ -19,6 +19,7 @@ from qwen_kvprep.journal import Journal
 
 if TYPE_CHECKING:
     from qwen_kvprep.buildcache.builder import BuildResult
+    from qwen_kvprep.buildcache.variant import Chosen
     from qwen_kvprep.jsontypes import JSONObject
     from qwen_kvprep.probe.facts import Facts
     from qwen_kvprep.statefile import StateModules
@@ -44,6 +45,8 @@ class FixOptions:
     spelling: Optional[str] = None
     # huggingface_hub's download bars: None = only when stderr is a terminal; False for --json
     progress: Optional[bool] = None
+    # --prebuilt SOURCE: install a prebuilt variant instead of compiling (steps/prebuilt.py)
+    prebuilt: Optional[str] = None
 
 
 @dataclass(frozen=True)
@@ -81,6 +84,7 @@ class FixContext:
     facts: Optional[Facts] = None  # with the checkpoint part, once validated
     sources: Optional[SourceSet] = None  # chosen by steps/sources.py
     build: Optional[BuildResult] = None  # the build used (steps/build.py)
+    prebuilt: Optional[Chosen] = None  # the verified variant for --prebuilt
     modules: Optional[StateModules] = None  # what steps/modules.py planted where
     extra: JSONObject = field(default_factory=dict)  # what fix adds to its JSON output
 

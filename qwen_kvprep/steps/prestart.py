@@ -40,6 +40,7 @@ def prepare(request: Request, planting: Planting) -> list[Finding]:
     assert request.directory is not None
     directory = Path(os.path.abspath(request.directory))
     options = FixOptions(
+        prebuilt=recorded_prebuilt(request.target),
         smoke=request.smoke,
         source=request.source or "auto",
         cache_dir=Path(request.cache_dir) if request.cache_dir else None,
@@ -58,6 +59,23 @@ def prepare(request: Request, planting: Planting) -> list[Finding]:
             findings=result.findings,
         )
     return list(result.findings)
+
+
+def recorded_prebuilt(target: str) -> Optional[str]:
+    """The SOURCE a checkpoint fixed with --prebuilt was prepared from (so a fresh build
+    cache gets the variant again, not a compile), else $QWEN_KVPREP_PREBUILT, else None."""
+    from qwen_kvprep.state import load_state
+    from qwen_kvprep.steps.prebuilt import ENV_PREBUILT
+
+    try:
+        state = load_state(Path(target))
+    except (KvprepError, OSError):
+        state = None
+    sources = state.get("sources") if state is not None else None
+    spec = None
+    if isinstance(sources, dict) and sources.get("origin") == "prebuilt":
+        spec = sources.get("prebuilt")
+    return spec if isinstance(spec, str) and spec else (os.environ.get(ENV_PREBUILT) or None)
 
 
 def plain_view_for_fallback(request: Request) -> Optional[Exception]:

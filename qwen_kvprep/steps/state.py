@@ -17,6 +17,8 @@ if TYPE_CHECKING:
 
 def _sources(ctx: FixContext) -> JSONObject:
     chosen = ctx.sources
+    if ctx.prebuilt is not None:
+        return dict(ctx.prebuilt.record)  # what prestart installs again on a fresh cache
     if chosen is None:
         return {"origin": "vendored", "repo_id": None, "revision": None}
     return {"origin": chosen.origin, "repo_id": chosen.repo_id, "revision": chosen.revision}
