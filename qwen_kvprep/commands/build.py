@@ -102,7 +102,12 @@ def build(
         finish(done.findings, **done.fields)
     built = build_into_cache(source_dir, arch, cache_dir, force, lock_timeout)
     if export_dir is not None:
-        done = prebuilt.export_build(export_dir.absolute(), built, source_dir)
+        done = prebuilt.export_build(
+            export_dir.absolute(),
+            prebuilt.Outcome(built.findings, built.to_json()),
+            built.result,
+            source_dir,
+        )
         finish(done.findings, **done.fields)
     finish(built.findings, **built.to_json())
 

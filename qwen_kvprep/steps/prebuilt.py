@@ -40,7 +40,6 @@ if TYPE_CHECKING:
     from qwen_kvprep.buildcache.manifest import BuildInputs
     from qwen_kvprep.jsontypes import JSON, JSONObject
     from qwen_kvprep.probe.toolchain import TorchInfo
-    from qwen_kvprep.steps.build import CacheBuild
     from qwen_kvprep.steps.context import FixContext
 
 ENV_PREBUILT = "QWEN_KVPREP_PREBUILT"  # prestart: the SOURCE a fresh checkpoint is fixed with
@@ -482,7 +481,10 @@ class Outcome:
     fields: JSONObject
 
 
-def export_build(dest: Path, built: CacheBuild, source_dir: Optional[Path]) -> Outcome:
+def export_build(
+    dest: Path, built: Outcome, result: BuildResult, source_dir: Optional[Path]
+) -> Outcome:
+    """`build --export DIR`: the build `built` found or compiled, as a variant in DIR."""
     from qwen_kvprep.buildcache import read_sources, vendored_sources
     from qwen_kvprep.buildcache.variant import export
     from qwen_kvprep.common import KERNEL_FILES
@@ -490,7 +492,6 @@ def export_build(dest: Path, built: CacheBuild, source_dir: Optional[Path]) -> O
     sources = read_sources(source_dir, required=KERNEL_FILES[:1]) if source_dir else (
         vendored_sources()
     )
-    result: BuildResult = built.result
     done = export(result, sources, dest)
     verb = "replaced" if done.replaced else "added"
     message = (
@@ -498,7 +499,7 @@ def export_build(dest: Path, built: CacheBuild, source_dir: Optional[Path]) -> O
         f"{shlex.quote(str(dest))}` (other machines' exports add their variants beside it)"
     )
     findings = [*built.findings, ok("prebuilt.export", message, paths=[done.folder])]
-    fields: JSONObject = {**built.to_json(), "variant": done.name, "export": str(done.folder)}
+    fields: JSONObject = {**built.fields, "variant": done.name, "export": str(done.folder)}
     return Outcome(findings, fields)
 
 
