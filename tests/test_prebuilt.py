@@ -303,3 +303,57 @@ def test_lock_pins_the_digests_and_fetch_fills_the_cache_for_offline_use(
     assert code == 1
     assert "pins" in finding(doc, "prebuilt.lock")["message"]
     assert snapshot(other, digest=True) == before
+
+
+# -- doctor -------------------------------------------------------------------------------
+def test_doctor_reports_the_source_the_needed_variant_and_whether_it_is_there(
+    exported: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    mine = the_variant(exported).name
+    monkeypatch.setenv("QWEN_KVPREP_PREBUILT", str(exported))
+    doc = document(invoke("doctor", "--json"))
+    assert str(exported) in finding(doc, "prebuilt.source")["message"]
+    assert mine in finding(doc, "prebuilt.needed")["message"]
+    there = finding(doc, "prebuilt.variant")
+    assert there["severity"] == "ok" and mine in there["message"]
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    monkeypatch.setenv("QWEN_KVPREP_PREBUILT", str(empty))
+    missing = finding(document(invoke("doctor", "--json")), "prebuilt.variant")
+    assert missing["severity"] == "warn" and mine in missing["message"]
+    assert "build --export" in missing["fix"]
+
+
+# -- templates ----------------------------------------------------------------------------
+def test_docker_template_prebuilt_has_no_compiler_and_fetches_at_build() -> None:
+    from qwen_kvprep.templating import render
+
+    text = render("docker", prebuilt="kvprep.lock.json")
+    assert "devel" not in text and "g++" not in text and "--arch" not in text
+    assert "COPY kvprep.lock.json /opt/qwen-kvprep/kvprep.lock.json" in text
+    assert "RUN qwen-kvprep build --fetch /opt/qwen-kvprep/kvprep.lock.json" in text
+    assert "HF_HUB_OFFLINE=1" in text
+    assert "QWEN_KVPREP_PREBUILT=/opt/qwen-kvprep/kvprep.lock.json" in text
+    assert 'ENTRYPOINT ["qwen-kvprep", "prestart", "--"]' in text
+
+
+def test_k8s_template_prebuilt_shares_no_build_cache() -> None:
+    from qwen_kvprep.templating import render
+
+    text = render("k8s", prebuilt="Org/kernels@v1")
+    assert "ReadWriteMany" not in text and "PersistentVolumeClaim\n" not in text
+    assert "name: build-cache" not in text
+    assert "- --prebuilt\n            - Org/kernels@v1\n" in text
+    assert text.count("/prepared/kvprep-cache") == 2  # fix installs where prestart looks
+
+
+@pytest.mark.parametrize("value", ["Org/x; rm -rf /", "../lock.json", "a b/c"])
+def test_template_refuses_unsafe_prebuilt_values(value: str) -> None:
+    res = invoke("template", "docker", "--prebuilt", value)
+    assert res.returncode == 2 and "--prebuilt" in res.stderr
+
+
+def test_entrypoint_template_has_no_prebuilt_option() -> None:
+    res = invoke("template", "entrypoint", "--prebuilt", "Org/kernels")
+    assert res.returncode == 2 and "QWEN_KVPREP_PREBUILT" in res.stderr

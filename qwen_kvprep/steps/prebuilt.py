@@ -144,7 +144,9 @@ def parse_source(spec: str) -> Source:
 
 
 # -- the Hub -----------------------------------------------------------------------------
-def _hub_error(exc: BaseException, source: Source, what: str) -> SourceError:
+def _hub_error(
+    exc: BaseException, source: Source, what: str, cached_only: bool = False
+) -> SourceError:
     from huggingface_hub import constants
     from huggingface_hub.utils import (
         HfHubHTTPError,
@@ -158,11 +160,9 @@ def _hub_error(exc: BaseException, source: Source, what: str) -> SourceError:
     where = f"{what} of {source.where()}"
     endpoint = str(constants.ENDPOINT)
     fetch = f"qwen-kvprep build --fetch {shlex.quote(source.spec)}"
-    if isinstance(exc, LocalEntryNotFoundError) and constants.HF_HUB_OFFLINE:
-        message = (
-            f"HF_HUB_OFFLINE is set and {where} is not in the huggingface_hub cache "
-            f"({constants.HF_HUB_CACHE})"
-        )
+    if isinstance(exc, LocalEntryNotFoundError) and (constants.HF_HUB_OFFLINE or cached_only):
+        why = "HF_HUB_OFFLINE is set and " if constants.HF_HUB_OFFLINE else ""
+        message = f"{why}{where} is not in the huggingface_hub cache ({constants.HF_HUB_CACHE})"
         fix = f"fetch every variant once while online (at image build): `{fetch}`"
     elif isinstance(exc, LocalEntryNotFoundError):
         message = f"could not get {where} from {endpoint} ({_cause_summary(exc)}), no copy cached"
@@ -184,9 +184,15 @@ def _hub_error(exc: BaseException, source: Source, what: str) -> SourceError:
 
 
 def _snapshot(
-    source: Source, patterns: list[str], what: str, progress: Optional[bool], revision: str
+    source: Source,
+    patterns: list[str],
+    what: str,
+    progress: Optional[bool],
+    revision: str,
+    cached_only: bool = False,
 ) -> Path:
-    """snapshot_download of `patterns` (from the cache alone with HF_HUB_OFFLINE)."""
+    """snapshot_download of `patterns` (from the cache alone with HF_HUB_OFFLINE or
+    `cached_only`)."""
     import sys
 
     from huggingface_hub import constants, snapshot_download
@@ -203,12 +209,12 @@ def _snapshot(
                 source.repo_id,
                 revision=revision,
                 allow_patterns=patterns,
-                local_files_only=bool(constants.HF_HUB_OFFLINE),
+                local_files_only=cached_only or bool(constants.HF_HUB_OFFLINE),
             )
     except HFValidationError as exc:
         raise UsageError(f"{source.spec!r} is not a Hub repo id: {exc}") from None
     except (OSError, ValueError) as exc:
-        raise _hub_error(exc, source, what) from exc
+        raise _hub_error(exc, source, what, cached_only) from exc
     return Path(path)
 
 
@@ -221,15 +227,21 @@ class Listing:
 
 
 def list_source(
-    source: Source, progress: Optional[bool] = None, everything: bool = False
+    source: Source,
+    progress: Optional[bool] = None,
+    everything: bool = False,
+    cached_only: bool = False,
 ) -> Listing:
-    """The variants SOURCE offers (for the Hub: their metadata only, unless `everything`)."""
+    """The variants SOURCE offers (for the Hub: their metadata only, unless `everything`;
+    what the huggingface_hub cache holds, with `cached_only`)."""
     if source.folder is not None:
         root, commit = source.folder, None
     else:
         pattern = f"{BUILD_DIRNAME}/*" if everything else f"{BUILD_DIRNAME}/*/metadata.json"
         what = "every variant" if everything else "the variants' metadata"
-        root = _snapshot(source, [pattern], what, progress, source.revision or "main")
+        root = _snapshot(
+            source, [pattern], what, progress, source.revision or "main", cached_only
+        )
         commit = root.name
     variants, unusable = list_variants(root)
     if source.lock is not None:
@@ -567,3 +579,53 @@ def fetch_all(spec: str, progress: Optional[bool] = None) -> Outcome:
     names: list[JSON] = [v.name for v in listing.variants]
     fields: JSONObject = {"root": str(listing.root), "revision": listing.commit, "variants": names}
     return Outcome(findings, fields)
+
+
+# -- doctor ------------------------------------------------------------------------------
+def configured(directory: Optional[Path]) -> tuple[Optional[str], str]:
+    """(SOURCE, where it was set): what DIRECTORY's fix recorded, else $QWEN_KVPREP_PREBUILT."""
+    from qwen_kvprep.state import load_state
+
+    state = load_state(directory) if directory is not None else None
+    sources = state.get("sources") if state is not None else None
+    if isinstance(sources, dict) and sources.get("origin") == "prebuilt":
+        spec = sources.get("prebuilt")
+        if isinstance(spec, str) and spec:
+            return spec, f"recorded by fix in {directory}"
+    env = os.environ.get(ENV_PREBUILT)
+    return (env, ENV_PREBUILT) if env else (None, "")
+
+
+def doctor_findings(directory: Optional[Path]) -> list[Finding]:
+    """doctor: the prebuilt source, the variant this machine needs and whether the source
+    (for the Hub: the huggingface_hub cache, nothing is downloaded) and the build cache
+    have it. Nothing when no prebuilt source is set."""
+    from qwen_kvprep.buildcache import CacheLayout, resolve_cache_dir
+    from qwen_kvprep.buildcache.builder import find_build
+    from qwen_kvprep.errors import KvprepError
+    from qwen_kvprep.findings import warn
+    from qwen_kvprep.probe.toolchain import torch_info
+
+    spec, origin = configured(directory)
+    if spec is None:
+        return []
+    findings = [info("prebuilt.source", f"prebuilt source {spec} ({origin})")]
+    try:
+        source = parse_source(spec)
+        need = needed(torch_info(), _gpus(), source)
+        findings.append(info("prebuilt.needed", f"this machine needs {need.name} ({need.text})"))
+        variant = choose(list_source(source, progress=False, cached_only=True), source, "auto")
+    except KvprepError as exc:
+        if exc.findings:
+            found = exc.findings[0]
+            return [*findings, warn(found.id, found.message, found.fix)]
+        return [*findings, warn("prebuilt.variant", exc.message, exc.fix)]
+    layout = CacheLayout(resolve_cache_dir(None))
+    installed = find_build(layout, variant.key) is not None
+    state = (
+        f"installed in the build cache as {variant.key[:12]}"
+        if installed
+        else "not installed yet (fix or prestart installs it)"
+    )
+    findings.append(ok("prebuilt.variant", f"{source.where()} has {variant.name}; {state}"))
+    return findings

@@ -64,18 +64,12 @@ def prepare(request: Request, planting: Planting) -> list[Finding]:
 def recorded_prebuilt(target: str) -> Optional[str]:
     """The SOURCE a checkpoint fixed with --prebuilt was prepared from (so a fresh build
     cache gets the variant again, not a compile), else $QWEN_KVPREP_PREBUILT, else None."""
-    from qwen_kvprep.state import load_state
-    from qwen_kvprep.steps.prebuilt import ENV_PREBUILT
+    from qwen_kvprep.steps.prebuilt import configured
 
     try:
-        state = load_state(Path(target))
+        return configured(Path(target))[0]
     except (KvprepError, OSError):
-        state = None
-    sources = state.get("sources") if state is not None else None
-    spec = None
-    if isinstance(sources, dict) and sources.get("origin") == "prebuilt":
-        spec = sources.get("prebuilt")
-    return spec if isinstance(spec, str) and spec else (os.environ.get(ENV_PREBUILT) or None)
+        return None
 
 
 def plain_view_for_fallback(request: Request) -> Optional[Exception]:
