@@ -19,8 +19,12 @@ from qwen_kvprep.buildcache.builder import build_key
 from qwen_kvprep.buildcache.variant import METADATA, SO_FILE, list_variants
 from qwen_kvprep.common import KERNEL_FILES, sha256_file
 from tests.cli import document, invoke, kvprep
-from tests.test_hub import COMMIT, REPO, FakeHub
-from tests.test_hub import fake_hub as loopback_hub  # noqa: F401  (registers the fixture)
+from tests.test_hub import (
+    COMMIT,
+    REPO,
+    FakeHub,
+    fake_hub,  # noqa: F401  (the loopback Hub fixture)
+)
 from tests.treesnap import snapshot
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -215,7 +219,7 @@ def test_not_a_source_is_a_usage_error(tiny: Path, tmp_path: Path) -> None:
 
 
 # -- the Hub ------------------------------------------------------------------------------
-def _serve(fake_hub: FakeHub, exported: Path) -> Path:
+def _serve(hub: FakeHub, exported: Path) -> Path:
     """The export as a Hub repo, with a second variant (another torch) beside ours."""
     decoy = exported.parent / "decoy"
     shutil.copytree(exported, decoy)
@@ -224,12 +228,12 @@ def _serve(fake_hub: FakeHub, exported: Path) -> Path:
     files = {
         str(p.relative_to(exported)): p.read_bytes() for p in exported.rglob("*") if p.is_file()
     }
-    fake_hub.serve_repo(files)
+    hub.serve_repo(files)
     return exported / "build" / decoy_variant.name
 
 
 def test_fix_from_the_hub_then_offline_from_its_cache(
-    fake_hub: FakeHub, exported: Path, tiny: Path, tmp_path: Path
+    fake_hub: FakeHub, exported: Path, tiny: Path, tmp_path: Path  # noqa: F811
 ) -> None:
     decoy = _serve(fake_hub, exported)
     variant = exported / "build" / the_variant_name(exported, decoy)
@@ -269,7 +273,7 @@ def test_offline_without_the_cache_says_to_fetch(tiny: Path, tmp_path: Path) -> 
 
 
 def test_lock_pins_the_digests_and_fetch_fills_the_cache_for_offline_use(
-    fake_hub: FakeHub, exported: Path, tiny: Path, tmp_path: Path
+    fake_hub: FakeHub, exported: Path, tiny: Path, tmp_path: Path  # noqa: F811
 ) -> None:
     _serve(fake_hub, exported)
     lock = tmp_path / "kvprep.lock.json"
