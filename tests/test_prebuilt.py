@@ -213,6 +213,40 @@ def test_missing_variant_names_what_is_needed(exported: Path, tiny: Path, tmp_pa
     assert not Path(env["QWEN_KVPREP_CACHE"]).exists()
 
 
+def test_variant_of_other_sources_is_refused_where_sources_are_asked_for(
+    exported: Path, tiny: Path, tmp_path: Path
+) -> None:
+    variant = the_variant(exported)
+    source = variant / KERNEL_FILES[0]
+    source.write_bytes(source.read_bytes() + b"\n// changed\n")
+    metadata = json.loads((variant / METADATA).read_text())
+    digest = sha256_file(source)
+    inputs = metadata["manifest"]["inputs"]
+    inputs["sources"][KERNEL_FILES[0]] = digest
+    metadata["sources"] = inputs["sources"]
+    metadata["files"][KERNEL_FILES[0]] = digest
+    metadata["key"] = metadata["manifest"]["key"] = build_key(inputs)
+    (variant / METADATA).write_text(json.dumps(metadata))
+    before = snapshot(tiny, digest=True)
+    res = invoke("fix", str(tiny), "--prebuilt", str(exported), "--source", "vendored",
+                 "--no-smoke", "--json", "--cache-dir", str(tmp_path / "cache"))
+    assert res.returncode == 1
+    refused = finding(document(res), "prebuilt.variant")
+    assert "built from other kernel sources than qwen-kvprep's own" in refused["message"]
+    assert snapshot(tiny, digest=True) == before and not (tmp_path / "cache").exists()
+
+
+def test_inconsistent_metadata_makes_a_variant_unusable(exported: Path, tiny: Path) -> None:
+    variant = the_variant(exported)
+    metadata = json.loads((variant / METADATA).read_text())
+    metadata["key"] = "0" * 64
+    (variant / METADATA).write_text(json.dumps(metadata))
+    res = invoke("fix", str(tiny), "--prebuilt", str(exported), "--no-smoke", "--json")
+    assert res.returncode == 1
+    refused = finding(document(res), "prebuilt.variant")
+    assert f"{variant.name} (metadata.json's key does not match" in refused["message"]
+
+
 def test_not_a_source_is_a_usage_error(tiny: Path, tmp_path: Path) -> None:
     res = invoke("fix", str(tiny), "--prebuilt", "no such thing", "--no-smoke")
     assert res.returncode == 2 and "neither a folder, a lock file nor a Hub repo id" in res.stderr
