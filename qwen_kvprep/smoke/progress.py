@@ -58,7 +58,7 @@ class StepLog:
         self,
         stream: IO[str],
         label: str = "fix",
-        heartbeat: float = HEARTBEAT_S,
+        heartbeat: Optional[float] = None,  # None: HEARTBEAT_S
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.stream = stream
@@ -68,7 +68,7 @@ class StepLog:
         self._current = ""
         self._phase_t0 = self.t0
         self._last = self.t0
-        self._heartbeat = heartbeat
+        self._heartbeat = HEARTBEAT_S if heartbeat is None else heartbeat
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._beat, name="kvprep-heartbeat", daemon=True)
