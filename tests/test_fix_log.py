@@ -8,15 +8,15 @@ from __future__ import annotations
 import json
 import os
 import re
+import sys
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import pytest
 
 from qwen_kvprep.buildcache import builder
 from qwen_kvprep.smoke import progress
-from qwen_kvprep.smoke.protocol import PHASE_LOAD
 from tests.cli import document, invoke, kvprep
 from tests.treesnap import snapshot
 
@@ -172,30 +172,38 @@ def test_second_fix_writes_nothing_and_loads_nothing(
     assert "smoke.load" in _ids(again) and again["smoke_from_state"] is False
 
 
+# `fix` with the model load made slow and the heartbeat short, in a process of its own
+# (transformers keeps the modules-cache root it found at its first import, so an
+# in-process fix could plant where an earlier test's HF_MODULES_CACHE was)
+_SLOW_LOAD = """
+import sys, time
+import qwen_kvprep.smoke as smoke
+from qwen_kvprep.smoke import progress
+
+progress.HEARTBEAT_S = 0.5
+real = smoke.run_smoke
+
+def slow_load(directory, options, on_phase=None):
+    def phase(name):
+        on_phase(name)
+        if name == PHASE_LOAD:
+            time.sleep(1.6)  # the parent hears nothing while a big model loads
+    return real(directory, options, on_phase=phase)
+
+smoke.run_smoke = slow_load
+from qwen_kvprep.cli import main
+main(sys.argv[1:])
+"""
+
+
 @pytest.mark.slow
-def test_piped_fix_beats_while_the_smoke_loads(
-    isolated_hf: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_piped_fix_beats_while_the_smoke_loads(isolated_hf: Path, tmp_path: Path) -> None:
     """The model load of a real 7B takes minutes: the log says it is still loading."""
-    import qwen_kvprep.smoke as smoke_pkg
     from qwen_kvprep.tiny import generate_checkpoint
 
-    real = smoke_pkg.run_smoke
-
-    def slow_load(directory: Path, options: Any, on_phase: Optional[Any] = None) -> Any:
-        def phase(name: str) -> None:
-            assert on_phase is not None
-            on_phase(name)
-            if name == PHASE_LOAD:
-                time.sleep(1.6)  # the parent hears nothing while a big model loads
-
-        return real(directory, options, on_phase=phase)
-
-    monkeypatch.setattr(smoke_pkg, "run_smoke", slow_load)
-    monkeypatch.setattr(progress, "HEARTBEAT_S", 0.5)
     ckpt = generate_checkpoint(tmp_path / "tiny")
-    res = invoke("fix", str(ckpt))
-    assert res.returncode == 0, res.stdout + res.stderr
+    res = kvprep("fix", str(ckpt), entry=(sys.executable, "-c", _SLOW_LOAD), timeout=600)
+    assert res.returncode == 0, res.stdout + res.stderr[-3000:]
     said = _log_lines(res.stderr)
     assert "smoke: loading the model ..." in said, said
     assert [s for s in said if s.startswith("still smoke: loading the model (")], said
