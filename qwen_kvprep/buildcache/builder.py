@@ -371,7 +371,12 @@ def _compile(plan: BuildPlan, layout: CacheLayout, waited: float, notify: Notify
             # torch guesses CUDA_HOME from `which nvcc`, wrong for wrapper scripts.
             env["CUDA_HOME"] = str(plan.nvcc.cuda_home)
             env["TORCH_CUDA_ARCH_LIST"] = ";".join(plan.arch_list)
-        notify(f"compiling the extension ({plan.mode}; {jobs} job(s): {jobs_why}); log: {log_path}")
+        # the staging folder goes away: name where the log stays (in the build, or in logs/)
+        kept = layout.build_dir(plan.key) / BUILD_LOG
+        notify(
+            f"compiling the extension ({plan.mode}; {jobs} job(s): {jobs_why}); log: "
+            f"{log_path} while it runs, kept as {kept} (a failed build's in {layout.logs})"
+        )
         start = time.monotonic()
         with open(log_path, "wb") as log:
             log.write(

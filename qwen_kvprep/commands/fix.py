@@ -1,12 +1,14 @@
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Optional
 
 import click
 
-from qwen_kvprep.commands._common import existing_dir, finish, json_option, output_options
-from qwen_kvprep.render import emit, fix_fields, render_planned
+from qwen_kvprep.commands._common import existing_dir, exit_code, json_option, output_options
+from qwen_kvprep.errors import UsageError
+from qwen_kvprep.render import emit, fix_fields, fix_verdict, print_findings, render_planned
 
 
 @click.command()
@@ -14,6 +16,13 @@ from qwen_kvprep.render import emit, fix_fields, render_planned
 @click.option("--dry-run", is_flag=True, help="Show what would change (diffs) and write nothing.")
 @click.option("--no-build", is_flag=True, help="Skip compiling the extension.")
 @click.option("--no-smoke", is_flag=True, help="Skip the smoke generation.")
+@click.option(
+    "--smoke",
+    "force_smoke",
+    is_flag=True,
+    help="Run the smoke even when nothing changed since it last passed (by default an "
+    "unchanged checkpoint keeps its recorded verdict and loads nothing).",
+)
 @click.option(
     "--no-fast-path",
     is_flag=True,
@@ -83,6 +92,7 @@ def fix(
     dry_run: bool,
     no_build: bool,
     no_smoke: bool,
+    force_smoke: bool,
     no_fast_path: bool,
     per_token_prefill: bool,
     smoke_timeout: Optional[float],
@@ -96,14 +106,18 @@ def fix(
 ) -> None:
     """Make DIRECTORY's Int8 KV cache work: validate, provide the kernel sources, patch
     config.json, build the extension, install the loader and prove it."""
+    from qwen_kvprep.smoke.progress import step_log
     from qwen_kvprep.steps.fix import FixOptions, run_fix
 
+    if force_smoke and no_smoke:
+        raise UsageError("--smoke and --no-smoke contradict each other: give one")
     as_json = output_options().as_json
     path = existing_dir(directory)
     options = FixOptions(
         dry_run=dry_run,
         build=not no_build,
         smoke=not no_smoke,
+        force_smoke=force_smoke,
         fast_path=not no_fast_path,
         per_token_prefill=per_token_prefill,
         smoke_timeout=smoke_timeout,
@@ -118,10 +132,22 @@ def fix(
         spelling=directory,
         prebuilt=prebuilt,
     )
-    result = run_fix(path, options)
+    # a log (CI, docker build) gets a line a step and a heartbeat; a terminal keeps its own
+    log = step_log()
+    try:
+        result = run_fix(path, options, log=log)
+    finally:
+        if log is not None:
+            log.close()
     if dry_run and not as_json:
         emit(render_planned(result.planned) or "nothing would change")
-    finish(result.findings, **fix_fields(path, dry_run, result.extra, result.planned))
+    verdict = fix_verdict(output or directory, result.findings, result.extra, dry_run)
+    fields = fix_fields(path, dry_run, result.extra, result.planned)
+    fields.update(verdict=verdict.verdict, next=verdict.next)
+    print_findings(result.findings, as_json, **fields)
+    if not as_json:
+        emit(verdict.render())
+    sys.exit(exit_code(result.findings))
 
 
 def register(group: click.Group) -> None:

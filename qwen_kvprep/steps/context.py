@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from qwen_kvprep.buildcache.variant import Chosen
     from qwen_kvprep.jsontypes import JSONObject
     from qwen_kvprep.probe.facts import Facts
+    from qwen_kvprep.smoke.progress import StepLog
     from qwen_kvprep.statefile import StateModules
 
 
@@ -30,6 +31,8 @@ class FixOptions:
     dry_run: bool = False
     build: bool = True
     smoke: bool = True
+    # run the smoke even when the recorded verdict still holds for the unchanged state
+    force_smoke: bool = False
     # the Int8 cache's fast path in the model's code (steps/fastkv.py)
     fast_path: bool = True
     per_token_prefill: bool = False  # the fast path's per-token scales for prompts
@@ -87,6 +90,10 @@ class FixContext:
     prebuilt: Optional[Chosen] = None  # the verified variant for --prebuilt
     modules: Optional[StateModules] = None  # what steps/modules.py planted where
     extra: JSONObject = field(default_factory=dict)  # what fix adds to its JSON output
+    # the recorded smoke verdict that still holds (steps/state.py): the smoke need not run
+    proven: Optional[JSONObject] = None
+    # progress lines for a log (stderr not a terminal); None: the terminal's own output
+    log: Optional[StepLog] = None
 
     def add(self, *findings: Finding) -> None:
         self.findings.extend(findings)

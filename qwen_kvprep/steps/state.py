@@ -64,6 +64,9 @@ def run(ctx: FixContext) -> None:
     # An unchanged result keeps its smoke verdict; anything else must be proved again.
     if previous is not None and same_state({**previous, "smoke": None}, state):
         state["smoke"] = previous.get("smoke")
+        from qwen_kvprep.smoke.record import still_proven
+
+        ctx.proven = still_proven(ctx.directory, state["smoke"])
     written = save_state(ctx.journal, state)
     if written:
         ctx.add(info("checkpoint.state", "recorded what fix did", paths=[path]))
