@@ -26,8 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Optional, TypedDict
 
-from qwen_kvprep.buildcache import CacheLayout, resolve_cache_dir, vendored_sources
-from qwen_kvprep.buildcache.builder import ensure_build, find_build, plan_build
+from qwen_kvprep.buildcache import CacheLayout, builder, resolve_cache_dir, vendored_sources
 from qwen_kvprep.checks import load_all
 from qwen_kvprep.errors import KvprepError, UsageError
 from qwen_kvprep.findings import Finding, Severity, fail
@@ -37,6 +36,7 @@ from qwen_kvprep.steps.fix import FixOptions, run_fix
 
 if TYPE_CHECKING:
     from qwen_kvprep.jsontypes import JSONObject
+    from qwen_kvprep.smoke.evaluate import SmokeSummary
 
 CHECKPOINT_NAME = "tiny-qwen"  # no dot: transformers turns the folder name into a module
 MARKER = ".qwen-kvprep-demo"
@@ -88,6 +88,7 @@ class DemoResult:
     kept: bool
     findings: list[Finding] = field(default_factory=list)
     extra: FixExtra = field(default_factory=FixExtra)  # fix's (FixResult.extra)
+    smoke: Optional[SmokeSummary] = None  # the smoke fix ran (FixResult.smoke)
     model: Optional[DemoModel] = None  # what the tiny checkpoint is, once generated
     seconds: dict[str, float] = field(default_factory=dict)
     error: Optional[KvprepError] = None
@@ -194,14 +195,14 @@ class BackgroundBuild:
         t0 = time.monotonic()
         try:
             layout = CacheLayout(resolve_cache_dir(self.cache_dir))
-            plan = plan_build(vendored_sources(), None)
-            if find_build(layout, plan.key) is not None:
+            plan = builder.plan_build(vendored_sources(), None)
+            if builder.find_build(layout, plan.key) is not None:
                 self.info = {"compiled": False, "reused": True, "key": plan.key,
                              "mode": plan.mode, "cache": str(layout.root)}
                 return
             self.compiling = True
             self.decided.set()
-            built = ensure_build(plan, layout, notify=self.notify)
+            built = builder.ensure_build(plan, layout, notify=self.notify)
             self.info = {"compiled": built.compiled, "reused": not built.compiled,
                          "key": built.key, "mode": plan.mode,
                          "seconds": time.monotonic() - t0}
@@ -277,10 +278,12 @@ def run_demo(options: DemoOptions, echo: Optional[Echo] = None) -> DemoResult:
                     cache_dir=options.cache_dir,
                     progress=options.progress,
                     smoke_timeout=options.smoke_timeout,
+                    force_smoke=True,  # the demo shows the smoke, even on a kept checkpoint
                 ),
             )
             result.findings = list(fixed.findings)
             result.extra = fixed.extra
+            result.smoke = fixed.smoke
         except KvprepError as exc:
             result.error = exc
             result.findings = list(exc.findings) or [fail("smoke.demo", exc.message, fix=exc.fix)]

@@ -11,6 +11,7 @@ from qwen_kvprep.errors import UsageError
 from qwen_kvprep.findings import Finding
 from qwen_kvprep.probe import gather
 from qwen_kvprep.probe.facts import Facts
+from qwen_kvprep.steps.prebuilt import doctor_findings
 
 
 def validate_check_ids(ids: Sequence[str]) -> list[str]:
@@ -29,4 +30,7 @@ def run_doctor(
 ) -> tuple[Facts, list[Finding]]:
     ids = validate_check_ids(check_ids) if check_ids else None
     facts = gather(directory, spelt)
-    return facts, run_checks(facts, ids)
+    findings = run_checks(facts, ids)
+    if ids is None:
+        findings += doctor_findings(directory)
+    return facts, findings

@@ -12,6 +12,7 @@ import json
 import os
 import sys
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import IO, TYPE_CHECKING, Optional
 
 from qwen_kvprep import __version__
@@ -29,6 +30,7 @@ if TYPE_CHECKING:
     from qwen_kvprep.journal import PlannedWrite
     from qwen_kvprep.probe.facts import Facts
     from qwen_kvprep.smoke.evaluate import SmokeSummary
+    from qwen_kvprep.steps.fix import FixResult
     from qwen_kvprep.steps.prestart import Prepared
     from qwen_kvprep.steps.revert import RevertResult
 
@@ -54,6 +56,7 @@ _AREA_TITLE = {
     "config": "config.json",
     "kernels": "Kernel sources",
     "build": "Build",
+    "prebuilt": "Prebuilt kernels",
     "fastkv": "Fast path (modeling_qwen.py)",
     "modules": "Modules cache",
     "state": "Recorded state (.qwen-kvprep)",
@@ -294,6 +297,21 @@ def fix_fields(
     return fields
 
 
+def print_fix(
+    directory: Path, spelt: str, dry_run: bool, result: FixResult, as_json: bool
+) -> None:
+    """fix's output: the planned writes (--dry-run), the findings, the verdict and what to
+    run next, as text or as the --json document. `spelt`: the folder to serve, as written."""
+    if dry_run and not as_json:
+        emit(render_planned(result.planned) or "nothing would change")
+    verdict = fix_verdict(spelt, result.findings, result.extra, dry_run)
+    fields = fix_fields(directory, dry_run, result.extra, result.planned)
+    fields.update(verdict=verdict.verdict, next=verdict.next)
+    print_findings(result.findings, as_json, **fields)
+    if not as_json:
+        emit(verdict.render())
+
+
 # -- prestart ------------------------------------------------------------------------------
 
 
@@ -334,6 +352,49 @@ def report_prestart(request: Request, done: Prepared) -> None:
         emit(render_human(done.findings), sys.stderr)
     if done.recheck is not None:
         say(request, f"note: prepared, but the next start will check again ({done.recheck})")
+
+
+@dataclass(frozen=True)
+class FixVerdict:
+    """How `fix` ended, in one word for --json and one sentence, and what to run next."""
+
+    verdict: str  # "ready" | "unproven" | "not_ready" | "dry_run"
+    text: str
+    next: str
+
+    def render(self) -> str:
+        return f"Result: {self.text}\nNext: {self.next}"
+
+
+def fix_verdict(
+    spelt: str, findings: Sequence[Finding], extra: Mapping[str, object], dry_run: bool
+) -> FixVerdict:
+    """`spelt`: the folder to serve (DIR, or OUT with --output), as the user wrote it."""
+    import shlex
+
+    where = shlex.quote(spelt)
+    prestart = f"qwen-kvprep prestart {where} -- <your server command>"
+    if dry_run:
+        return FixVerdict("dry_run", "dry run, nothing was written", f"qwen-kvprep fix {where}")
+    failures = [f for f in findings if f.severity is Severity.FAIL]
+    if failures:
+        return FixVerdict(
+            "not_ready",
+            f"NOT ready: {len(failures)} failure(s) above ({', '.join(f.id for f in failures)})",
+            failures[0].fix or f"qwen-kvprep doctor {where}",
+        )
+    smoke = extra.get("smoke")
+    if not isinstance(smoke, Mapping) or smoke.get("ok") is not True:
+        return FixVerdict(
+            "unproven",
+            "prepared but not proven: the smoke test did not run (--no-smoke)",
+            f"qwen-kvprep smoke {where}, then {prestart}",
+        )
+    if extra.get("smoke_from_state"):
+        text = "ready: nothing changed since the smoke passed (nothing written, nothing loaded)"
+    else:
+        text = f"ready: the Int8 KV cache works (smoke passed on {smoke.get('device')})"
+    return FixVerdict("ready", text, prestart)
 
 
 # -- revert ------------------------------------------------------------------------------
@@ -523,7 +584,7 @@ def render_demo(result: DemoResult) -> str:
             items = ["every checkpoint check passed"]  # validate reports only problems
         if items:
             add(head, items)
-    smoke = result.extra.get("smoke")
+    smoke = result.smoke
     if smoke:
         add("smoke test, in a child process", _smoke_lines(smoke))
     problems = [x for x in f if x.severity in (Severity.WARN, Severity.FAIL)]

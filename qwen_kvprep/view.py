@@ -15,10 +15,11 @@ from __future__ import annotations
 import json
 import os
 
+from qwen_kvprep import fsutil
 from qwen_kvprep.common import STATE_DIRNAME, TRACKED_FILES, sha256_small
 from qwen_kvprep.errors import RefusedError, UsageError
 from qwen_kvprep.findings import info
-from qwen_kvprep.fsutil import atomic_symlink, atomic_write_text
+from qwen_kvprep.fsutil import atomic_write_text
 from qwen_kvprep.untrusted import read_record
 
 TYPE_CHECKING = False
@@ -175,19 +176,19 @@ def prepare_view(source: Path, out: Path) -> ViewResult:
         link = out / name
         if link.is_symlink():
             if os.readlink(link) != target:
-                atomic_symlink(target, link)
+                fsutil.atomic_symlink(target, link)
                 result.linked.append(name)
         elif link.exists():
             if name in CHANGED_FILES and old_base.get(name) != base[name]:
                 # fix's patched copy of a file that DIR has since replaced: back to a link,
                 # so that the following fix patches the new one (the journal's original for
                 # it is this same link, so revert stays right).
-                atomic_symlink(target, link)
+                fsutil.atomic_symlink(target, link)
                 result.reset.append(name)
             elif name not in CHANGED_FILES:
                 result.kept.append(name)
         else:
-            atomic_symlink(target, link)
+            fsutil.atomic_symlink(target, link)
             result.linked.append(name)
 
     prefix = str(source) + os.sep

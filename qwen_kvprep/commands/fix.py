@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Optional
 
@@ -8,11 +9,13 @@ import click
 from qwen_kvprep.commands._common import (
     cache_dir_option,
     existing_dir,
-    finish,
+    exit_code,
     json_option,
     output_options,
 )
-from qwen_kvprep.render import emit, fix_fields, render_planned
+from qwen_kvprep.errors import UsageError
+from qwen_kvprep.render import print_fix
+from qwen_kvprep.smoke.progress import step_log
 
 
 @click.command()
@@ -20,69 +23,58 @@ from qwen_kvprep.render import emit, fix_fields, render_planned
 @click.option("--dry-run", is_flag=True, help="Show what would change (diffs) and write nothing.")
 @click.option("--no-build", is_flag=True, help="Skip compiling the extension.")
 @click.option("--no-smoke", is_flag=True, help="Skip the smoke generation.")
-@click.option(
-    "--no-fast-path",
-    is_flag=True,
-    help="Leave modeling_qwen.py as it is (or as it was before fix): the Int8 cache then runs "
-    "the model's own, slower code.",
-)
-@click.option(
-    "--per-token-prefill",
-    is_flag=True,
-    help="Fast path: quantize a prompt with one scale per token instead of the model's one "
-    "per prompt (much smaller error where token norms vary; not the model's own numbers).",
-)
-@click.option(
-    "--smoke-timeout",
-    type=click.FloatRange(min=1.0),
-    metavar="S",
-    help="Seconds the smoke child process may take before it is killed (default 900).",
-)
+@click.option("--smoke", "force_smoke", is_flag=True,
+              help="Run the smoke even when nothing changed since it last passed (by default "
+              "an unchanged checkpoint keeps its recorded verdict and loads nothing).")
+@click.option("--no-fast-path", is_flag=True,
+              help="Leave modeling_qwen.py as it is (or as it was before fix): the Int8 cache "
+              "then runs the model's own, slower code.")
+@click.option("--per-token-prefill", is_flag=True,
+              help="Fast path: quantize a prompt with one scale per token instead of the "
+              "model's one per prompt (much smaller error where token norms vary; not the "
+              "model's own numbers).")
+@click.option("--smoke-timeout", type=click.FloatRange(min=1.0), metavar="S",
+              help="Seconds the smoke child process may take before it is killed (default "
+              "900).")
 @json_option
-@click.option(
-    "--source",
-    type=click.Choice(["auto", "vendored", "hub"]),
-    default="auto",
-    show_default=True,
-    help="Kernel sources: auto keeps a correct pair already in DIRECTORY, else uses "
-    "qwen-kvprep's own; vendored always uses qwen-kvprep's; hub downloads Qwen's official "
-    "files (sha256-verified) through huggingface_hub.",
-)
-@click.option(
-    "--repo-id",
-    metavar="ORG/NAME",
-    help="Hub repo for --source hub (default: the repo DIRECTORY is a cache snapshot of).",
-)
-@click.option(
-    "--revision",
-    metavar="REV",
-    help="Branch, tag or commit for --source hub (default: the snapshot's commit, else main).",
-)
-@click.option(
-    "--output",
-    "-o",
-    metavar="OUT",
-    help="Read-only DIRECTORY: prepare a view of it in OUT (links to the weights, patched "
-    "copies of what fix changes) and fix that; DIRECTORY is not touched. Serve from OUT.",
-)
+@click.option("--source", type=click.Choice(["auto", "vendored", "hub"]), default="auto",
+              show_default=True,
+              help="Kernel sources: auto keeps a correct pair already in DIRECTORY, else uses "
+              "qwen-kvprep's own; vendored always uses qwen-kvprep's; hub downloads Qwen's "
+              "official files (sha256-verified) through huggingface_hub.")
+@click.option("--repo-id", metavar="ORG/NAME",
+              help="Hub repo for --source hub (default: the repo DIRECTORY is a cache "
+              "snapshot of).")
+@click.option("--revision", metavar="REV",
+              help="Branch, tag or commit for --source hub (default: the snapshot's commit, "
+              "else main).")
+@click.option("--prebuilt", metavar="SOURCE",
+              help="Install a prebuilt extension instead of compiling: SOURCE is a folder "
+              "written by `build --export`, a Hub repo ORG/NAME[@REVISION], or a lock file "
+              "written by `build --lock`. The variant this machine needs is verified (sha256) "
+              "before anything is written; no compiler is used.")
+@click.option("--output", "-o", metavar="OUT",
+              help="Read-only DIRECTORY: prepare a view of it in OUT (links to the weights, "
+              "patched copies of what fix changes) and fix that; DIRECTORY is not touched. "
+              "Serve from OUT.")
 @cache_dir_option()
-@click.option(
-    "--arch",
-    metavar="LIST",
-    help='GPU architectures to build for, e.g. "8.0;9.0" (default: TORCH_CUDA_ARCH_LIST, '
-    "else the visible GPUs, else every architecture nvcc supports).",
-)
+@click.option("--arch", metavar="LIST",
+              help='GPU architectures to build for, e.g. "8.0;9.0" (default: '
+              "TORCH_CUDA_ARCH_LIST, else the visible GPUs, else every architecture nvcc "
+              "supports).")
 def fix(
     directory: str,
     dry_run: bool,
     no_build: bool,
     no_smoke: bool,
+    force_smoke: bool,
     no_fast_path: bool,
     per_token_prefill: bool,
     smoke_timeout: Optional[float],
     source: str,
     repo_id: Optional[str],
     revision: Optional[str],
+    prebuilt: Optional[str],
     output: Optional[str],
     cache_dir: Optional[str],
     arch: Optional[str],
@@ -91,29 +83,31 @@ def fix(
     config.json, build the extension, install the loader and prove it."""
     from qwen_kvprep.steps.fix import FixOptions, run_fix
 
+    if force_smoke and no_smoke:
+        raise UsageError("--smoke and --no-smoke contradict each other: give one")
     as_json = output_options().as_json
     path = existing_dir(directory)
     options = FixOptions(
-        dry_run=dry_run,
-        build=not no_build,
-        smoke=not no_smoke,
-        fast_path=not no_fast_path,
-        per_token_prefill=per_token_prefill,
-        smoke_timeout=smoke_timeout,
-        source=source,
-        repo_id=repo_id,
-        revision=revision,
+        dry_run=dry_run, build=not no_build, smoke=not no_smoke, force_smoke=force_smoke,
+        fast_path=not no_fast_path, per_token_prefill=per_token_prefill,
+        smoke_timeout=smoke_timeout, source=source, repo_id=repo_id, revision=revision,
         output=Path(output).absolute() if output else None,
         # download bars go to stderr; a --json consumer wants none at all
         progress=False if as_json else None,
         cache_dir=Path(cache_dir).absolute() if cache_dir else None,
         arch=arch,
         spelling=directory,
+        prebuilt=prebuilt,
     )
-    result = run_fix(path, options)
-    if dry_run and not as_json:
-        emit(render_planned(result.planned) or "nothing would change")
-    finish(result.findings, **fix_fields(path, dry_run, result.extra, result.planned))
+    # a log (CI, docker build) gets a line a step and a heartbeat; a terminal keeps its own
+    log = step_log()
+    try:
+        result = run_fix(path, options, log=log)
+    finally:
+        if log is not None:
+            log.close()
+    print_fix(path, output or directory, dry_run, result, as_json)
+    sys.exit(exit_code(result.findings))
 
 
 def register(group: click.Group) -> None:

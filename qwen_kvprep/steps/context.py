@@ -19,9 +19,11 @@ from qwen_kvprep.journal import Journal
 
 if TYPE_CHECKING:
     from qwen_kvprep.buildcache.builder import BuildResult
+    from qwen_kvprep.buildcache.variant import Chosen
     from qwen_kvprep.jsontypes import JSONObject
     from qwen_kvprep.probe.facts import Facts
     from qwen_kvprep.smoke.evaluate import SmokeSummary
+    from qwen_kvprep.smoke.progress import StepLog
     from qwen_kvprep.statefile import StateModules
 
 
@@ -30,6 +32,8 @@ class FixOptions:
     dry_run: bool = False
     build: bool = True
     smoke: bool = True
+    # run the smoke even when the recorded verdict still holds for the unchanged state
+    force_smoke: bool = False
     # the Int8 cache's fast path in the model's code (steps/fastkv.py)
     fast_path: bool = True
     per_token_prefill: bool = False  # the fast path's per-token scales for prompts
@@ -45,6 +49,8 @@ class FixOptions:
     spelling: Optional[str] = None
     # huggingface_hub's download bars: None = only when stderr is a terminal; False for --json
     progress: Optional[bool] = None
+    # --prebuilt SOURCE: install a prebuilt variant instead of compiling (steps/prebuilt.py)
+    prebuilt: Optional[str] = None
 
 
 class FixExtra(TypedDict, total=False):
@@ -57,7 +63,11 @@ class FixExtra(TypedDict, total=False):
     fast_path: bool  # whether the model's code got the fast path (steps/fastkv.py)
     modules: StateModules  # the modules-cache copies (steps/modules.py)
     state: str  # state.json (steps/state.py)
-    smoke: SmokeSummary  # the smoke's summary (steps/smoke.py)
+    prebuilt: JSONObject  # the variant installed for --prebuilt (steps/prebuilt.py)
+    # the smoke's summary (SmokeSummary), or the verdict an earlier run recorded
+    # (smoke/record.py) when nothing changed since (steps/smoke.py)
+    smoke: JSONObject
+    smoke_from_state: bool
 
 
 @dataclass(frozen=True)
@@ -95,8 +105,14 @@ class FixContext:
     facts: Optional[Facts] = None  # with the checkpoint part, once validated
     sources: Optional[SourceSet] = None  # chosen by steps/sources.py
     build: Optional[BuildResult] = None  # the build used (steps/build.py)
+    prebuilt: Optional[Chosen] = None  # the verified variant for --prebuilt
     modules: Optional[StateModules] = None  # what steps/modules.py planted where
+    smoke: Optional[SmokeSummary] = None  # the smoke this run ran (steps/smoke.py)
     extra: FixExtra = field(default_factory=FixExtra)  # fix's --json additions
+    # the recorded smoke verdict that still holds (steps/state.py): the smoke need not run
+    proven: Optional[JSONObject] = None
+    # progress lines for a log (stderr not a terminal); None: the terminal's own output
+    log: Optional[StepLog] = None
 
     def add(self, *findings: Finding) -> None:
         self.findings.extend(findings)

@@ -33,6 +33,8 @@ from qwen_kvprep.view import check_output_dir, fix_target
 
 if TYPE_CHECKING:
     from qwen_kvprep.probe.facts import Facts
+    from qwen_kvprep.smoke.evaluate import SmokeSummary
+    from qwen_kvprep.smoke.progress import StepLog
 
 # What callers of `run_fix` use; the steps themselves import steps/context.py.
 __all__ = ["FixExtra", "FixOptions", "FixResult", "run_fix"]
@@ -43,27 +45,33 @@ class FixResult:
     findings: list[Finding]
     planned: list[PlannedWrite]
     extra: FixExtra
+    smoke: Optional[SmokeSummary] = None  # the smoke this run ran (not one recorded earlier)
 
 
-# (step, condition): steps run in this order; a step raises a KvprepError to stop. No step
-# imports this module, so the table holds the functions themselves.
+# (step, what a log says as it starts, condition): steps run in this order; a step raises
+# a KvprepError to stop. No step imports this module, so the table holds the functions.
 _Step = Callable[[FixContext], None]
-_STEPS: list[tuple[_Step, Optional[Callable[[FixOptions], bool]]]] = [
-    (validate.run, None),  # done before the first write when DIR itself is fixed
-    (sources.run, None),
-    (config_patch.run, None),
-    (build.run, None),  # reports --no-build itself (the loader then builds lazily)
-    (loader.run, None),
-    (fastkv.run, None),
-    (modules.run, None),
-    (state.run, None),
+_STEPS: list[tuple[_Step, str, Optional[Callable[[FixOptions], bool]]]] = [
+    # done before the first write when DIR itself is fixed
+    (validate.run, "checking the checkpoint", None),
+    (sources.run, "choosing the kernel sources", None),
+    (config_patch.run, "checking config.json", None),
+    # reports --no-build itself (the loader then builds lazily)
+    (build.run, "looking up the extension in the build cache", None),
+    (loader.run, "installing the loader", None),
+    (fastkv.run, "checking the fast path in modeling_qwen.py", None),
+    (modules.run, "planting the files in the modules cache", None),
+    (state.run, "recording the state", None),
     # last: proves the result (a child process loads the model); dry-run has nothing to prove
-    (smoke.run, lambda o: o.smoke and not o.dry_run),
+    (smoke.run, "smoke test", lambda o: o.smoke and not o.dry_run),
 ]
 
 
 def run_fix(
-    directory: Path, options: FixOptions, skip_if: Optional[Callable[[], bool]] = None
+    directory: Path,
+    options: FixOptions,
+    skip_if: Optional[Callable[[], bool]] = None,
+    log: Optional[StepLog] = None,
 ) -> FixResult:
     """Run fix on DIR (or on a view of it in `options.output`).
 
@@ -72,7 +80,8 @@ def run_fix(
     writes happen under the folder's lock (shared with prestart and revert); `skip_if`,
     called once the lock is held, may say the work is no longer needed (another replica
     did it). A run that fails before recording anything removes what it created (an empty
-    `.qwen-kvprep/`, a new OUT); OS errors become messages that say what to do.
+    `.qwen-kvprep/`, a new OUT); OS errors become messages that say what to do. `log`
+    gets a line as each step starts (for a log that is not a terminal).
     """
     source = Path(os.path.abspath(directory))
     target = source
@@ -80,7 +89,10 @@ def run_fix(
         target = Path(os.path.abspath(options.output))
         check_output_dir(source, target)
     try:
+        if log is not None:
+            log.phase(_STEPS[0][1])
         early = _preflight(source, target, options)
+        early.log = log
         if options.dry_run:
             return _run_steps(source, target, options, early)
         return _run_locked(source, target, options, early, skip_if)
@@ -94,6 +106,7 @@ class _Early:
 
     facts: Optional[Facts] = None  # the validated checkpoint (DIR itself; None for a view)
     findings: list[Finding] = field(default_factory=list)
+    log: Optional[StepLog] = None  # passed on to the steps
 
 
 def _preflight(source: Path, target: Path, options: FixOptions) -> _Early:
@@ -175,10 +188,13 @@ def _run_steps(
     ctx = FixContext(directory, options, Journal(directory, dry_run=options.dry_run))
     ctx.add(*early.findings, *view_findings)
     ctx.facts = early.facts
-    for step, wanted in _STEPS:
+    ctx.log = early.log
+    for step, words, wanted in _STEPS:
         if step is validate.run and early.facts is not None:
             continue  # done before the first write
         if wanted is None or wanted(options):
+            if ctx.log is not None:
+                ctx.log.phase(words)
             try:
                 step(ctx)
             except KvprepError as exc:
@@ -197,4 +213,4 @@ def _run_steps(
                 paths=[path],
             )
         )
-    return FixResult(ctx.findings, ctx.journal.planned, ctx.extra)
+    return FixResult(ctx.findings, ctx.journal.planned, ctx.extra, ctx.smoke)

@@ -18,6 +18,7 @@ from qwen_kvprep.errors import KvprepError, UsageError
 from qwen_kvprep.fastpath import Planting, Request, state_mismatch
 from qwen_kvprep.findings import Finding, failed
 from qwen_kvprep.steps.fix import FixOptions, run_fix
+from qwen_kvprep.steps.prebuilt import configured
 from qwen_kvprep.view import prepare_view, read_marker
 
 
@@ -40,6 +41,7 @@ def prepare(request: Request, planting: Planting) -> list[Finding]:
     assert request.directory is not None
     directory = Path(os.path.abspath(request.directory))
     options = FixOptions(
+        prebuilt=recorded_prebuilt(request.target),
         smoke=request.smoke,
         source=request.source or "auto",
         cache_dir=Path(request.cache_dir) if request.cache_dir else None,
@@ -58,6 +60,15 @@ def prepare(request: Request, planting: Planting) -> list[Finding]:
             findings=result.findings,
         )
     return list(result.findings)
+
+
+def recorded_prebuilt(target: str) -> Optional[str]:
+    """The SOURCE a checkpoint fixed with --prebuilt was prepared from (so a fresh build
+    cache gets the variant again, not a compile), else $QWEN_KVPREP_PREBUILT, else None."""
+    try:
+        return configured(Path(target))[0]
+    except (KvprepError, OSError):
+        return None
 
 
 def plain_view_for_fallback(request: Request) -> Optional[Exception]:

@@ -19,7 +19,7 @@ from qwen_kvprep.common import KERNEL_FILES, sha256_bytes
 from qwen_kvprep.errors import SourceError, UsageError, current_user
 from qwen_kvprep.findings import Finding, fail, info, ok, warn
 from qwen_kvprep.probe.checkpoint import hub_snapshot
-from qwen_kvprep.steps import download
+from qwen_kvprep.steps import download, prebuilt
 from qwen_kvprep.steps.context import FixContext, SourceSet
 from qwen_kvprep.untrusted import NotRegularFile, read_regular
 
@@ -45,7 +45,14 @@ def run(ctx: FixContext) -> None:
     hashes = {n: (sha256_bytes(b) if b is not None else None) for n, b in present.items()}
     kind, per_file = catalogue.classify_set(hashes, catalogue.ours_hashes())
 
-    if source == "vendored":
+    if options.prebuilt:
+        files = prebuilt.choose_for_fix(ctx).sources
+        kind = catalogue.classify_set(
+            {n: sha256_bytes(d) for n, d in files.items()}, catalogue.ours_hashes()
+        )[0]
+        record = ctx.prebuilt.record if ctx.prebuilt is not None else {}
+        chosen = SourceSet("prebuilt", kind, files, record.get("repo_id"), record.get("revision"))
+    elif source == "vendored":
         chosen = _vendored()
     elif source == "hub":
         chosen = _from_hub(ctx, kind, present)
@@ -207,7 +214,12 @@ def resolve_repo(
     return repo_id, revision
 
 
-def _describe(sources: SourceSet) -> str:
+def _describe(sources: SourceSet, ctx: FixContext) -> str:
+    if sources.origin == "prebuilt" and ctx.prebuilt is not None:
+        return (
+            f"the kernel sources of the prebuilt variant {ctx.prebuilt.variant.name} from "
+            f"{ctx.prebuilt.where} (sha256 verified)"
+        )
     if sources.origin == "hub":
         commit = f" (commit {sources.commit[:12]})" if sources.commit else ""
         return (
@@ -238,7 +250,7 @@ def _install(
     ctx.add(
         ok(
             "kernels.sources",
-            f"using {_describe(chosen)}{action}",
+            f"using {_describe(chosen, ctx)}{action}",
             paths=[Path(ctx.directory) / n for n in written],
             details=chosen.to_json(),
         )
