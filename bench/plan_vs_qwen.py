@@ -11,7 +11,7 @@ bench/RESULTS.md (replacing an earlier one).
 
 Qwen's figures are "GB" printed from torch.cuda.max_memory_allocated() / 1024**3, i.e.
 GiB; the errors under the decimal reading (10^9 bytes) are shown too. Nothing here is
-fitted: plan's constants are the ones in qwen_kvprep/plan.py.
+fitted: plan's constants are the ones in qwen_kvprep/planning/peak.py.
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ from pathlib import Path
 from typing import Optional
 
 from qwen_kvprep.commands.plan import DEFAULT_PROMPT_TOKENS
-from qwen_kvprep.plan import CUDA_CONTEXT_BYTES, ModelShape, fits
 from qwen_kvprep.planning.capacity import Scenario, max_batch, peak
 from qwen_kvprep.planning.model import model_shape
+from qwen_kvprep.planning.peak import CUDA_CONTEXT_BYTES, ModelShape, fits
 
 ROOT = Path(__file__).resolve().parent.parent
 CHECKOUT = ROOT / "tests" / "data" / "qwen-7b-chat-config"

@@ -27,7 +27,7 @@ from qwen_kvprep.common import (
     sha256_small,
     user_record_name,
 )
-from qwen_kvprep.statefile import inside, read_state
+from qwen_kvprep.state.reader import inside, read_state
 from qwen_kvprep.untrusted import open_dir_under, read_record, read_regular
 
 TYPE_CHECKING = False
@@ -195,7 +195,7 @@ def parse_fast(args: Sequence[str]) -> Optional[Request]:
 
 # ------------------------------------------------------------------ the recorded state
 
-# statefile.read_state has checked the state against its schema; the reads below narrow
+# state.reader.read_state has checked the state against its schema; the reads below narrow
 # each part with isinstance all the same, which costs nothing and keeps this module's
 # reading of the state independent of how the schema's types are spelt.
 
@@ -308,7 +308,7 @@ def _modules_mismatch(
     recorded folder, moved to this root; the naming depends only on the checkpoint folder
     and the transformers version, both checked): a few small file writes instead of
     importing torch and transformers to run fix. Only inside this root, and never through
-    a symlink (statefile checked that the recorded folders lie inside the recorded root and
+    a symlink (state/reader.py checked that the recorded folders lie inside the recorded root and
     that only the sources and the loader are planted). Anything unexpected leaves the work
     to the slow path. What is planted is recorded in `planting`.
     """

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 
     from qwen_kvprep.checks import Check
     from qwen_kvprep.demo import DemoResult
-    from qwen_kvprep.journal import PlannedWrite
+    from qwen_kvprep.journal.writer import PlannedWrite
     from qwen_kvprep.probe.facts import Facts
     from qwen_kvprep.smoke.evaluate import SmokeSummary
     from qwen_kvprep.steps.fix import FixResult

@@ -14,7 +14,7 @@ from typing import Any, Optional
 
 from qwen_kvprep import __version__
 from qwen_kvprep.common import TRACKED_FILES
-from qwen_kvprep.journal import Journal
+from qwen_kvprep.journal.writer import Journal
 from qwen_kvprep.resources import KERNEL_FILES
 from tests.treesnap import Snapshot, snapshot
 

@@ -37,8 +37,8 @@ LAYERS: dict[str, int] = {
     "qwen_kvprep.resources": BASE,
     "qwen_kvprep.configjson": BASE,
     "qwen_kvprep.catalogue": BASE,
-    "qwen_kvprep.statefile": BASE,
-    "qwen_kvprep.journalfile": BASE,
+    "qwen_kvprep.state.reader": BASE,
+    "qwen_kvprep.journal.reader": BASE,
     "qwen_kvprep.fastkv": BASE,  # which model code the fast path applies to (pure text work)
     "qwen_kvprep.chart": BASE,
     "qwen_kvprep.probe": PROBE,
@@ -46,8 +46,8 @@ LAYERS: dict[str, int] = {
     "qwen_kvprep.buildcache.arch": CHECKS,  # pure decisions over probed toolchain facts
     # engines: each does one kind of work (build, journal, smoke, profile, plan...)
     "qwen_kvprep.buildcache": ENGINES,
-    "qwen_kvprep.journal": ENGINES,
-    "qwen_kvprep.state": ENGINES,
+    "qwen_kvprep.journal": ENGINES,  # its reader is base (above)
+    "qwen_kvprep.state": ENGINES,  # its reader is base (above)
     "qwen_kvprep.view": ENGINES,
     "qwen_kvprep.modcache": ENGINES,
     "qwen_kvprep.dirlock": ENGINES,
@@ -55,7 +55,6 @@ LAYERS: dict[str, int] = {
     "qwen_kvprep.smoke": ENGINES,
     "qwen_kvprep.profile": ENGINES,
     "qwen_kvprep.planning": ENGINES,
-    "qwen_kvprep.plan": ENGINES,
     "qwen_kvprep.childproc": ENGINES,
     "qwen_kvprep.runtime": ENGINES,
     "qwen_kvprep.tiny": ENGINES,
@@ -323,7 +322,7 @@ def test_each_class_is_declared_once() -> None:
 def test_orchestrators_sit_above_engines() -> None:
     assert layer_of("qwen_kvprep.steps.fix") > layer_of("qwen_kvprep.buildcache.builder")
     assert layer_of("qwen_kvprep.demo") > layer_of("qwen_kvprep.smoke.runner")
-    assert layer_of("qwen_kvprep.probe.revertplan") < layer_of("qwen_kvprep.journal")
+    assert layer_of("qwen_kvprep.probe.revertplan") < layer_of("qwen_kvprep.journal.writer")
 
 
 if __name__ == "__main__":  # `python tests/test_architecture.py`: the report

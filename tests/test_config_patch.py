@@ -69,7 +69,7 @@ def _minimal_checkpoint(tmp_path: Path) -> Path:
 
 
 def test_journal_write_replaces_symlink_and_never_touches_blob(tmp_path: Path) -> None:
-    from qwen_kvprep.journal import Journal
+    from qwen_kvprep.journal.writer import Journal
 
     blobs = tmp_path / "blobs"
     blobs.mkdir()
@@ -92,7 +92,7 @@ def test_journal_write_replaces_symlink_and_never_touches_blob(tmp_path: Path) -
 def test_journal_revert_is_byte_identical(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from qwen_kvprep.journal import Journal
+    from qwen_kvprep.journal.writer import Journal
 
     monkeypatch.setenv("HF_MODULES_CACHE", str(tmp_path / "modules"))
     d = _minimal_checkpoint(tmp_path)
@@ -111,7 +111,7 @@ def test_journal_revert_is_byte_identical(
 
 
 def test_journal_dry_run_writes_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from qwen_kvprep.journal import Journal
+    from qwen_kvprep.journal.writer import Journal
 
     monkeypatch.setenv("HF_MODULES_CACHE", str(tmp_path / "elsewhere"))
     d = _minimal_checkpoint(tmp_path)
@@ -132,7 +132,7 @@ def test_revert_without_journal_says_nothing_to_do(tmp_path: Path) -> None:
 
 
 def test_dry_run_rendering_diffs_small_files_and_summarises_large_ones(tmp_path: Path) -> None:
-    from qwen_kvprep.journal import PlannedWrite
+    from qwen_kvprep.journal.writer import PlannedWrite
     from qwen_kvprep.render import render_planned
 
     new_cfg, _ = patch_text(ORIGINAL, tmp_path / "config.json")

@@ -393,8 +393,8 @@ print("REPORT " + json.dumps({"held": held, "peaks": [measure(model, *c) for c i
 def test_plan_predicts_gptq_weights_and_peak(tmp_path: Path) -> None:
     """plan against a measured CPU peak, as tests/test_plan.py does for bf16 checkpoints."""
     needs.gptq_backend()
-    from qwen_kvprep.plan import CUBLAS_WORKSPACE_BYTES, MODES, predict_peak_bytes
     from qwen_kvprep.planning.model import model_shape
+    from qwen_kvprep.planning.peak import CUBLAS_WORKSPACE_BYTES, MODES, predict_peak_bytes
 
     d = generate_checkpoint(
         tmp_path / "Qwen-tiny-Int4", gptq=True, heads=4, intermediate=2048

@@ -33,7 +33,7 @@ from packaging.version import Version
 from qwen_kvprep import catalogue
 from qwen_kvprep.errors import SourceError, UsageError
 from qwen_kvprep.findings import Finding, Severity
-from qwen_kvprep.journal import Journal
+from qwen_kvprep.journal.writer import Journal
 from qwen_kvprep.resources import KERNEL_FILES
 from qwen_kvprep.steps import sources
 from qwen_kvprep.steps.context import FixContext, FixOptions

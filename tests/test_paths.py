@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from qwen_kvprep.common import USERS_DIRNAME
-from qwen_kvprep.journal import Journal
+from qwen_kvprep.journal.writer import Journal
 from qwen_kvprep.resources import KERNEL_FILES
 from qwen_kvprep.steps.revert import revert_checkpoint
 from tests.checks.facts import ckpt, facts, text, worst
@@ -161,7 +161,7 @@ def test_a_revert_killed_in_its_last_steps_is_finished_by_the_next(
 ) -> None:
     p = prepare(tmp_path)
     state_dir = p.directory / ".qwen-kvprep"
-    import qwen_kvprep.journal as journal_mod
+    import qwen_kvprep.journal.writer as journal_mod
 
     def killed_rmtree(state: Path) -> None:
         os.unlink(state / "journal.json")  # the first thing rmtree happened to remove

@@ -14,7 +14,9 @@ import pytest
 
 from qwen_kvprep import hubcli
 from qwen_kvprep.errors import CheckpointError, ConfigError, UsageError
-from qwen_kvprep.plan import (
+from qwen_kvprep.planning.capacity import Scenario, make_plan, max_batch, max_tokens, peak
+from qwen_kvprep.planning.model import Gptq, model_shape, read_model, weights_from_config
+from qwen_kvprep.planning.peak import (
     CUBLAS_WORKSPACE_BYTES,
     CUDA_CONTEXT_BYTES,
     MODES,
@@ -23,8 +25,6 @@ from qwen_kvprep.plan import (
     kv_bytes_per_token,
     predict_peak_bytes,
 )
-from qwen_kvprep.planning.capacity import Scenario, make_plan, max_batch, max_tokens, peak
-from qwen_kvprep.planning.model import Gptq, model_shape, read_model, weights_from_config
 from qwen_kvprep.planning.sizes import parse_int_list, parse_size
 from qwen_kvprep.tiny import generate_checkpoint
 from tests.cli import document, invoke, kvprep
@@ -475,7 +475,7 @@ def test_kernel_gemm_thresholds_match_the_kernel_sources() -> None:
     """plan counts the GEMM path's workspace from the query lengths the .cu dispatches at."""
     import re
 
-    from qwen_kvprep import plan
+    from qwen_kvprep.planning import peak as plan
     from qwen_kvprep.resources import KERNEL_FILES, kernels_dir
 
     cu = (kernels_dir() / KERNEL_FILES[1]).read_text()

@@ -21,13 +21,12 @@ import pytest
 
 from qwen_kvprep.childproc import ChildOutcome
 from qwen_kvprep.findings import Severity
-from qwen_kvprep.plan import ModelShape, kv_bytes_per_token
+from qwen_kvprep.planning.peak import ModelShape, kv_bytes_per_token
 from qwen_kvprep.profile import max_batch
 from qwen_kvprep.profile import runner as runner_mod
 from qwen_kvprep.profile.evaluate import evaluate, human_bytes
 from qwen_kvprep.profile.progress import ProgressBar, progress_bar
 from qwen_kvprep.profile.protocol import ENV_SIMULATE_OOM, ChildSpec
-from qwen_kvprep.profile.render import render_text, summary, table
 from qwen_kvprep.profile.runner import (
     ROW_FIELDS,
     Measurements,
@@ -37,6 +36,7 @@ from qwen_kvprep.profile.runner import (
     measure,
 )
 from qwen_kvprep.profile.source import ModelSource
+from qwen_kvprep.profile.tables import render_text, summary, table
 from tests.cli import ENTRY, document, kvprep
 from tests.modeling_patch import patch_modeling
 from tests.toolkit import NO_TOOLKIT

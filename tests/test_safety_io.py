@@ -239,7 +239,7 @@ def test_a_full_disk_during_revert_loses_nothing(
         big = b'{"model_type": "qwen", "pad": "' + b"x" * 200_000 + b'"}\n'
         (p.directory / "config.json").unlink()
         (p.directory / "config.json").write_bytes(big)  # the user's file, now the original
-        from qwen_kvprep.journal import Journal
+        from qwen_kvprep.journal.writer import Journal
 
         Journal(p.directory).write("config.json", b'{"patched": true}\n')
         fill(mnt)
@@ -365,7 +365,7 @@ def test_fix_refuses_a_damaged_journal_and_rewrites_a_damaged_state(
     assert res.returncode == 0, res.stderr
     ids = {f["id"] for f in json.loads(res.stdout)["findings"]}
     assert "state.record" in ids
-    from qwen_kvprep.statefile import read_state
+    from qwen_kvprep.state.reader import read_state
 
     assert read_state(str(ckpt))[1] is None
 
@@ -641,7 +641,7 @@ def test_hub_snapshot_layout_fix_tamper_revert(
 def test_state_written_by_fix_passes_its_own_schema(
     tiny: Path, tmp_path: Path, env: dict[str, str]
 ) -> None:
-    from qwen_kvprep.statefile import read_state
+    from qwen_kvprep.state.reader import read_state
 
     ckpt = copy_of(tiny, tmp_path / "models")
     res = kvprep("fix", str(ckpt), "--no-build", "--no-smoke", env=env, timeout=300)

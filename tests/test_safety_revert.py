@@ -19,7 +19,7 @@ import pytest
 
 from qwen_kvprep import common
 from qwen_kvprep.errors import KvprepError, StateError
-from qwen_kvprep.journal import USERS_DIRNAME, Journal
+from qwen_kvprep.journal.writer import USERS_DIRNAME, Journal
 from qwen_kvprep.resources import KERNEL_FILES
 from qwen_kvprep.steps.revert import revert_checkpoint
 from tests.cli import document, invoke, kvprep
@@ -150,7 +150,7 @@ def test_a_waiting_fix_or_revert_takes_the_lock_again_after_revert_removed_it(
         import sys, time
         from pathlib import Path
         from qwen_kvprep.dirlock import folder_lock
-        from qwen_kvprep.journal import remove_state_dir
+        from qwen_kvprep.journal.writer import remove_state_dir
         d = Path(sys.argv[1])
         with folder_lock(d, "test", 10, print):
             print("held", flush=True)

@@ -15,7 +15,7 @@ from qwen_kvprep import catalogue, resources
 from qwen_kvprep.checks import kernels as kernel_checks
 from qwen_kvprep.errors import SourceError, UsageError
 from qwen_kvprep.findings import Finding, Severity, as_list
-from qwen_kvprep.journal import Journal
+from qwen_kvprep.journal.writer import Journal
 from qwen_kvprep.probe.facts import Facts
 from qwen_kvprep.steps import sources
 from qwen_kvprep.steps.context import FixContext, FixOptions

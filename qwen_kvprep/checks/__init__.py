@@ -30,7 +30,7 @@ __all__ = [
 
 def load_all() -> dict[str, Check]:
     """Import every area module (each registers its checks) and return the registry."""
-    from qwen_kvprep.checks import caches, checkpoint, config, env, kernels, state  # noqa: F401
+    from qwen_kvprep.checks import caches, checkpoint, config, env, kernels, records  # noqa: F401
 
     return REGISTRY
 

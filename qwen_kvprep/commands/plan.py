@@ -80,7 +80,7 @@ def plan(
     --gpu-memory. `plan --gpu list` lists the cards --gpu knows."""
     from qwen_kvprep.planning import plan_checkpoint, plan_inputs
     from qwen_kvprep.planning.gpu import cards_json, render_cards
-    from qwen_kvprep.planning.render import payload, render_text
+    from qwen_kvprep.planning.tables import payload, render_text
 
     as_json = output_options().as_json
     if gpu_name is not None and gpu_name.strip().lower() == "list":

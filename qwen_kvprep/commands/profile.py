@@ -71,7 +71,7 @@ def profile(
     """Measure DIRECTORY's memory, speed and quality with the unquantized and the Int8
     KV cache, one child process per batch size and mode, beside plan's prediction."""
     from qwen_kvprep.profile.plot import check_plot_target
-    from qwen_kvprep.profile.render import render_text
+    from qwen_kvprep.profile.tables import render_text
 
     as_json = output_options().as_json
     path = existing_dir(directory)

@@ -1,6 +1,6 @@
 """`qwen-kvprep plan`: `plan_checkpoint` puts together reading a checkpoint's shape,
 capacity searches, sizes and rendering. The prediction itself (the contract the `profile`
-side imports) is qwen_kvprep/plan.py. Nothing here imports torch at import time."""
+side imports) is qwen_kvprep/planning/peak.py. Nothing here imports torch at import time."""
 
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from qwen_kvprep.jsontypes import JSONObject
-from qwen_kvprep.plan import MODES, ModelShape, fits, predict_peak_bytes
+from qwen_kvprep.planning.peak import MODES, ModelShape, fits, predict_peak_bytes
 
 # Searches stop here: far beyond any GPU, so hitting the bound means "memory is not the
 # limit" rather than an answer.

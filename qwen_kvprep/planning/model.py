@@ -20,7 +20,7 @@ from qwen_kvprep import hubcli
 from qwen_kvprep.configjson import CONFIG, parse_config
 from qwen_kvprep.errors import CheckpointError, ConfigError, UsageError
 from qwen_kvprep.jsontypes import JSON, JSONObject
-from qwen_kvprep.plan import ModelShape
+from qwen_kvprep.planning.peak import ModelShape
 from qwen_kvprep.probe.checkpoint import (
     BIN_INDEX,
     DTYPE_SIZES,

@@ -7,9 +7,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from qwen_kvprep.chart import BLUE, ORANGE, Panel, Series, write_chart
-from qwen_kvprep.plan import CUDA_CONTEXT_BYTES
 from qwen_kvprep.planning.capacity import PlanResult
 from qwen_kvprep.planning.model import ModelFacts
+from qwen_kvprep.planning.peak import CUDA_CONTEXT_BYTES
 
 _GIB = 1024**3
 _MODES = (("unquantized", "unquantized cache", BLUE), ("int8", "Int8 cache", ORANGE))

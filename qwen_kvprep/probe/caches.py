@@ -36,16 +36,16 @@ from qwen_kvprep.common import LOADER_FILE as LOADER
 from qwen_kvprep.common import modules_cache_root as _modules_cache_root
 from qwen_kvprep.errors import KvprepError
 from qwen_kvprep.fsutil import TEMP_NAME, leftover_temps
-from qwen_kvprep.journalfile import folder_identity, read_journal
+from qwen_kvprep.journal.reader import folder_identity, read_journal
 from qwen_kvprep.probe.binary import BinaryArchs, read_archs
 from qwen_kvprep.probe.revertplan import plan_revert, prepared
-from qwen_kvprep.statefile import read_state
+from qwen_kvprep.state.reader import read_state
 from qwen_kvprep.untrusted import read_record, read_regular
 
 if TYPE_CHECKING:
     from qwen_kvprep.jsontypes import JSON
     from qwen_kvprep.probe.env import EnvFacts
-    from qwen_kvprep.statefile import State
+    from qwen_kvprep.state.reader import State
 
 MODELING = "modeling_qwen.py"
 # The official cpp_kernels.py builds into <its folder>/build with torch's FileBaton, whose

@@ -1,4 +1,4 @@
-"""What `revert` would do, decided from the journal (journalfile.py) and what is on disk
+"""What `revert` would do, decided from the journal (journal/reader.py) and what is on disk
 now, without changing anything: doctor reports this plan, and journal.Journal carries it
 out. Every original's sha256 is verified before revert would restore it; a planted file
 another prepared folder still uses (its `.qwen-kvprep-users/` record) stays."""
@@ -30,7 +30,7 @@ from qwen_kvprep.untrusted import (
 if TYPE_CHECKING:
 
     pass
-from qwen_kvprep.journalfile import (
+from qwen_kvprep.journal.reader import (
     ORIGINAL_LIMIT,
     ORIGINALS,
     Entry,

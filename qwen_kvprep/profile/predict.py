@@ -7,8 +7,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
 from qwen_kvprep.errors import KvprepError
-from qwen_kvprep.plan import ModelShape, kv_bytes_per_token, predict_peak_bytes
 from qwen_kvprep.planning.model import model_shape
+from qwen_kvprep.planning.peak import ModelShape, kv_bytes_per_token, predict_peak_bytes
 from qwen_kvprep.profile.protocol import MODES
 
 if TYPE_CHECKING:

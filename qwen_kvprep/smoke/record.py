@@ -15,9 +15,9 @@ from qwen_kvprep.buildcache.builder import stderr_notify
 from qwen_kvprep.buildcache.lock import lock_timeout
 from qwen_kvprep.common import TRACKED_FILES
 from qwen_kvprep.dirlock import folder_lock
-from qwen_kvprep.journal import Journal
+from qwen_kvprep.journal.writer import Journal
 from qwen_kvprep.jsontypes import JSONObject, as_json_object
-from qwen_kvprep.state import load_state, state_path, update_state
+from qwen_kvprep.state.writer import load_state, state_path, update_state
 
 if TYPE_CHECKING:
     from qwen_kvprep.smoke.evaluate import SmokeSummary

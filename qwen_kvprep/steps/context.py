@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Optional, TypedDict
 
 from qwen_kvprep.common import sha256_bytes
 from qwen_kvprep.findings import Finding
-from qwen_kvprep.journal import Journal
+from qwen_kvprep.journal.writer import Journal
 
 if TYPE_CHECKING:
     from qwen_kvprep.buildcache.builder import BuildResult
@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from qwen_kvprep.probe.facts import Facts
     from qwen_kvprep.smoke.evaluate import SmokeSummary
     from qwen_kvprep.smoke.progress import StepLog
-    from qwen_kvprep.statefile import StateModules
+    from qwen_kvprep.state.reader import StateModules
 
 
 @dataclass(frozen=True)
@@ -62,7 +62,7 @@ class FixExtra(TypedDict, total=False):
     loader: str  # the loader file (steps/loader.py)
     fast_path: bool  # whether the model's code got the fast path (steps/fastkv.py)
     modules: StateModules  # the modules-cache copies (steps/modules.py)
-    state: str  # state.json (steps/state.py)
+    state: str  # state.json (steps/record.py)
     prebuilt: JSONObject  # the variant installed for --prebuilt (steps/prebuilt.py)
     # the smoke's summary (SmokeSummary), or the verdict an earlier run recorded
     # (smoke/record.py) when nothing changed since (steps/smoke.py)
@@ -109,7 +109,7 @@ class FixContext:
     modules: Optional[StateModules] = None  # what steps/modules.py planted where
     smoke: Optional[SmokeSummary] = None  # the smoke this run ran (steps/smoke.py)
     extra: FixExtra = field(default_factory=FixExtra)  # fix's --json additions
-    # the recorded smoke verdict that still holds (steps/state.py): the smoke need not run
+    # the recorded smoke verdict that still holds (steps/record.py): the smoke need not run
     proven: Optional[JSONObject] = None
     # progress lines for a log (stderr not a terminal); None: the terminal's own output
     log: Optional[StepLog] = None

@@ -15,17 +15,17 @@ from qwen_kvprep.common import JOURNAL_FILE, STATE_DIRNAME
 from qwen_kvprep.dirlock import OUR_FILES, folder_lock, release_if_unused, remove_leftover_temps
 from qwen_kvprep.errors import KvprepError, os_failure
 from qwen_kvprep.findings import Finding, info
-from qwen_kvprep.journal import Journal, PlannedWrite
-from qwen_kvprep.state import state_problem
+from qwen_kvprep.journal.writer import Journal, PlannedWrite
+from qwen_kvprep.state.writer import state_problem
 from qwen_kvprep.steps import (
     build,
     config_patch,
     fastkv,
     loader,
     modules,
+    record,
     smoke,
     sources,
-    state,
     validate,
 )
 from qwen_kvprep.steps.context import FixContext, FixExtra, FixOptions
@@ -61,7 +61,7 @@ _STEPS: list[tuple[_Step, str, Optional[Callable[[FixOptions], bool]]]] = [
     (loader.run, "installing the loader", None),
     (fastkv.run, "checking the fast path in modeling_qwen.py", None),
     (modules.run, "planting the files in the modules cache", None),
-    (state.run, "recording the state", None),
+    (record.run, "recording the state", None),
     # last: proves the result (a child process loads the model); dry-run has nothing to prove
     (smoke.run, "smoke test", lambda o: o.smoke and not o.dry_run),
 ]

@@ -52,7 +52,7 @@ from qwen_kvprep.findings import Finding, fail, info, ok, warn
 from qwen_kvprep.fsutil import atomic_write_text
 from qwen_kvprep.probe.toolchain import torch_info
 from qwen_kvprep.redact import install_log_filter
-from qwen_kvprep.state import load_state
+from qwen_kvprep.state.writer import load_state
 from qwen_kvprep.steps.download import _cause_summary, _progress_bars
 from qwen_kvprep.untrusted import read_record
 

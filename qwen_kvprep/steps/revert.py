@@ -25,9 +25,9 @@ from qwen_kvprep.dirlock import (
 )
 from qwen_kvprep.errors import StateError, os_failure
 from qwen_kvprep.findings import fail
-from qwen_kvprep.journal import Journal, prune_users
-from qwen_kvprep.journalfile import manual_recovery
-from qwen_kvprep.statefile import read_state
+from qwen_kvprep.journal.reader import manual_recovery
+from qwen_kvprep.journal.writer import Journal, prune_users
+from qwen_kvprep.state.reader import read_state
 
 
 @dataclass

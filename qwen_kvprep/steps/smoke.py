@@ -16,7 +16,7 @@ from qwen_kvprep.smoke.progress import PhaseProgress
 from qwen_kvprep.smoke.protocol import DEFAULT_TIMEOUT_S, PHASE_DONE, PHASE_WORDS
 from qwen_kvprep.smoke.record import record_smoke
 from qwen_kvprep.smoke.runner import load_path_for
-from qwen_kvprep.state import state_path
+from qwen_kvprep.state.writer import state_path
 from qwen_kvprep.steps.context import FixContext
 
 

@@ -9,12 +9,12 @@ from typing import TYPE_CHECKING, Optional
 from qwen_kvprep.common import KERNEL_FILES
 from qwen_kvprep.findings import info, ok
 from qwen_kvprep.smoke.record import still_proven
-from qwen_kvprep.state import load_state, new_state, same_state, save_state, state_path
+from qwen_kvprep.state.writer import load_state, new_state, same_state, save_state, state_path
 from qwen_kvprep.steps.context import FixContext
 
 if TYPE_CHECKING:
     from qwen_kvprep.jsontypes import JSONObject
-    from qwen_kvprep.statefile import State, StateBuild
+    from qwen_kvprep.state.reader import State, StateBuild
 
 
 def _sources(ctx: FixContext) -> JSONObject:

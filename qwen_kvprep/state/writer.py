@@ -22,12 +22,12 @@ from typing import TYPE_CHECKING, Optional
 
 from qwen_kvprep import __version__
 from qwen_kvprep.common import STATE_DIRNAME, STATE_FILE, TRACKED_FILES, sha256_file
-from qwen_kvprep.journal import Journal
-from qwen_kvprep.statefile import STATE_VERSION, read_state
+from qwen_kvprep.journal.writer import Journal
+from qwen_kvprep.state.reader import STATE_VERSION, read_state
 
 if TYPE_CHECKING:
     from qwen_kvprep.jsontypes import JSONObject
-    from qwen_kvprep.statefile import State, StateBuild, StateModules
+    from qwen_kvprep.state.reader import State, StateBuild, StateModules
 
 # Fields that change on every run without meaning anything changed.
 _VOLATILE = ("updated",)
@@ -39,7 +39,7 @@ def state_path(directory: Path) -> Path:
 
 def load_state(directory: Path) -> Optional[State]:
     """The recorded state, or None if absent or unusable (damaged, of another version,
-    against the schema: statefile.read_state, as prestart reads it)."""
+    against the schema: state.reader.read_state, as prestart reads it)."""
     return read_state(str(directory))[0]
 
 

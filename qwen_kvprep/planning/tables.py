@@ -5,9 +5,9 @@ from __future__ import annotations
 from typing import Optional, TypedDict
 
 from qwen_kvprep.jsontypes import JSONObject
-from qwen_kvprep.plan import CUBLAS_WORKSPACE_BYTES, CUDA_CONTEXT_BYTES, kv_bytes_per_token
 from qwen_kvprep.planning.capacity import PlanResult
 from qwen_kvprep.planning.model import ModelFacts
+from qwen_kvprep.planning.peak import CUBLAS_WORKSPACE_BYTES, CUDA_CONTEXT_BYTES, kv_bytes_per_token
 from qwen_kvprep.planning.sizes import gib, human
 
 MODE_LABEL = {"unquantized": "unquantized cache", "int8": "Int8 cache"}

@@ -5,7 +5,7 @@ sha256; the link target of a symlink; or the fact that it did not exist) under
 `<checkpoint>/.qwen-kvprep/`, and records the files planted in the modules cache, so that
 `revert` can restore the directory byte for byte. It is saved before every change, so a
 crash half-way still reverts cleanly. How `journal.json` is read back and checked is in
-journalfile.py; what revert would do is decided in probe/revertplan.py.
+journal/reader.py; what revert would do is decided in probe/revertplan.py.
 
 A file that changed since fix last wrote it is the user's: a later fix takes it as the new
 original, and revert leaves it alone and says so.
@@ -38,7 +38,7 @@ from qwen_kvprep.common import sha256_bytes as sha256
 from qwen_kvprep.errors import StateError
 from qwen_kvprep.findings import fail
 from qwen_kvprep.fsutil import atomic_write_bytes, atomic_write_text
-from qwen_kvprep.journalfile import (
+from qwen_kvprep.journal.reader import (
     ORIGINAL_LIMIT,
     ORIGINALS,
     STORE_NAME,
