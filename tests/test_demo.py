@@ -65,6 +65,7 @@ def _result(tmp_path: Path, **over: Any) -> DemoResult:
             ok("smoke.kernel", "the compiled extension ran in all 2 layers (64 calls)"),
         ],
         extra={"smoke": _smoke_summary(), "cache_dir": "/c"},
+        smoke=_smoke_summary(),  # the summary fix's smoke step returned
         model={
             "layers": 2,
             "heads": 2,
@@ -100,6 +101,7 @@ def test_narrative_puts_failures_first_in_the_verdict(tmp_path: Path) -> None:
         tmp_path,
         findings=[fail("smoke.kernel", "all 2 layers fell back", fix="run qwen-kvprep fix")],
         extra={"smoke": smoke},
+        smoke=smoke,
     )
     text = render_demo(res)
     assert "FELL BACK" in text
