@@ -5,7 +5,7 @@ from typing import Optional
 
 import click
 
-from qwen_kvprep.commands._common import existing_dir, finish, json_option, output_options
+from qwen_kvprep.commands._common import checkpoint_dir, finish, json_option, output_options
 from qwen_kvprep.render import emit, fix_fields, render_planned
 
 
@@ -50,7 +50,9 @@ from qwen_kvprep.render import emit, fix_fields, render_planned
 @click.option(
     "--revision",
     metavar="REV",
-    help="Branch, tag or commit for --source hub (default: the snapshot's commit, else main).",
+    help="Branch, tag or commit: of the repo DIRECTORY names when it is a Hub repo id or a Hub "
+    "cache repo folder (its snapshot in the local Hub cache; default main), and for --source "
+    "hub (default: the snapshot's commit, else main).",
 )
 @click.option(
     "--output",
@@ -90,7 +92,7 @@ def fix(
     from qwen_kvprep.steps.fix import FixOptions, run_fix
 
     as_json = output_options().as_json
-    path = existing_dir(directory)
+    path, spelt = checkpoint_dir(directory, revision, revision_of_folder=True)
     options = FixOptions(
         dry_run=dry_run,
         build=not no_build,
@@ -106,7 +108,7 @@ def fix(
         progress=False if as_json else None,
         cache_dir=Path(cache_dir).absolute() if cache_dir else None,
         arch=arch,
-        spelling=directory,
+        spelling=spelt,
     )
     result = run_fix(path, options)
     if dry_run and not as_json:
