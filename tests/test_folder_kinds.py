@@ -263,6 +263,11 @@ def test_other_commands_take_a_repo_id(hub: tuple[dict[str, str], Path], tmp_pat
     assert res.returncode == 0, res.stderr
     res = kvprep("revert", REPO, "--dry-run", env=env, cwd=tmp_path)
     assert res.returncode == 0 and str(snap) in res.stderr, res.stdout + res.stderr
+    # each names the download when the repo is not in the cache
+    for command in ("fix", "smoke", "profile", "prestart", "revert", "plan"):
+        res = kvprep(command, "Qwen/Qwen-14B-Chat", env=env, cwd=tmp_path)
+        assert res.returncode == 2, (command, res.stdout, res.stderr)
+        assert "download Qwen/Qwen-14B-Chat`" in res.stderr, (command, res.stderr)
 
 
 def _blobs(snap: Path) -> dict[str, str]:

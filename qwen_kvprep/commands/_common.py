@@ -53,13 +53,17 @@ debug_option = _flag("debug", "--debug", "Show Python tracebacks for failures.")
 
 
 def checkpoint_dir(
-    value: str, revision: Optional[str] = None, revision_of_folder: bool = False
+    value: str,
+    revision: Optional[str] = None,
+    revision_of_folder: bool = False,
+    quiet: bool = False,
 ) -> tuple[Path, str]:
     """(the checkpoint folder, its spelling for checkpoint.dirname) that DIRECTORY names: a
     folder, a Hub cache repo folder or a repo id found in the Hub cache (hubcache.py); a
     usage error (exit 2) otherwise. Says on stderr which snapshot a repo led to.
     `revision_of_folder`: --revision means something for a plain folder too (fix's
-    --source hub); otherwise it is refused there rather than ignored."""
+    --source hub); otherwise it is refused there rather than ignored. `quiet`: say nothing
+    on stderr (prestart --quiet)."""
     from qwen_kvprep.hubcache import resolve
 
     found = resolve(value, revision)
@@ -70,7 +74,7 @@ def checkpoint_dir(
                 fix="leave out --revision, or give the repo id (ORG/NAME) instead of the folder",
             )
         return found.path, value
-    if not output_options().as_json:
+    if not output_options().as_json and not quiet:
         at = f" at {found.revision}" if found.revision else ""
         click.echo(f"qwen-kvprep: {value}{at} is the Hub cache snapshot {found.path}", err=True)
     return found.path, str(found.path)

@@ -129,7 +129,7 @@ def prestart(
             fix="put the server command after `--`: qwen-kvprep prestart DIR -- python3 -m "
             "your_server (in an image: give it a CMD); to only prepare DIR, leave out `--`",
         )
-    path, _ = checkpoint_dir(directory, revision)
+    path, _ = checkpoint_dir(directory, revision, quiet=quiet)
     run(
         Request(
             str(path),
