@@ -135,7 +135,9 @@ def test_an_unrecognised_revision_is_left_alone_with_the_reason(ckpt: Path) -> N
     doc = _fix(str(ckpt))
     finding = _finding(doc, "fastkv.model_code")
     assert finding["severity"] == "warn"
-    assert "rotary_pos_emb" in finding["message"] and finding["fix"]
+    assert "rotary_pos_emb" in finding["message"]
+    # the command that fetches the final revision, for this folder
+    assert f"download REPO {MODELING_FILE} --local-dir {ckpt}" in finding["fix"]
     assert path.read_text(encoding="utf-8") == older
     assert not (ckpt / FAST_FILE).exists()
 
