@@ -39,8 +39,10 @@ def doctor(
 ) -> None:
     """Find every known reason the Int8 KV cache fails, with a fix for each.
 
-    DIRECTORY is a Qwen checkpoint; without it only the environment and caches are checked.
-    doctor never changes anything.
+    DIRECTORY is a Qwen checkpoint folder, or a Hub repo id (ORG/NAME) found in the local
+    Hub cache; without it only the environment and caches are checked. doctor never
+    changes anything. Exit 1: a server started now would not run the Int8 cache through
+    the kernel although the config asks for it, or would not load the model.
     """
     from qwen_kvprep.checks import load_all
     from qwen_kvprep.doctor import run_doctor

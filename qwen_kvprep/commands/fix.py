@@ -88,7 +88,11 @@ def fix(
     arch: Optional[str],
 ) -> None:
     """Make DIRECTORY's Int8 KV cache work: validate, provide the kernel sources, patch
-    config.json, build the extension, install the loader and prove it."""
+    config.json, build the extension, install the loader and prove it.
+
+    DIRECTORY is the checkpoint folder, or a Hub repo id (ORG/NAME) found in the local Hub
+    cache: fix then prepares its snapshot folder, replacing the links it changes by regular
+    files (the shared blobs are never written)."""
     from qwen_kvprep.steps.fix import FixOptions, run_fix
 
     as_json = output_options().as_json
