@@ -28,7 +28,6 @@ from qwen_kvprep.errors import UsageError
 _PART = r"[A-Za-z0-9](?:[\w.-]{0,94}[A-Za-z0-9_])?"
 _REPO_ID = re.compile(rf"^{_PART}/{_PART}$")
 _REPO_FOLDER = re.compile(r"^models--(.+)$")
-CACHE_PARTS = ("blobs", "refs", "snapshots")
 
 
 @dataclass(frozen=True)
@@ -62,7 +61,7 @@ def download_command(repo_id: str, revision: Optional[str]) -> str:
 def _cache_root(cache_dir: Optional[Path]) -> str:
     if cache_dir is not None:
         return str(cache_dir)
-    from huggingface_hub import constants
+    from huggingface_hub import constants  # imported already by snapshot()
 
     return str(constants.HF_HUB_CACHE)
 
@@ -70,8 +69,16 @@ def _cache_root(cache_dir: Optional[Path]) -> str:
 def snapshot(repo_id: str, revision: Optional[str], cache_dir: Optional[Path] = None) -> Path:
     """The snapshot folder of `repo_id` at `revision` (default main) in the local cache;
     UsageError, naming the download, when it is not there. Never touches the network."""
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.utils import LocalEntryNotFoundError  # there from 0.19 on
+    try:
+        from huggingface_hub import snapshot_download
+        from huggingface_hub.utils import LocalEntryNotFoundError  # there from 0.19 on
+    except ImportError as exc:  # a dependency of qwen-kvprep, but an environment may lack it
+        raise UsageError(
+            f"{repo_id} is not a folder here, and huggingface_hub, which finds a repo id in "
+            "the Hugging Face cache, cannot be imported",
+            fix="give the checkpoint folder (the snapshot folder, for a cached repo), or "
+            "`pip install 'huggingface-hub<1.0'`",
+        ) from exc
 
     where = _cache_root(cache_dir)
     try:

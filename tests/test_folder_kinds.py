@@ -346,3 +346,14 @@ def test_doctor_exits_1_when_one_flag_is_on_without_the_other(
     folder = _with_config(tiny, tmp_path, use_flash_attn=False, **flags)
     code, doc = _doctor_all(folder, tmp_path)
     assert code == 1 and "config.kv_cache" in _failed(doc), _failed(doc)
+
+
+def test_a_repo_id_without_huggingface_hub_is_a_usage_error(tmp_path: Path) -> None:
+    blocker = tmp_path / "blocker" / "huggingface_hub"
+    blocker.mkdir(parents=True)
+    (blocker / "__init__.py").write_text("raise ImportError('huggingface_hub is blocked')\n")
+    env = base_env(tmp_path)
+    env["PYTHONPATH"] = f"{blocker.parent}:{env['PYTHONPATH']}"
+    res = kvprep("plan", REPO, "--gpu", "h100", env=env, cwd=tmp_path)
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
+    assert "huggingface_hub, which finds a repo id" in res.stderr
