@@ -354,6 +354,7 @@ def test_kernels_sources_check_fails_where_the_config_asks_for_the_kernel(
     # a server started now would silently run the slow path: doctor exits 1
     (f,) = sources_check(_facts(held, config=KERNEL_ON))
     assert f.severity is Severity.FAIL, f
+    assert "a server started now silently runs without the kernel" in f.message
     assert f.fix == "qwen-kvprep fix /models/q"
     (good,) = sources_check(_facts(_hashes(OURS), config=KERNEL_ON))
     assert good.severity is Severity.OK

@@ -63,6 +63,10 @@ def _judge(
     """The finding for one place's kernel sources; a missing or unknown pair fails where
     the config asks for the kernel (a server started now would silently fall back)."""
     bad = fail if requested else warn
+    asked = (
+        "; config.json turns the Int8 cache and its kernel on, so a server started now "
+        "silently runs without the kernel" if requested else ""
+    )
     kind, per_file = catalogue.classify_set(hashes, ours)
     details: dict[str, object] = {"where": where, "kind": kind, "files": dict(per_file)}
     if kind == catalogue.OFFICIAL:
@@ -72,7 +76,7 @@ def _judge(
     if kind == catalogue.MISSING:
         # The model then warns once and silently runs the slower pure-torch path.
         return bad(
-            f"{where}: no kernel sources (the model falls back to the slow path)",
+            f"{where}: no kernel sources (the model falls back to the slow path){asked}",
             fix_cmd,
             details=details,
         )
@@ -83,7 +87,7 @@ def _judge(
     )
     note = "" if ours is not None else " (qwen-kvprep's own kernels/ were not found to compare)"
     return bad(
-        f"{where}: {problem}: {_listing(per_file, hashes)}{note}",
+        f"{where}: {problem}: {_listing(per_file, hashes)}{note}{asked}",
         fix_cmd,
         details=details,
     )
