@@ -6,7 +6,12 @@ from typing import Optional
 
 import click
 
-from qwen_kvprep.commands._common import existing_dir, exit_code, json_option, output_options
+from qwen_kvprep.commands._common import (
+    checkpoint_dir,
+    exit_code,
+    json_option,
+    output_options,
+)
 from qwen_kvprep.errors import UsageError
 from qwen_kvprep.render import emit, fix_fields, fix_verdict, print_findings, render_planned
 
@@ -59,7 +64,9 @@ from qwen_kvprep.render import emit, fix_fields, fix_verdict, print_findings, re
 @click.option(
     "--revision",
     metavar="REV",
-    help="Branch, tag or commit for --source hub (default: the snapshot's commit, else main).",
+    help="Branch, tag or commit: of the repo DIRECTORY names when it is a Hub repo id or a Hub "
+    "cache repo folder (its snapshot in the local Hub cache; default main), and for --source "
+    "hub (default: the snapshot's commit, else main).",
 )
 @click.option(
     "--prebuilt",
@@ -105,14 +112,18 @@ def fix(
     arch: Optional[str],
 ) -> None:
     """Make DIRECTORY's Int8 KV cache work: validate, provide the kernel sources, patch
-    config.json, build the extension, install the loader and prove it."""
+    config.json, build the extension, install the loader and prove it.
+
+    DIRECTORY is the checkpoint folder, or a Hub repo id (ORG/NAME) found in the local Hub
+    cache: fix then prepares its snapshot folder, replacing the links it changes by regular
+    files (the shared blobs are never written)."""
     from qwen_kvprep.smoke.progress import step_log
     from qwen_kvprep.steps.fix import FixOptions, run_fix
 
     if force_smoke and no_smoke:
         raise UsageError("--smoke and --no-smoke contradict each other: give one")
     as_json = output_options().as_json
-    path = existing_dir(directory)
+    path, spelt = checkpoint_dir(directory, revision, revision_of_folder=True)
     options = FixOptions(
         dry_run=dry_run,
         build=not no_build,
@@ -129,7 +140,7 @@ def fix(
         progress=False if as_json else None,
         cache_dir=Path(cache_dir).absolute() if cache_dir else None,
         arch=arch,
-        spelling=directory,
+        spelling=spelt,
         prebuilt=prebuilt,
     )
     # a log (CI, docker build) gets a line a step and a heartbeat; a terminal keeps its own
@@ -141,7 +152,7 @@ def fix(
             log.close()
     if dry_run and not as_json:
         emit(render_planned(result.planned) or "nothing would change")
-    verdict = fix_verdict(output or directory, result.findings, result.extra, dry_run)
+    verdict = fix_verdict(output or spelt, result.findings, result.extra, dry_run)
     fields = fix_fields(path, dry_run, result.extra, result.planned)
     fields.update(verdict=verdict.verdict, next=verdict.next)
     print_findings(result.findings, as_json, **fields)

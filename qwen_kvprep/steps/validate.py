@@ -14,6 +14,7 @@ from qwen_kvprep.probe.facts import Facts
 from qwen_kvprep.steps.context import FixContext
 
 _ALSO = ("config.parse",)
+IDENTITY = "checkpoint.identity"
 
 
 def check(directory: Path) -> tuple[Facts, list[Finding]]:
@@ -27,6 +28,9 @@ def check(directory: Path) -> tuple[Facts, list[Finding]]:
             findings.extend(run_one(chk, facts))
     bad = [f for f in findings if f.severity is Severity.FAIL]
     shown = [f for f in findings if f.severity is not Severity.OK]
+    if bad and bad[0].id == IDENTITY:
+        # not a Qwen (v1) checkpoint: what it is, and nothing the other checks would advise
+        raise CheckpointError(bad[0].message, fix=bad[0].fix, findings=[bad[0]])
     if bad:
         config_only = all(f.id.startswith("config.") for f in bad)
         error = ConfigError if config_only else CheckpointError
