@@ -15,6 +15,9 @@ from qwen_kvprep.steps.context import FixContext
 
 _ALSO = ("config.parse",)
 IDENTITY = "checkpoint.identity"
+# What fix itself changes: its own step reports that (doctor's view of it, taken before the
+# step, would advise running the very fix under way, or refuse what fix repairs).
+_FIX_OWNS = ("checkpoint.fast_path",)
 
 
 def check(directory: Path) -> tuple[Facts, list[Finding]]:
@@ -24,7 +27,7 @@ def check(directory: Path) -> tuple[Facts, list[Finding]]:
     facts = Facts(checkpoint=probe_checkpoint(directory))
     findings: list[Finding] = []
     for chk in load_all().values():
-        if chk.area == "checkpoint" or chk.id in _ALSO:
+        if (chk.area == "checkpoint" or chk.id in _ALSO) and chk.id not in _FIX_OWNS:
             findings.extend(run_one(chk, facts))
     bad = [f for f in findings if f.severity is Severity.FAIL]
     shown = [f for f in findings if f.severity is not Severity.OK]
