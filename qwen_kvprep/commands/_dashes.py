@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 import click
 
 from qwen_kvprep.errors import UsageError
+from qwen_kvprep.fastpath import ENV_DIR
 
 COMMAND_KEY = "qwen_kvprep.prestart.command"
 DASHES_KEY = "qwen_kvprep.prestart.dashes"
@@ -31,8 +34,16 @@ class CommandAfterDashes(click.Command):
             raise click.UsageError(exc.message + hint, ctx) from None
 
 
-def command_after_dashes(ctx: click.Context) -> list[str]:
-    """CMD, as CommandAfterDashes took it (empty without `--`)."""
+def command_after_dashes(
+    ctx: click.Context, directory: Optional[str]
+) -> tuple[str, list[str]]:
+    """DIR and CMD, as CommandAfterDashes took it (empty without `--`); a usage error
+    without DIR or with nothing after `--`."""
+    if directory is None:
+        raise UsageError(
+            "prestart needs the model directory",
+            fix=f"qwen-kvprep prestart DIR -- CMD ..., or set {ENV_DIR}",
+        )
     command: list[str] = ctx.meta.get(COMMAND_KEY, [])
     if ctx.meta.get(DASHES_KEY) and not command:
         # an image whose CMD is empty: starting nothing and exiting 0 would look like a
@@ -42,4 +53,4 @@ def command_after_dashes(ctx: click.Context) -> list[str]:
             fix="put the server command after `--`: qwen-kvprep prestart DIR -- python3 -m "
             "your_server (in an image: give it a CMD); to only prepare DIR, leave out `--`",
         )
-    return command
+    return directory, command

@@ -6,7 +6,8 @@ from typing import Optional
 
 import click
 
-from qwen_kvprep.commands._common import cache_dir_option, finish, json_option, output_options
+from qwen_kvprep.commands._common import finish, json_option, output_options
+from qwen_kvprep.commands._options import cache_dir_option
 from qwen_kvprep.render import emit, render_demo
 from qwen_kvprep.smoke.progress import wants_progress
 

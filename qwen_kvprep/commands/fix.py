@@ -7,12 +7,12 @@ from typing import Optional
 import click
 
 from qwen_kvprep.commands._common import (
-    cache_dir_option,
-    existing_dir,
+    checkpoint_dir,
     exit_code,
     json_option,
     output_options,
 )
+from qwen_kvprep.commands._options import cache_dir_option
 from qwen_kvprep.errors import UsageError
 from qwen_kvprep.render import print_fix
 from qwen_kvprep.smoke.progress import step_log
@@ -46,8 +46,9 @@ from qwen_kvprep.smoke.progress import step_log
               help="Hub repo for --source hub (default: the repo DIRECTORY is a cache "
               "snapshot of).")
 @click.option("--revision", metavar="REV",
-              help="Branch, tag or commit for --source hub (default: the snapshot's commit, "
-              "else main).")
+              help="Branch, tag or commit: of the repo DIRECTORY names when it is a Hub repo "
+              "id or a Hub cache repo folder (its snapshot in the local Hub cache; default "
+              "main), and for --source hub (default: the snapshot's commit, else main).")
 @click.option("--prebuilt", metavar="SOURCE",
               help="Install a prebuilt extension instead of compiling: SOURCE is a folder "
               "written by `build --export`, a Hub repo ORG/NAME[@REVISION], or a lock file "
@@ -80,13 +81,17 @@ def fix(
     arch: Optional[str],
 ) -> None:
     """Make DIRECTORY's Int8 KV cache work: validate, provide the kernel sources, patch
-    config.json, build the extension, install the loader and prove it."""
+    config.json, build the extension, install the loader and prove it.
+
+    DIRECTORY is the checkpoint folder, or a Hub repo id (ORG/NAME) found in the local Hub
+    cache: fix then prepares its snapshot folder, replacing the links it changes by regular
+    files (the shared blobs are never written)."""
     from qwen_kvprep.steps.fix import FixOptions, run_fix
 
     if force_smoke and no_smoke:
         raise UsageError("--smoke and --no-smoke contradict each other: give one")
     as_json = output_options().as_json
-    path = existing_dir(directory)
+    path, spelt = checkpoint_dir(directory, revision, revision_of_folder=True)
     options = FixOptions(
         dry_run=dry_run, build=not no_build, smoke=not no_smoke, force_smoke=force_smoke,
         fast_path=not no_fast_path, per_token_prefill=per_token_prefill,
@@ -96,7 +101,7 @@ def fix(
         progress=False if as_json else None,
         cache_dir=Path(cache_dir).absolute() if cache_dir else None,
         arch=arch,
-        spelling=directory,
+        spelling=spelt,
         prebuilt=prebuilt,
     )
     # a log (CI, docker build) gets a line a step and a heartbeat; a terminal keeps its own
@@ -106,7 +111,7 @@ def fix(
     finally:
         if log is not None:
             log.close()
-    print_fix(path, output or directory, dry_run, result, as_json)
+    print_fix(path, output or spelt, dry_run, result, as_json)
     sys.exit(exit_code(result.findings))
 
 

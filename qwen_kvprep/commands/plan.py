@@ -5,7 +5,7 @@ from typing import Optional
 
 import click
 
-from qwen_kvprep.commands._common import existing_dir, json_option, output_options
+from qwen_kvprep.commands._common import REVISION_HELP, checkpoint_dir, json_option, output_options
 from qwen_kvprep.errors import UsageError
 from qwen_kvprep.render import emit, render_json
 
@@ -60,6 +60,7 @@ DEFAULT_PROMPT_TOKENS = 1
     help="Also draw the predicted peaks against batch and against tokens into FILE "
     "(.svg, drawn by qwen-kvprep itself; .png needs matplotlib).",
 )
+@click.option("--revision", metavar="REV", help=REVISION_HELP)
 @json_option
 def plan(
     directory: Optional[str],
@@ -71,6 +72,7 @@ def plan(
     prompt_tokens: int,
     prefill_chunk: Optional[int],
     plot: Optional[Path],
+    revision: Optional[str],
 ) -> None:
     """Predict DIRECTORY's peak GPU memory with and without the Int8 KV cache, for each
     batch size and token count, and the largest batch and longest context that fit.
@@ -89,7 +91,7 @@ def plan(
     if directory is None:
         raise UsageError("plan needs the model directory",
                          fix="qwen-kvprep plan DIR --gpu a100-80g (or --gpu-memory 80Gi)")
-    path = existing_dir(directory)
+    path, _ = checkpoint_dir(directory, revision)
     batches, tokens, memory = plan_inputs(
         gpu_name, gpu_memory, batch_list, tokens_list, prompt_tokens, plot
     )

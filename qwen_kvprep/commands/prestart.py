@@ -5,10 +5,10 @@ from typing import NoReturn, Optional
 
 import click
 
-from qwen_kvprep.commands._common import cache_dir_option, existing_dir, output_options
+from qwen_kvprep.commands._common import checkpoint_dir, output_options
 from qwen_kvprep.commands._dashes import CommandAfterDashes, command_after_dashes
+from qwen_kvprep.commands._options import cache_dir_option
 from qwen_kvprep.common import ENV_CACHE
-from qwen_kvprep.errors import UsageError
 from qwen_kvprep.fastpath import (
     ENV_ALLOW_FALLBACK,
     ENV_ARCH,
@@ -56,6 +56,11 @@ from qwen_kvprep.render import prestart_json, report_prestart
     f"build was baked from qwen-kvprep's own, use vendored. [env: {ENV_SOURCE}]",
 )
 @click.option(
+    "--revision", metavar="REV",
+    help="With a Hub repo id (ORG/NAME) or a Hub cache repo folder as DIRECTORY: the branch, "
+    "tag or commit whose snapshot in the local Hub cache to prepare (default main).",
+)
+@click.option(
     "--quiet", "-q", is_flag=True, envvar=ENV_QUIET,
     help=f"Print nothing unless something fails. [env: {ENV_QUIET}=1]",
 )
@@ -69,6 +74,7 @@ def prestart(
     cache_dir: Optional[str],
     arch: Optional[str],
     source: Optional[str],
+    revision: Optional[str],
     quiet: bool,
 ) -> None:
     """Make sure DIRECTORY is prepared, then exec CMD:  prestart DIR [OPTIONS] -- CMD ARGS...
@@ -82,13 +88,8 @@ def prestart(
     starts.
     DIRECTORY may come from $QWEN_KVPREP_DIR.
     """
-    if directory is None:
-        raise UsageError(
-            "prestart needs the model directory",
-            fix=f"qwen-kvprep prestart DIR -- CMD ..., or set {ENV_DIR}",
-        )
-    command = command_after_dashes(ctx)
-    path = existing_dir(directory)
+    given, command = command_after_dashes(ctx, directory)
+    path, _ = checkpoint_dir(given, revision, quiet=quiet)
     run(Request(str(path), output=output, smoke=smoke, allow_fallback=allow_fallback,
                 cache_dir=cache_dir, arch=arch, quiet=quiet, command=command, source=source,
                 as_json=output_options().as_json))

@@ -79,7 +79,7 @@ class Entry(_EntryKeys, total=False):
     adopted: bool  # already there, as fix would write it, when fix first planted it
 
 
-class Identity(TypedDict):
+class FolderIdentity(TypedDict):
     """What identifies a prepared folder: its absolute path and its inode."""
 
     path: str
@@ -91,7 +91,7 @@ class PlantedGroup(TypedDict):
     """The files fix planted below one modules-cache root for one prepared folder."""
 
     root: str  # absolute
-    owner: Identity
+    owner: FolderIdentity
     files: dict[str, Entry]  # relative to root
 
 
@@ -107,7 +107,7 @@ def quote(path: object) -> str:
     return shlex.quote(str(path))
 
 
-def folder_identity(directory: Path) -> Identity:
+def folder_identity(directory: Path) -> FolderIdentity:
     """What identifies a prepared folder: its absolute path and its inode."""
     path = os.path.abspath(directory)
     try:
@@ -118,7 +118,7 @@ def folder_identity(directory: Path) -> Identity:
     return {"path": path, "dev": dev, "ino": ino}
 
 
-def same_folder(owner: Identity, identity: Identity) -> bool:
+def same_folder(owner: FolderIdentity, identity: FolderIdentity) -> bool:
     if owner.get("path") == identity["path"]:
         return True
     return (owner.get("dev"), owner.get("ino")) == (identity["dev"], identity["ino"]) and (
@@ -249,7 +249,7 @@ def _check_table(table: JSON, where: str, version: int) -> dict[str, Entry]:
     return out
 
 
-def _check_owner(owner: JSON, where: str) -> Identity:
+def _check_owner(owner: JSON, where: str) -> FolderIdentity:
     if not isinstance(owner, dict):
         raise Invalid(where, "has no owner")
     path, dev, ino = owner.get("path"), owner.get("dev"), owner.get("ino")

@@ -34,7 +34,7 @@ from qwen_kvprep.journal.reader import (
     ORIGINAL_LIMIT,
     ORIGINALS,
     Entry,
-    Identity,
+    FolderIdentity,
     JournalData,
     Present,
     present_at,
@@ -105,7 +105,7 @@ class RevertPlan:
 
 
 def plan_revert(
-    data: JournalData, root: Path, identity: Identity, modules_root: Path
+    data: JournalData, root: Path, identity: FolderIdentity, modules_root: Path
 ) -> RevertPlan:
     """Check every entry of `data` (the journal of the folder `root`, whose identity is
     `identity`, as read_journal returns it) and decide what revert would do, with this
@@ -119,7 +119,7 @@ def plan_revert(
 
 
 class _Planner:
-    def __init__(self, data: JournalData, root: Path, identity: Identity, here: str) -> None:
+    def __init__(self, data: JournalData, root: Path, identity: FolderIdentity, here: str) -> None:
         self.data = data
         self.root = root
         self.identity = identity
@@ -324,7 +324,9 @@ def read_user_records(folder: Path) -> list[tuple[Path, str]]:
     return found
 
 
-def user_records(folder: Path, identity: Identity, root: Path) -> tuple[list[Path], list[str]]:
+def user_records(
+    folder: Path, identity: FolderIdentity, root: Path
+) -> tuple[list[Path], list[str]]:
     """The records in a modules-cache folder's USERS_DIRNAME: (this folder's own, under
     any spelling of its path: a fix through a symlink and a revert through the real path
     must find each other's; the other folders' paths)."""
@@ -340,7 +342,7 @@ def user_records(folder: Path, identity: Identity, root: Path) -> tuple[list[Pat
 
 
 def inherited(
-    folder: Path, rel: str, digest: str, identity: Identity, root: Path, modules_root: Path
+    folder: Path, rel: str, digest: str, identity: FolderIdentity, root: Path, modules_root: Path
 ) -> Optional[tuple[Entry, Optional[bytes]]]:
     """When the file `rel` (relative to `modules_root`) in the modules-cache `folder`
     holds `digest` because another prepared folder of the same name planted it there:
