@@ -372,12 +372,22 @@ void pv_cuda_gemm(const at::Tensor& vec, const at::Tensor& mat, const at::Tensor
 
 constexpr int64_t kCpuTileL = 256;  // QK: cached tokens per task
 constexpr int64_t kCpuTileQ = 16;   // queries sharing one dequantized row
+// Multiply-adds below which a task is not worth handing to another thread: a decoding step
+// at batch 1 is a few thousand per head, far less than waking the thread pool costs (and on
+// a busy machine a wait for a thread that is not running). Which thread computes an output
+// does not change it: each output is one task's, summed in one order.
+constexpr int64_t kCpuMinTaskWork = int64_t{1} << 15;
+
+int64_t grain_for(int64_t work_per_task) {
+  return std::max<int64_t>(1, kCpuMinTaskWork / std::max<int64_t>(1, work_per_task));
+}
 
 // C: the token capacity of mat's and scales'/zeros' buffers (L when contiguous).
 void qk_cpu(const at::Half* vec, const uint8_t* mat, at::Half* out, const at::Half* scales,
             const at::Half* zeros, int64_t BH, int64_t Q, int64_t D, int64_t L, int64_t C) {
   const int64_t n_ltiles = (L + kCpuTileL - 1) / kCpuTileL;
-  at::parallel_for(0, BH * n_ltiles, 1, [&](int64_t begin, int64_t end) {
+  const int64_t grain = grain_for(Q * D * std::min(kCpuTileL, L));
+  at::parallel_for(0, BH * n_ltiles, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> vf;
     std::vector<float> row(kCpuTileL);
     std::vector<float> zf(kCpuTileL);
@@ -432,7 +442,8 @@ void qk_cpu(const at::Half* vec, const uint8_t* mat, at::Half* out, const at::Ha
 void pv_cpu(const at::Half* vec, const uint8_t* mat, at::Half* out, const at::Half* scales,
             const at::Half* zeros, int64_t BH, int64_t Q, int64_t L, int64_t D, int64_t C) {
   const int64_t n_qtiles = (Q + kCpuTileQ - 1) / kCpuTileQ;
-  at::parallel_for(0, BH * n_qtiles, 1, [&](int64_t begin, int64_t end) {
+  const int64_t grain = grain_for(std::min(kCpuTileQ, Q) * L * D);
+  at::parallel_for(0, BH * n_qtiles, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> row(D);
     std::vector<float> acc(kCpuTileQ * D);
     std::vector<float> w(kCpuTileQ);
