@@ -340,15 +340,8 @@ def _fast_forward_peak(
     # appended in place: new buffers exist only when the forward grows them
     new_cache = per_token * cap_after if grows else 0
     old_logits = batch * fwd.before * shape.vocab * shape.dtype_bytes
-    before, after = _fast_transients(shape, batch, fwd.past, fwd.query, softmax_in_fp32)
-    last_layer = new_cache // shape.layers
-    during = max(
-        new_cache - last_layer + before,
-        new_cache + max(after, _head_transient(shape, batch, fwd.query)),
-    )
-    length = fwd.past + fwd.query
-    fixed = shape.weights_bytes + CUBLAS_WORKSPACE_BYTES + _rotary_bytes(shape, length)
-    return fixed + old_cache + old_logits + during
+    transients = _fast_transients(shape, batch, fwd.past, fwd.query, softmax_in_fp32)
+    return _assembled(shape, batch, fwd, old_cache + old_logits, new_cache, transients)
 
 
 def _forward_peak(
@@ -365,7 +358,17 @@ def _forward_peak(
     new_cache = per_token * (fwd.past + fwd.query) * (2 if unquantized and fwd.past == 0 else 1)
     # the caller's previous output, logits of every position it fed, is alive meanwhile
     old_logits = batch * fwd.before * shape.vocab * shape.dtype_bytes
-    before, after = _layer_transients(shape, mode, batch, fwd.past, fwd.query, softmax_in_fp32)
+    transients = _layer_transients(shape, mode, batch, fwd.past, fwd.query, softmax_in_fp32)
+    return _assembled(shape, batch, fwd, old_cache + old_logits, new_cache, transients)
+
+
+def _assembled(
+    shape: ModelShape, batch: int, fwd: _Forward, held: int, new_cache: int,
+    transients: tuple[int, int],
+) -> int:
+    """A forward's peak from what the caller holds (its past and last logits), the cache
+    the forward makes and the last block's transients (before its cache exists, after)."""
+    before, after = transients
     last_layer = new_cache // shape.layers
     during = max(
         new_cache - last_layer + before,
@@ -373,7 +376,7 @@ def _forward_peak(
     )
     length = fwd.past + fwd.query
     fixed = shape.weights_bytes + CUBLAS_WORKSPACE_BYTES + _rotary_bytes(shape, length)
-    return fixed + old_cache + old_logits + during
+    return fixed + held + during
 
 
 def _forwards(prompt: int, new: int, step: int) -> list[_Forward]:
