@@ -79,10 +79,11 @@ def spelling_problem(spelt: str, transformers_version: Optional[str]) -> Optiona
     return None
 
 
-# The GPTQ backend for Int4 checkpoints, as pyproject.toml's `gptq` extra pins it (README,
-# "Int4 GPTQ checkpoints"): gptqmodel 2.2.0 is its last release that accepts transformers
-# < 4.54, optimum 2.1 and later need a newer gptqmodel. gptqmodel ships only a source
-# archive whose setup.py imports torch, so pip must build it without build isolation;
+# The GPTQ backend for Int4 checkpoints, as pyproject.toml's `gptq` extra pins it
+# (docs/reference.md, "Int4 GPTQ checkpoints"): gptqmodel 2.2.0 is its last release that
+# accepts transformers < 4.54, optimum 2.1 and later need a newer gptqmodel. gptqmodel
+# ships only a source archive whose setup.py imports torch, so pip must build it without
+# build isolation;
 # with no GPU visible (and no TORCH_CUDA_ARCH_LIST) it builds pure Python, which runs
 # on CPU and on CUDA (torch/Triton kernels), and FORCE_BUILD skips its attempt to fetch
 # a prebuilt wheel from GitHub.

@@ -239,6 +239,7 @@ def run_demo(options: DemoOptions, echo: Optional[Echo] = None) -> DemoResult:
                     cache_dir=options.cache_dir,
                     progress=options.progress,
                     smoke_timeout=options.smoke_timeout,
+                    force_smoke=True,  # the demo shows the smoke, even on a kept checkpoint
                 ),
             )
             result.findings = list(fixed.findings)

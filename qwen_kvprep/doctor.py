@@ -29,4 +29,9 @@ def run_doctor(
 ) -> tuple[Facts, list[Finding]]:
     ids = validate_check_ids(check_ids) if check_ids else None
     facts = gather(directory, spelt)
-    return facts, run_checks(facts, ids)
+    findings = run_checks(facts, ids)
+    if ids is None:
+        from qwen_kvprep.steps.prebuilt import doctor_findings
+
+        findings += doctor_findings(directory)
+    return facts, findings

@@ -12,6 +12,7 @@ import json
 import os
 import sys
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import IO, TYPE_CHECKING, Optional, Protocol, TypedDict, cast
 
 from qwen_kvprep import __version__
@@ -50,6 +51,7 @@ _AREA_TITLE = {
     "config": "config.json",
     "kernels": "Kernel sources",
     "build": "Build",
+    "prebuilt": "Prebuilt kernels",
     "fastkv": "Fast path (modeling_qwen.py)",
     "modules": "Modules cache",
     "state": "Recorded state (.qwen-kvprep)",
@@ -287,6 +289,49 @@ def fix_fields(
     if dry_run:
         fields["would_write"] = [{"path": str(p.path), "bytes": len(p.new)} for p in planned]
     return fields
+
+
+@dataclass(frozen=True)
+class FixVerdict:
+    """How `fix` ended, in one word for --json and one sentence, and what to run next."""
+
+    verdict: str  # "ready" | "unproven" | "not_ready" | "dry_run"
+    text: str
+    next: str
+
+    def render(self) -> str:
+        return f"Result: {self.text}\nNext: {self.next}"
+
+
+def fix_verdict(
+    spelt: str, findings: Sequence[Finding], extra: Mapping[str, object], dry_run: bool
+) -> FixVerdict:
+    """`spelt`: the folder to serve (DIR, or OUT with --output), as the user wrote it."""
+    import shlex
+
+    where = shlex.quote(spelt)
+    prestart = f"qwen-kvprep prestart {where} -- <your server command>"
+    if dry_run:
+        return FixVerdict("dry_run", "dry run, nothing was written", f"qwen-kvprep fix {where}")
+    failures = [f for f in findings if f.severity is Severity.FAIL]
+    if failures:
+        return FixVerdict(
+            "not_ready",
+            f"NOT ready: {len(failures)} failure(s) above ({', '.join(f.id for f in failures)})",
+            failures[0].fix or f"qwen-kvprep doctor {where}",
+        )
+    smoke = extra.get("smoke")
+    if not isinstance(smoke, Mapping) or smoke.get("ok") is not True:
+        return FixVerdict(
+            "unproven",
+            "prepared but not proven: the smoke test did not run (--no-smoke)",
+            f"qwen-kvprep smoke {where}, then {prestart}",
+        )
+    if extra.get("smoke_from_state"):
+        text = "ready: nothing changed since the smoke passed (nothing written, nothing loaded)"
+    else:
+        text = f"ready: the Int8 KV cache works (smoke passed on {smoke.get('device')})"
+    return FixVerdict("ready", text, prestart)
 
 
 # -- revert ------------------------------------------------------------------------------

@@ -25,6 +25,12 @@ TEMPLATES = {
     "entrypoint": "entrypoint.sh.tmpl",
     "k8s": "k8s.yaml.tmpl",
 }
+# kind -> template file for --prebuilt (no nvcc in the image, no shared build cache)
+PREBUILT_TEMPLATES = {
+    "docker": "Dockerfile.prebuilt.tmpl",
+    "k8s": "k8s.prebuilt.yaml.tmpl",
+}
+LOCKED_AT = "/opt/qwen-kvprep"  # where the docker template copies a lock file
 DEFAULT_MODEL_DIR = "/models/Qwen-7B-Chat"
 # One cubin per major covers the family (8.0 runs on A10/L4/L40 too); PTX on the newest
 # lets later GPUs JIT it. V100/T4 need 7.0 added (with CUDA 12.x: CUDA 13 dropped Volta).
@@ -42,6 +48,11 @@ _SAFE = {
     "image": re.compile(r"^[A-Za-z0-9_./:@-]+$"),
     "version": re.compile(r"^[0-9][A-Za-z0-9_.+-]*$"),
     "name": re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$"),
+    # a Hub repo ORG/NAME[@REVISION], or a lock file beside the Dockerfile
+    "prebuilt": re.compile(
+        r"^(?:[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*(?:@[A-Za-z0-9_.-]+)?"
+        r"|[A-Za-z0-9][A-Za-z0-9_.-]*\.json)$"
+    ),
 }
 
 
@@ -116,6 +127,7 @@ def variables(
     torch: str = DEFAULT_TORCH,
     name: Optional[str] = None,
     replicas: int = 2,
+    prebuilt: Optional[str] = None,
 ) -> dict[str, str]:
     """Every $name the templates use, validated."""
     model_dir = _checked("path", "--model-dir", model_dir.rstrip("/") or "/")
@@ -141,6 +153,7 @@ def variables(
         output_export = f"# read-only MODEL_DIR: export QWEN_KVPREP_OUTPUT={hint}"
     cuda = _checked("version", "--cuda", cuda)
     return {
+        **_prebuilt_variables(prebuilt),
         "tool_version": __version__,
         "wheel_name": wheel_name(),
         "wheel_command": wheel_command(),
@@ -162,6 +175,30 @@ def variables(
     }
 
 
+def _prebuilt_variables(prebuilt: Optional[str]) -> dict[str, str]:
+    """$prebuilt_source (what fix and prestart are given), $prebuilt_where (for people),
+    $prebuilt_copy and $prebuilt_context (a lock file is copied into the image)."""
+    if prebuilt is None:
+        return {}
+    prebuilt = _checked("prebuilt", "--prebuilt", prebuilt)
+    if prebuilt.endswith(".json"):
+        inside = f"{LOCKED_AT}/{prebuilt}"
+        return {
+            "prebuilt_source": inside,
+            "prebuilt_where": f"the Hub repo pinned by the lock file {prebuilt}",
+            "prebuilt_copy": f"COPY {prebuilt} {inside}",
+            "prebuilt_context": f" and the lock file {prebuilt} (`qwen-kvprep build --lock "
+            f"ORG/NAME --lock-file {prebuilt}`)",
+        }
+    return {
+        "prebuilt_source": prebuilt,
+        "prebuilt_where": f"the Hub repo {prebuilt}",
+        "prebuilt_copy": "# (to pin the repo's revision and digests: `qwen-kvprep build --lock "
+        f"{prebuilt}` and render with --prebuilt kvprep.lock.json)",
+        "prebuilt_context": "",
+    }
+
+
 class TemplateOptions(TypedDict, total=False):
     """The keyword arguments of `render`: those of `variables` after `kind`."""
 
@@ -174,12 +211,22 @@ class TemplateOptions(TypedDict, total=False):
     torch: str
     name: Optional[str]
     replicas: int
+    prebuilt: Optional[str]
 
 
 def render(kind: str, **options: Unpack[TemplateOptions]) -> str:
     from qwen_kvprep.resources import templates_dir
 
-    text = (templates_dir() / TEMPLATES[kind]).read_text(encoding="utf-8")
+    files = TEMPLATES
+    if options.get("prebuilt") is not None:
+        if kind not in PREBUILT_TEMPLATES:
+            raise UsageError(
+                f"--prebuilt is for {' and '.join(PREBUILT_TEMPLATES)}; the {kind} template "
+                "reads QWEN_KVPREP_PREBUILT from the environment instead",
+                fix="drop --prebuilt (and set QWEN_KVPREP_PREBUILT where it runs)",
+            )
+        files = PREBUILT_TEMPLATES
+    text = (templates_dir() / files[kind]).read_text(encoding="utf-8")
     # substitute (not safe_substitute): a $name the code does not provide is a bug here,
     # not something to ship to a user's Dockerfile.
     return string.Template(text).substitute(variables(kind, **options))

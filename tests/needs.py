@@ -29,7 +29,7 @@ KINDS = {
     "non-root": "a user that file permissions apply to",
     "tool": "a system tool (nm, setpriv, a C++20 compiler, /proc of other processes)",
     "env": "an environment variable left unset",
-    "gptq": "the GPTQ backend of the `gptq` extra (optimum and gptqmodel; README, Int4 GPTQ)",
+    "gptq": "the GPTQ backend of the `gptq` extra (optimum and gptqmodel; docs/reference.md)",
 }
 ENV_ALLOWED = "QWEN_KVPREP_TEST_ALLOWED_SKIPS"
 PREFIX = "needs "

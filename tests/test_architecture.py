@@ -28,6 +28,7 @@ LAYERS: dict[str, int] = {
     "qwen_kvprep.findings": BASE,
     "qwen_kvprep.jsontypes": BASE,
     "qwen_kvprep.hubcli": BASE,
+    "qwen_kvprep.hubcache": BASE,
     "qwen_kvprep.untrusted": BASE,
     "qwen_kvprep.fsutil": BASE,
     "qwen_kvprep.redact": BASE,

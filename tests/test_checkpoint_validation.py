@@ -554,8 +554,10 @@ def _config_findings(d: Path, **overrides: Any) -> dict[str, Finding]:
     ("quant", "kernel", "flash", "kv", "fa"),
     [
         (None, None, None, Severity.WARN, Severity.INFO),  # the original config: all absent
-        (False, True, False, Severity.WARN, Severity.OK),  # kernel without quantization
-        (True, False, False, Severity.WARN, Severity.OK),  # slow fallback
+        # one flag without the other: a server would not run the Int8 cache through the
+        # kernel although the config asks for it (doctor exits 1)
+        (False, True, False, Severity.FAIL, Severity.OK),  # kernel without quantization
+        (True, False, False, Severity.FAIL, Severity.OK),  # slow fallback
         (True, True, None, Severity.OK, Severity.FAIL),  # flash absent = "auto"
         (True, True, "auto", Severity.OK, Severity.FAIL),
         (True, True, True, Severity.OK, Severity.FAIL),
@@ -572,14 +574,16 @@ def test_kv_flags(
     assert f["config.flash_attn"].severity is fa, f["config.flash_attn"]
     if fa is Severity.FAIL:
         assert "'tuple' object has no attribute 'dtype'" in f["config.flash_attn"].message
-    if kv is Severity.WARN:
+    if kv is not Severity.OK:
         assert f["config.kv_cache"].fix == f"qwen-kvprep fix {ckpt}"
 
 
 def test_not_a_qwen_v1_config(ckpt: Path) -> None:
+    # checkpoint.identity says what it is; the config checks have nothing to add
     f = _config_findings(ckpt, model_type="qwen2")
-    assert f["config.parse"].severity is Severity.FAIL
-    assert "qwen2" in f["config.parse"].message
+    assert f["config.parse"].severity is Severity.SKIP
+    (identity,) = [x for x in direct(ckpt) if x.id == "checkpoint.identity"]
+    assert identity.severity is Severity.FAIL and '"qwen2"' in identity.message
 
 
 # -- safetensors headers, unit level ---------------------------------------------------------

@@ -105,6 +105,16 @@ def test_fix_installs_it_and_revert_restores_the_model_code(ckpt: Path) -> None:
     assert not (ckpt / FAST_FILE).exists()
 
 
+def test_fix_repairs_a_lost_fast_module_and_speaks_only_of_what_it_did(ckpt: Path) -> None:
+    first = _fix(str(ckpt))
+    # doctor's view of the model code, taken before fix's own step, is not fix's to report
+    assert "checkpoint.fast_path" not in [f["id"] for f in first["findings"]]
+    (ckpt / FAST_FILE).unlink()  # the import stays in modeling_qwen.py: doctor fails this
+    again = _fix(str(ckpt))
+    assert "checkpoint.fast_path" not in [f["id"] for f in again["findings"]]
+    assert (ckpt / FAST_FILE).read_bytes() == (templates_dir() / FAST_FILE).read_bytes()
+
+
 def test_dry_run_shows_the_change_and_writes_nothing(ckpt: Path) -> None:
     original = (ckpt / MODELING_FILE).read_bytes()
     done = invoke("fix", str(ckpt), "--dry-run", "--no-build", "--no-smoke")
@@ -135,7 +145,9 @@ def test_an_unrecognised_revision_is_left_alone_with_the_reason(ckpt: Path) -> N
     doc = _fix(str(ckpt))
     finding = _finding(doc, "fastkv.model_code")
     assert finding["severity"] == "warn"
-    assert "rotary_pos_emb" in finding["message"] and finding["fix"]
+    assert "rotary_pos_emb" in finding["message"]
+    # the command that fetches the final revision, for this folder
+    assert f"download REPO {MODELING_FILE} --local-dir {ckpt}" in finding["fix"]
     assert path.read_text(encoding="utf-8") == older
     assert not (ckpt / FAST_FILE).exists()
 

@@ -10,6 +10,7 @@ the Hub does, which is how huggingface_hub tells a missing repo from a missing f
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
 import threading
@@ -56,6 +57,8 @@ HTML = b"<!DOCTYPE html>\n<html><head><title>Sign in</title></head><body>proxy</
 HUB_RETRIES = [1, 2, 4, 8, 8] if Version(huggingface_hub.__version__) >= Version("0.31") else []
 
 _ROUTE = re.compile(r"^/(?P<repo>[^/]+/[^/]+)/resolve/(?P<rev>[^/]+)/(?P<file>[^?]+)")
+# What snapshot_download asks first: the repo's file list at a revision (HfApi.repo_info).
+_API = re.compile(r"^/api/models/(?P<repo>[^/]+/[^/]+)/revision/(?P<rev>[^/?]+)")
 
 
 @dataclass
@@ -72,6 +75,7 @@ class FakeHub:
         self.requests: list[tuple[str, str]] = []
         self.sleeps: list[float] = []  # huggingface_hub's back-off waits, not slept
         self.endpoint = ""
+        self.listings: dict[tuple[str, str], list[str]] = {}
         self._lock = threading.Lock()
 
     def serve(self, files: dict[str, bytes], repo: str = REPO, revision: str = "main") -> None:
@@ -82,7 +86,24 @@ class FakeHub:
                 {"ETag": f'"{hashlib.sha256(body).hexdigest()}"', "X-Repo-Commit": COMMIT},
             )
 
+    def serve_repo(self, files: dict[str, bytes], repo: str = REPO) -> None:
+        """A whole repo for snapshot_download: its file list and every file, at `main`
+        and at the commit `main` resolves to."""
+        for revision in ("main", COMMIT):
+            self.serve(files, repo, revision)
+            self.listings[(repo, revision)] = sorted(files)
+
     def reply_for(self, path: str) -> Reply:
+        api = _API.match(path)
+        if api is not None:
+            names = self.listings.get((unquote(api["repo"]), unquote(api["rev"])))
+            if names is None:
+                return Reply(401, b"Repository not found", {"X-Error-Code": "RepoNotFound"})
+            body = json.dumps(
+                {"id": unquote(api["repo"]), "sha": COMMIT,
+                 "siblings": [{"rfilename": n} for n in names]}
+            ).encode()
+            return Reply(200, body, {"Content-Type": "application/json"})
         m = _ROUTE.match(path)
         if m is None:
             return Reply(404, b"not a resolve URL")

@@ -16,6 +16,8 @@ from qwen_kvprep.checks import kernels as kernel_checks
 from qwen_kvprep.errors import SourceError, UsageError
 from qwen_kvprep.findings import Finding, Severity, as_list
 from qwen_kvprep.journal import Journal
+from qwen_kvprep.jsontypes import JSON
+from qwen_kvprep.probe.checkpoint import CheckpointFacts
 from qwen_kvprep.probe.facts import Facts
 from qwen_kvprep.steps import sources
 from qwen_kvprep.steps.context import FixContext, FixOptions
@@ -279,9 +281,15 @@ def _facts(
     kernel_sources: Optional[dict[str, Optional[str]]] = None,
     torch: Optional[tuple[Optional[str], Optional[str]]] = None,
     module_files: Optional[dict[str, Optional[str]]] = None,
+    config: Optional[dict[str, JSON]] = None,
 ) -> Facts:
     cp = (
-        SimpleNamespace(path=Path("/models/q"), kernel_sources=kernel_sources)
+        CheckpointFacts(
+            path=Path("/models/q"),
+            name="q",
+            config={"model_type": "qwen", **(config or {})},
+            kernel_sources=kernel_sources,
+        )
         if kernel_sources is not None
         else None
     )
@@ -334,6 +342,22 @@ def test_kernels_sources_check(
     assert words in f.message
     if severity is Severity.WARN:
         assert "qwen-kvprep fix /models/q" in (f.fix or "")
+
+
+KERNEL_ON: dict[str, JSON] = {"use_cache_quantization": True, "use_cache_kernel": True}
+
+
+@pytest.mark.parametrize("held", [NONE, {CPP_NAME: _sha(b"x"), CU_NAME: None}])
+def test_kernels_sources_check_fails_where_the_config_asks_for_the_kernel(
+    held: dict[str, Optional[str]],
+) -> None:
+    # a server started now would silently run the slow path: doctor exits 1
+    (f,) = sources_check(_facts(held, config=KERNEL_ON))
+    assert f.severity is Severity.FAIL, f
+    assert "a server started now silently runs without the kernel" in f.message
+    assert f.fix == "qwen-kvprep fix /models/q"
+    (good,) = sources_check(_facts(_hashes(OURS), config=KERNEL_ON))
+    assert good.severity is Severity.OK
 
 
 def test_kernels_sources_check_modified_names_the_hash() -> None:

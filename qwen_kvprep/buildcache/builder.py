@@ -162,9 +162,36 @@ def plan_build(sources: Mapping[str, bytes], arch: Optional[str] = None) -> Buil
             )
     cuda = nvcc is not None
     names = sorted(n for n in sources if n in KERNEL_FILES)
+    inputs = abi_inputs(
+        {n: sha256_bytes(sources[n]) for n in names}, tinfo, arch_list, nvcc
+    )
+    return BuildPlan(
+        key=build_key(inputs),
+        inputs=inputs,
+        sources={n: sources[n] for n in names},
+        cuda=cuda,
+        mode=mode,
+        torch=tinfo,
+        nvcc=nvcc,
+        arch_list=arch_list,
+        arch_origin=origin,
+        covers=covers,
+    )
+
+
+def abi_inputs(
+    source_hashes: Mapping[str, str],
+    tinfo: TorchInfo,
+    arch_list: tuple[str, ...] = (),
+    nvcc: Optional[NvccInfo] = None,
+) -> BuildInputs:
+    """The inputs (and so the key) of a build of these sources with this torch: a CUDA
+    build with `nvcc`, else a CPU-only one. A prebuilt CPU variant matches a machine
+    exactly when its key equals the key of these inputs (nothing is probed but torch)."""
+    cuda = nvcc is not None
     std = f"-std={tinfo.cxx_std}"
-    inputs: BuildInputs = {
-        "sources": {n: sha256_bytes(sources[n]) for n in names},
+    return {
+        "sources": dict(sorted(source_hashes.items())),
         "flags": {
             "cflags": [*CFLAGS, std],
             "cuda_cflags": (
@@ -181,18 +208,6 @@ def plan_build(sources: Mapping[str, bytes], arch: Optional[str] = None) -> Buil
         "nvcc": nvcc.version if nvcc else None,
         "tool_version": __version__,
     }
-    return BuildPlan(
-        key=build_key(inputs),
-        inputs=inputs,
-        sources={n: sources[n] for n in names},
-        cuda=cuda,
-        mode=mode,
-        torch=tinfo,
-        nvcc=nvcc,
-        arch_list=arch_list,
-        arch_origin=origin,
-        covers=covers,
-    )
 
 
 # What torch.utils.cpp_extension gives nvcc for every .cu (its COMMON_NVCC_FLAGS), for
@@ -263,6 +278,23 @@ _RUNTIME_INPUTS = ("sources", "torch", "torch_cuda", "cxx11_abi", "python_tag", 
                    "tool_version")
 
 
+def not_loadable(
+    manifest: Manifest, wanted: BuildInputs, gpus: tuple[tuple[int, int], ...]
+) -> Optional[str]:
+    """Why a CUDA build cannot serve a process whose build inputs would be `wanted` (the
+    first runtime input that differs, or a visible GPU its architectures miss), or None."""
+    planned: Mapping[str, object] = wanted
+    runtime: Mapping[str, object] = manifest["inputs"]
+    for name in _RUNTIME_INPUTS:
+        if runtime.get(name) != planned[name]:
+            return f"{name} is {runtime.get(name)!r}, this machine has {planned[name]!r}"
+    arch_list = manifest["inputs"].get("arch_list") or []
+    for cap in gpus:
+        if not archmod.covers(arch_list, cap):
+            return f"its architectures {';'.join(arch_list)} do not run on GPU {cap[0]}.{cap[1]}"
+    return None
+
+
 def find_compatible(
     layout: CacheLayout, plan: BuildPlan, gpus: tuple[tuple[int, int], ...]
 ) -> Optional[BuildResult]:
@@ -272,15 +304,8 @@ def find_compatible(
     image) or where the default architecture list differs (the visible GPU) must reuse
     that build rather than fall back to a CPU-only one or compile again.
     """
-    planned: Mapping[str, object] = plan.inputs
-    wanted = {k: planned[k] for k in _RUNTIME_INPUTS}
     for folder, manifest in list_builds(layout.builds):
-        inputs = manifest["inputs"]
-        runtime: Mapping[str, object] = inputs
-        if not manifest.get("cuda") or any(runtime.get(k) != v for k, v in wanted.items()):
-            continue
-        arch_list = inputs.get("arch_list") or []
-        if not all(archmod.covers(arch_list, cap) for cap in gpus):
+        if not manifest.get("cuda") or not_loadable(manifest, plan.inputs, gpus) is not None:
             continue
         if problem(folder, manifest) is None:
             key = manifest["key"]
@@ -346,7 +371,12 @@ def _compile(plan: BuildPlan, layout: CacheLayout, waited: float, notify: Notify
             # torch guesses CUDA_HOME from `which nvcc`, wrong for wrapper scripts.
             env["CUDA_HOME"] = str(plan.nvcc.cuda_home)
             env["TORCH_CUDA_ARCH_LIST"] = ";".join(plan.arch_list)
-        notify(f"compiling the extension ({plan.mode}; {jobs} job(s): {jobs_why}); log: {log_path}")
+        # the staging folder goes away: name where the log stays (in the build, or in logs/)
+        kept = layout.build_dir(plan.key) / BUILD_LOG
+        notify(
+            f"compiling the extension ({plan.mode}; {jobs} job(s): {jobs_why}); log: "
+            f"{log_path} while it runs, kept as {kept} (a failed build's in {layout.logs})"
+        )
         start = time.monotonic()
         with open(log_path, "wb") as log:
             log.write(

@@ -149,6 +149,12 @@ def _is_manifest(data: JSON) -> TypeGuard[Manifest]:
     )
 
 
+def parse_manifest(data: JSON) -> Optional[Manifest]:
+    """`data` as a manifest when it is one this version can use (a prebuilt variant's
+    metadata carries one), else None."""
+    return data if _is_manifest(data) else None
+
+
 def read_manifest(build_dir: Path) -> Optional[Manifest]:
     """The parsed manifest, or None if it is missing, unreadable or not ours."""
     try:

@@ -7,9 +7,11 @@ import shlex
 from typing import Optional
 
 from qwen_kvprep.buildcache.arch import covers
+from qwen_kvprep.checks.kernels import kernel_requested
 from qwen_kvprep.checks.registry import (
     CACHES,
     GIVEN_CHECKPOINT,
+    QWEN_V1,
     TORCH,
     caches_of,
     check,
@@ -289,13 +291,6 @@ def modules_cache(facts: Facts) -> FindingsLike:
     )
 
 
-def _quant_requested(facts: Facts) -> Optional[bool]:
-    cfg = getattr(facts.checkpoint, "config", None)
-    if not isinstance(cfg, dict):
-        return None
-    return cfg.get("use_cache_quantization") is True and cfg.get("use_cache_kernel") is True
-
-
 def _state_folder(caches: CacheFacts) -> Optional[str]:
     modules = caches.state.get("modules") if caches.state else None
     folder = modules.get("folder") if isinstance(modules, dict) else None
@@ -375,14 +370,14 @@ def _judge_folder(facts: Facts, mf: ModuleFolder, requested: bool) -> Finding:
 @check(
     "modules.folder",
     "The checkpoint's modules-cache folder holds the kernel sources and loader",
-    needs=(CACHES, GIVEN_CHECKPOINT),
+    needs=(CACHES, GIVEN_CHECKPOINT, QWEN_V1),
 )
 def modules_folder(facts: Facts) -> FindingsLike:
     caches = caches_of(facts)
     cp = checkpoint_of(facts)
     if not caches.module_folders:
         return skip("the modules-cache folder could not be determined")
-    requested = bool(_quant_requested(facts))
+    requested = kernel_requested(facts)
     existing = [mf for mf in caches.module_folders if mf.exists]
     planted = _state_folder(caches)
     primary = caches.module_folders[0]

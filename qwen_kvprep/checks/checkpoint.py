@@ -14,9 +14,11 @@ from pathlib import Path, PurePosixPath
 from typing import Optional, Union
 
 from qwen_kvprep import hubcli
+from qwen_kvprep.checks.identity import Kind, identify
 from qwen_kvprep.checks.registry import (
     CHECKPOINT,
     LISTED,
+    QWEN_V1,
     check,
     checkpoint_of,
     fail,
@@ -146,7 +148,119 @@ CheckResult = Union[Finding, list[Finding]]
 # -- checks -------------------------------------------------------------------------------------
 
 
-@check("checkpoint.files", "Required files are present", needs=(CHECKPOINT,))
+# -- what the folder is ----------------------------------------------------------------------
+
+# For a model qwen-kvprep does not prepare: what shrinks its KV cache instead.
+KV_ELSEWHERE = (
+    "the serving engine's own KV-cache quantization (vLLM: `--kv-cache-dtype fp8`), or "
+    "transformers' QuantizedCache (`model.generate(..., cache_implementation=\"quantized\", "
+    "cache_config={\"backend\": \"quanto\", \"nbits\": 4})`)"
+)
+_QWEN_V1_MODELS = (
+    f"{PLACEHOLDER_REPO}, Qwen/Qwen-1_8B-Chat, Qwen/Qwen-14B-Chat, Qwen/Qwen-72B-Chat or their "
+    "-Int4 variants"
+)
+
+
+def _snapshot_words(cp: CheckpointFacts) -> str:
+    return (
+        f"; a Hub cache snapshot of {cp.repo_id} at {cp.revision}: fix replaces each file it "
+        "changes by a regular file and never writes through the links into the blobs the "
+        "cache's revisions share" if cp.repo_id else ""
+    )
+
+
+@check("checkpoint.identity", "The folder is a Qwen (v1) checkpoint", needs=(CHECKPOINT,))
+def identity(facts: Facts) -> CheckResult:
+    cp = checkpoint_of(facts)
+    found = identify(cp)
+    here = shlex.quote(str(cp.path))
+    kind = found.kind
+    if kind is Kind.UNREADABLE:
+        return skip("the folder cannot be listed (see checkpoint.files)")
+    if kind is Kind.QWEN_V1:
+        return ok(
+            f"a Qwen (v1) checkpoint{_snapshot_words(cp)}", paths=[cp.path], kind=kind.value
+        )
+    if kind is Kind.QWEN_V1_GPTQ:
+        return ok(
+            f"a Qwen (v1) Int4 GPTQ checkpoint{_snapshot_words(cp)}",
+            paths=[cp.path], kind=kind.value,
+        )
+    if kind is Kind.HUB_REPO:
+        return _hub_repo(cp)
+    if kind is Kind.EMPTY:
+        return fail(
+            f"{cp.path} is empty: there is no checkpoint here yet",
+            f"download the whole model into it: {hubcli.download()} {PLACEHOLDER_REPO} "
+            f"--local-dir {here}  (or another Qwen (v1) model: {_QWEN_V1_MODELS}), "
+            f"then `qwen-kvprep fix {here}`",
+            paths=[cp.path], kind=kind.value,
+        )
+    if kind is Kind.CONFIG_UNREADABLE:
+        return info(
+            f"{CONFIG} does not parse (see config.parse) and the folder holds none of Qwen's "
+            "files, so what model it is cannot be told until it does",
+            paths=[cp.path / CONFIG], kind=kind.value,
+        )
+    if kind is Kind.UNKNOWN:
+        return fail(
+            f"{cp.path} holds no {CONFIG} and none of Qwen's files "
+            f"({MODELING}, {TIKTOKEN}): it is not a model checkpoint folder",
+            "give the folder that holds the checkpoint's config.json, or download a Qwen (v1) "
+            f"model into an empty folder: {hubcli.download()} {PLACEHOLDER_REPO} --local-dir DIR",
+            paths=[cp.path], kind=kind.value,
+        )
+    shown = f'model_type "{found.model_type}"' if found.model_type else "no model_type"
+    if kind is Kind.QWEN2:
+        return fail(
+            f"{CONFIG} has {shown}: a Qwen1.5/Qwen2/Qwen2.5 checkpoint, which runs on "
+            "transformers' own Qwen2 code. That code has no Int8 KV cache (no "
+            "use_cache_quantization, no kernel), and qwen-kvprep prepares only Qwen (v1) "
+            "checkpoints (model_type \"qwen\"): nothing here applies to this folder",
+            f"leave the folder as it is; for a smaller KV cache use {KV_ELSEWHERE}",
+            paths=[cp.path / CONFIG], kind=kind.value, model_type=found.model_type,
+        )
+    return fail(
+        f"{CONFIG} has {shown}: not a Qwen (v1) checkpoint, the only kind qwen-kvprep "
+        "prepares (model_type \"qwen\", with Qwen's remote code and its Int8 KV cache)",
+        f"leave the folder as it is; for a smaller KV cache use {KV_ELSEWHERE}. For a Qwen "
+        f"(v1) model give its folder, or its repo id: {_QWEN_V1_MODELS}",
+        paths=[cp.path / CONFIG], kind=kind.value, model_type=found.model_type,
+    )
+
+
+def _hub_repo(cp: CheckpointFacts) -> Finding:
+    """A huggingface_hub cache repo folder: the checkpoint is one of its snapshots."""
+    repo = cp.cache_repo or PLACEHOLDER_REPO
+    snaps = [cp.path / "snapshots" / s for s in cp.cache_snapshots]
+    message = (
+        f"{cp.path} is the Hugging Face cache folder of {repo} (blobs/, refs/, snapshots/), "
+        "not a checkpoint: each snapshot in it is one"
+    )
+    refs = dict(cp.cache_refs)
+    if not snaps:
+        return fail(
+            message + ", and it holds none",
+            f"download it: {hubcli.download()} {repo}, then `qwen-kvprep fix {repo}`",
+            paths=[cp.path], kind=Kind.HUB_REPO.value, repo_id=repo,
+        )
+    named = ", ".join(f"{ref} -> {commit[:12]}" for ref, commit in sorted(refs.items()))
+    if len(snaps) == 1:
+        fix = f"qwen-kvprep fix {shlex.quote(str(snaps[0]))}"
+    else:
+        fix = (
+            f"give one snapshot folder: {', '.join(shlex.quote(str(s)) for s in snaps)}; or the "
+            f"repo id with its revision: `qwen-kvprep fix {repo} --revision REV`"
+        )
+    return fail(
+        message + (f" (refs: {named}, and no main among them)" if "main" not in refs else ""),
+        fix, paths=[cp.path], kind=Kind.HUB_REPO.value, repo_id=repo,
+        snapshots=[str(s) for s in snaps],
+    )
+
+
+@check("checkpoint.files", "Required files are present", needs=(CHECKPOINT, QWEN_V1))
 def files(facts: Facts) -> CheckResult:
     cp = checkpoint_of(facts)
     if cp.listing_error is not None:
@@ -251,7 +365,7 @@ def _weights_findings(cp: CheckpointFacts) -> list[Finding]:
 @check(
     "checkpoint.remote_code",
     "The remote code supports the Int8 KV cache",
-    needs=(CHECKPOINT, LISTED),
+    needs=(CHECKPOINT, LISTED, QWEN_V1),
 )
 def remote_code(facts: Facts) -> CheckResult:
     cp = checkpoint_of(facts)
@@ -279,7 +393,7 @@ def remote_code(facts: Facts) -> CheckResult:
 @check(
     "checkpoint.fast_path",
     "The Int8 cache runs qwen-kvprep's fast path (no per-step copy of the cache)",
-    needs=(CHECKPOINT, LISTED),
+    needs=(CHECKPOINT, LISTED, QWEN_V1),
 )
 def fast_path(facts: Facts) -> CheckResult:
     cp = checkpoint_of(facts)
@@ -358,7 +472,7 @@ def _symptom(kind: str, suffix: str) -> str:
 @check(
     "checkpoint.content",
     "No file is an LFS pointer, an HTML page or empty",
-    needs=(CHECKPOINT, LISTED),
+    needs=(CHECKPOINT, LISTED, QWEN_V1),
 )
 def content(facts: Facts) -> CheckResult:
     cp = checkpoint_of(facts)
@@ -396,7 +510,7 @@ def content(facts: Facts) -> CheckResult:
 @check(
     "checkpoint.shards",
     "Every safetensors shard is complete (headers only)",
-    needs=(CHECKPOINT, LISTED),
+    needs=(CHECKPOINT, LISTED, QWEN_V1),
 )
 def shards(facts: Facts) -> CheckResult:
     cp = checkpoint_of(facts)
@@ -423,7 +537,7 @@ def shards(facts: Facts) -> CheckResult:
 @check(
     "checkpoint.index",
     "The weight index is safe and matches the shards",
-    needs=(CHECKPOINT, LISTED),
+    needs=(CHECKPOINT, LISTED, QWEN_V1),
 )
 def index(facts: Facts) -> CheckResult:
     cp = checkpoint_of(facts)
@@ -502,7 +616,7 @@ def _index_vs_shards(cp: CheckpointFacts) -> tuple[list[Finding], bool]:
     return out, True
 
 
-@check("checkpoint.tokenizer", "qwen.tiktoken parses", needs=(CHECKPOINT, LISTED))
+@check("checkpoint.tokenizer", "qwen.tiktoken parses", needs=(CHECKPOINT, LISTED, QWEN_V1))
 def tokenizer(facts: Facts) -> CheckResult:
     cp = checkpoint_of(facts)
     if TIKTOKEN not in cp.files or cp.problem(TIKTOKEN) is not None:
@@ -520,7 +634,7 @@ def tokenizer(facts: Facts) -> CheckResult:
 @check(
     "checkpoint.dirname",
     "The directory name can be a Python module name",
-    needs=(CHECKPOINT, LISTED),
+    needs=(CHECKPOINT, LISTED, QWEN_V1),
 )
 def dirname(facts: Facts) -> CheckResult:
     cp = checkpoint_of(facts)
@@ -551,7 +665,11 @@ def dirname(facts: Facts) -> CheckResult:
     )
 
 
-@check("checkpoint.gptq", "GPTQ Int4 checkpoints are recognised", needs=(CHECKPOINT, LISTED))
+@check(
+    "checkpoint.gptq",
+    "GPTQ Int4 checkpoints are recognised",
+    needs=(CHECKPOINT, LISTED, QWEN_V1),
+)
 def gptq(facts: Facts) -> CheckResult:
     cp = checkpoint_of(facts)
     if not cp.gptq:
@@ -571,7 +689,7 @@ _PIP_NAME = {"transformers_stream_generator": "transformers-stream-generator", "
 @check(
     "checkpoint.requirements",
     "The remote code's imports are installed",
-    needs=(CHECKPOINT, LISTED),
+    needs=(CHECKPOINT, LISTED, QWEN_V1),
 )
 def requirements(facts: Facts) -> CheckResult:
     cp = checkpoint_of(facts)

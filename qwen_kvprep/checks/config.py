@@ -16,7 +16,9 @@ from typing import TYPE_CHECKING, Union
 from qwen_kvprep.checks.checkpoint import redownload
 from qwen_kvprep.checks.registry import (
     CHECKPOINT,
+    CONFIG_JUDGED,
     CONFIG_PARSED,
+    QWEN_V1,
     check,
     checkpoint_of,
     fail,
@@ -42,7 +44,7 @@ DEFAULTS: dict[str, JSON] = {
 
 def _config(facts: Facts) -> tuple[CheckpointFacts, dict[str, JSON]]:
     cp = checkpoint_of(facts)
-    assert cp.config is not None, "declare needs=(CHECKPOINT, CONFIG_PARSED)"
+    assert cp.config is not None, "declare needs=(CHECKPOINT, QWEN_V1, CONFIG_PARSED)"
     return cp, cp.config
 
 
@@ -56,7 +58,11 @@ def _fix_cmd(cp: CheckpointFacts) -> str:
     return f"qwen-kvprep fix {shlex.quote(str(cp.path))}"
 
 
-@check("config.parse", "config.json parses and describes a Qwen (v1) model", needs=(CHECKPOINT,))
+@check(
+    "config.parse",
+    "config.json parses and describes a Qwen (v1) model",
+    needs=(CHECKPOINT, CONFIG_JUDGED),
+)
 def parse(facts: Facts) -> Union[Finding, list[Finding]]:
     cp = checkpoint_of(facts)
     path = cp.path / CONFIG
@@ -92,18 +98,7 @@ def parse(facts: Facts) -> Union[Finding, list[Finding]]:
             where + redownload(cp, [CONFIG]), paths=[path], line=cp.config_error_line,
         )
     cfg = cp.config
-    model_type = cfg.get("model_type")
-    if model_type != "qwen":
-        hint = (
-            " (Qwen1.5 and Qwen2 are `qwen2`: they use transformers' own code, which has no "
-            "Int8 KV cache)" if model_type == "qwen2" else ""
-        )
-        return fail(
-            f"{CONFIG} has model_type {json.dumps(model_type)}, not \"qwen\", so this is not a "
-            f"Qwen (v1) checkpoint{hint}",
-            "point qwen-kvprep at a Qwen (v1) checkpoint such as Qwen/Qwen-7B-Chat",
-            paths=[path], model_type=model_type,
-        )
+    # model_type is "qwen" here (the QWEN_V1 need; checkpoint.identity judges the rest)
     auto_map = cfg.get("auto_map")
     if not isinstance(auto_map, dict) or "AutoModelForCausalLM" not in auto_map:
         return warn(
@@ -117,7 +112,7 @@ def parse(facts: Facts) -> Union[Finding, list[Finding]]:
 @check(
     "config.kv_cache",
     "The Int8 KV cache and its kernel are switched on",
-    needs=(CHECKPOINT, CONFIG_PARSED),
+    needs=(CHECKPOINT, QWEN_V1, CONFIG_PARSED),
 )
 def kv_cache(facts: Facts) -> Finding:
     cp, cfg = _config(facts)
@@ -125,8 +120,11 @@ def kv_cache(facts: Facts) -> Finding:
     quant = bool(cfg.get("use_cache_quantization", DEFAULTS["use_cache_quantization"]))
     kernel = bool(cfg.get("use_cache_kernel", DEFAULTS["use_cache_kernel"]))
     flags = {k: cfg.get(k, DEFAULTS[k]) for k in ("use_cache_quantization", "use_cache_kernel")}
+    # A server started now must run the Int8 cache through the kernel whenever the config
+    # asks for either: one without the other is a silent fallback (doctor exits 1). Both off
+    # is a plain choice: a warning.
     if not quant and kernel:
-        return warn(
+        return fail(
             "use_cache_kernel is on but use_cache_quantization is "
             f"{_shown(cfg, 'use_cache_quantization')}, so the kernel does nothing and the KV "
             "cache stays full size",
@@ -140,7 +138,7 @@ def kv_cache(facts: Facts) -> Finding:
             _fix_cmd(cp), paths=[path], details=flags,
         )
     if not kernel:
-        return warn(
+        return fail(
             f"Int8 KV cache is on but use_cache_kernel is {_shown(cfg, 'use_cache_kernel')}, so "
             "every step dequantizes the whole cache in pure torch (the slow fallback)",
             _fix_cmd(cp), paths=[path], details=flags,
@@ -161,7 +159,7 @@ def flash_attn_off(cfg: Mapping[str, JSON]) -> bool:
 @check(
     "config.flash_attn",
     "flash-attn is off where the Int8 KV cache is on",
-    needs=(CHECKPOINT, CONFIG_PARSED),
+    needs=(CHECKPOINT, QWEN_V1, CONFIG_PARSED),
 )
 def flash_attn(facts: Facts) -> Finding:
     cp, cfg = _config(facts)
@@ -188,7 +186,7 @@ def flash_attn(facts: Facts) -> Finding:
 @check(
     "config.symlink",
     "config.json can be patched without touching a shared blob",
-    needs=(CHECKPOINT,),
+    needs=(CHECKPOINT, QWEN_V1),
 )
 def symlink(facts: Facts) -> Finding:
     cp = checkpoint_of(facts)

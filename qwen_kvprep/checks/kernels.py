@@ -11,6 +11,7 @@ from qwen_kvprep import catalogue
 from qwen_kvprep.checks.registry import (
     ENV,
     GIVEN_CHECKPOINT,
+    QWEN_V1,
     check,
     checkpoint_of,
     fail,
@@ -43,12 +44,29 @@ def _listing(per_file: Mapping[str, str], hashes: Mapping[str, Optional[str]]) -
     return "; ".join(parts)
 
 
+def kernel_requested(facts: Facts) -> bool:
+    """Whether the checkpoint's config asks for the Int8 cache through the kernel: then a
+    server started now must find the kernel, or it silently falls back (doctor exits 1)."""
+    cfg = getattr(facts.checkpoint, "config", None)
+    if not isinstance(cfg, dict):
+        return False
+    return cfg.get("use_cache_quantization") is True and cfg.get("use_cache_kernel") is True
+
+
 def _judge(
     where: str,
     hashes: Mapping[str, Optional[str]],
     ours: Optional[Mapping[str, str]],
     fix_cmd: str,
+    requested: bool = False,
 ) -> Finding:
+    """The finding for one place's kernel sources; a missing or unknown pair fails where
+    the config asks for the kernel (a server started now would silently fall back)."""
+    bad = fail if requested else warn
+    asked = (
+        "; config.json turns the Int8 cache and its kernel on, so a server started now "
+        "silently runs without the kernel" if requested else ""
+    )
     kind, per_file = catalogue.classify_set(hashes, ours)
     details: dict[str, object] = {"where": where, "kind": kind, "files": dict(per_file)}
     if kind == catalogue.OFFICIAL:
@@ -57,8 +75,8 @@ def _judge(
         return ok(f"{where}: qwen-kvprep's kernel sources", details=details)
     if kind == catalogue.MISSING:
         # The model then warns once and silently runs the slower pure-torch path.
-        return warn(
-            f"{where}: no kernel sources (the model falls back to the slow path)",
+        return bad(
+            f"{where}: no kernel sources (the model falls back to the slow path){asked}",
             fix_cmd,
             details=details,
         )
@@ -68,8 +86,8 @@ def _judge(
         else "not a known pair"
     )
     note = "" if ours is not None else " (qwen-kvprep's own kernels/ were not found to compare)"
-    return warn(
-        f"{where}: {problem}: {_listing(per_file, hashes)}{note}",
+    return bad(
+        f"{where}: {problem}: {_listing(per_file, hashes)}{note}{asked}",
         fix_cmd,
         details=details,
     )
@@ -78,18 +96,23 @@ def _judge(
 @check(
     "kernels.sources",
     "Which kernel sources the checkpoint holds",
-    needs=(GIVEN_CHECKPOINT,),
+    needs=(GIVEN_CHECKPOINT, QWEN_V1),
 )
 def kernel_sources(facts: Facts) -> FindingsLike:
     cp = checkpoint_of(facts)
     ours = catalogue.ours_hashes()
     fix_cmd = f"qwen-kvprep fix {shlex.quote(str(cp.path))}"
-    out = [_judge("checkpoint", getattr(cp, "kernel_sources", None) or {}, ours, fix_cmd)]
+    requested = kernel_requested(facts)
+    out = [
+        _judge("checkpoint", getattr(cp, "kernel_sources", None) or {}, ours, fix_cmd, requested)
+    ]
     # The model looks for the sources next to the modules-cache copy of its code (modcache.py
     # says why): that copy matters as much as the checkpoint's own. A folder that does not
     # exist yet is created by transformers (or fix) later, so there is nothing to judge.
     for folder in _module_folders(facts):
-        out.append(_judge(f"modules cache {folder.path}", folder.files, ours, fix_cmd))
+        out.append(
+            _judge(f"modules cache {folder.path}", folder.files, ours, fix_cmd, requested)
+        )
     return out
 
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Callable, Optional, Protocol
 
 from qwen_kvprep import findings
+from qwen_kvprep.checks.identity import identify
 from qwen_kvprep.configjson import CONFIG
 from qwen_kvprep.findings import Finding, FindingsLike, MakeFinding, as_list
 from qwen_kvprep.probe.facts import Facts
@@ -99,6 +100,20 @@ GIVEN_CHECKPOINT = CHECKPOINT.saying("no checkpoint given")
 LISTED = Need(
     lambda f: f.checkpoint is not None and f.checkpoint.listing_error is None,
     "the checkpoint directory cannot be listed (see checkpoint.files)",
+)
+# a folder that is not a Qwen (v1) checkpoint gets one finding, checkpoint.identity's: the
+# advice of the other checks (fetch Qwen's files, patch its config) would be wrong there
+QWEN_V1 = Need(
+    lambda f: f.checkpoint is not None
+    and (f.checkpoint.listing_error is not None or identify(f.checkpoint).qwen_v1),
+    "not a Qwen (v1) checkpoint (see checkpoint.identity)",
+)
+# config.parse also judges a config.json that does not parse in a folder without Qwen's
+# files: what the folder is cannot be told until it does
+CONFIG_JUDGED = Need(
+    lambda f: f.checkpoint is not None
+    and (f.checkpoint.listing_error is not None or identify(f.checkpoint).config_judged),
+    "not a Qwen (v1) checkpoint (see checkpoint.identity)",
 )
 CONFIG_PARSED = Need(
     lambda f: f.checkpoint is not None and f.checkpoint.config is not None,

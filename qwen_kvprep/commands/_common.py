@@ -7,7 +7,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, NoReturn, Optional, TypeVar, overload
+from typing import Callable, NoReturn, Optional, TypeVar
 
 import click
 
@@ -52,22 +52,38 @@ strict_option = _flag("strict", "--strict", "Warnings fail too (exit 1).")
 debug_option = _flag("debug", "--debug", "Show Python tracebacks for failures.")
 
 
-@overload
-def existing_dir(value: str) -> Path: ...
-@overload
-def existing_dir(value: None) -> None: ...
-@overload
-def existing_dir(value: Optional[str]) -> Optional[Path]: ...
-def existing_dir(value: Optional[str]) -> Optional[Path]:
-    """DIRECTORY as an absolute path; a usage error (exit 2) when it is not a directory."""
-    if value is None:
-        return None
-    path = Path(value)
-    if not path.exists():
-        raise UsageError(f"no such directory: {value}")
-    if not path.is_dir():
-        raise UsageError(f"not a directory: {value}")
-    return path.absolute()
+def checkpoint_dir(
+    value: str,
+    revision: Optional[str] = None,
+    revision_of_folder: bool = False,
+    quiet: bool = False,
+) -> tuple[Path, str]:
+    """(the checkpoint folder, its spelling for checkpoint.dirname) that DIRECTORY names: a
+    folder, a Hub cache repo folder or a repo id found in the Hub cache (hubcache.py); a
+    usage error (exit 2) otherwise. Says on stderr which snapshot a repo led to.
+    `revision_of_folder`: --revision means something for a plain folder too (fix's
+    --source hub); otherwise it is refused there rather than ignored. `quiet`: say nothing
+    on stderr (prestart --quiet)."""
+    from qwen_kvprep.hubcache import resolve
+
+    found = resolve(value, revision)
+    if found.repo_id is None:
+        if revision is not None and not revision_of_folder:
+            raise UsageError(
+                f"--revision picks a snapshot of a Hub repo, but {value} is a folder",
+                fix="leave out --revision, or give the repo id (ORG/NAME) instead of the folder",
+            )
+        return found.path, value
+    if not output_options().as_json and not quiet:
+        at = f" at {found.revision}" if found.revision else ""
+        click.echo(f"qwen-kvprep: {value}{at} is the Hub cache snapshot {found.path}", err=True)
+    return found.path, str(found.path)
+
+
+REVISION_HELP = (
+    "With a Hub repo id (ORG/NAME) or a Hub cache repo folder as DIRECTORY: the branch, tag "
+    "or commit whose snapshot in the local Hub cache to use (default main)."
+)
 
 
 def exit_code(findings: Sequence[Finding]) -> int:

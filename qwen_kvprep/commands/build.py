@@ -5,7 +5,7 @@ from typing import Optional
 
 import click
 
-from qwen_kvprep.commands._common import finish, json_option
+from qwen_kvprep.commands._common import finish, json_option, output_options
 
 
 @click.command()
@@ -33,6 +33,36 @@ from qwen_kvprep.commands._common import finish, json_option
     help="Longest wait for another build of the same key (default: "
     "$QWEN_KVPREP_LOCK_TIMEOUT, else 600).",
 )
+@click.option(
+    "--export",
+    "export_dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    metavar="DIR",
+    help="Also put the build into DIR/build/<variant>/ as a prebuilt variant (publish DIR "
+    "with `hf upload ORG/NAME DIR`; `fix --prebuilt` installs it without a compiler).",
+)
+@click.option(
+    "--lock",
+    "lock_source",
+    metavar="SOURCE",
+    help="Compile nothing: pin SOURCE's revision and every variant's digests in a lock file "
+    "(see --lock-file) that `fix --prebuilt FILE` then requires.",
+)
+@click.option(
+    "--lock-file",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=Path("kvprep.lock.json"),
+    show_default=True,
+    metavar="FILE",
+    help="Where --lock writes the lock.",
+)
+@click.option(
+    "--fetch",
+    "fetch_source",
+    metavar="SOURCE",
+    help="Compile nothing: download every variant of SOURCE (a Hub repo or a lock file) into "
+    "the huggingface_hub cache and verify them, for images that run with HF_HUB_OFFLINE=1.",
+)
 @json_option
 def build(
     arch: Optional[str],
@@ -40,6 +70,10 @@ def build(
     source_dir: Optional[Path],
     force: bool,
     lock_timeout: Optional[float],
+    export_dir: Optional[Path],
+    lock_source: Optional[str],
+    lock_file: Path,
+    fetch_source: Optional[str],
 ) -> None:
     """Compile the KV-cache extension for this torch into the build cache.
 
@@ -47,9 +81,34 @@ def build(
     kept; an existing one is reused in milliseconds. Without nvcc, or with a CPU build of
     torch, this is a CPU-only build (said plainly).
     """
+    from qwen_kvprep.errors import UsageError
+    from qwen_kvprep.steps import prebuilt
     from qwen_kvprep.steps.build import build_into_cache
 
+    if lock_source and fetch_source:
+        raise UsageError("--lock and --fetch are separate steps: run one, then the other")
+    if lock_source or fetch_source:
+        if export_dir or force or source_dir or arch:
+            raise UsageError(
+                "--lock and --fetch compile nothing: --export, --force, --source-dir and "
+                "--arch mean nothing with them"
+            )
+        done = (
+            prebuilt.write_lock(lock_source, lock_file.absolute())
+            if lock_source
+            else prebuilt.fetch_all(str(fetch_source), progress=False if output_options().as_json
+                                    else None)
+        )
+        finish(done.findings, **done.fields)
     built = build_into_cache(source_dir, arch, cache_dir, force, lock_timeout)
+    if export_dir is not None:
+        done = prebuilt.export_build(
+            export_dir.absolute(),
+            prebuilt.Outcome(built.findings, built.to_json()),
+            built.result,
+            source_dir,
+        )
+        finish(done.findings, **done.fields)
     finish(built.findings, **built.to_json())
 
 

@@ -27,7 +27,7 @@ from qwen_kvprep.render import emit
     "--gptq",
     is_flag=True,
     help="An Int4 GPTQ checkpoint, as Qwen's -Int4 repos ship (needs the GPTQ backend: "
-    "README, Int4 GPTQ checkpoints).",
+    "docs/reference.md, Int4 GPTQ checkpoints).",
 )
 @json_option
 def demo(

@@ -1,12 +1,19 @@
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Optional
 
 import click
 
-from qwen_kvprep.commands._common import existing_dir, finish, json_option, output_options
-from qwen_kvprep.render import emit, fix_fields, render_planned
+from qwen_kvprep.commands._common import (
+    checkpoint_dir,
+    exit_code,
+    json_option,
+    output_options,
+)
+from qwen_kvprep.errors import UsageError
+from qwen_kvprep.render import emit, fix_fields, fix_verdict, print_findings, render_planned
 
 
 @click.command()
@@ -14,6 +21,13 @@ from qwen_kvprep.render import emit, fix_fields, render_planned
 @click.option("--dry-run", is_flag=True, help="Show what would change (diffs) and write nothing.")
 @click.option("--no-build", is_flag=True, help="Skip compiling the extension.")
 @click.option("--no-smoke", is_flag=True, help="Skip the smoke generation.")
+@click.option(
+    "--smoke",
+    "force_smoke",
+    is_flag=True,
+    help="Run the smoke even when nothing changed since it last passed (by default an "
+    "unchanged checkpoint keeps its recorded verdict and loads nothing).",
+)
 @click.option(
     "--no-fast-path",
     is_flag=True,
@@ -50,7 +64,17 @@ from qwen_kvprep.render import emit, fix_fields, render_planned
 @click.option(
     "--revision",
     metavar="REV",
-    help="Branch, tag or commit for --source hub (default: the snapshot's commit, else main).",
+    help="Branch, tag or commit: of the repo DIRECTORY names when it is a Hub repo id or a Hub "
+    "cache repo folder (its snapshot in the local Hub cache; default main), and for --source "
+    "hub (default: the snapshot's commit, else main).",
+)
+@click.option(
+    "--prebuilt",
+    metavar="SOURCE",
+    help="Install a prebuilt extension instead of compiling: SOURCE is a folder written by "
+    "`build --export`, a Hub repo ORG/NAME[@REVISION], or a lock file written by "
+    "`build --lock`. The variant this machine needs is verified (sha256) before anything is "
+    "written; no compiler is used.",
 )
 @click.option(
     "--output",
@@ -75,26 +99,36 @@ def fix(
     dry_run: bool,
     no_build: bool,
     no_smoke: bool,
+    force_smoke: bool,
     no_fast_path: bool,
     per_token_prefill: bool,
     smoke_timeout: Optional[float],
     source: str,
     repo_id: Optional[str],
     revision: Optional[str],
+    prebuilt: Optional[str],
     output: Optional[str],
     cache_dir: Optional[str],
     arch: Optional[str],
 ) -> None:
     """Make DIRECTORY's Int8 KV cache work: validate, provide the kernel sources, patch
-    config.json, build the extension, install the loader and prove it."""
+    config.json, build the extension, install the loader and prove it.
+
+    DIRECTORY is the checkpoint folder, or a Hub repo id (ORG/NAME) found in the local Hub
+    cache: fix then prepares its snapshot folder, replacing the links it changes by regular
+    files (the shared blobs are never written)."""
+    from qwen_kvprep.smoke.progress import step_log
     from qwen_kvprep.steps.fix import FixOptions, run_fix
 
+    if force_smoke and no_smoke:
+        raise UsageError("--smoke and --no-smoke contradict each other: give one")
     as_json = output_options().as_json
-    path = existing_dir(directory)
+    path, spelt = checkpoint_dir(directory, revision, revision_of_folder=True)
     options = FixOptions(
         dry_run=dry_run,
         build=not no_build,
         smoke=not no_smoke,
+        force_smoke=force_smoke,
         fast_path=not no_fast_path,
         per_token_prefill=per_token_prefill,
         smoke_timeout=smoke_timeout,
@@ -106,12 +140,25 @@ def fix(
         progress=False if as_json else None,
         cache_dir=Path(cache_dir).absolute() if cache_dir else None,
         arch=arch,
-        spelling=directory,
+        spelling=spelt,
+        prebuilt=prebuilt,
     )
-    result = run_fix(path, options)
+    # a log (CI, docker build) gets a line a step and a heartbeat; a terminal keeps its own
+    log = step_log()
+    try:
+        result = run_fix(path, options, log=log)
+    finally:
+        if log is not None:
+            log.close()
     if dry_run and not as_json:
         emit(render_planned(result.planned) or "nothing would change")
-    finish(result.findings, **fix_fields(path, dry_run, result.extra, result.planned))
+    verdict = fix_verdict(output or spelt, result.findings, result.extra, dry_run)
+    fields = fix_fields(path, dry_run, result.extra, result.planned)
+    fields.update(verdict=verdict.verdict, next=verdict.next)
+    print_findings(result.findings, as_json, **fields)
+    if not as_json:
+        emit(verdict.render())
+    sys.exit(exit_code(result.findings))
 
 
 def register(group: click.Group) -> None:

@@ -5,7 +5,7 @@ from typing import Optional
 
 import click
 
-from qwen_kvprep.commands._common import existing_dir, json_option, output_options
+from qwen_kvprep.commands._common import REVISION_HELP, checkpoint_dir, json_option, output_options
 from qwen_kvprep.render import emit, render_json
 
 DEFAULT_BATCHES = "1,4,16,32,64,100"
@@ -77,6 +77,7 @@ DEFAULT_PROMPT_TOKENS = 1
     help="Also draw the predicted peaks against batch and against tokens into FILE "
     "(.svg, drawn by qwen-kvprep itself; .png needs matplotlib).",
 )
+@click.option("--revision", metavar="REV", help=REVISION_HELP)
 @json_option
 def plan(
     directory: Optional[str],
@@ -88,6 +89,7 @@ def plan(
     prompt_tokens: int,
     prefill_chunk: Optional[int],
     plot: Optional[Path],
+    revision: Optional[str],
 ) -> None:
     """Predict DIRECTORY's peak GPU memory with and without the Int8 KV cache, for each
     batch size and token count, and the largest batch and longest context that fit.
@@ -108,7 +110,7 @@ def plan(
     if directory is None:
         raise UsageError("plan needs the model directory",
                          fix="qwen-kvprep plan DIR --gpu a100-80g (or --gpu-memory 80Gi)")
-    path = existing_dir(directory)
+    path, _ = checkpoint_dir(directory, revision)
     if gpu_name is not None and gpu_memory is not None:
         raise UsageError("--gpu and --gpu-memory both say which GPU to plan for",
                          fix="give one of them")

@@ -80,6 +80,11 @@ class _CommandAfterDashes(click.Command):
     f"build was baked from qwen-kvprep's own, use vendored. [env: {ENV_SOURCE}]",
 )
 @click.option(
+    "--revision", metavar="REV",
+    help="With a Hub repo id (ORG/NAME) or a Hub cache repo folder as DIRECTORY: the branch, "
+    "tag or commit whose snapshot in the local Hub cache to prepare (default main).",
+)
+@click.option(
     "--quiet", "-q", is_flag=True, envvar=ENV_QUIET,
     help=f"Print nothing unless something fails. [env: {ENV_QUIET}=1]",
 )
@@ -93,6 +98,7 @@ def prestart(
     cache_dir: Optional[str],
     arch: Optional[str],
     source: Optional[str],
+    revision: Optional[str],
     quiet: bool,
 ) -> None:
     """Make sure DIRECTORY is prepared, then exec CMD:  prestart DIR [OPTIONS] -- CMD ARGS...
@@ -106,7 +112,7 @@ def prestart(
     starts.
     DIRECTORY may come from $QWEN_KVPREP_DIR.
     """
-    from qwen_kvprep.commands._common import existing_dir, output_options
+    from qwen_kvprep.commands._common import checkpoint_dir, output_options
     from qwen_kvprep.errors import UsageError
 
     if directory is None:
@@ -123,7 +129,7 @@ def prestart(
             fix="put the server command after `--`: qwen-kvprep prestart DIR -- python3 -m "
             "your_server (in an image: give it a CMD); to only prepare DIR, leave out `--`",
         )
-    path = existing_dir(directory)
+    path, _ = checkpoint_dir(directory, revision, quiet=quiet)
     run(
         Request(
             str(path),

@@ -5,7 +5,13 @@ from typing import Optional
 
 import click
 
-from qwen_kvprep.commands._common import existing_dir, finish, json_option, output_options
+from qwen_kvprep.commands._common import (
+    REVISION_HELP,
+    checkpoint_dir,
+    finish,
+    json_option,
+    output_options,
+)
 from qwen_kvprep.profile.protocol import DEFAULT_PROMPT_TOKENS, DEFAULT_TIMEOUT_S, DEVICES, DTYPES
 
 _BUILTIN = "\0builtin"  # --quality without a file
@@ -68,6 +74,7 @@ def quality_file(value: Optional[str]) -> Optional[Path]:
 @click.option("--no-fast-path", "no_fast_path", is_flag=True,
               help="Int8 runs use the model's own quantized-cache code even where fix "
               "installed qwen-kvprep's fast path (to measure what it buys).")
+@click.option("--revision", metavar="REV", help=REVISION_HELP)
 @json_option
 @click.option("--plot", type=click.Path(dir_okay=False, path_type=Path), metavar="FILE",
               help="Draw memory against batch into FILE (.svg or .png; needs the plot "
@@ -85,6 +92,7 @@ def profile(
     timeout: float,
     no_cudnn_attention: bool,
     no_fast_path: bool,
+    revision: Optional[str],
     plot: Optional[Path],
 ) -> None:
     """Measure DIRECTORY's memory, speed and quality with the unquantized and the Int8
@@ -96,7 +104,7 @@ def profile(
     from qwen_kvprep.render import emit
 
     as_json = output_options().as_json
-    path = existing_dir(directory)
+    path, _ = checkpoint_dir(directory, revision)
     text_file = quality_file(quality)
     if plot is not None:
         check_plot_target(plot)

@@ -1,8 +1,10 @@
 from __future__ import annotations
 
+from typing import Optional
+
 import click
 
-from qwen_kvprep.commands._common import existing_dir, json_option, output_options
+from qwen_kvprep.commands._common import REVISION_HELP, checkpoint_dir, json_option, output_options
 from qwen_kvprep.render import emit, render_json, render_revert, revert_json
 
 
@@ -14,8 +16,9 @@ from qwen_kvprep.render import emit, render_json, render_revert, revert_json
     help="Check everything and list what would be restored and what left alone; change "
     "nothing.",
 )
+@click.option("--revision", metavar="REV", help=REVISION_HELP)
 @json_option
-def revert(directory: str, dry_run: bool) -> None:
+def revert(directory: str, dry_run: bool, revision: Optional[str]) -> None:
     """Undo everything `fix` did to DIRECTORY, byte for byte.
 
     Every recorded entry is checked first; if one cannot be restored safely nothing is
@@ -25,7 +28,7 @@ def revert(directory: str, dry_run: bool) -> None:
     """
     from qwen_kvprep.steps.revert import preview_revert, revert_checkpoint
 
-    path = existing_dir(directory)
+    path, _ = checkpoint_dir(directory, revision)
     result = preview_revert(path) if dry_run else revert_checkpoint(path)
     if output_options().as_json:
         emit(render_json([], revert=revert_json(path, result)))

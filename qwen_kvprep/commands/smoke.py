@@ -4,7 +4,13 @@ from typing import Optional
 
 import click
 
-from qwen_kvprep.commands._common import existing_dir, finish, json_option, output_options
+from qwen_kvprep.commands._common import (
+    REVISION_HELP,
+    checkpoint_dir,
+    finish,
+    json_option,
+    output_options,
+)
 from qwen_kvprep.smoke.protocol import (
     DEFAULT_MAX_NEW_TOKENS,
     DEFAULT_PROMPT,
@@ -38,6 +44,7 @@ from qwen_kvprep.smoke.protocol import (
     metavar="S",
     help="Seconds before the child process is killed and the smoke fails.",
 )
+@click.option("--revision", metavar="REV", help=REVISION_HELP)
 @json_option
 def smoke(
     directory: str,
@@ -45,6 +52,7 @@ def smoke(
     max_new_tokens: int,
     prompt: Optional[str],
     timeout: float,
+    revision: Optional[str],
 ) -> None:
     """Prove DIRECTORY's Int8 KV cache works: load it as a server would (in a child
     process), check every layer uses the quantized cache through the compiled kernel,
@@ -54,8 +62,8 @@ def smoke(
     from qwen_kvprep.smoke.progress import phase_progress
     from qwen_kvprep.smoke.runner import load_path_for
 
-    path = existing_dir(directory)
-    load_path, problem = load_path_for(directory)
+    path, spelt = checkpoint_dir(directory, revision)
+    load_path, problem = load_path_for(spelt)
     options = SmokeOptions(
         device=device,
         max_new_tokens=max_new_tokens,
@@ -68,7 +76,7 @@ def smoke(
     if problem is not None:
         findings.insert(0, warn(
             "smoke.load",
-            f"{directory!r}: {problem}; the smoke loads {load_path} instead",
+            f"{spelt!r}: {problem}; the smoke loads {load_path} instead",
             f"load the model by {load_path} (with or without a trailing slash)",
             paths=[path],
         ))

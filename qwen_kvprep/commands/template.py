@@ -40,6 +40,10 @@ from qwen_kvprep.templating import (
 @click.option("--name", help="Deployment name (k8s; default: from the model folder name).")
 @click.option("--replicas", type=click.IntRange(1), default=2, show_default=True,
               help="Replicas (k8s).")
+@click.option("--prebuilt", metavar="SOURCE",
+              help="Prebuilt kernels instead of compiling (docker, k8s): a Hub repo "
+              "ORG/NAME[@REVISION] or a lock file beside the Dockerfile. The image has no "
+              "nvcc and fetches every variant at build time; pods share no build cache.")
 @click.option("-o", "--output", type=click.Path(dir_okay=False), metavar="FILE",
               help="Write to FILE instead of stdout.")
 @click.option("--out-file", "out_file", type=click.Path(dir_okay=False), hidden=True,
@@ -56,13 +60,15 @@ def template(
     torch_version: str,
     name: Optional[str],
     replicas: int,
+    prebuilt: Optional[str],
     output: Optional[str],
     out_file: Optional[str],
 ) -> None:
     """Print (or write with -o FILE) a deployment file: docker (multi-stage Dockerfile
     that builds the kernel in the image), entrypoint (shell entrypoint running prestart),
     k8s (Deployment whose init container prepares a view of a read-only model volume;
-    shared build cache)."""
+    shared build cache). With --prebuilt, docker and k8s install prebuilt kernels instead:
+    no nvcc in the image, no shared build cache."""
     text = render(
         kind,
         model_dir=model_dir,
@@ -74,6 +80,7 @@ def template(
         torch=torch_version,
         name=name,
         replicas=replicas,
+        prebuilt=prebuilt,
     )
     if out_file is not None:
         # -o means the same in every command: where it writes what it makes (fix and

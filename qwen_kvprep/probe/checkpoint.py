@@ -29,6 +29,7 @@ from qwen_kvprep.common import LOADER_FILE as LOADER
 from qwen_kvprep.configjson import CONFIG, parse_config_bytes, read_config_bytes
 from qwen_kvprep.errors import ConfigError, current_user
 from qwen_kvprep.fastkv import is_patched, recognise, render_module
+from qwen_kvprep.hubcache import repo_folder
 from qwen_kvprep.resources import templates_dir
 from qwen_kvprep.untrusted import json_error_at, kind_of, open_regular, read_prefix
 
@@ -175,6 +176,11 @@ class CheckpointFacts:
     git_root: Optional[Path] = None  # the work tree holding it (its own .git or a parent's)
     requirements: tuple[str, ...] = ()  # top-level modules the remote code imports
     missing_requirements: tuple[str, ...] = ()
+    # the folder is a huggingface_hub cache repo folder (models--ORG--NAME with snapshots/):
+    # its repo id, the snapshot folders in it and what its refs/ name (ref, commit)
+    cache_repo: Optional[str] = None
+    cache_snapshots: tuple[str, ...] = ()
+    cache_refs: tuple[tuple[str, str], ...] = ()
 
     @property
     def dotted_name(self) -> bool:
@@ -712,6 +718,34 @@ def _git_root(path: Path) -> Optional[Path]:
     return None
 
 
+# a ref file holds a 40-hex commit; a few more bytes tell a longer file from it
+_REF_BYTES = 128
+_MAX_CACHE_ENTRIES = 1000
+
+
+def _cache_repo_contents(repo: Path) -> tuple[tuple[str, ...], tuple[tuple[str, str], ...]]:
+    """(snapshot folder names, (ref, commit) pairs) of a Hub cache repo folder, bounded."""
+    try:
+        with os.scandir(repo / "snapshots") as it:
+            snapshots = sorted(e.name for e in it if e.is_dir())[:_MAX_CACHE_ENTRIES]
+    except OSError:
+        snapshots = []
+    refs: list[tuple[str, str]] = []
+    try:
+        with os.scandir(repo / "refs") as it:
+            names = sorted(e.name for e in it if e.is_file())[:_MAX_CACHE_ENTRIES]
+    except OSError:
+        names = []
+    for name in names:
+        try:
+            commit = read_prefix(repo / "refs" / name, _REF_BYTES)[0].decode("ascii").strip()
+        except (OSError, UnicodeDecodeError):
+            continue
+        if re.fullmatch(r"[0-9a-f]{40}", commit):
+            refs.append((name, commit))
+    return tuple(snapshots), tuple(refs)
+
+
 def _config_error_kind(cause: Optional[BaseException]) -> Optional[str]:
     """CheckpointFacts.config_error_kind for the exception behind a refused config.json."""
     if isinstance(cause, (json.JSONDecodeError, UnicodeDecodeError)):
@@ -741,6 +775,13 @@ def probe_checkpoint(path: Path, spelt: Optional[str] = None) -> CheckpointFacts
     }
     if listing_error is not None:
         return CheckpointFacts(listing_error=listing_error, **base)
+    cache_repo = repo_folder(path)
+    if cache_repo is not None:  # not a checkpoint: its snapshots are (checkpoint.identity)
+        snapshots, refs = _cache_repo_contents(path)
+        return CheckpointFacts(
+            files=tuple(listing), cache_repo=cache_repo, cache_snapshots=snapshots,
+            cache_refs=refs, **base,
+        )
     files = set(listing)
 
     problems: dict[str, ContentProblem] = {}

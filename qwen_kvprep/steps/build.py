@@ -8,7 +8,7 @@ import os
 import shlex
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 from qwen_kvprep.common import LOADER_FILE
 from qwen_kvprep.errors import KvprepError
@@ -73,9 +73,27 @@ def _no_kernel_for_gpus(plan: BuildPlan) -> bool:
     return not plan.cuda and plan.torch.cuda is not None
 
 
+def _notify(ctx: FixContext) -> Callable[[str], None]:
+    """Where the build's notices go: the log (whose heartbeat then says "still compiling"
+    while the compiler runs), else stderr as they are."""
+    from qwen_kvprep.buildcache.builder import stderr_notify
+
+    log = ctx.log
+    if log is None:
+        return stderr_notify
+
+    def note(message: str) -> None:
+        # the heartbeat then says what is being waited for
+        what = message.split(" (", 1)[0] if message.startswith(("compiling", "waiting")) else None
+        log.note(message, phase=what)
+
+    return note
+
+
 def run(ctx: FixContext) -> None:
     from qwen_kvprep.buildcache import CacheLayout, resolve_cache_dir, sources_of
     from qwen_kvprep.buildcache.builder import ensure_build, find_build, plan_build
+    from qwen_kvprep.buildcache.manifest import BUILD_LOG
 
     layout = CacheLayout(resolve_cache_dir(ctx.options.cache_dir))
     ctx.extra["cache_dir"] = str(layout.root)
@@ -88,6 +106,11 @@ def run(ctx: FixContext) -> None:
                 fix=f"qwen-kvprep build --cache-dir {shlex.quote(str(layout.root))}",
             )
         )
+        return
+    if ctx.prebuilt is not None:
+        from qwen_kvprep.steps.prebuilt import install_for_fix
+
+        install_for_fix(ctx)  # verified before the first write; nothing is compiled
         return
     plan = plan_build(sources_of(ctx.sources), ctx.options.arch)
     mode = warn if _no_kernel_for_gpus(plan) else info
@@ -141,7 +164,7 @@ def run(ctx: FixContext) -> None:
             )
         return
     try:
-        result = ensure_build(plan, layout)
+        result = ensure_build(plan, layout, notify=_notify(ctx))
     except KvprepError as exc:
         # the CLI prints the error's findings (ctx's are lost with the exception)
         exc.findings = (*exc.findings, *_degrade_gracefully(ctx))
@@ -153,7 +176,7 @@ def run(ctx: FixContext) -> None:
             info(
                 "build.build",
                 f"compiled build {short} in {result.manifest['build_seconds']:.0f} s "
-                f"({result.jobs})",
+                f"({result.jobs}); log: {result.dir / BUILD_LOG}",
                 paths=[result.dir],
                 details=result.to_json(),
             )

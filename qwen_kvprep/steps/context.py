@@ -19,8 +19,10 @@ from qwen_kvprep.journal import Journal
 
 if TYPE_CHECKING:
     from qwen_kvprep.buildcache.builder import BuildResult
+    from qwen_kvprep.buildcache.variant import Chosen
     from qwen_kvprep.jsontypes import JSONObject
     from qwen_kvprep.probe.facts import Facts
+    from qwen_kvprep.smoke.progress import StepLog
     from qwen_kvprep.statefile import StateModules
 
 
@@ -29,6 +31,8 @@ class FixOptions:
     dry_run: bool = False
     build: bool = True
     smoke: bool = True
+    # run the smoke even when the recorded verdict still holds for the unchanged state
+    force_smoke: bool = False
     # the Int8 cache's fast path in the model's code (steps/fastkv.py)
     fast_path: bool = True
     per_token_prefill: bool = False  # the fast path's per-token scales for prompts
@@ -44,6 +48,8 @@ class FixOptions:
     spelling: Optional[str] = None
     # huggingface_hub's download bars: None = only when stderr is a terminal; False for --json
     progress: Optional[bool] = None
+    # --prebuilt SOURCE: install a prebuilt variant instead of compiling (steps/prebuilt.py)
+    prebuilt: Optional[str] = None
 
 
 @dataclass(frozen=True)
@@ -81,8 +87,13 @@ class FixContext:
     facts: Optional[Facts] = None  # with the checkpoint part, once validated
     sources: Optional[SourceSet] = None  # chosen by steps/sources.py
     build: Optional[BuildResult] = None  # the build used (steps/build.py)
+    prebuilt: Optional[Chosen] = None  # the verified variant for --prebuilt
     modules: Optional[StateModules] = None  # what steps/modules.py planted where
     extra: JSONObject = field(default_factory=dict)  # what fix adds to its JSON output
+    # the recorded smoke verdict that still holds (steps/state.py): the smoke need not run
+    proven: Optional[JSONObject] = None
+    # progress lines for a log (stderr not a terminal); None: the terminal's own output
+    log: Optional[StepLog] = None
 
     def add(self, *findings: Finding) -> None:
         self.findings.extend(findings)

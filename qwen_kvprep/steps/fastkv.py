@@ -6,7 +6,9 @@ again (the file as it was before fix)."""
 
 from __future__ import annotations
 
-from qwen_kvprep import fastkv
+import shlex
+
+from qwen_kvprep import fastkv, hubcli
 from qwen_kvprep.common import FAST_FILE, MODELING_FILE
 from qwen_kvprep.findings import info, ok, warn
 from qwen_kvprep.resources import templates_dir
@@ -46,8 +48,10 @@ def run(ctx: FixContext) -> None:
                 "fastkv.model_code",
                 f"{MODELING_FILE} is left as it is: {reason}; the Int8 cache runs the model's "
                 "own code (slower: it copies the whole cache at every step)",
-                fix="download the final revision of the model's code (the hf download command "
-                "in README.md), then run fix again",
+                fix="download the final revision of the model's code "
+                f"({hubcli.download()} REPO {MODELING_FILE} --local-dir "
+                f"{shlex.quote(str(ctx.directory))}, REPO being the model's Qwen repo, e.g. "
+                "Qwen/Qwen-7B-Chat), then run fix again",
                 paths=[path],
             )
         )

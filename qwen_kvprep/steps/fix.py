@@ -19,6 +19,7 @@ from qwen_kvprep.steps.context import FixContext, FixOptions
 if TYPE_CHECKING:
     from qwen_kvprep.jsontypes import JSONObject
     from qwen_kvprep.probe.facts import Facts
+    from qwen_kvprep.smoke.progress import StepLog
 
 # What callers of `run_fix` use; the steps themselves import steps/context.py.
 __all__ = ["FixOptions", "FixResult", "run_fix"]
@@ -45,9 +46,25 @@ _STEPS: list[tuple[str, Callable[[FixOptions], bool]]] = [
     ("smoke", lambda o: o.smoke and not o.dry_run),
 ]
 
+# What a log (stderr not a terminal) says as each step starts.
+STEP_WORDS = {
+    "validate": "checking the checkpoint",
+    "sources": "choosing the kernel sources",
+    "config_patch": "checking config.json",
+    "build": "looking up the extension in the build cache",
+    "loader": "installing the loader",
+    "fastkv": "checking the fast path in modeling_qwen.py",
+    "modules": "planting the files in the modules cache",
+    "state": "recording the state",
+    "smoke": "smoke test",
+}
+
 
 def run_fix(
-    directory: Path, options: FixOptions, skip_if: Optional[Callable[[], bool]] = None
+    directory: Path,
+    options: FixOptions,
+    skip_if: Optional[Callable[[], bool]] = None,
+    log: Optional[StepLog] = None,
 ) -> FixResult:
     """Run fix on DIR (or on a view of it in `options.output`).
 
@@ -56,7 +73,8 @@ def run_fix(
     writes happen under the folder's lock (shared with prestart and revert); `skip_if`,
     called once the lock is held, may say the work is no longer needed (another replica
     did it). A run that fails before recording anything removes what it created (an empty
-    `.qwen-kvprep/`, a new OUT); OS errors become messages that say what to do.
+    `.qwen-kvprep/`, a new OUT); OS errors become messages that say what to do. `log`
+    gets a line as each step starts (for a log that is not a terminal).
     """
     from qwen_kvprep.errors import os_failure
 
@@ -68,7 +86,10 @@ def run_fix(
         target = Path(os.path.abspath(options.output))
         check_output_dir(source, target)
     try:
+        if log is not None:
+            log.phase(STEP_WORDS["validate"])
         early = _preflight(source, target, options)
+        early.log = log
         if options.dry_run:
             return _run_steps(source, target, options, early)
         return _run_locked(source, target, options, early, skip_if)
@@ -82,6 +103,7 @@ class _Early:
 
     facts: Optional[Facts] = None  # the validated checkpoint (DIR itself; None for a view)
     findings: list[Finding] = field(default_factory=list)
+    log: Optional[StepLog] = None  # passed on to the steps
 
 
 def _preflight(source: Path, target: Path, options: FixOptions) -> _Early:
@@ -177,10 +199,13 @@ def _run_steps(
     ctx = FixContext(directory, options, Journal(directory, dry_run=options.dry_run))
     ctx.add(*early.findings, *view_findings)
     ctx.facts = early.facts
+    ctx.log = early.log
     for name, wanted in _STEPS:
         if name == "validate" and early.facts is not None:
             continue  # done before the first write
         if wanted(options):
+            if ctx.log is not None:
+                ctx.log.phase(STEP_WORDS[name])
             try:
                 importlib.import_module(f"qwen_kvprep.steps.{name}").run(ctx)
             except KvprepError as exc:

@@ -40,6 +40,7 @@ def prepare(request: Request, planting: Planting) -> list[Finding]:
     assert request.directory is not None
     directory = Path(os.path.abspath(request.directory))
     options = FixOptions(
+        prebuilt=recorded_prebuilt(request.target),
         smoke=request.smoke,
         source=request.source or "auto",
         cache_dir=Path(request.cache_dir) if request.cache_dir else None,
@@ -58,6 +59,17 @@ def prepare(request: Request, planting: Planting) -> list[Finding]:
             findings=result.findings,
         )
     return list(result.findings)
+
+
+def recorded_prebuilt(target: str) -> Optional[str]:
+    """The SOURCE a checkpoint fixed with --prebuilt was prepared from (so a fresh build
+    cache gets the variant again, not a compile), else $QWEN_KVPREP_PREBUILT, else None."""
+    from qwen_kvprep.steps.prebuilt import configured
+
+    try:
+        return configured(Path(target))[0]
+    except (KvprepError, OSError):
+        return None
 
 
 def plain_view_for_fallback(request: Request) -> Optional[Exception]:

@@ -7,10 +7,11 @@ has already done its work, and the findings say what is still wrong.
 from __future__ import annotations
 
 import sys
-from typing import Optional
+from typing import Callable, Optional
 
-from qwen_kvprep.findings import Finding, warn
-from qwen_kvprep.jsontypes import as_json_object
+from qwen_kvprep.findings import Finding, ok, warn
+from qwen_kvprep.jsontypes import JSONObject, as_json_object
+from qwen_kvprep.state import state_path
 from qwen_kvprep.steps.context import FixContext
 
 
@@ -22,6 +23,10 @@ def run(ctx: FixContext) -> None:
     from qwen_kvprep.smoke.runner import load_path_for
 
     opts = ctx.options
+    if ctx.proven is not None and not opts.force_smoke:
+        _keep_verdict(ctx, ctx.proven)
+        return
+    ctx.extra["smoke_from_state"] = False
     timeout = opts.smoke_timeout if opts.smoke_timeout else DEFAULT_TIMEOUT_S
     show = opts.progress if opts.progress is not None else sys.stderr.isatty()
     load_path: Optional[str] = None
@@ -33,7 +38,7 @@ def run(ctx: FixContext) -> None:
     report = run_smoke(
         ctx.directory,
         SmokeOptions(timeout=timeout, load_path=load_path),
-        on_phase=PhaseProgress(sys.stderr) if show else None,
+        on_phase=_log_phases(ctx) or (PhaseProgress(sys.stderr) if show else None),
     )
     ctx.add(*report.findings)
     ctx.extra["smoke"] = as_json_object(report.summary)
@@ -41,6 +46,39 @@ def run(ctx: FixContext) -> None:
         record_smoke(ctx.directory, report.summary, ctx.journal)
     except OSError as exc:
         ctx.add(warn("smoke.record", f"could not record the smoke result in the state: {exc}"))
+
+
+def _keep_verdict(ctx: FixContext, recorded: JSONObject) -> None:
+    """Nothing changed since a smoke passed: loading the model again (minutes for a 7B)
+    would prove nothing new, and recording it would rewrite the state."""
+    when = recorded.get("checked") or "an earlier run"
+    ctx.add(
+        ok(
+            "smoke.recorded",
+            f"the smoke passed on {recorded.get('device')} at {when} for exactly these files, "
+            "build and packages: not run again (--smoke runs it)",
+            paths=[state_path(ctx.directory)],
+        )
+    )
+    ctx.extra["smoke"] = recorded
+    ctx.extra["smoke_from_state"] = True
+    if ctx.log is not None:
+        ctx.log.note("smoke test: passed before for this exact state, not run again")
+
+
+def _log_phases(ctx: FixContext) -> Optional[Callable[[str], None]]:
+    """The child's phases as lines of the log (its heartbeat covers a long model load)."""
+    from qwen_kvprep.smoke.protocol import PHASE_DONE, PHASE_WORDS
+
+    log = ctx.log
+    if log is None:
+        return None
+
+    def phase(name: str) -> None:
+        if name != PHASE_DONE:
+            log.phase(f"smoke: {PHASE_WORDS.get(name, name)}")
+
+    return phase
 
 
 def _spelling_warning(spelt: str, problem: str, ctx: FixContext) -> Finding:

@@ -44,7 +44,16 @@ def run(ctx: FixContext) -> None:
     hashes = {n: (sha256_bytes(b) if b is not None else None) for n, b in present.items()}
     kind, per_file = catalogue.classify_set(hashes, catalogue.ours_hashes())
 
-    if source == "vendored":
+    if options.prebuilt:
+        from qwen_kvprep.steps import prebuilt
+
+        files = prebuilt.choose_for_fix(ctx).sources
+        kind = catalogue.classify_set(
+            {n: sha256_bytes(d) for n, d in files.items()}, catalogue.ours_hashes()
+        )[0]
+        record = ctx.prebuilt.record if ctx.prebuilt is not None else {}
+        chosen = SourceSet("prebuilt", kind, files, record.get("repo_id"), record.get("revision"))
+    elif source == "vendored":
         chosen = _vendored()
     elif source == "hub":
         chosen = _from_hub(ctx, kind, present)
@@ -208,7 +217,12 @@ def resolve_repo(
     return repo_id, revision
 
 
-def _describe(sources: SourceSet) -> str:
+def _describe(sources: SourceSet, ctx: FixContext) -> str:
+    if sources.origin == "prebuilt" and ctx.prebuilt is not None:
+        return (
+            f"the kernel sources of the prebuilt variant {ctx.prebuilt.variant.name} from "
+            f"{ctx.prebuilt.where} (sha256 verified)"
+        )
     if sources.origin == "hub":
         commit = f" (commit {sources.commit[:12]})" if sources.commit else ""
         return (
@@ -239,7 +253,7 @@ def _install(
     ctx.add(
         ok(
             "kernels.sources",
-            f"using {_describe(chosen)}{action}",
+            f"using {_describe(chosen, ctx)}{action}",
             paths=[Path(ctx.directory) / n for n in written],
             details=chosen.to_json(),
         )

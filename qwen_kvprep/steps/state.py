@@ -17,6 +17,8 @@ if TYPE_CHECKING:
 
 def _sources(ctx: FixContext) -> JSONObject:
     chosen = ctx.sources
+    if ctx.prebuilt is not None:
+        return dict(ctx.prebuilt.record)  # what prestart installs again on a fresh cache
     if chosen is None:
         return {"origin": "vendored", "repo_id": None, "revision": None}
     return {"origin": chosen.origin, "repo_id": chosen.repo_id, "revision": chosen.revision}
@@ -62,6 +64,9 @@ def run(ctx: FixContext) -> None:
     # An unchanged result keeps its smoke verdict; anything else must be proved again.
     if previous is not None and same_state({**previous, "smoke": None}, state):
         state["smoke"] = previous.get("smoke")
+        from qwen_kvprep.smoke.record import still_proven
+
+        ctx.proven = still_proven(ctx.directory, state["smoke"])
     written = save_state(ctx.journal, state)
     if written:
         ctx.add(info("checkpoint.state", "recorded what fix did", paths=[path]))

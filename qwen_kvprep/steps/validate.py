@@ -14,6 +14,10 @@ from qwen_kvprep.probe.facts import Facts
 from qwen_kvprep.steps.context import FixContext
 
 _ALSO = ("config.parse",)
+IDENTITY = "checkpoint.identity"
+# What fix itself changes: its own step reports that (doctor's view of it, taken before the
+# step, would advise running the very fix under way, or refuse what fix repairs).
+_FIX_OWNS = ("checkpoint.fast_path",)
 
 
 def check(directory: Path) -> tuple[Facts, list[Finding]]:
@@ -23,10 +27,13 @@ def check(directory: Path) -> tuple[Facts, list[Finding]]:
     facts = Facts(checkpoint=probe_checkpoint(directory))
     findings: list[Finding] = []
     for chk in load_all().values():
-        if chk.area == "checkpoint" or chk.id in _ALSO:
+        if (chk.area == "checkpoint" or chk.id in _ALSO) and chk.id not in _FIX_OWNS:
             findings.extend(run_one(chk, facts))
     bad = [f for f in findings if f.severity is Severity.FAIL]
     shown = [f for f in findings if f.severity is not Severity.OK]
+    if bad and bad[0].id == IDENTITY:
+        # not a Qwen (v1) checkpoint: what it is, and nothing the other checks would advise
+        raise CheckpointError(bad[0].message, fix=bad[0].fix, findings=[bad[0]])
     if bad:
         config_only = all(f.id.startswith("config.") for f in bad)
         error = ConfigError if config_only else CheckpointError

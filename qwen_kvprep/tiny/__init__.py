@@ -30,7 +30,7 @@ twice the MLP width), vocab_merges, shards, dtype ("bf16", "fp16", "fp32", or "a
 none of the three flags set), seed (weights, and nothing else, depend on it),
 config_overrides (merged last; the value REMOVE deletes a key). gptq=True writes an Int4
 checkpoint (dtype fp16, the only one GPTQ models run in; the default then): loading it
-needs a GPTQ backend (`pip install "qwen-kvprep[gptq]"`, see README).
+needs a GPTQ backend (`pip install "qwen-kvprep[gptq]"`, see docs/reference.md).
 
 The folder name is not checked: a dot in it (`qwen-7b-v1.0`) reproduces the module
 import failure of docs/qwen-v1.md ("Checkpoint"), which tests may want.

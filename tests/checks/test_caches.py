@@ -301,7 +301,7 @@ def test_modules_folder_missing_sources_means_silent_fallback() -> None:
     t = text("modules.folder", f)
     assert "KV cache kernel source files (.cpp and .cu) not found." in t
     assert "qwen-kvprep fix /models/Qwen-7B-Chat" in t
-    off = ckpt(config={"use_cache_quantization": False})
+    off = ckpt(config={"model_type": "qwen", "use_cache_quantization": False})
     assert (
         worst(
             "modules.folder",

@@ -1,0 +1,397 @@
+"""Prebuilt kernels: `build --export DIR` on one machine, `fix --prebuilt SOURCE` on another
+whose PATH holds only the Python interpreter (no compiler, nvcc or ninja), from a folder,
+from a Hub repo through a loopback Hub, and offline from the Hub cache; refusals of a
+tampered file and of a source without this machine's variant; the lock; prestart on a
+fresh cache."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from qwen_kvprep.buildcache.builder import build_key
+from qwen_kvprep.buildcache.variant import METADATA, SO_FILE, list_variants
+from qwen_kvprep.common import KERNEL_FILES, sha256_file
+from tests.cli import document, invoke, kvprep
+from tests.test_hub import (
+    COMMIT,
+    REPO,
+    FakeHub,
+    fake_hub,  # noqa: F401  (the loopback Hub fixture)
+)
+from tests.treesnap import snapshot
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture()
+def exported(tmp_path: Path, isolated_hf: Path, shared_build_cache: Path) -> Path:
+    """This machine's build exported as a variant folder (compiled once per session)."""
+    dest = tmp_path / "export"
+    res = invoke("build", "--export", str(dest), "--json")
+    assert res.returncode == 0, res.stdout + res.stderr
+    return dest
+
+
+@pytest.fixture()
+def tiny(tmp_path: Path) -> Path:
+    from qwen_kvprep.tiny import generate_checkpoint
+
+    return Path(generate_checkpoint(tmp_path / "tiny-qwen", layers=2, shards=1))
+
+
+def python_only_path(tmp_path: Path) -> str:
+    """A folder holding only a `python` link, to be all of PATH. In a virtual environment
+    its pyvenv.cfg and lib/ sit beside, as a venv's own bin/ has them."""
+    root = tmp_path / "python-only"
+    (root / "bin").mkdir(parents=True)
+    os.symlink(sys.executable, root / "bin" / "python")
+    if sys.prefix != sys.base_prefix:
+        shutil.copyfile(Path(sys.prefix) / "pyvenv.cfg", root / "pyvenv.cfg")
+        os.symlink(Path(sys.prefix) / "lib", root / "lib")
+    folder = str(root / "bin")
+    for tool in ("c++", "g++", "gcc", "cc", "nvcc", "ninja"):
+        assert shutil.which(tool, path=folder) is None
+    return folder
+
+
+def child_env(tmp_path: Path, name: str, **more: str) -> dict[str, str]:
+    """A machine of its own: no compiler on PATH, an empty build cache and HF home."""
+    env = {
+        "PATH": python_only_path(tmp_path / name),
+        "HOME": str(tmp_path / name / "home"),
+        "PYTHONPATH": str(ROOT),
+        "QWEN_KVPREP_CACHE": str(tmp_path / name / "cache"),
+        "HF_HOME": str(tmp_path / name / "hf"),
+        "HF_ENDPOINT": "http://127.0.0.1:9",
+        "HF_HUB_DISABLE_TELEMETRY": "1",
+        "CUDA_HOME": str(tmp_path / name / "no-cuda"),
+    }
+    env.update(more)
+    return env
+
+
+def fix(directory: Path, env: dict[str, str], *args: str) -> tuple[int, dict[str, Any]]:
+    res = kvprep("fix", str(directory), "--json", *args, env=env, timeout=600, cwd=ROOT)
+    return res.returncode, document(res)
+
+
+def finding(doc: dict[str, Any], fid: str) -> dict[str, Any]:
+    found = [f for f in doc["findings"] if f["id"] == fid]
+    assert found, f"no {fid} among {[f['id'] for f in doc['findings']]}"
+    return dict(found[-1])
+
+
+def the_variant(folder: Path) -> Path:
+    (variant,) = list_variants(folder)[0]
+    return variant.folder
+
+
+def assert_prebuilt_ok(doc: dict[str, Any], variant: Path, cache: Path, layers: int) -> None:
+    build = finding(doc, "build.build")
+    assert build["severity"] == "ok" and "nothing compiled" in build["message"]
+    assert doc["build"]["compiled"] is False
+    metadata = json.loads((variant / METADATA).read_text())
+    assert doc["build"]["key"] == metadata["key"]
+    assert (cache / "builds" / metadata["key"] / SO_FILE).is_file()
+    assert not list(cache.glob("logs/*"))  # no failed compile either
+    if layers:
+        kernel = finding(doc, "smoke.kernel")
+        assert kernel["severity"] == "ok", kernel
+        assert f"in all {layers} layers" in kernel["message"]
+
+
+# -- export -------------------------------------------------------------------------------
+def test_export_layout_names_the_abi_and_hashes_every_file(exported: Path) -> None:
+    import torch
+
+    variant = the_variant(exported)
+    name = variant.name
+    assert name.startswith(f"torch{torch.__version__.split('+')[0]}-cxx11-")
+    assert f"-cp{sys.version_info[0]}{sys.version_info[1]}-" in name and name.endswith("-linux")
+    metadata = json.loads((variant / METADATA).read_text())
+    assert set(metadata["files"]) == {SO_FILE, *KERNEL_FILES}
+    for rel, digest in metadata["files"].items():
+        assert sha256_file(variant / rel) == digest
+    assert metadata["key"] == build_key(metadata["manifest"]["inputs"])
+    assert metadata["sources"] == metadata["manifest"]["inputs"]["sources"]
+    assert sorted(p.name for p in variant.iterdir()) == sorted([METADATA, *metadata["files"]])
+
+
+def test_export_again_keeps_other_machines_variants(exported: Path) -> None:
+    other = exported / "build" / "torch2.4.0-cxx11-cu121-sm80-cp310-x86_64-linux"
+    shutil.copytree(the_variant(exported), other)
+    res = invoke("build", "--export", str(exported), "--json")
+    assert res.returncode == 0
+    doc = document(res)
+    assert "replaced the variant" in finding(doc, "prebuilt.export")["message"]
+    assert other.is_dir() and sorted(os.listdir(exported / "build")) == sorted(
+        [other.name, doc["variant"]]
+    )
+
+
+# -- fix --prebuilt DIR -------------------------------------------------------------------
+def test_fix_from_folder_without_a_compiler_then_prestart_on_fresh_caches(
+    exported: Path, tiny: Path, tmp_path: Path
+) -> None:
+    env = child_env(tmp_path, "server")
+    code, doc = fix(tiny, env, "--prebuilt", str(exported))
+    assert code == 0, doc
+    variant = the_variant(exported)
+    assert_prebuilt_ok(doc, variant, Path(env["QWEN_KVPREP_CACHE"]), layers=2)
+    for name in KERNEL_FILES:  # the sources planted are those the variant was built from
+        assert (tiny / name).read_bytes() == (variant / name).read_bytes()
+    state = json.loads((tiny / ".qwen-kvprep" / "state.json").read_text())
+    assert state["sources"]["origin"] == "prebuilt"
+    assert state["sources"]["prebuilt"] == str(exported)
+
+    # a new pod: empty build cache and modules cache; prestart installs the variant again
+    shutil.rmtree(env["QWEN_KVPREP_CACHE"])
+    shutil.rmtree(Path(env["HF_HOME"]) / "modules", ignore_errors=True)
+    res = kvprep("prestart", str(tiny), "--", "python", "-c", "print('served')",
+                 env=env, timeout=600, cwd=ROOT)
+    assert res.returncode == 0, res.stderr
+    assert "served" in res.stdout
+    metadata = json.loads((variant / METADATA).read_text())
+    assert (Path(env["QWEN_KVPREP_CACHE"]) / "builds" / metadata["key"] / SO_FILE).is_file()
+
+
+def test_tampered_so_is_refused_with_its_sha256(
+    exported: Path, tiny: Path, tmp_path: Path
+) -> None:
+    so = the_variant(exported) / SO_FILE
+    with open(so, "ab") as fh:
+        fh.write(b"\0")
+    got = sha256_file(so)
+    env = child_env(tmp_path, "server")
+    before = snapshot(tiny, digest=True)
+    code, doc = fix(tiny, env, "--prebuilt", str(exported), "--no-smoke")
+    assert code == 1
+    bad = finding(doc, "prebuilt.verify")
+    assert SO_FILE in bad["message"] and got in bad["message"]
+    assert bad["details"]["files"] == {SO_FILE: got}
+    assert snapshot(tiny, digest=True) == before
+    assert not (Path(env["QWEN_KVPREP_CACHE"]) / "builds").exists()
+
+
+def _retarget(variant: Path, torch_version: str) -> Path:
+    """The variant rewritten as if built with another torch (a consistent variant that
+    is not this machine's)."""
+    from qwen_kvprep.buildcache.variant import variant_name
+
+    metadata = json.loads((variant / METADATA).read_text())
+    inputs = metadata["manifest"]["inputs"]
+    inputs["torch"] = torch_version
+    metadata["key"] = metadata["manifest"]["key"] = build_key(inputs)
+    name = variant_name(inputs, metadata["manifest"]["cuda"])
+    metadata["variant"] = name
+    target = variant.parent / name
+    variant.rename(target)
+    (target / METADATA).write_text(json.dumps(metadata))
+    return target
+
+
+def test_missing_variant_names_what_is_needed(exported: Path, tiny: Path, tmp_path: Path) -> None:
+    mine = the_variant(exported).name
+    other = _retarget(the_variant(exported), "1.0.0+cpu")
+    env = child_env(tmp_path, "server")
+    before = snapshot(tiny, digest=True)
+    code, doc = fix(tiny, env, "--prebuilt", str(exported), "--no-smoke")
+    assert code == 1
+    missing = finding(doc, "prebuilt.variant")
+    assert mine in missing["message"] and other.name in missing["message"]
+    assert "'1.0.0+cpu'" in missing["message"]  # why the one it has does not fit
+    assert f"qwen-kvprep build --export {exported}" in missing["fix"]
+    assert missing["details"]["needed"] == mine
+    assert snapshot(tiny, digest=True) == before
+    assert not Path(env["QWEN_KVPREP_CACHE"]).exists()
+
+
+def test_variant_of_other_sources_is_refused_where_sources_are_asked_for(
+    exported: Path, tiny: Path, tmp_path: Path
+) -> None:
+    variant = the_variant(exported)
+    source = variant / KERNEL_FILES[0]
+    source.write_bytes(source.read_bytes() + b"\n// changed\n")
+    metadata = json.loads((variant / METADATA).read_text())
+    digest = sha256_file(source)
+    inputs = metadata["manifest"]["inputs"]
+    inputs["sources"][KERNEL_FILES[0]] = digest
+    metadata["sources"] = inputs["sources"]
+    metadata["files"][KERNEL_FILES[0]] = digest
+    metadata["key"] = metadata["manifest"]["key"] = build_key(inputs)
+    (variant / METADATA).write_text(json.dumps(metadata))
+    before = snapshot(tiny, digest=True)
+    res = invoke("fix", str(tiny), "--prebuilt", str(exported), "--source", "vendored",
+                 "--no-smoke", "--json", "--cache-dir", str(tmp_path / "cache"))
+    assert res.returncode == 1
+    refused = finding(document(res), "prebuilt.variant")
+    assert "built from other kernel sources than qwen-kvprep's own" in refused["message"]
+    assert snapshot(tiny, digest=True) == before and not (tmp_path / "cache").exists()
+
+
+def test_inconsistent_metadata_makes_a_variant_unusable(exported: Path, tiny: Path) -> None:
+    variant = the_variant(exported)
+    metadata = json.loads((variant / METADATA).read_text())
+    metadata["key"] = "0" * 64
+    (variant / METADATA).write_text(json.dumps(metadata))
+    res = invoke("fix", str(tiny), "--prebuilt", str(exported), "--no-smoke", "--json")
+    assert res.returncode == 1
+    refused = finding(document(res), "prebuilt.variant")
+    assert f"{variant.name} (metadata.json's key does not match" in refused["message"]
+
+
+def test_not_a_source_is_a_usage_error(tiny: Path, tmp_path: Path) -> None:
+    res = invoke("fix", str(tiny), "--prebuilt", "no such thing", "--no-smoke")
+    assert res.returncode == 2 and "neither a folder, a lock file nor a Hub repo id" in res.stderr
+
+
+# -- the Hub ------------------------------------------------------------------------------
+def _serve(hub: FakeHub, exported: Path) -> Path:
+    """The export as a Hub repo, with a second variant (another torch) beside ours."""
+    decoy = exported.parent / "decoy"
+    shutil.copytree(exported, decoy)
+    decoy_variant = _retarget(the_variant(decoy), "1.0.0+cpu")
+    shutil.copytree(decoy_variant, exported / "build" / decoy_variant.name)
+    files = {
+        str(p.relative_to(exported)): p.read_bytes() for p in exported.rglob("*") if p.is_file()
+    }
+    hub.serve_repo(files)
+    return exported / "build" / decoy_variant.name
+
+
+def test_fix_from_the_hub_then_offline_from_its_cache(
+    fake_hub: FakeHub, exported: Path, tiny: Path, tmp_path: Path  # noqa: F811
+) -> None:
+    decoy = _serve(fake_hub, exported)
+    variant = exported / "build" / the_variant_name(exported, decoy)
+    env = child_env(tmp_path, "server", HF_ENDPOINT=fake_hub.endpoint)
+    code, doc = fix(tiny, env, "--prebuilt", REPO, "--no-smoke")
+    assert code == 0, doc
+    assert_prebuilt_ok(doc, variant, Path(env["QWEN_KVPREP_CACHE"]), layers=0)
+    assert doc["prebuilt"]["revision"] == COMMIT
+    fetched = [path for _, path in fake_hub.requests]
+    assert any(p.endswith(f"{variant.name}/{SO_FILE}") for p in fetched)
+    assert not any(f"{decoy.name}/{SO_FILE}" in p for p in fetched)  # only our variant
+
+    # offline: a new checkpoint and build cache, the same Hub cache, no request at all
+    fake_hub.requests.clear()
+    from qwen_kvprep.tiny import generate_checkpoint
+
+    second = Path(generate_checkpoint(tmp_path / "second", layers=2, shards=1))
+    offline = dict(env, HF_HUB_OFFLINE="1", QWEN_KVPREP_CACHE=str(tmp_path / "cache2"))
+    code, doc = fix(second, offline, "--prebuilt", REPO)
+    assert code == 0, doc
+    assert_prebuilt_ok(doc, variant, tmp_path / "cache2", layers=2)
+    assert fake_hub.requests == []
+
+
+def the_variant_name(exported: Path, decoy: Path) -> str:
+    (name,) = [p.name for p in (exported / "build").iterdir() if p.name != decoy.name]
+    return name
+
+
+def test_offline_without_the_cache_says_to_fetch(tiny: Path, tmp_path: Path) -> None:
+    env = child_env(tmp_path, "server", HF_HUB_OFFLINE="1")
+    code, doc = fix(tiny, env, "--prebuilt", REPO, "--no-smoke")
+    assert code == 1
+    fetch = finding(doc, "prebuilt.fetch")
+    assert "HF_HUB_OFFLINE" in fetch["message"]
+    assert f"qwen-kvprep build --fetch {REPO}" in fetch["fix"]
+
+
+def test_lock_pins_the_digests_and_fetch_fills_the_cache_for_offline_use(
+    fake_hub: FakeHub, exported: Path, tiny: Path, tmp_path: Path  # noqa: F811
+) -> None:
+    _serve(fake_hub, exported)
+    lock = tmp_path / "kvprep.lock.json"
+    res = invoke("build", "--lock", REPO, "--lock-file", str(lock), "--json")
+    assert res.returncode == 0, res.stdout
+    pinned = json.loads(lock.read_text())
+    assert pinned["source"] == REPO and pinned["revision"] == COMMIT
+    assert len(pinned["variants"]) == 2
+
+    # the image build: every variant into the Hub cache the server will use offline
+    hf_cache = tmp_path / "hf-cache"  # the fake_hub fixture's HF_HUB_CACHE
+    res = invoke("build", "--fetch", str(lock), "--json")
+    assert res.returncode == 0, res.stdout
+    assert len(document(res)["variants"]) == 2
+    env = child_env(tmp_path, "server", HF_HUB_OFFLINE="1", HF_HUB_CACHE=str(hf_cache))
+    code, doc = fix(tiny, env, "--prebuilt", str(lock), "--no-smoke")
+    assert code == 0, doc
+
+    # the repo changes under the lock: refused, nothing installed
+    for key in list(fake_hub.routes):
+        if key[2].endswith(METADATA) and key[1] == "main":
+            reply = fake_hub.routes[key]
+            fake_hub.serve({key[2]: reply.body + b"\n"}, revision="main")
+            fake_hub.serve({key[2]: reply.body + b"\n"}, revision=COMMIT)
+    online = child_env(tmp_path, "other", HF_ENDPOINT=fake_hub.endpoint)
+    from qwen_kvprep.tiny import generate_checkpoint
+
+    other = Path(generate_checkpoint(tmp_path / "other-ckpt", layers=1, shards=1))
+    before = snapshot(other, digest=True)
+    code, doc = fix(other, online, "--prebuilt", str(lock), "--no-smoke")
+    assert code == 1
+    assert "pins" in finding(doc, "prebuilt.lock")["message"]
+    assert snapshot(other, digest=True) == before
+
+
+# -- doctor -------------------------------------------------------------------------------
+def test_doctor_reports_the_source_the_needed_variant_and_whether_it_is_there(
+    exported: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    mine = the_variant(exported).name
+    monkeypatch.setenv("QWEN_KVPREP_PREBUILT", str(exported))
+    doc = document(invoke("doctor", "--json"))
+    assert str(exported) in finding(doc, "prebuilt.source")["message"]
+    assert mine in finding(doc, "prebuilt.needed")["message"]
+    there = finding(doc, "prebuilt.variant")
+    assert there["severity"] == "ok" and mine in there["message"]
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    monkeypatch.setenv("QWEN_KVPREP_PREBUILT", str(empty))
+    missing = finding(document(invoke("doctor", "--json")), "prebuilt.variant")
+    assert missing["severity"] == "warn" and mine in missing["message"]
+    assert "build --export" in missing["fix"]
+
+
+# -- templates ----------------------------------------------------------------------------
+def test_docker_template_prebuilt_has_no_compiler_and_fetches_at_build() -> None:
+    from qwen_kvprep.templating import render
+
+    text = render("docker", prebuilt="kvprep.lock.json")
+    assert "devel" not in text and "g++" not in text and "--arch" not in text
+    assert "COPY kvprep.lock.json /opt/qwen-kvprep/kvprep.lock.json" in text
+    assert "RUN qwen-kvprep build --fetch /opt/qwen-kvprep/kvprep.lock.json" in text
+    assert "HF_HUB_OFFLINE=1" in text
+    assert "QWEN_KVPREP_PREBUILT=/opt/qwen-kvprep/kvprep.lock.json" in text
+    assert 'ENTRYPOINT ["qwen-kvprep", "prestart", "--"]' in text
+
+
+def test_k8s_template_prebuilt_shares_no_build_cache() -> None:
+    from qwen_kvprep.templating import render
+
+    text = render("k8s", prebuilt="Org/kernels@v1")
+    assert "ReadWriteMany" not in text and "PersistentVolumeClaim\n" not in text
+    assert "name: build-cache" not in text
+    assert "- --prebuilt\n            - Org/kernels@v1\n" in text
+    assert text.count("/prepared/kvprep-cache") == 2  # fix installs where prestart looks
+
+
+@pytest.mark.parametrize("value", ["Org/x; rm -rf /", "../lock.json", "a b/c"])
+def test_template_refuses_unsafe_prebuilt_values(value: str) -> None:
+    res = invoke("template", "docker", "--prebuilt", value)
+    assert res.returncode == 2 and "--prebuilt" in res.stderr
+
+
+def test_entrypoint_template_has_no_prebuilt_option() -> None:
+    res = invoke("template", "entrypoint", "--prebuilt", "Org/kernels")
+    assert res.returncode == 2 and "QWEN_KVPREP_PREBUILT" in res.stderr
