@@ -38,9 +38,14 @@
 //     token positions [pos, pos+S) and fp16(scale), fp16(zero) at each of those positions
 //     of scales/zeros; nothing else in the buffers changes. Returns None.
 //
-//   features() -> ["capacity-views", "quantize-append"]: what this build offers beyond
-//     the model's two functions (Qwen's official extension and older builds of ours
-//     have no `features`).
+//   attention_step(query_key, value, <six buffers>, pos, ...): one attention step of
+//     qwen-kvprep's fast path (quantize_append of the keys and values, then the model's
+//     attention with the two kernels); see its definition below.
+//
+//   features() -> ["capacity-views", "quantize-append", "attention-step-2"]: what this
+//     build offers beyond the model's two functions (Qwen's official extension and older
+//     builds of ours have no `features`; "attention-step-2" is attention_step taking the
+//     queries and keys as one tensor and returning the cache as nested tuples).
 //
 // Two builds from the same sources, with no extra defines:
 //   * this file alone: a CPU-only extension (CUDA tensors are refused with a clear error);
@@ -60,6 +65,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <initializer_list>
 #include <limits>
 #include <string>
 #include <vector>
@@ -145,11 +151,11 @@ std::string shape_str(const at::Tensor& t) {
   return s + "]";
 }
 
-std::string expected_str(const std::vector<int64_t>& dims) {
+std::string expected_str(std::initializer_list<int64_t> dims) {
   std::string s = "[";
-  for (size_t i = 0; i < dims.size(); ++i) {
-    if (i) s += ", ";
-    s += std::to_string(dims[i]);
+  for (const int64_t d : dims) {
+    if (s.size() > 1) s += ", ";
+    s += std::to_string(d);
   }
   return s + "]";
 }
@@ -171,12 +177,15 @@ void check_dtype(const char* fn, const char* arg, const at::Tensor& t, at::Scala
                    ", got ", dtype_name(t.scalar_type()));
 }
 
+// `want` is an initializer list, not a vector: checks run at every decoding step, and
+// none of them may allocate unless it fails.
 void check_shape(const char* fn, const char* arg, const at::Tensor& t,
-                 const std::vector<int64_t>& want, const char* layout) {
+                 std::initializer_list<int64_t> want, const char* layout) {
   TORCH_CHECK_VALUE(t.dim() == static_cast<int64_t>(want.size()), fn, ": ", arg,
                     " must be a 4-d tensor ", layout, ", got shape ", shape_str(t));
   bool same = true;
-  for (size_t i = 0; i < want.size(); ++i) same = same && t.size(i) == want[i];
+  int64_t i = 0;
+  for (const int64_t w : want) same = same && t.size(i++) == w;
   TORCH_CHECK_VALUE(same, fn, ": ", arg, " must have shape ", layout, " = ",
                     expected_str(want), ", got ", shape_str(t));
 }
@@ -363,12 +372,22 @@ void pv_cuda_gemm(const at::Tensor& vec, const at::Tensor& mat, const at::Tensor
 
 constexpr int64_t kCpuTileL = 256;  // QK: cached tokens per task
 constexpr int64_t kCpuTileQ = 16;   // queries sharing one dequantized row
+// Multiply-adds below which a task is not worth handing to another thread: a decoding step
+// at batch 1 is a few thousand per head, far less than waking the thread pool costs (and on
+// a busy machine a wait for a thread that is not running). Which thread computes an output
+// does not change it: each output is one task's, summed in one order.
+constexpr int64_t kCpuMinTaskWork = int64_t{1} << 15;
+
+int64_t grain_for(int64_t work_per_task) {
+  return std::max<int64_t>(1, kCpuMinTaskWork / std::max<int64_t>(1, work_per_task));
+}
 
 // C: the token capacity of mat's and scales'/zeros' buffers (L when contiguous).
 void qk_cpu(const at::Half* vec, const uint8_t* mat, at::Half* out, const at::Half* scales,
             const at::Half* zeros, int64_t BH, int64_t Q, int64_t D, int64_t L, int64_t C) {
   const int64_t n_ltiles = (L + kCpuTileL - 1) / kCpuTileL;
-  at::parallel_for(0, BH * n_ltiles, 1, [&](int64_t begin, int64_t end) {
+  const int64_t grain = grain_for(Q * D * std::min(kCpuTileL, L));
+  at::parallel_for(0, BH * n_ltiles, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> vf;
     std::vector<float> row(kCpuTileL);
     std::vector<float> zf(kCpuTileL);
@@ -423,7 +442,8 @@ void qk_cpu(const at::Half* vec, const uint8_t* mat, at::Half* out, const at::Ha
 void pv_cpu(const at::Half* vec, const uint8_t* mat, at::Half* out, const at::Half* scales,
             const at::Half* zeros, int64_t BH, int64_t Q, int64_t L, int64_t D, int64_t C) {
   const int64_t n_qtiles = (Q + kCpuTileQ - 1) / kCpuTileQ;
-  at::parallel_for(0, BH * n_qtiles, 1, [&](int64_t begin, int64_t end) {
+  const int64_t grain = grain_for(std::min(kCpuTileQ, Q) * L * D);
+  at::parallel_for(0, BH * n_qtiles, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> row(D);
     std::vector<float> acc(kCpuTileQ * D);
     std::vector<float> w(kCpuTileQ);
@@ -511,6 +531,13 @@ void pv_cpu_gemm(const at::Tensor& vec, const at::Tensor& mat, const at::Tensor&
 
 // ---------------------------------------------------------------------------------------
 
+void qk_run(Where where, const at::Tensor& vec, const at::Tensor& mat, const at::Tensor& mul,
+            const at::Tensor& scales, const at::Tensor& zeros, int64_t BH, int64_t Q,
+            int64_t D, int64_t L, int64_t C);
+void pv_run(Where where, const at::Tensor& vec, const at::Tensor& mat, const at::Tensor& mul,
+            const at::Tensor& scales, const at::Tensor& zeros, int64_t BH, int64_t Q,
+            int64_t L, int64_t D, int64_t C);
+
 void vecquant8matmul_batched_faster_old(const at::Tensor& vec, const at::Tensor& mat,
                                         const at::Tensor& mul, const at::Tensor& scales,
                                         const at::Tensor& zeros) {
@@ -522,12 +549,19 @@ void vecquant8matmul_batched_faster_old(const at::Tensor& vec, const at::Tensor&
   check_shape(kQkName, "scales", scales, {B, H, L, 1}, "[B, H, L, 1]");
   check_shape(kQkName, "zeros", zeros, {B, H, L, 1}, "[B, H, L, 1]");
   const int64_t C = check_layout(kQkName, true, vec, mat, mul, scales, zeros);
+  qk_run(where, vec, mat, mul, scales, zeros, B * H, Q, D, L, C);
+}
+
+// QK once its arguments are known to be valid: vec [B, H, Q, D] and mul [B, H, Q, L]
+// contiguous, mat / scales / zeros the first L tokens of buffers with room for C tokens.
+void qk_run(Where where, const at::Tensor& vec, const at::Tensor& mat, const at::Tensor& mul,
+            const at::Tensor& scales, const at::Tensor& zeros, int64_t BH, int64_t Q,
+            int64_t D, int64_t L, int64_t C) {
   if (mul.numel() == 0) return;
   if (D == 0) {  // an empty sum
     mul.zero_();
     return;
   }
-  const int64_t BH = B * H;
   if (where == Where::kCuda) {
     if (Q >= cuda_settings().gemm_min_q_qk) {
       qk_cuda_gemm(vec, mat, mul, scales, zeros, BH, Q, D, L, C);
@@ -559,12 +593,19 @@ void vecquant8matmul_batched_column_compression_faster_old(const at::Tensor& vec
   check_shape(kPvName, "scales", scales, {B, H, L, 1}, "[B, H, L, 1]");
   check_shape(kPvName, "zeros", zeros, {B, H, L, 1}, "[B, H, L, 1]");
   const int64_t C = check_layout(kPvName, false, vec, mat, mul, scales, zeros);
+  pv_run(where, vec, mat, mul, scales, zeros, B * H, Q, L, D, C);
+}
+
+// PV once its arguments are known to be valid (as qk_run; vec [B, H, Q, L], mul
+// [B, H, Q, D]).
+void pv_run(Where where, const at::Tensor& vec, const at::Tensor& mat, const at::Tensor& mul,
+            const at::Tensor& scales, const at::Tensor& zeros, int64_t BH, int64_t Q,
+            int64_t L, int64_t D, int64_t C) {
   if (mul.numel() == 0) return;
   if (L == 0) {  // an empty sum
     mul.zero_();
     return;
   }
-  const int64_t BH = B * H;
   if (where == Where::kCuda) {
     if (Q >= cuda_settings().gemm_min_q_pv) {
       pv_cuda_gemm(vec, mat, mul, scales, zeros, BH, Q, L, D, C);
@@ -662,73 +703,92 @@ void quantize_append_cpu(const at::Tensor& x, const at::Tensor& codes, const at:
   }
 }
 
-void quantize_append(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
-                     const at::Tensor& zeros, int64_t pos, bool key_layout, bool per_token) {
+// The names a caller's error messages use for x and the three buffers.
+struct AppendNames {
+  const char* fn;
+  const char* arg[4];
+};
+constexpr AppendNames kQaNames{kQaName, {"x", "codes", "scales", "zeros"}};
+
+// Every check quantize_append makes before it writes; returns where to run. Cheap enough
+// for each decoding step: no allocation, no tensor operation (messages are built only on
+// failure; the overlap test compares storages and address spans).
+Where check_append(const AppendNames& n, const at::Tensor& x, const at::Tensor& codes,
+                   const at::Tensor& scales, const at::Tensor& zeros, int64_t pos,
+                   bool key_layout) {
+  const char* fn = n.fn;
   const at::Tensor* all[] = {&x, &codes, &scales, &zeros};
-  const char* names[] = {"x", "codes", "scales", "zeros"};
   for (int i = 0; i < 4; ++i) {
-    TORCH_CHECK(all[i]->defined(), kQaName, ": ", names[i], " is an undefined tensor");
+    TORCH_CHECK(all[i]->defined(), fn, ": ", n.arg[i], " is an undefined tensor");
   }
   const c10::Device dev = x.device();
   for (int i = 1; i < 4; ++i) {
-    TORCH_CHECK(all[i]->device() == dev, kQaName,
-                ": all tensors must be on the same device; x is on ", dev.str(), " but ",
-                names[i], " is on ", all[i]->device().str());
+    TORCH_CHECK(all[i]->device() == dev, fn, ": all tensors must be on the same device; ",
+                n.arg[0], " is on ", dev.str(), " but ", n.arg[i], " is on ",
+                all[i]->device().str());
   }
-  TORCH_CHECK(dev.is_cpu() || dev.is_cuda(), kQaName, ": unsupported device ", dev.str(),
+  TORCH_CHECK(dev.is_cpu() || dev.is_cuda(), fn, ": unsupported device ", dev.str(),
               "; expected CPU or CUDA tensors");
-  TORCH_CHECK(dev.is_cpu() || cuda_entries_present(), kQaName, ": got tensors on ", dev.str(),
+  TORCH_CHECK(dev.is_cpu() || cuda_entries_present(), fn, ": got tensors on ", dev.str(),
               ", but this extension was built without CUDA (only "
               "cache_autogptq_cuda_256.cpp was compiled); rebuild it together with "
               "cache_autogptq_cuda_kernel_256.cu to use CUDA tensors");
   const at::ScalarType xt = x.scalar_type();
-  TORCH_CHECK_TYPE(xt == at::kFloat || xt == at::kHalf || xt == at::kBFloat16, kQaName,
-                   ": x must be torch.float32, torch.float16 or torch.bfloat16, got ",
+  TORCH_CHECK_TYPE(xt == at::kFloat || xt == at::kHalf || xt == at::kBFloat16, fn, ": ",
+                   n.arg[0], " must be torch.float32, torch.float16 or torch.bfloat16, got ",
                    dtype_name(xt));
-  check_dtype(kQaName, "codes", codes, at::kByte);
-  check_dtype(kQaName, "scales", scales, at::kHalf);
-  check_dtype(kQaName, "zeros", zeros, at::kHalf);
+  check_dtype(fn, n.arg[1], codes, at::kByte);
+  check_dtype(fn, n.arg[2], scales, at::kHalf);
+  check_dtype(fn, n.arg[3], zeros, at::kHalf);
   for (int i = 0; i < 4; ++i) {
-    TORCH_CHECK_VALUE(all[i]->dim() == 4, kQaName, ": ", names[i],
+    TORCH_CHECK_VALUE(all[i]->dim() == 4, fn, ": ", n.arg[i],
                       " must be a 4-d tensor, got shape ", shape_str(*all[i]));
   }
   const int64_t B = x.size(0), S = x.size(1), H = x.size(2), D = x.size(3);
   const int64_t C = scales.size(2);
-  check_shape(kQaName, "scales", scales, {B, H, C, 1}, "[B, H, C, 1]");
-  check_shape(kQaName, "zeros", zeros, {B, H, C, 1}, "[B, H, C, 1]");
+  check_shape(fn, n.arg[2], scales, {B, H, C, 1}, "[B, H, C, 1]");
+  check_shape(fn, n.arg[3], zeros, {B, H, C, 1}, "[B, H, C, 1]");
   if (key_layout) {
-    check_shape(kQaName, "codes", codes, {B, H, D, C}, "[B, H, D, C] (key_layout=True)");
+    check_shape(fn, n.arg[1], codes, {B, H, D, C}, "[B, H, D, C] (key_layout=True)");
   } else {
-    check_shape(kQaName, "codes", codes, {B, H, C, D}, "[B, H, C, D] (key_layout=False)");
+    check_shape(fn, n.arg[1], codes, {B, H, C, D}, "[B, H, C, D] (key_layout=False)");
   }
   for (int i = 1; i < 4; ++i) {
-    TORCH_CHECK_VALUE(all[i]->is_contiguous(), kQaName, ": ", names[i],
+    TORCH_CHECK_VALUE(all[i]->is_contiguous(), fn, ": ", n.arg[i],
                       " must be a contiguous buffer, got shape ", shape_str(*all[i]),
                       " with strides ", all[i]->strides());
   }
-  TORCH_CHECK_VALUE(pos >= 0, kQaName, ": pos must be >= 0, got ", pos);
-  TORCH_CHECK_VALUE(pos <= C - S, kQaName, ": pos + S (pos = ", pos, ", S = ", S,
+  TORCH_CHECK_VALUE(pos >= 0, fn, ": pos must be >= 0, got ", pos);
+  TORCH_CHECK_VALUE(pos <= C - S, fn, ": pos + S (pos = ", pos, ", S = ", S,
                     ") exceeds the buffers' capacity C = ", C,
                     " (grow the buffers before appending)");
-  TORCH_CHECK_VALUE(D > 0 || B * H * S == 0, kQaName,
-                    ": x has head_dim 0: there is nothing to take a min / max of");
+  TORCH_CHECK_VALUE(D > 0 || B * H * S == 0, fn, ": ", n.arg[0],
+                    " has head_dim 0: there is nothing to take a min / max of");
+  // The buffers are written while x is read. spans_overlap is exact for the contiguous
+  // buffers and conservative for a strided x.
   for (int i = 1; i < 4; ++i) {
     for (int j = 0; j < 4; ++j) {
       if (j == i || (j > 0 && j < i)) continue;  // each pair once, x against all three
-      const at::MemOverlapStatus st = at::get_overlap_status(*all[i], *all[j]);
-      const bool shares = st == at::MemOverlapStatus::TooHard ? spans_overlap(*all[i], *all[j])
-                                                              : st != at::MemOverlapStatus::No;
-      TORCH_CHECK_VALUE(!shares, kQaName, ": ", names[i], " must not share memory with ",
-                        names[j]);
+      TORCH_CHECK_VALUE(!spans_overlap(*all[i], *all[j]), fn, ": ", n.arg[i],
+                        " must not share memory with ", n.arg[j]);
     }
   }
+  return dev.is_cuda() ? Where::kCuda : Where::kCpu;
+}
+
+// quantize_append once check_append has passed.
+void run_append(Where where, const at::Tensor& x, const at::Tensor& codes,
+                const at::Tensor& scales, const at::Tensor& zeros, int64_t pos, bool key_layout,
+                bool per_token) {
+  const int64_t B = x.size(0), S = x.size(1), H = x.size(2), D = x.size(3);
   if (B * H * S == 0) return;
-  if (dev.is_cuda()) {
+  const at::ScalarType xt = x.scalar_type();
+  if (where == Where::kCuda) {
     const int64_t strides[4] = {x.stride(0), x.stride(1), x.stride(2), x.stride(3)};
     const int dtype = xt == at::kFloat ? 0 : xt == at::kHalf ? 1 : 2;
     kvprep_v1_quantize_append_cuda(static_cast<int>(x.get_device()), dtype, x.data_ptr(),
                                    strides, B, S, H, D, codes.data_ptr<uint8_t>(),
-                                   scales.data_ptr(), zeros.data_ptr(), C, pos,
+                                   scales.data_ptr(), zeros.data_ptr(), scales.size(2), pos,
                                    key_layout ? 1 : 0, per_token ? 1 : 0);
     return;
   }
@@ -741,26 +801,40 @@ void quantize_append(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   }
 }
 
+void quantize_append(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                     const at::Tensor& zeros, int64_t pos, bool key_layout, bool per_token) {
+  const Where where = check_append(kQaNames, x, codes, scales, zeros, pos, key_layout);
+  run_append(where, x, codes, scales, zeros, pos, key_layout, per_token);
+}
+
 // ---- attention_step ---------------------------------------------------------------------
 //
 // One attention step of qwen-kvprep's fast path (templates/qwen_kvprep_kv.py): quantize the
 // new keys and values into the buffers, then the model's own quantized-cache attention with
-// the two kernels. The ATen operations are those the model's code runs, in its order, so
-// the numbers are the same; doing them here instead of from Python saves the interpreter's
-// overhead of each, which at batch 1 costs more than the kernels themselves.
+// the two kernels. The numbers are those of the model's ATen operations in its order; doing
+// them here instead of from Python saves the interpreter's overhead of each, which at batch 1
+// costs more than the kernels themselves. Every argument is checked once, up front, before
+// anything is written; the kernels then run without checking again (their inputs are the
+// checked buffers and tensors allocated here), and no step is taken that does not change a
+// number: fp16 -> fp32 -> fp16 round trips, which are exact, are skipped.
 //
-// query, key, value: [B, S, H, D] (rotated; any strides), the model's dtype.
+// query_key: [B, S, 2H, D], the rotated queries (heads 0..H-1) then keys (H..2H-1), any
+// strides, the model's dtype; value: [B, S, H, D], any strides, the same dtype.
 // key_codes [B,H,D,C], value_codes [B,H,C,D] uint8; the four scale/zero buffers [B,H,C,1]
-// fp16. pos: the tokens already cached. attention_mask: added to the scores (the model's
-// additive mask) or undefined; causal: mask the scores causally (the model does so only
-// when nothing is cached); scale_div: the scores are divided by it (0: not scaled);
-// head_mask: multiplies the probabilities, or undefined; per_token: one scale and zero
-// point per new token instead of one per chunk (the model's own way; see quantize_append).
-// Returns the context [B, S, H*D] in the query's dtype, then the cache as the model returns
-// it: key codes [B,H,D,L] (the model's [B,H,L,D] transposed), key scales, key zeros,
-// value codes [B,H,L,D], value scales, value zeros, L = pos + S.
+// fp16; no buffer may share memory with another or with the inputs. pos: the tokens already
+// cached. attention_mask: added to the scores (the model's additive mask) or None; causal:
+// mask the scores causally (the model does so only when nothing is cached); scale_div: the
+// scores are divided by it (0: not scaled); head_mask: multiplies the probabilities, or None;
+// per_token: one scale and zero point per new token instead of one per chunk (see
+// quantize_append).
+// Returns (context [B, S, H*D] in the query's dtype, the cache as the model returns it:
+// ((key codes [B,H,L,D] (a transposed view of key_codes), key scales, key zeros),
+// (value codes [B,H,L,D], value scales, value zeros))), L = pos + S, views of the buffers.
 
 constexpr const char* kStepName = "attention_step";
+constexpr AppendNames kStepKeyNames{kStepName, {"key", "key_codes", "key_scales", "key_zeros"}};
+constexpr AppendNames kStepValueNames{
+    kStepName, {"value", "value_codes", "value_scales", "value_zeros"}};
 
 // torch < 2.1 has no fp16 softmax or clamp on the CPU: there the scores go through fp32 and
 // back (clamping is exact either way; the model's own code fails outright there).
@@ -782,63 +856,109 @@ at::Tensor clamp_fp16_min(const at::Tensor& w) {
   }
 }
 
-std::vector<at::Tensor> attention_step(const at::Tensor& query, const at::Tensor& key,
-                                       const at::Tensor& value, const at::Tensor& key_codes,
-                                       const at::Tensor& key_scales,
-                                       const at::Tensor& key_zeros,
-                                       const at::Tensor& value_codes,
-                                       const at::Tensor& value_scales,
-                                       const at::Tensor& value_zeros, int64_t pos,
-                                       const c10::optional<at::Tensor>& attention_mask,
-                                       bool causal, double scale_div, bool softmax_in_fp32,
-                                       const c10::optional<at::Tensor>& head_mask,
-                                       bool per_token) {
-  TORCH_CHECK_VALUE(query.dim() == 4 && key.dim() == 4 && value.dim() == 4, kStepName,
-                    ": query, key and value must be [B, S, H, D], got ", shape_str(query),
-                    ", ", shape_str(key), ", ", shape_str(value));
-  TORCH_CHECK_VALUE(query.sizes() == key.sizes() && key.sizes() == value.sizes(), kStepName,
-                    ": query, key and value must have one shape, got ", shape_str(query),
-                    ", ", shape_str(key), ", ", shape_str(value));
-  quantize_append(key, key_codes, key_scales, key_zeros, pos, true, per_token);
-  quantize_append(value, value_codes, value_scales, value_zeros, pos, false, per_token);
-  const int64_t B = query.size(0), S = query.size(1), H = query.size(2), D = query.size(3);
+using CacheTriple = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
+using StepResult = std::tuple<at::Tensor, std::tuple<CacheTriple, CacheTriple>>;
+
+StepResult attention_step(const at::Tensor& query_key, const at::Tensor& value,
+                          const at::Tensor& key_codes, const at::Tensor& key_scales,
+                          const at::Tensor& key_zeros, const at::Tensor& value_codes,
+                          const at::Tensor& value_scales, const at::Tensor& value_zeros,
+                          int64_t pos, const c10::optional<at::Tensor>& attention_mask,
+                          bool causal, double scale_div, bool softmax_in_fp32,
+                          const c10::optional<at::Tensor>& head_mask, bool per_token) {
+  TORCH_CHECK(query_key.defined() && value.defined(), kStepName,
+              ": query_key and value must be tensors");
+  TORCH_CHECK_VALUE(query_key.dim() == 4 && value.dim() == 4, kStepName,
+                    ": query_key must be [B, S, 2H, D] and value [B, S, H, D], got ",
+                    shape_str(query_key), ", ", shape_str(value));
+  const int64_t B = value.size(0), S = value.size(1), H = value.size(2), D = value.size(3);
+  TORCH_CHECK_VALUE(query_key.size(0) == B && query_key.size(1) == S &&
+                        query_key.size(2) == 2 * H && query_key.size(3) == D,
+                    kStepName, ": query_key must be [B, S, 2H, D] for value [B, S, H, D] = ",
+                    shape_str(value), ", got ", shape_str(query_key));
+  TORCH_CHECK_TYPE(query_key.scalar_type() == value.scalar_type() &&
+                       query_key.device() == value.device(),
+                   kStepName, ": query_key and value must have one dtype and device");
+  const at::Tensor query = query_key.narrow(2, 0, H);
+  const at::Tensor key = query_key.narrow(2, H, H);
+  const Where where =
+      check_append(kStepKeyNames, key, key_codes, key_scales, key_zeros, pos, true);
+  check_append(kStepValueNames, value, value_codes, value_scales, value_zeros, pos, false);
+  // Each append is checked against its own buffers above; the two sets must not meet
+  // either, and the queries (read after the keys are written) must not lie in any buffer.
+  const at::Tensor* kbufs[] = {&key_codes, &key_scales, &key_zeros};
+  const at::Tensor* vbufs[] = {&value_codes, &value_scales, &value_zeros};
+  for (int i = 0; i < 3; ++i) {
+    TORCH_CHECK_VALUE(!spans_overlap(query, *kbufs[i]) && !spans_overlap(query, *vbufs[i]) &&
+                          !spans_overlap(key, *vbufs[i]) && !spans_overlap(value, *kbufs[i]),
+                      kStepName, ": the buffers must not share memory with query_key or value");
+    for (int j = 0; j < 3; ++j) {
+      TORCH_CHECK_VALUE(!spans_overlap(*kbufs[i], *vbufs[j]), kStepName,
+                        ": the key buffers must not share memory with the value buffers");
+    }
+  }
+  if (attention_mask.has_value() && attention_mask->defined()) {
+    TORCH_CHECK(attention_mask->device() == value.device(), kStepName,
+                ": attention_mask must be on ", value.device().str());
+  }
+  if (head_mask.has_value() && head_mask->defined()) {
+    TORCH_CHECK(head_mask->device() == value.device(), kStepName,
+                ": head_mask must be on ", value.device().str());
+  }
+
+  run_append(where, key, key_codes, key_scales, key_zeros, pos, true, per_token);
+  run_append(where, value, value_codes, value_scales, value_zeros, pos, false, per_token);
   const int64_t L = pos + S;
+  const int64_t key_cap = key_scales.size(2), value_cap = value_scales.size(2);
   const at::Tensor k = key_codes.narrow(3, 0, L);
   const at::Tensor ks = key_scales.narrow(2, 0, L), kz = key_zeros.narrow(2, 0, L);
   const at::Tensor v = value_codes.narrow(2, 0, L);
   const at::Tensor vs = value_scales.narrow(2, 0, L), vz = value_zeros.narrow(2, 0, L);
 
-  const at::Tensor q = query.permute({0, 2, 1, 3});
-  at::Tensor w = at::empty({B, H, S, L}, q.options().dtype(at::kHalf));
-  vecquant8matmul_batched_faster_old(q.to(at::kHalf).contiguous(), k, w, ks, kz);
-  if (scale_div != 0.0) w = w.div(scale_div);
+  const at::ScalarType qt = query.scalar_type();
+  const at::TensorOptions half = query.options().dtype(at::kHalf);
+  // the model: query.permute(0, 2, 1, 3), then .to(float16).contiguous()
+  at::Tensor q = at::empty({B, H, S, D}, half);
+  q.copy_(query.permute({0, 2, 1, 3}));
+  at::Tensor w = at::empty({B, H, S, L}, half);
+  qk_run(where, q, k, w, ks, kz, B * H, S, D, L, key_cap);
+  if (scale_div != 0.0) w.div_(scale_div);  // w is ours: in place, the same rounding
   if (causal) {
     const at::Tensor mask =
         at::ones({L, L}, w.options().dtype(at::kBool)).tril_().view({1, 1, L, L});
     w = at::where(mask, w, at::Scalar(-65504.0));  // torch.finfo(torch.float16).min
   }
   if (attention_mask.has_value() && attention_mask->defined()) {
-    w = w.add(*attention_mask);
+    w = w.add(*attention_mask);  // not in place: the mask's dtype may promote the scores
     if (w.scalar_type() == at::kHalf) {
       // fp16 min + fp16 min is -inf, and a row of them would make softmax NaN
       w = clamp_fp16_min(w);
     }
   }
   w = softmax_in_fp32 ? w.to(at::kFloat).softmax(-1) : softmax_last(w);
-  w = w.to(query.scalar_type());
-  if (head_mask.has_value() && head_mask->defined()) w = w.mul(*head_mask);
-  at::Tensor out = at::empty({B, H, S, D}, q.options().dtype(at::kHalf));
-  vecquant8matmul_batched_column_compression_faster_old(w.to(at::kHalf).contiguous(), v, out,
-                                                        vs, vz);
-  if (out.scalar_type() != query.scalar_type()) out = out.to(query.scalar_type());
-  at::Tensor context = out.transpose(1, 2).contiguous().view({B, S, H * D});
-  return {context, k, ks, kz, v, vs, vz};
+  // the model: probabilities .type(query.dtype), times head_mask, then .to(float16) for PV.
+  // fp16 probabilities through fp32 (or fp16) and back are unchanged: skip the two copies.
+  const bool exact_trip = w.scalar_type() == at::kHalf && (qt == at::kFloat || qt == at::kHalf);
+  const bool masked = head_mask.has_value() && head_mask->defined();
+  if (masked || !exact_trip) {
+    w = w.to(qt);
+    if (masked) w = w.mul(*head_mask);
+    w = w.to(at::kHalf);
+  }
+  w = w.contiguous();
+  at::Tensor out = at::empty({B, H, S, D}, half);
+  pv_run(where, w, v, out, vs, vz, B * H, S, L, D, value_cap);
+  // the model: .to(query.dtype), .transpose(1, 2), .contiguous(), .view(B, S, H * D); one
+  // copy does the conversion and the transposition
+  at::Tensor context = at::empty({B, S, H * D}, query.options());
+  context.view({B, S, H, D}).copy_(out.transpose(1, 2));
+  return {context, {{k.transpose(2, 3), ks, kz}, {v, vs, vz}}};
 }
 
 // What this build offers beyond the two functions the model calls, so that a caller can
 // tell it from Qwen's official extension and from older builds of ours.
 std::vector<std::string> features() {
-  return {"capacity-views", "quantize-append", "attention-step"};
+  return {"capacity-views", "quantize-append", "attention-step-2"};
 }
 
 // For benchmarks and tests; the model never calls it.
@@ -895,19 +1015,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("codes"), py::arg("scales"), py::arg("zeros"), py::arg("pos"),
         py::arg("key_layout"), py::arg("per_token"), py::call_guard<py::gil_scoped_release>());
   m.def("attention_step", &attention_step,
-        "qwen-kvprep's fast path, one attention step: quantize key/value into the buffers at "
-        "pos, then the model's quantized-cache attention; returns [context, key codes, key "
-        "scales, key zeros, value codes, value scales, value zeros] (views of the buffers)",
-        py::arg("query"), py::arg("key"), py::arg("value"), py::arg("key_codes"),
-        py::arg("key_scales"), py::arg("key_zeros"), py::arg("value_codes"),
-        py::arg("value_scales"), py::arg("value_zeros"), py::arg("pos"),
-        py::arg("attention_mask"), py::arg("causal"), py::arg("scale_div"),
-        py::arg("softmax_in_fp32"), py::arg("head_mask"), py::arg("per_token") = false,
-        py::call_guard<py::gil_scoped_release>());
+        "qwen-kvprep's fast path, one attention step: quantize the keys (the second half of "
+        "query_key's heads) and values into the buffers at pos, then the model's "
+        "quantized-cache attention; returns (context, ((key codes, key scales, key zeros), "
+        "(value codes, value scales, value zeros))), the cache as views of the buffers in "
+        "the model's layout",
+        py::arg("query_key"), py::arg("value"), py::arg("key_codes"), py::arg("key_scales"),
+        py::arg("key_zeros"), py::arg("value_codes"), py::arg("value_scales"),
+        py::arg("value_zeros"), py::arg("pos"), py::arg("attention_mask"), py::arg("causal"),
+        py::arg("scale_div"), py::arg("softmax_in_fp32"), py::arg("head_mask"),
+        py::arg("per_token") = false, py::call_guard<py::gil_scoped_release>());
   m.def("features", &features,
         "Capabilities beyond the model's two functions: 'capacity-views' (mat/scales/zeros "
         "may be views of the first L tokens of bigger contiguous buffers), "
-        "'quantize-append'");
+        "'quantize-append', 'attention-step-2' (attention_step as this build defines it)");
   m.def("built_with_cuda", &cuda_entries_present,
         "True when the CUDA kernels were compiled into this extension");
 }

@@ -589,7 +589,10 @@ def start_ready(request: Request, planting: Planting) -> NoReturn:
     if request.as_json:
         sys.stdout.write(json_document(request, planting) + "\n")
     if planting.files:
-        say(request, f"planted the kernel sources and loader into {', '.join(planting.folders())}")
+        # named file by file: what is planted depends on the checkpoint (the loader and the
+        # kernel sources, and the fast path's module where fix installed it)
+        names = sorted({os.path.basename(p) for p in planting.files})
+        say(request, f"planted {', '.join(names)} into {', '.join(planting.folders())}")
     say(request, f"{request.target} is ready (recorded state matches)")
     hand_over(request.command)
 

@@ -250,6 +250,10 @@ class CountingKernels:
             self.calls += 1
             return attr(*args, **kwargs)
 
+        # Kept, so that later lookups find it without coming here: the fast path looks its
+        # function up at every step, and a new closure each time would be measured as part
+        # of the Int8 runs' speed (the extension's functions do not change).
+        self.__dict__[name] = counted
         return counted
 
 

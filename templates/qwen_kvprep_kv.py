@@ -26,7 +26,9 @@ What changes in the fast forward, and what does not:
   extension (`attention_step`): the fused quantize-and-append of the new keys and values,
   then the model's attention with the kernels, its operations run from C++ rather than
   one by one from Python (at batch 1, the interpreter's cost per operation outweighs the
-  kernels).
+  kernels). The queries and keys are rotated in one call of the model's rotary function
+  rather than two, and what is fixed between steps is not looked up again at every step
+  (the per-step cost in Python is what decides batch-1 decoding speed on a CPU).
 - What the model hands back as its cache keeps the model's own format: per layer
   `((key_codes, key_scale, key_zero), (value_codes, value_scale, value_zero))`, codes
   `[b, heads, tokens, head_dim]` uint8 (the key codes as a transposed view of the buffer),
@@ -45,11 +47,16 @@ import warnings
 
 import torch
 
-FEATURES = ("capacity-views", "quantize-append", "attention-step")
+FEATURES = ("capacity-views", "quantize-append", "attention-step-2")
 BLOCK = 128  # tokens: buffers grow in whole blocks (rows stay 16-byte aligned)
 MARK = "_qwen_kvprep_fast"  # set on the classes install() patched
 STEPS = "qwen_kvprep_fast_steps"  # attention steps a layer ran through the fast path
 OFF = "qwen_kvprep_fast_off"  # set on a layer to run the model's own code (comparisons)
+BUFFERS = "_qwen_kvprep_buffers"  # a layer's _Buffers
+# What the forward reads of a layer at every step are plain attributes, set with setattr
+# (nn.Module keeps them in the instance's __dict__). Read there: an attribute that is
+# absent (OFF, STEPS, the tiny model's kernel_calls) would otherwise go through
+# nn.Module.__getattr__ and an AttributeError, microseconds each at every step.
 # One scale and zero point per token for a prompt, instead of the model's one per (row,
 # head) over the whole prompt: far smaller errors where token norms vary, other numbers
 # than the model's own. `qwen-kvprep fix --per-token-prefill` sets it.
@@ -87,7 +94,8 @@ class _Buffers:
     """One attention layer's cache: codes, scales and zero points for keys and values,
     `capacity` tokens each, of which the first `length` belong to the latest sequence."""
 
-    __slots__ = ("k", "ks", "kz", "v", "vs", "vz", "length")
+    __slots__ = ("batch", "capacity", "k", "k_ptr", "ks", "kz", "length", "v", "v_ptr", "vs",
+                 "vz")
 
     def __init__(self, batch, heads, dim, capacity, device):
         self.k = torch.empty((batch, heads, dim, capacity), dtype=torch.uint8, device=device)
@@ -97,10 +105,9 @@ class _Buffers:
             for _ in range(4)
         )
         self.length = 0
-
-    @property
-    def capacity(self):
-        return self.k.shape[-1]
+        # fixed for the buffers' life: read once here, not at every step
+        self.batch, self.capacity = batch, capacity
+        self.k_ptr, self.v_ptr = self.k.data_ptr(), self.v.data_ptr()
 
     def owns(self, past):
         """True when `past` is this layer's latest cache, so appending cannot change a
@@ -112,11 +119,11 @@ class _Buffers:
         """
         (kq, _, _), (vq, _, _) = past
         return (
-            kq.shape[2] == self.length
-            and kq.shape[0] == self.k.shape[0]
-            and kq.data_ptr() == self.k.data_ptr()
-            and vq.data_ptr() == self.v.data_ptr()
-            and kq.stride(-1) == self.k.shape[-1]
+            kq.data_ptr() == self.k_ptr
+            and vq.data_ptr() == self.v_ptr
+            and kq.shape[2] == self.length
+            and kq.shape[0] == self.batch
+            and kq.stride(-1) == self.capacity
         )
 
     def copy_from(self, past, length):
@@ -134,82 +141,87 @@ def _blocks(tokens):
     return (tokens + BLOCK - 1) // BLOCK * BLOCK
 
 
-def _buffers_for(layer, layer_past, batch, new_tokens, device):
+def _buffers_for(layer, state, layer_past, batch, new_tokens, device):
     """The layer's buffers, ready to take `new_tokens` after the past: the same buffers
-    when the past is their latest content and fits, else fresh ones holding a copy."""
-    heads, dim = layer.num_heads, layer.head_dim
-    buffers = getattr(layer, "_qwen_kvprep_buffers", None)
+    when the past is their latest content and fits, else fresh ones holding a copy.
+    `state` is the layer's __dict__."""
+    buffers = state.get(BUFFERS)
     if layer_past is None:
         past_length = 0
     else:
-        past_length = int(layer_past[0][0].shape[2])
-    needed = past_length + new_tokens
-    if (
-        layer_past is not None
-        and buffers is not None
-        and buffers.owns(layer_past)
-        and needed <= buffers.capacity
-    ):
-        return buffers, past_length
+        past_length = layer_past[0][0].shape[2]
+        if (
+            buffers is not None
+            and past_length + new_tokens <= buffers.capacity
+            and buffers.owns(layer_past)
+        ):
+            return buffers, past_length
     # room for the next block of decoding steps before the next copy
-    fresh = _Buffers(batch, heads, dim, _blocks(needed + 1), device)
-    if layer_past is not None and past_length:
+    fresh = _Buffers(batch, layer.num_heads, layer.head_dim,
+                     _blocks(past_length + new_tokens + 1), device)
+    if past_length:
         fresh.copy_from(layer_past, past_length)
-    layer._qwen_kvprep_buffers = fresh
+    state[BUFFERS] = fresh
     return fresh, past_length
 
 
-def _rotate(apply_rotary, rotary_pos_emb_list, query, key):
-    """Rotary embedding exactly as the model applies it: one table for the batch, or one
-    per row (dynamic NTK per row)."""
-    cur_len = query.shape[1]
+def _rotate(apply_rotary, rotary_pos_emb_list, query_key):
+    """Rotary embedding exactly as the model applies it (one table for the batch, or one
+    per row for dynamic NTK per row), to the queries and keys at once: the model rotates
+    them in two calls of the same elementwise function with the same table, so one call
+    over both gives the same numbers with half the operations."""
+    cur_len = query_key.shape[1]
     if len(rotary_pos_emb_list) == 1:
-        emb = [t[:, -cur_len:, :, :] for t in rotary_pos_emb_list[0]]
-        return apply_rotary(query, emb), apply_rotary(key, emb)
-    queries, keys = [], []
+        return apply_rotary(query_key, [_last(t, cur_len) for t in rotary_pos_emb_list[0]])
+    rows = []
     for i, table in enumerate(rotary_pos_emb_list):
-        emb = [t[:, -cur_len:, :, :] for t in table]
-        queries.append(apply_rotary(query[i : i + 1], emb))
-        keys.append(apply_rotary(key[i : i + 1], emb))
-    return torch.cat(queries, dim=0), torch.cat(keys, dim=0)
+        rows.append(apply_rotary(query_key[i : i + 1], [_last(t, cur_len) for t in table]))
+    return torch.cat(rows, dim=0)
 
 
-def _fast_forward(layer, apply_rotary, hidden_states, rotary_pos_emb_list, layer_past,
-                  attention_mask, head_mask, use_cache):
-    kernels = layer.cache_kernels
+def _last(table, tokens):
+    """table[:, -tokens:, :, :], the model's slice of a rotary table, in one call."""
+    return table.narrow(1, table.shape[1] - tokens, tokens)
+
+
+def _fast_forward(layer, state, kernels, apply_rotary, hidden_states, rotary_pos_emb_list,
+                  layer_past, attention_mask, head_mask, use_cache):
     batch, new_tokens = hidden_states.shape[0], hidden_states.shape[1]
-    heads, dim = layer.num_heads, layer.head_dim
-    mixed = layer.c_attn(hidden_states)
-    query, key, value = mixed.split(layer.split_size, dim=2)
-    query = query.view(batch, new_tokens, heads, dim)
-    key = key.view(batch, new_tokens, heads, dim)
-    value = value.view(batch, new_tokens, heads, dim)
+    heads = layer.num_heads
+    # The model splits the projection into thirds of split_size and views each as
+    # [b, s, heads, head_dim]: the same as viewing it as 3 * heads heads (the view fails
+    # where the model's would).
+    mixed = layer.c_attn(hidden_states).view(batch, new_tokens, 3 * heads, layer.head_dim)
+    query_key = mixed.narrow(2, 0, 2 * heads)
     if rotary_pos_emb_list is not None:
-        query, key = _rotate(apply_rotary, rotary_pos_emb_list, query, key)
+        query_key = _rotate(apply_rotary, rotary_pos_emb_list, query_key)
 
-    buffers, past_length = _buffers_for(layer, layer_past, batch, new_tokens, query.device)
+    buffers, past_length = _buffers_for(layer, state, layer_past, batch, new_tokens,
+                                        hidden_states.device)
     total = past_length + new_tokens
     if total > layer.seq_length and layer.use_logn_attn:
-        logn = layer.logn_tensor[:, total - new_tokens : total, :, :].type_as(query)
-        query = query * logn.expand_as(query)
+        logn = layer.logn_tensor[:, total - new_tokens : total, :, :].type_as(query_key)
+        query = query_key.narrow(2, 0, heads)
+        query_key = torch.cat((query * logn.expand_as(query), query_key.narrow(2, heads, heads)),
+                              dim=2)
     # The extension quantizes the new tokens into the buffers, then runs the model's _attn
     # with its kernels (the same operations in the same order), and returns the context and
-    # the cache as views of the buffers.
-    context, k, ks, kz, v, vs, vz = kernels.attention_step(
-        query, key, value, buffers.k, buffers.ks, buffers.kz, buffers.v, buffers.vs, buffers.vz,
+    # the cache as views of the buffers, in the model's format.
+    context, present = kernels.attention_step(
+        query_key, mixed.narrow(2, 2 * heads, heads),
+        buffers.k, buffers.ks, buffers.kz, buffers.v, buffers.vs, buffers.vz,
         past_length, attention_mask,
         new_tokens == total,  # the model masks causally only when nothing is cached
-        dim**0.5 if layer.scale_attn_weights else 0.0,
-        bool(getattr(layer, "softmax_in_fp32", False)),
+        layer.head_dim**0.5 if layer.scale_attn_weights else 0.0,
+        bool(state.get("softmax_in_fp32", False)),
         head_mask,
         PER_TOKEN_PREFILL,
     )
     buffers.length = total
-    present = ((k.transpose(-1, -2), ks, kz), (v, vs, vz)) if use_cache else None
-    setattr(layer, STEPS, getattr(layer, STEPS, 0) + 1)
-    if hasattr(layer, "kernel_calls"):  # qwen-kvprep's tiny model counts its kernel calls
-        layer.kernel_calls += 2
-    return layer.c_proj(context), present
+    state[STEPS] = state.get(STEPS, 0) + 1
+    if "kernel_calls" in state:  # qwen-kvprep's tiny model counts its kernel calls
+        state["kernel_calls"] += 2
+    return layer.c_proj(context), present if use_cache else None
 
 
 def _flash_loaded(namespace):
@@ -253,18 +265,20 @@ def install(namespace):
         output_attentions=False,
         use_cache=False,
     ):
+        state = self.__dict__
+        kernels = state.get("cache_kernels")
         if (
-            getattr(self, "use_cache_quantization", False)
-            and getattr(self, "use_cache_kernel", False)
+            state.get("use_cache_quantization")
+            and state.get("use_cache_kernel")
             and not output_attentions
             and not self.training
-            and not getattr(self, OFF, False)
-            and not (getattr(self, "use_flash_attn", False) and _flash_loaded(namespace))
-            and supported(getattr(self, "cache_kernels", None))
+            and not state.get(OFF)
+            and not (state.get("use_flash_attn") and _flash_loaded(namespace))
+            and supported(kernels)
         ):
             return _fast_forward(
-                self, apply_rotary, hidden_states, rotary_pos_emb_list, layer_past,
-                attention_mask, head_mask, use_cache,
+                self, state, kernels, apply_rotary, hidden_states, rotary_pos_emb_list,
+                layer_past, attention_mask, head_mask, use_cache,
             )
         return model_forward(
             self, hidden_states, rotary_pos_emb_list, layer_past, attention_mask, head_mask,

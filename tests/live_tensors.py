@@ -91,12 +91,22 @@ def load(directory: str, int8: bool) -> Any:
     return AutoModelForCausalLM.from_pretrained(directory, trust_remote_code=True, **flags).eval()
 
 
-def measure(model: Any, batch: int, prompt: int, new: int, chunk: Optional[int] = None) -> int:
+def measure(
+    model: Any, batch: int, prompt: int, new: int, chunk: Optional[int] = None,
+    fast_path: bool = False,
+) -> int:
     """Peak live bytes (weights included) of the contract's run: the prompt in chunks, then
-    `new` greedy steps of one token, each a forward with the cache."""
+    `new` greedy steps of one token, each a forward with the cache.
+
+    fast_path: the model's Int8 cache runs through qwen-kvprep's fast path with the real
+    extension (its ATen operations pass through the tracker like any other; the kernels
+    write into tensors they are given); each run starts without buffers, as in a fresh
+    process."""
     tracker = LiveTensors()
     for module in model.modules():
-        if hasattr(module, "cache_kernels") and getattr(module, "use_cache_quantization", 0):
+        if fast_path:
+            module.__dict__.pop("_qwen_kvprep_buffers", None)
+        elif hasattr(module, "cache_kernels") and getattr(module, "use_cache_quantization", 0):
             module.cache_kernels = FakeKernels(tracker)
     with torch.inference_mode():
         for tensor in [*model.parameters(), *model.buffers()]:

@@ -662,3 +662,110 @@ def test_quantize_append_constant_tokens_like_torch(
         assert torch.equal(codes[:, :, 1:4], q)
         for got, want in ((scales[:, :, 1:4], sc), (zeros[:, :, 1:4], ze)):
             assert bool(((got == want) | (got.isnan() & want.isnan())).all())
+
+
+# ---- attention_step ----------------------------------------------------------------------
+
+
+def step_buffers(b: int, h: int, d: int, cap: int) -> Args:
+    return [*qa_buffers(b, h, d, cap, key=True), *qa_buffers(b, h, d, cap, key=False)]
+
+
+def step_reference(
+    ext: ModuleType, query_key: torch.Tensor, value: torch.Tensor, bufs: Args, pos: int,
+    head_mask: torch.Tensor | None,
+) -> torch.Tensor:
+    """The model's decoding step with its kernels, one operation at a time from Python:
+    quantize the new keys and values into the buffers, then its _attn."""
+    b, s, h, d = value.shape
+    kbuf, ks, kz, vbuf, vs, vz = bufs
+    ext.quantize_append(query_key[:, :, h:], kbuf, ks, kz, pos, True, False)
+    ext.quantize_append(value, vbuf, vs, vz, pos, False, False)
+    n = pos + s
+    query = query_key[:, :, :h].permute(0, 2, 1, 3)
+    w = torch.zeros(b, h, s, n, dtype=torch.float16)
+    getattr(ext, QK)(query.to(torch.float16).contiguous(), kbuf[..., :n], w, ks[:, :, :n],
+                     kz[:, :, :n])
+    w = torch.softmax(w / d**0.5, dim=-1).type(query.dtype)
+    if head_mask is not None:
+        w = w * head_mask
+    out = torch.zeros(b, h, s, d, dtype=torch.float16)
+    getattr(ext, PV)(w.to(torch.float16).contiguous(), vbuf[:, :, :n], out, vs[:, :, :n],
+                     vz[:, :, :n])
+    return out.to(query.dtype).transpose(1, 2).contiguous().view(b, s, h * d)
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16, torch.float16))
+@pytest.mark.parametrize("masked", (False, True))
+def test_attention_step_is_the_model_s_step_exactly(
+    ext: ModuleType, dtype: torch.dtype, masked: bool
+) -> None:
+    """One call does what the model's code does with the two kernels, bit for bit, and
+    hands back the cache as views of the buffers in the model's layout."""
+    b, h, d, cap, pos = 2, 3, 16, 12, 5
+    g = torch.Generator().manual_seed(21)
+    qkv = (torch.randn(b, 1, 3 * h, d, generator=g) * 3).to(dtype)
+    query_key, value = qkv[:, :, : 2 * h], qkv[:, :, 2 * h :]
+    head_mask = torch.rand(1, h, 1, 1, generator=g).to(dtype) if masked else None
+    bufs = step_buffers(b, h, d, cap)
+    mine = [t.clone() for t in bufs]
+    want = step_reference(ext, query_key, value, bufs, pos, head_mask)
+    context, ((k, ks, kz), (v, vs, vz)) = ext.attention_step(
+        query_key, value, *mine, pos, None, False, d**0.5, False, head_mask, False
+    )
+    assert context.dtype == dtype and torch.equal(context, want)
+    assert all(torch.equal(x, y) for x, y in zip(mine, bufs))
+    n = pos + 1
+    assert k.shape == (b, h, n, d) and torch.equal(k, mine[0][..., :n].transpose(-1, -2))
+    assert k.data_ptr() == mine[0].data_ptr() and v.data_ptr() == mine[3].data_ptr()
+    for got, buf in zip((ks, kz, vs, vz), (mine[1], mine[2], mine[4], mine[5])):
+        assert got.shape == (b, h, n, 1) and got.data_ptr() == buf.data_ptr()
+
+
+StepArgs = tuple[torch.Tensor, torch.Tensor, Args, int]
+
+
+def step_args(pos: int = 2) -> StepArgs:
+    """fp16 query_key [1, 1, 4, 8] and value [1, 1, 2, 8], buffers for 8 tokens."""
+    qkv = torch.randn(1, 1, 6, 8).half()
+    return qkv[:, :, :4], qkv[:, :, 4:], step_buffers(1, 2, 8, 8), pos
+
+
+def _past_capacity(a: StepArgs) -> StepArgs:
+    return a[0], a[1], a[2], 8
+
+
+def _one_set_of_scales(a: StepArgs) -> StepArgs:
+    bufs = a[2]
+    return a[0], a[1], [*bufs[:4], bufs[1], bufs[5]], a[3]
+
+
+def _value_inside_key_zeros(a: StepArgs) -> StepArgs:
+    bufs = a[2]
+    return a[0], bufs[2].view(1, 1, 2, 8), bufs, a[3]  # the 16 fp16 zero points
+
+
+def _no_keys(a: StepArgs) -> StepArgs:
+    return a[0][:, :, :2], a[1], a[2], a[3]
+
+
+STEP_BAD: list[tuple[str, Callable[[StepArgs], StepArgs], str]] = [
+    ("past the capacity", _past_capacity, r"exceeds the buffers' capacity C = 8"),
+    ("one set of scales for both", _one_set_of_scales,
+     "the key buffers must not share memory with the value buffers"),
+    ("values inside the key zeros", _value_inside_key_zeros,
+     "the buffers must not share memory with query_key or value"),
+    ("query_key without the keys", _no_keys, r"query_key must be \[B, S, 2H, D\]"),
+]
+
+
+@pytest.mark.parametrize(("change", "words"), [pytest.param(c, w, id=i) for i, c, w in STEP_BAD])
+def test_attention_step_refuses_before_it_writes(
+    ext: ModuleType, change: Callable[[StepArgs], StepArgs], words: str
+) -> None:
+    query_key, value, bufs, pos = change(step_args())
+    before = [t.clone() for t in bufs]
+    with pytest.raises(ValueError, match=words) as info:
+        ext.attention_step(query_key, value, *bufs, pos, None, False, 1.0, False, None, False)
+    assert "attention_step" in str(info.value)
+    assert all(torch.equal(x, y) for x, y in zip(bufs, before))

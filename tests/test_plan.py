@@ -395,6 +395,51 @@ def test_prediction_matches_live_tensors_of_the_tiny_model(
                 q = chunk or prompt
                 allowed += 4 * batch * shape.heads * q * (prompt + new)
             assert abs(predicted - measured) <= allowed, (mode, batch, prompt, new)
+    # in this test: the remote code loads from this test's modules cache
+    _fast_path_matches_live_tensors(tmp_path)
+
+
+def _fast_path_matches_live_tensors(tmp_path: Path) -> None:
+    """The same check for the Int8 cache through qwen-kvprep's fast path (a fixed tiny
+    checkpoint, the real CPU extension): buffers in whole blocks of FAST_BLOCK tokens,
+    appended in place, grown with a copy."""
+    from tests.live_tensors import load, measure
+
+    d = generate_checkpoint(tmp_path / "PlanFast", layers=2, heads=4, head_dim=128,
+                            intermediate=2048)
+    done = kvprep("fix", str(d), "--no-smoke", "--json", timeout=1800)
+    assert done.returncode == 0, done.stdout + done.stderr
+    shape = model_shape(d)
+    model = load(str(d), int8=True)
+    # a decode that grows the buffers (127 + 1 -> 256), a prompt of two blocks, one that
+    # grows during decoding (100 -> 128 -> 256). Prefill in chunks is not in the list: there
+    # the prediction is short of the live peak (8 x 256 in chunks of 64: 17.2 against
+    # 20.4 MB), a part of the fast path's prefill transients not yet modelled.
+    for batch, prompt, new in [(16, 1, 127), (8, 256, 16), (4, 100, 60)]:
+        measured = measure(model, batch, prompt, new, None, fast_path=True)
+        measured -= shape.weights_bytes
+        predicted = (
+            predict_peak_bytes(shape, batch, prompt, new, "int8", None, fast_path=True)
+            - shape.weights_bytes
+            - CUBLAS_WORKSPACE_BYTES
+        )
+        allowed = 0.05 * measured
+        if OLD_CPU_SOFTMAX:
+            allowed += 4 * batch * shape.heads * prompt * (prompt + new)
+        assert abs(predicted - measured) <= allowed, (batch, prompt, new, predicted, measured)
+        # the model's own code's prediction is another number
+        assert predict_peak_bytes(shape, batch, prompt, new, "int8") != predicted + \
+            shape.weights_bytes + CUBLAS_WORKSPACE_BYTES
+    layers = [m for m in model.modules() if hasattr(m, "cache_kernels")]
+    assert layers and all(getattr(m, "qwen_kvprep_fast_steps", 0) > 0 for m in layers)
+
+
+def test_fast_path_block_matches_the_planted_module() -> None:
+    from qwen_kvprep.planning.peak import FAST_BLOCK
+    from qwen_kvprep.resources import templates_dir
+
+    source = (templates_dir() / "qwen_kvprep_kv.py").read_text(encoding="utf-8")
+    assert f"\nBLOCK = {FAST_BLOCK}  #" in source
 
 
 # -- the command --------------------------------------------------------------------------------
@@ -420,6 +465,26 @@ def test_cli_json(tmp_path: Path) -> None:
     by_key = {(r["batch"], r["tokens"]): r for r in plan["table"]}
     assert by_key[(100, 8192)]["unquantized_oom"] is True
     assert by_key[(1, 512)]["int8_oom"] is False
+
+
+def test_cli_says_when_the_int8_figures_are_the_fast_path_s(tmp_path: Path) -> None:
+    """A folder whose model code imports the fast path is planned with its buffers of whole
+    blocks, and says so; the same folder without it is planned as the model's own code."""
+    from qwen_kvprep.fastkv import patched
+    from qwen_kvprep.resources import templates_dir
+
+    d = generate_checkpoint(tmp_path / "tiny", layers=2, heads=4, head_dim=128)
+    args = ("plan", str(d), "--gpu-memory", "80GiB", "--batch", "4", "--tokens", "200")
+    plain = document(kvprep(*args, "--json"))["plan"]
+    modeling = d / "modeling_qwen.py"
+    modeling.write_text(patched(modeling.read_text(encoding="utf-8")), encoding="utf-8")
+    (d / "qwen_kvprep_kv.py").write_bytes((templates_dir() / "qwen_kvprep_kv.py").read_bytes())
+    fast = document(kvprep(*args, "--json"))["plan"]
+    assert (plain["fast_path"], fast["fast_path"]) == (False, True)
+    assert any("fast path" in a for a in fast["assumptions"])
+    assert fast["table"][0]["int8_bytes"] != plain["table"][0]["int8_bytes"]
+    assert fast["table"][0]["unquantized_bytes"] == plain["table"][0]["unquantized_bytes"]
+    assert "fast path" in kvprep(*args).stdout
 
 
 def test_cli_text_tables() -> None:

@@ -291,6 +291,12 @@ def test_kernel_counter_wraps_foreign_model_code() -> None:
     real.cache_kernels.vecquant8matmul_batched_column_compression_faster_old(1, 2, 3, 4, 5)
     assert counter.calls() == [2, 2, 0] and counter.kernel_layers() == 2
     assert real.cache_kernels.__file__.endswith(".so")  # attributes pass through
+    # a function is wrapped once, not at every lookup (the fast path looks it up at every
+    # step), and every call through it still counts
+    first = real.cache_kernels.vecquant8matmul_batched_faster_old
+    assert real.cache_kernels.vecquant8matmul_batched_faster_old is first
+    first(1, 2, 3, 4, 5)
+    assert counter.calls() == [2, 3, 0]
 
 
 def test_plot_png_needs_matplotlib_and_says_how(

@@ -29,6 +29,22 @@ class CheckpointPlan:
     plot: Optional[Path] = None  # the plot drawn (--plot FILE)
 
 
+def fast_path_installed(directory: Path) -> bool:
+    """Whether DIR's model code runs the Int8 cache through qwen-kvprep's fast path:
+    modeling_qwen.py carries fix's block and the module it imports is there."""
+    from qwen_kvprep.common import FAST_FILE, MODELING_FILE
+    from qwen_kvprep.fastkv import is_patched
+    from qwen_kvprep.untrusted import read_prefix
+
+    if not (Path(directory) / FAST_FILE).is_file():
+        return False
+    try:
+        text = read_prefix(Path(directory) / MODELING_FILE, 16 << 20)[0]
+    except OSError:
+        return False
+    return is_patched(text.decode("utf-8", errors="replace"))
+
+
 def plan_checkpoint(
     directory: Path,
     batches: tuple[int, ...],
@@ -51,6 +67,7 @@ def plan_checkpoint(
         prefill_chunk=prefill_chunk,
         gpu_memory_bytes=memory,
         softmax_in_fp32=facts.softmax_in_fp32,
+        fast_path=fast_path_installed(directory),
     )
     result = make_plan(facts.shape, scenario, batches, tokens)
     if plot is not None:

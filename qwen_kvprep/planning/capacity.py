@@ -24,6 +24,7 @@ class Scenario:
     prefill_chunk: Optional[int]
     gpu_memory_bytes: int
     softmax_in_fp32: bool = False
+    fast_path: bool = False  # the Int8 cache runs through qwen-kvprep's fast path
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,7 @@ def peak(shape: ModelShape, scenario: Scenario, mode: str, batch: int, tokens: i
         mode,
         scenario.prefill_chunk,
         softmax_in_fp32=scenario.softmax_in_fp32,
+        fast_path=scenario.fast_path,
     )
 
 

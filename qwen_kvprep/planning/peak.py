@@ -83,6 +83,100 @@ def kv_bytes_per_token(shape: ModelShape, mode: str, fast_path: bool = False) ->
     return 2 * shape.layers * shape.heads * per_head
 
 
+# -- qwen-kvprep's fast path ----------------------------------------------------------------
+
+# The fast path (templates/qwen_kvprep_kv.py, its BLOCK) keeps the Int8 cache of each layer
+# in buffers of a whole number of blocks of this many tokens: a forward that starts a
+# sequence, or whose tokens no longer fit, makes new buffers with room for the tokens plus
+# one, rounded up to a block, copying the past while the caller still holds the old ones.
+FAST_BLOCK = 128
+
+
+def _blocks(tokens: int) -> int:
+    return -(-tokens // FAST_BLOCK) * FAST_BLOCK
+
+
+def _prefill_capacities(prompt: int, step: int) -> list[tuple[int, int, int]]:
+    """(past, capacity before, capacity after) of each prefill forward of the fast path."""
+    out, cap = [], 0
+    for past in range(0, prompt, step):
+        before = cap
+        needed = past + min(step, prompt - past)
+        if past == 0 or needed > cap:
+            cap = _blocks(needed + 1)
+        out.append((past, before, cap))
+    return out
+
+
+def _fast_capacity(prompt: int, step: int, fwd: _Forward) -> tuple[int, int]:
+    """The fast path's buffer capacity in tokens before and after forward `fwd`."""
+    prefill = _prefill_capacities(prompt, step)
+    for past, before, after in prefill:
+        if past == fwd.past:
+            return before, after
+    # decoding: one token a step; the buffers grow when the past fills them
+    before = max(prefill[-1][2], _blocks(fwd.past))
+    return before, (before if fwd.past + 1 <= before else _blocks(fwd.past + 2))
+
+
+def _fast_growth_forwards(prompt: int, new: int, step: int) -> list[_Forward]:
+    """The last forward of the prefill and of the decoding that grows the buffers: there
+    the old and the new buffers are both alive, the largest such pair of each phase."""
+    prefill = _prefill_capacities(prompt, step)
+    picks = []
+    grown = [past for past, before, after in prefill if past and after != before]
+    if grown:
+        picks.append(_Forward(grown[-1], min(step, prompt - grown[-1]), step))
+    cap = prefill[-1][2]
+    last = prompt + new - 1
+    if new and last >= cap:
+        past = cap + (last - cap) // FAST_BLOCK * FAST_BLOCK
+        rest = prompt % step
+        picks.append(_Forward(past, 1, 1 if past > prompt else rest or step))
+    return picks
+
+
+def _fast_transients(
+    shape: ModelShape, batch: int, past: int, query: int, softmax_in_fp32: bool
+) -> tuple[int, int]:
+    """The fast path's largest transients inside the last block, as _layer_transients.
+
+    Before its cache exists: the queries and keys rotated together (fp32 temporaries of
+    [b, q, 2·proj]); the quantization writes into the buffers without temporaries. After:
+    attention_step's tensors (an fp16 copy of the queries, the fp16 scores, the causal mask
+    and the masked scores of a first forward, the softmax, the fp16 output and the context)
+    and the MLP.
+    """
+    e = shape.dtype_bytes
+    proj = shape.heads * shape.head_dim
+    ff = shape.intermediate // 2
+    tokens = batch * query
+    length = past + query
+    stream = tokens * 3 * shape.hidden * e
+    mixed = tokens * 3 * proj * e
+    before = stream + mixed + tokens * 2 * proj * 16
+    attn_in = stream + mixed + tokens * 2 * proj * e
+    scores = batch * shape.heads * query * length
+    s2, se, s4 = 2 * scores, e * scores, 4 * scores
+    mask = length * length if past == 0 else 0
+    half_out = tokens * proj * 2
+    # softmax: through an fp32 copy with softmax_in_fp32; then, unless the probabilities
+    # go from fp16 to fp32 and back unchanged (fp32 models), a copy in the model's dtype
+    # and one in fp16 for the kernel
+    soft = s2 + 2 * s4 if softmax_in_fp32 else 2 * s2
+    back = 0 if e == 4 and not softmax_in_fp32 else s2 + se + s2
+    phases = (
+        half_out + s2,  # QK: the fp16 queries and the scores
+        2 * s2 + mask,  # causal masking (a first forward only)
+        soft,
+        back,
+        s2 + half_out + tokens * proj * e,  # PV's output, then the context
+    )
+    after = attn_in + max(phases)
+    mlp = stream + tokens * (shape.hidden * e + 3 * ff * e)
+    return before, max(after, mlp)
+
+
 # -- one forward ---------------------------------------------------------------------------
 
 
@@ -211,6 +305,21 @@ class _Forward:
     before: int  # tokens fed by the forward before (0 for the first)
 
 
+def _fast_forward_peak(
+    shape: ModelShape, batch: int, fwd: _Forward, prompt: int, step: int, softmax_in_fp32: bool
+) -> int:
+    """Peak of one forward of the Int8 cache through qwen-kvprep's fast path."""
+    per_token = batch * kv_bytes_per_token(shape, "int8", fast_path=True)
+    cap_before, cap_after = _fast_capacity(prompt, step, fwd)
+    old_cache = per_token * cap_before if fwd.past else 0
+    grows = fwd.past == 0 or cap_after != cap_before
+    # appended in place: new buffers exist only when the forward grows them
+    new_cache = per_token * cap_after if grows else 0
+    old_logits = batch * fwd.before * shape.vocab * shape.dtype_bytes
+    transients = _fast_transients(shape, batch, fwd.past, fwd.query, softmax_in_fp32)
+    return _assembled(shape, batch, fwd, old_cache + old_logits, new_cache, transients)
+
+
 def _forward_peak(
     shape: ModelShape, mode: str, batch: int, fwd: _Forward, step: int, softmax_in_fp32: bool
 ) -> int:
@@ -225,7 +334,17 @@ def _forward_peak(
     new_cache = per_token * (fwd.past + fwd.query) * (2 if unquantized and fwd.past == 0 else 1)
     # the caller's previous output, logits of every position it fed, is alive meanwhile
     old_logits = batch * fwd.before * shape.vocab * shape.dtype_bytes
-    before, after = _layer_transients(shape, mode, batch, fwd.past, fwd.query, softmax_in_fp32)
+    transients = _layer_transients(shape, mode, batch, fwd.past, fwd.query, softmax_in_fp32)
+    return _assembled(shape, batch, fwd, old_cache + old_logits, new_cache, transients)
+
+
+def _assembled(
+    shape: ModelShape, batch: int, fwd: _Forward, held: int, new_cache: int,
+    transients: tuple[int, int],
+) -> int:
+    """A forward's peak from what the caller holds (its past and last logits), the cache
+    the forward makes and the last block's transients (before its cache exists, after)."""
+    before, after = transients
     last_layer = new_cache // shape.layers
     during = max(
         new_cache - last_layer + before,
@@ -233,7 +352,7 @@ def _forward_peak(
     )
     length = fwd.past + fwd.query
     fixed = shape.weights_bytes + CUBLAS_WORKSPACE_BYTES + _rotary_bytes(shape, length)
-    return fixed + old_cache + old_logits + during
+    return fixed + held + during
 
 
 def _forwards(prompt: int, new: int, step: int) -> list[_Forward]:
@@ -265,11 +384,14 @@ def predict_peak_bytes(
     prefill_chunk: Optional[int] = None,
     *,
     softmax_in_fp32: bool = False,
+    fast_path: bool = False,
 ) -> int:
     """Peak allocator bytes of the run described in the module docstring.
 
     `softmax_in_fp32` is config.json's flag of that name (default false, as QWenConfig's):
-    it only changes the Int8 path's score temporaries.
+    it only changes the Int8 path's score temporaries. `fast_path`: the Int8 cache runs
+    through qwen-kvprep's fast path (fix installs it), whose cache is whole blocks of
+    FAST_BLOCK tokens appended in place, with fp16 scales and zero points.
     """
     _check_mode(mode)
     if batch < 1 or prompt_tokens < 1 or new_tokens < 0:
@@ -277,6 +399,13 @@ def predict_peak_bytes(
     if prefill_chunk is not None and prefill_chunk < 1:
         raise ValueError("prefill_chunk must be >= 1 or None")
     step = prompt_tokens if prefill_chunk is None else min(prefill_chunk, prompt_tokens)
+    if fast_path and mode == "int8":
+        forwards = _forwards(prompt_tokens, new_tokens, step)
+        forwards += _fast_growth_forwards(prompt_tokens, new_tokens, step)
+        return max(
+            _fast_forward_peak(shape, batch, fwd, prompt_tokens, step, softmax_in_fp32)
+            for fwd in forwards
+        )
     return max(
         _forward_peak(shape, mode, batch, fwd, step, softmax_in_fp32)
         for fwd in _forwards(prompt_tokens, new_tokens, step)

@@ -7,7 +7,12 @@ from typing import Optional, TypedDict
 from qwen_kvprep.jsontypes import JSONObject
 from qwen_kvprep.planning.capacity import PlanResult
 from qwen_kvprep.planning.model import ModelFacts
-from qwen_kvprep.planning.peak import CUBLAS_WORKSPACE_BYTES, CUDA_CONTEXT_BYTES, kv_bytes_per_token
+from qwen_kvprep.planning.peak import (
+    CUBLAS_WORKSPACE_BYTES,
+    CUDA_CONTEXT_BYTES,
+    FAST_BLOCK,
+    kv_bytes_per_token,
+)
 from qwen_kvprep.planning.sizes import gib, human
 
 MODE_LABEL = {"unquantized": "unquantized cache", "int8": "Int8 cache"}
@@ -36,6 +41,7 @@ class PlanJSON(TypedDict):
     max_batch_at_tokens: int
     max_tokens: dict[str, int]  # per mode, at max_tokens_at_batch
     max_tokens_at_batch: int
+    fast_path: bool  # the Int8 figures are those of qwen-kvprep's fast path
     assumptions: list[str]
 
 
@@ -55,6 +61,15 @@ def assumptions(facts: ModelFacts, plan: PlanResult) -> list[str]:
         "score tensor); the Int8 cache: the eager path with the compiled kernel, whose "
         "scores and transposed key codes are counted"
         + (", softmax in fp32" if s.softmax_in_fp32 else ""),
+        *(
+            [
+                "the Int8 cache: qwen-kvprep's fast path (installed by fix): per layer, buffers "
+                f"of whole blocks of {FAST_BLOCK} tokens appended in place, grown with a copy "
+                "while the old ones are alive; fp16 scales and zero points"
+            ]
+            if s.fast_path
+            else []
+        ),
         "logits: lm_head output for every position of a forward in the model's dtype, plus "
         "an fp32 copy of the last position",
         f"cuBLAS workspace {human(CUBLAS_WORKSPACE_BYTES)}; flash-attn off (it cannot take "
@@ -83,6 +98,7 @@ def payload(facts: ModelFacts, plan: PlanResult, gpu_source: str) -> PlanJSON:
         "max_batch_at_tokens": plan.tokens[0],
         "max_tokens": dict(plan.max_tokens),
         "max_tokens_at_batch": plan.batches[0],
+        "fast_path": plan.scenario.fast_path,
         "assumptions": assumptions(facts, plan),
     }
 
@@ -136,7 +152,13 @@ def render_text(
         f"{facts.dtype}{gptq}",
         f"weights    {gib(shape.weights_bytes, 2)} GiB ({facts.weights_source})",
         f"KV cache   {human(kv_u)} per token unquantized, {human(kv_q)} with Int8 "
-        f"({kv_q / kv_u:.3f}×)",
+        f"({kv_q / kv_u:.3f}×)"
+        + (
+            f"; Int8 through qwen-kvprep's fast path (buffers of whole {FAST_BLOCK}-token "
+            "blocks)"
+            if s.fast_path
+            else ""
+        ),
         f"GPU        {gib(s.gpu_memory_bytes, 2)} GiB ({gpu_source}); a run fits when its "
         f"peak + {gib(CUDA_CONTEXT_BYTES)} GiB of CUDA context is within it",
         f"each run   {s.prompt_tokens}-token prompt {chunk}, then greedy decoding until "

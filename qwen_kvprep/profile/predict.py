@@ -42,7 +42,8 @@ def fill_predictions(
     for row in rows:
         row["predicted_bytes"] = (
             predict_peak_bytes(shape, row["batch"], row["prompt_tokens"], row["new_tokens"],
-                               row["mode"], prefill_chunk)
+                               row["mode"], prefill_chunk,
+                               fast_path=row["mode"] == "int8" and bool(row.get("fast_layers")))
             if shape is not None
             else None
         )
