@@ -9,12 +9,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
 from qwen_kvprep.chart import check_target
+from qwen_kvprep.common import FAST_FILE, MODELING_FILE
 from qwen_kvprep.errors import UsageError
+from qwen_kvprep.fastkv import is_patched
 from qwen_kvprep.planning.capacity import Scenario, make_plan
 from qwen_kvprep.planning.gpu import card_memory, find_card, visible_gpu_memory
 from qwen_kvprep.planning.model import read_model
 from qwen_kvprep.planning.plot import write_plan_plot
 from qwen_kvprep.planning.sizes import parse_int_list, parse_size
+from qwen_kvprep.untrusted import read_prefix
 
 if TYPE_CHECKING:
     from qwen_kvprep.planning.capacity import PlanResult
@@ -32,10 +35,6 @@ class CheckpointPlan:
 def fast_path_installed(directory: Path) -> bool:
     """Whether DIR's model code runs the Int8 cache through qwen-kvprep's fast path:
     modeling_qwen.py carries fix's block and the module it imports is there."""
-    from qwen_kvprep.common import FAST_FILE, MODELING_FILE
-    from qwen_kvprep.fastkv import is_patched
-    from qwen_kvprep.untrusted import read_prefix
-
     if not (Path(directory) / FAST_FILE).is_file():
         return False
     try:
