@@ -273,6 +273,8 @@ def dist_version(name: str) -> Optional[str]:
 
 
 def _same_arch(asked: str, recorded: object) -> bool:
+    # here, not at the top: only --arch needs them, and they pull filelock, subprocess and
+    # dataclasses into every container start (~75 ms)
     from qwen_kvprep.buildcache.arch import parse_arch_list
     from qwen_kvprep.errors import UsageError
 
@@ -289,6 +291,7 @@ def _source_mismatch(source: Optional[str], state: Mapping[str, object]) -> Opti
     was compiled from qwen-kvprep's own must not pick up others it cannot compile)."""
     recorded = _object(state.get("files"))
     if source == "vendored":
+        # only --source vendored needs it; pathlib costs every other start ~7 ms
         from qwen_kvprep.resources import kernels_dir
 
         for name in KERNEL_FILES:
@@ -432,6 +435,7 @@ def state_mismatch(request: Request, planting: Optional[Planting] = None) -> Opt
         planting = Planting()
     target = request.target
     if request.output:
+        # only --output needs it; its dataclasses and tempfile cost every other start ~30 ms
         from qwen_kvprep.view import view_mismatch
 
         assert request.directory is not None
