@@ -18,6 +18,7 @@ from qwen_kvprep.checks.registry import (
     checkpoint_of,
     env_of,
     fail,
+    fix_command,
     info,
     ok,
     skip,
@@ -45,9 +46,7 @@ CACHE_FIX = "use another folder: `--cache-dir DIR` or `export QWEN_KVPREP_CACHE=
 
 def _fix_cmd(facts: Facts) -> str:
     cp = facts.checkpoint
-    return (
-        f"qwen-kvprep fix {shlex.quote(str(cp.path))}" if cp is not None else "qwen-kvprep fix DIR"
-    )
+    return fix_command(cp.path) if cp is not None else "qwen-kvprep fix DIR"
 
 
 @check("build.cache", "Build cache folder writable", needs=(CACHES,))
