@@ -143,6 +143,14 @@ def user_record_name(prepared: str) -> str:
     return f"{digest[:16]}.json"
 
 
+def fix_command(directory: object) -> str:
+    """The command that runs fix on the checkpoint folder `directory`, quoted for a shell:
+    the advice wherever fix puts a problem right."""
+    import shlex  # only advice needs it; the fast path never gives any
+
+    return f"qwen-kvprep fix {shlex.quote(str(directory))}"
+
+
 def sha256_bytes(data: bytes) -> str:
     import hashlib  # OpenSSL's: faster than the builtin one on large inputs
 

@@ -18,13 +18,12 @@ from qwen_kvprep.checks.registry import (
     checkpoint_of,
     env_of,
     fail,
-    fix_command,
     info,
     ok,
     skip,
     warn,
 )
-from qwen_kvprep.common import KERNEL_FILES
+from qwen_kvprep.common import KERNEL_FILES, fix_command
 from qwen_kvprep.common import LOADER_FILE as LOADER
 from qwen_kvprep.findings import Finding, FindingsLike
 from qwen_kvprep.probe.binary import BinaryArchs, runs_on

@@ -22,13 +22,12 @@ from qwen_kvprep.checks.registry import (
     check,
     checkpoint_of,
     fail,
-    fix_command,
     info,
     ok,
     skip,
     warn,
 )
-from qwen_kvprep.common import FAST_FILE, GPTQ_INSTALL, KERNEL_FILES, spelling_problem
+from qwen_kvprep.common import FAST_FILE, GPTQ_INSTALL, KERNEL_FILES, fix_command, spelling_problem
 from qwen_kvprep.common import LOADER_FILE as LOADER
 from qwen_kvprep.configjson import CONFIG
 from qwen_kvprep.findings import Finding

@@ -21,12 +21,12 @@ from qwen_kvprep.checks.registry import (
     check,
     checkpoint_of,
     fail,
-    fix_command,
     info,
     ok,
     skip,
     warn,
 )
+from qwen_kvprep.common import fix_command
 from qwen_kvprep.configjson import CONFIG
 from qwen_kvprep.findings import Finding
 from qwen_kvprep.probe.checkpoint import CheckpointFacts

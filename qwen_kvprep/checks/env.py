@@ -19,13 +19,12 @@ from qwen_kvprep.checks.registry import (
     check,
     env_of,
     fail,
-    fix_command,
     info,
     ok,
     skip,
     warn,
 )
-from qwen_kvprep.common import GPTQ_INSTALL
+from qwen_kvprep.common import GPTQ_INSTALL, fix_command
 from qwen_kvprep.findings import Finding, FindingsLike
 from qwen_kvprep.probe.binary import parse_arch_label, runs_on
 from qwen_kvprep.probe.caches import usable_builds

@@ -14,12 +14,12 @@ from qwen_kvprep.checks.registry import (
     check,
     checkpoint_of,
     fail,
-    fix_command,
     info,
     ok,
     skip,
     warn,
 )
+from qwen_kvprep.common import fix_command
 from qwen_kvprep.findings import Finding, FindingsLike
 from qwen_kvprep.probe.facts import Facts
 

@@ -13,7 +13,6 @@ broken check never hides the others.
 from __future__ import annotations
 
 import functools
-import shlex
 import traceback
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -199,12 +198,6 @@ def env_of(facts: Facts) -> EnvFacts:
 def checkpoint_of(facts: Facts) -> CheckpointFacts:
     assert facts.checkpoint is not None, "declare needs=(CHECKPOINT, ...)"
     return facts.checkpoint
-
-
-def fix_command(directory: object) -> str:
-    """The command that runs fix on the checkpoint folder `directory`, quoted for a shell:
-    the advice of every finding that fix puts right."""
-    return f"qwen-kvprep fix {shlex.quote(str(directory))}"
 
 
 def caches_of(facts: Facts) -> CacheFacts:
