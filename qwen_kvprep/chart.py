@@ -135,6 +135,18 @@ def _frame(panel: Panel, left: float, top: float, width: float, height: float) -
     return _Frame(left, top, width, height, x_min, x_max, y_max, log_x, ticks)
 
 
+def _marker(marker: str, colour: str, x: float, y: float, half: float) -> list[str]:
+    """The SVG of one marker centred on (x, y), `half` its half-width: on the plot and in
+    the legend alike."""
+    if marker == "dot":
+        return [f'<circle cx="{x:.1f}" cy="{y:.1f}" r="3.5" fill="{colour}"/>']
+    if marker == "cross":
+        return [f'<path d="M{x - half:.1f},{y - half:.1f} L{x + half:.1f},{y + half:.1f} '
+                f'M{x - half:.1f},{y + half:.1f} L{x + half:.1f},{y - half:.1f}" '
+                f'stroke="{colour}" stroke-width="2"/>']
+    return []
+
+
 def _svg_panel(panel: Panel, f: _Frame) -> list[str]:
     out: list[str] = []
     e = escape
@@ -166,12 +178,7 @@ def _svg_panel(panel: Panel, f: _Frame) -> list[str]:
             out.append(f'<polyline points="{path}" fill="none" stroke="{s.colour}" '
                        'stroke-width="2"/>')
         for x, y in pts:
-            if s.marker == "dot":
-                out.append(f'<circle cx="{x:.1f}" cy="{y:.1f}" r="3.5" fill="{s.colour}"/>')
-            elif s.marker == "cross":
-                out.append(f'<path d="M{x - 5:.1f},{y - 5:.1f} L{x + 5:.1f},{y + 5:.1f} '
-                           f'M{x - 5:.1f},{y + 5:.1f} L{x + 5:.1f},{y - 5:.1f}" '
-                           f'stroke="{s.colour}" stroke-width="2"/>')
+            out.extend(_marker(s.marker, s.colour, x, y, 5))
     mid = f.left + f.width / 2
     out.append(f'<text x="{mid:.1f}" y="{f.top - 10:.1f}" text-anchor="middle" '
                f'font-weight="bold">{e(panel.title)}</text>')
@@ -187,12 +194,7 @@ def _svg_panel(panel: Panel, f: _Frame) -> list[str]:
         if s.line:
             out.append(f'<line x1="{lx:.1f}" y1="{ly - 4:.1f}" x2="{lx + 18:.1f}" '
                        f'y2="{ly - 4:.1f}" stroke="{s.colour}" stroke-width="2"/>')
-        if s.marker == "dot":
-            out.append(f'<circle cx="{lx + 9:.1f}" cy="{ly - 4:.1f}" r="3.5" fill="{s.colour}"/>')
-        elif s.marker == "cross":
-            out.append(f'<path d="M{lx + 5:.1f},{ly - 8:.1f} L{lx + 13:.1f},{ly:.1f} '
-                       f'M{lx + 5:.1f},{ly:.1f} L{lx + 13:.1f},{ly - 8:.1f}" '
-                       f'stroke="{s.colour}" stroke-width="2"/>')
+        out.extend(_marker(s.marker, s.colour, lx + 9, ly - 4, 4))
         out.append(f'<text x="{lx + 24:.1f}" y="{ly:.1f}">{e(s.label)}</text>')
         ly += 16
     return out

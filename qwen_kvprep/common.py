@@ -2,15 +2,18 @@
 folders qwen-kvprep writes, sha256, the Python tag, where the build cache and transformers'
 modules cache are, and the CUDA toolkit as torch resolves it.
 
-The fast path imports this module on every container start: standard library only, and
-nothing that costs milliseconds at import (no pathlib, typing, dataclasses, hashlib; those
-that are needed by a function are imported inside it).
+The fast path imports this module on every container start: standard library only (and
+qwen_kvprep.untrusted, which the fast path reads with anyway and which is standard library
+only itself), and nothing that costs milliseconds at import (no pathlib, typing,
+dataclasses, hashlib; those that are needed by a function are imported inside it).
 """
 
 from __future__ import annotations
 
 import os
 import sys
+
+from qwen_kvprep.untrusted import open_regular, read_regular
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # typing costs milliseconds at import; only mypy needs it
@@ -126,8 +129,6 @@ _builtin_sha256 = _sha256_constructor()
 def sha256_small(path: str) -> Optional[str]:
     """sha256 of a small regular file; None when it is missing, unreadable, not small or
     not a regular file (a FIFO is refused without waiting for a writer)."""
-    from qwen_kvprep.untrusted import read_regular
-
     try:
         data = read_regular(path, SMALL_FILE_LIMIT)
     except OSError:
@@ -142,6 +143,14 @@ def user_record_name(prepared: str) -> str:
     return f"{digest[:16]}.json"
 
 
+def fix_command(directory: object) -> str:
+    """The command that runs fix on the checkpoint folder `directory`, quoted for a shell:
+    the advice wherever fix puts a problem right."""
+    import shlex  # only advice needs it; the fast path never gives any
+
+    return f"qwen-kvprep fix {shlex.quote(str(directory))}"
+
+
 def sha256_bytes(data: bytes) -> str:
     import hashlib  # OpenSSL's: faster than the builtin one on large inputs
 
@@ -152,8 +161,6 @@ def sha256_file(path: str | os.PathLike[str]) -> str:
     """sha256 of a regular file of any size (symlinks followed); OSError for anything else,
     without blocking on a FIFO (untrusted.NotRegularFile)."""
     import hashlib
-
-    from qwen_kvprep.untrusted import open_regular
 
     h = hashlib.sha256()
     fd = open_regular(path)

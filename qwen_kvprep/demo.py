@@ -33,6 +33,7 @@ from qwen_kvprep.findings import Finding, Severity, fail
 from qwen_kvprep.jsontypes import as_json_object
 from qwen_kvprep.steps.context import FixExtra
 from qwen_kvprep.steps.fix import FixOptions, run_fix
+from qwen_kvprep.tiny import generate_checkpoint
 
 if TYPE_CHECKING:
     from qwen_kvprep.jsontypes import JSONObject
@@ -231,8 +232,6 @@ class BackgroundBuild:
 def run_demo(options: DemoOptions, echo: Optional[Echo] = None) -> DemoResult:
     """Generate, fix and smoke a tiny checkpoint. Failures of fix come back in the result
     (error, findings); the temporary folder is removed in every case."""
-    from qwen_kvprep.tiny import generate_checkpoint
-
     say = echo or (lambda _text: None)
     base, kept = _prepare_base(options.directory)
     result = DemoResult(base=base, checkpoint=base / CHECKPOINT_NAME, kept=kept)

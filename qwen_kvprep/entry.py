@@ -24,6 +24,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     while lead < len(args) and args[lead] in ("--json", "--debug"):
         lead += 1
     if lead < len(args) and args[lead] == "prestart":
+        # only prestart takes the fast path; every other command goes on to click
         from qwen_kvprep.fastpath import fast
 
         try:
@@ -32,6 +33,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         except KeyboardInterrupt:  # as cli.main answers Ctrl-C, without importing it
             sys.stderr.write("qwen-kvprep: interrupted\n")
             raise SystemExit(130) from None
+    # here, not at the top: prestart's fast path never imports click and the commands
     from qwen_kvprep.cli import main as cli_main
 
     cli_main(args)

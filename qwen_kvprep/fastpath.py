@@ -16,6 +16,7 @@ import json
 import os
 import sys
 
+from qwen_kvprep import __version__
 from qwen_kvprep.common import (
     ENV_CACHE,
     KERNEL_FILES,
@@ -27,6 +28,9 @@ from qwen_kvprep.common import (
     sha256_small,
     user_record_name,
 )
+
+# redact compiles its patterns on first use: importing it costs ~0.1 ms
+from qwen_kvprep.redact import scrub
 from qwen_kvprep.state.reader import inside, read_state
 from qwen_kvprep.untrusted import open_dir_under, read_record, read_regular
 
@@ -269,6 +273,8 @@ def dist_version(name: str) -> Optional[str]:
 
 
 def _same_arch(asked: str, recorded: object) -> bool:
+    # here, not at the top: only --arch needs them, and they pull filelock, subprocess and
+    # dataclasses into every container start (~75 ms)
     from qwen_kvprep.buildcache.arch import parse_arch_list
     from qwen_kvprep.errors import UsageError
 
@@ -285,6 +291,7 @@ def _source_mismatch(source: Optional[str], state: Mapping[str, object]) -> Opti
     was compiled from qwen-kvprep's own must not pick up others it cannot compile)."""
     recorded = _object(state.get("files"))
     if source == "vendored":
+        # only --source vendored needs it; pathlib costs every other start ~7 ms
         from qwen_kvprep.resources import kernels_dir
 
         for name in KERNEL_FILES:
@@ -424,12 +431,11 @@ def state_mismatch(request: Request, planting: Optional[Planting] = None) -> Opt
     Copies missing from the modules cache are planted on the way (see _modules_mismatch),
     and recorded in `planting` when one is given.
     """
-    from qwen_kvprep import __version__
-
     if planting is None:
         planting = Planting()
     target = request.target
     if request.output:
+        # only --output needs it; its dataclasses and tempfile cost every other start ~30 ms
         from qwen_kvprep.view import view_mismatch
 
         assert request.directory is not None
@@ -502,8 +508,6 @@ def say(request: Request, text: str) -> None:
     # stderr: stdout belongs to CMD (a server's logs, a test's output). With --json the
     # document on stdout says it instead.
     if not request.quiet and not request.as_json:
-        from qwen_kvprep.redact import scrub
-
         sys.stderr.write(f"qwen-kvprep prestart: {scrub(text)}\n")
 
 
@@ -560,8 +564,6 @@ def json_document(
 
     `prepared` is why the slow path prepared the folder (None: the recorded state held);
     `error` is the failure --allow-fallback let through."""
-    from qwen_kvprep import __version__
-
     doc = {
         "schema_version": 1,
         "tool_version": __version__,
@@ -579,8 +581,6 @@ def json_document(
     }
     if error is not None:
         doc["error"] = dict(error)
-    from qwen_kvprep.redact import scrub
-
     return scrub(json.dumps(doc, default=str))
 
 

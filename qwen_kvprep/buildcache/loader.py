@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import shlex
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Optional
 
 from qwen_kvprep import __version__
-from qwen_kvprep.common import KERNEL_FILES, LOADER_MARKER, sha256_bytes
+from qwen_kvprep.common import KERNEL_FILES, LOADER_MARKER, fix_command, sha256_bytes
 from qwen_kvprep.resources import templates_dir
 
 LOADER_TEMPLATE = "cpp_kernels.py.tmpl"
@@ -35,7 +34,7 @@ def render_loader(
     text = (templates_dir() / LOADER_TEMPLATE).read_text(encoding="utf-8")
     values = {
         "TOOL_VERSION": __version__,
-        "FIX_COMMAND": repr(f"qwen-kvprep fix {shlex.quote(str(checkpoint))}"),
+        "FIX_COMMAND": repr(fix_command(checkpoint)),
         "CHECKPOINT": repr(str(checkpoint)),
         "CACHE_DIRS": repr([str(d) for d in cache_dirs]),
         "BUILD_KEY": repr(build_key),

@@ -27,7 +27,7 @@ from qwen_kvprep.checks.registry import (
     skip,
     warn,
 )
-from qwen_kvprep.common import FAST_FILE, GPTQ_INSTALL, KERNEL_FILES, spelling_problem
+from qwen_kvprep.common import FAST_FILE, GPTQ_INSTALL, KERNEL_FILES, fix_command, spelling_problem
 from qwen_kvprep.common import LOADER_FILE as LOADER
 from qwen_kvprep.configjson import CONFIG
 from qwen_kvprep.findings import Finding
@@ -307,7 +307,7 @@ def files(facts: Facts) -> CheckResult:
         out.append(warn(
             f"{LOADER} is missing, so loading fails with `FileNotFoundError: ... {LOADER}` "
             "until `qwen-kvprep fix` installs its loader there",
-            f"qwen-kvprep fix {shlex.quote(str(cp.path))}", paths=[cp.path / LOADER],
+            fix_command(cp.path), paths=[cp.path / LOADER],
         ))
     out.extend(_weights_findings(cp))
     if GENERATION_CONFIG not in present and GENERATION_CONFIG not in cp.dangling:
@@ -399,7 +399,7 @@ def fast_path(facts: Facts) -> CheckResult:
     cp = checkpoint_of(facts)
     if cp.modeling_text_supports_kv is None:
         return skip(f"{MODELING} is missing or damaged (see checkpoint.files / .content)")
-    fix = f"qwen-kvprep fix {shlex.quote(str(cp.path))}"
+    fix = fix_command(cp.path)
     if cp.fast_path_imported:
         if cp.fast_module_sha256 is None:
             return fail(

@@ -3,7 +3,6 @@ its code) holds, and whether Qwen's own sources can compile with this torch."""
 
 from __future__ import annotations
 
-import shlex
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Optional
 
@@ -20,6 +19,7 @@ from qwen_kvprep.checks.registry import (
     skip,
     warn,
 )
+from qwen_kvprep.common import fix_command
 from qwen_kvprep.findings import Finding, FindingsLike
 from qwen_kvprep.probe.facts import Facts
 
@@ -101,7 +101,7 @@ def _judge(
 def kernel_sources(facts: Facts) -> FindingsLike:
     cp = checkpoint_of(facts)
     ours = catalogue.ours_hashes()
-    fix_cmd = f"qwen-kvprep fix {shlex.quote(str(cp.path))}"
+    fix_cmd = fix_command(cp.path)
     requested = kernel_requested(facts)
     out = [
         _judge("checkpoint", getattr(cp, "kernel_sources", None) or {}, ours, fix_cmd, requested)
@@ -150,7 +150,7 @@ def official_compat(facts: Facts) -> FindingsLike:
         if compat.status == "no":
             return fail(
                 f"the official kernel sources here cannot compile: {compat.reason}",
-                f"qwen-kvprep fix {shlex.quote(str(cp.path))} --source vendored",
+                f"{fix_command(cp.path)} --source vendored",
                 details=details,
             )
         return ok(f"official sources: {compat.reason}", details=details)

@@ -79,6 +79,8 @@ def build(
     kept; an existing one is reused in milliseconds. Without nvcc, or with a CPU build of
     torch, this is a CPU-only build (said plainly).
     """
+    # here, not at the top: the build modules (filelock, the toolchain probe) cost every start
+    # of the CLI, --help included, ~40 ms
     from qwen_kvprep.steps import prebuilt
     from qwen_kvprep.steps.build import build_into_cache
 

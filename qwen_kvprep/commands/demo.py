@@ -42,6 +42,8 @@ def demo(
     used and removed. The compiled extension goes to the normal build cache, where a real
     `fix` finds it.
     """
+    # here, not at the top: the demo runs all of fix; its modules cost every start of the
+    # CLI, --help included, ~70 ms
     from qwen_kvprep.demo import DemoOptions, run_demo
 
     as_json = output_options().as_json

@@ -45,6 +45,8 @@ def doctor(
     changes anything. Exit 1: a server started now would not run the Int8 cache through
     the kernel although the config asks for it, or would not load the model.
     """
+    # here, not at the top: the checks and probes cost every start of the CLI, --help
+    # included, ~40 ms
     from qwen_kvprep.doctor import run_doctor
 
     as_json = output_options().as_json

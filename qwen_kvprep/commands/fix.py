@@ -86,6 +86,7 @@ def fix(
     DIRECTORY is the checkpoint folder, or a Hub repo id (ORG/NAME) found in the local Hub
     cache: fix then prepares its snapshot folder, replacing the links it changes by regular
     files (the shared blobs are never written)."""
+    # here, not at the top: fix's steps cost every start of the CLI, --help included, ~55 ms
     from qwen_kvprep.steps.fix import FixOptions, run_fix
 
     if force_smoke and no_smoke:

@@ -80,6 +80,8 @@ def plan(
     Reads config.json and the safetensors headers only (or the index's total size, or
     the config alone, when the weights are not there); needs no GPU with --gpu or
     --gpu-memory. `plan --gpu list` lists the cards --gpu knows."""
+    # here, not at the top: planning's tables and the GPU list cost every start of the CLI,
+    # --help included, ~35 ms
     from qwen_kvprep.planning import plan_checkpoint, plan_inputs
     from qwen_kvprep.planning.gpu import cards_json, render_cards
     from qwen_kvprep.planning.tables import payload, render_text

@@ -78,6 +78,8 @@ def profile(
 ) -> None:
     """Measure DIRECTORY's memory, speed and quality with the unquantized and the Int8
     KV cache, one child process per batch size and mode, beside plan's prediction."""
+    # here, not at the top: the profile's tables and plot cost every start of the CLI, --help
+    # included, ~25-60 ms
     from qwen_kvprep.profile.plot import check_plot_target
     from qwen_kvprep.profile.tables import render_text
 

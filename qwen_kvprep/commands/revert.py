@@ -26,6 +26,8 @@ def revert(directory: str, dry_run: bool, revision: Optional[str]) -> None:
     left as it is (and listed), as is what another prepared folder still uses. The build
     cache fix used is shared and kept.
     """
+    # here, not at the top: revert's modules (the journal, filelock) cost every start of the
+    # CLI, --help included, ~30 ms
     from qwen_kvprep.steps.revert import preview_revert, revert_checkpoint
 
     path, _ = checkpoint_dir(directory, revision)

@@ -34,6 +34,7 @@ from qwen_kvprep.untrusted import describe_json_error, read_record, relpath_prob
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # typing costs milliseconds at import; only mypy needs it
+    from collections.abc import Collection
     from typing import Optional, TypedDict, TypeGuard
 
     from qwen_kvprep.jsontypes import JSON, JSONObject
@@ -109,11 +110,9 @@ def schema_problem(data: JSON) -> Optional[str]:
     files = data.get("files")
     if not isinstance(files, dict):
         return "has no files table"
-    for name, digest in files.items():
-        if name not in TRACKED_FILES:
-            return f"tracks {name!r}, which is not a file fix changes"
-        if digest is not None and not _digest(digest):
-            return f"has an invalid sha256 for {name}"
+    problem = _digests_problem(files, TRACKED_FILES, "tracks", "changes", "", absent_ok=True)
+    if problem:
+        return problem
     for key in ("sources", "smoke"):
         if data.get(key) is not None and not isinstance(data.get(key), dict):
             return f"has a {key} that is not an object"
@@ -143,25 +142,39 @@ def schema_problem(data: JSON) -> Optional[str]:
         root, folder = modules.get("root"), modules.get("folder")
         if not _abs(root) or not _abs(folder):
             return "has modules without an absolute root and folder"
-        if inside(str(root), str(folder)) in (None, "."):
-            return f"records the modules folder {folder!r} outside its root {root!r}"
         hub = modules.get("hub_folder")
-        if hub is not None and (not _abs(hub) or inside(str(root), str(hub)) in (None, ".")):
-            return f"records the modules folder {hub!r} outside its root {root!r}"
+        for one in (folder,) if hub is None else (folder, hub):
+            if not _inside_root(root, one):
+                return f"records the modules folder {one!r} outside its root {root!r}"
         also = modules.get("also", [])
         if not isinstance(also, list):
             return "has modules whose also is not a list"
         for other in also:
-            if not _abs(other) or inside(str(root), str(other)) in (None, "."):
+            if not _inside_root(root, other):
                 return f"records the modules folder {other!r} outside its root {root!r}"
         planted = modules.get("files")
         if not isinstance(planted, dict):
             return "has modules without files"
-        for name, digest in planted.items():
-            if name not in MODULE_FILES:
-                return f"plants {name!r}, which is not a file fix plants"
-            if not _digest(digest):
-                return f"has an invalid sha256 for the planted {name}"
+        return _digests_problem(planted, MODULE_FILES, "plants", "plants", "the planted ")
+    return None
+
+
+def _inside_root(root: object, folder: object) -> bool:
+    """Whether `folder` is an absolute path strictly below `root` (root itself is not)."""
+    return _abs(folder) and inside(str(root), str(folder)) not in (None, ".")
+
+
+def _digests_problem(
+    table: dict[str, JSON], known: Collection[str], verb: str, does: str, what: str,
+    absent_ok: bool = False,
+) -> Optional[str]:
+    """Why a name -> sha256 table is not one fix wrote: a name fix never `does`, or a digest
+    that is not 64 hex digits (None allowed where `absent_ok`: a file fix found absent)."""
+    for name, digest in table.items():
+        if name not in known:
+            return f"{verb} {name!r}, which is not a file fix {does}"
+        if not (absent_ok and digest is None) and not _digest(digest):
+            return f"has an invalid sha256 for {what}{name}"
     return None
 
 

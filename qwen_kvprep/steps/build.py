@@ -129,17 +129,10 @@ def run(ctx: FixContext) -> None:
     short = plan.key[:12]
     reused = _reuse_compatible(layout, plan, ctx.options.arch)
     if reused is not None:
-        ctx.build = reused
-        ctx.extra["build"] = reused.to_json()
-        ctx.add(
-            ok(
-                "build.build",
-                f"using the cached CUDA build {reused.key[:12]} for "
-                f"{';'.join(reused.arch_list)}: it loads with this torch and runs on every "
-                "visible GPU, so nothing is compiled",
-                paths=[reused.dir],
-                details=reused.to_json(),
-            )
+        ctx.use_build(
+            reused, ok,
+            f"using the cached CUDA build {reused.key[:12]} for {';'.join(reused.arch_list)}: "
+            "it loads with this torch and runs on every visible GPU, so nothing is compiled",
         )
         return
     if ctx.options.dry_run:
@@ -169,30 +162,17 @@ def run(ctx: FixContext) -> None:
         # the CLI prints the error's findings (ctx's are lost with the exception)
         exc.findings = (*exc.findings, *_degrade_gracefully(ctx))
         raise
-    ctx.build = result
-    ctx.extra["build"] = result.to_json()
     if result.compiled:
-        ctx.add(
-            info(
-                "build.build",
-                f"compiled build {short} in {result.manifest['build_seconds']:.0f} s "
-                f"({result.jobs}); log: {result.dir / BUILD_LOG}",
-                paths=[result.dir],
-                details=result.to_json(),
-            )
+        ctx.use_build(
+            result, info,
+            f"compiled build {short} in {result.manifest['build_seconds']:.0f} s "
+            f"({result.jobs}); log: {result.dir / BUILD_LOG}",
         )
     else:
         waited = (
             f" after waiting {result.waited:.0f} s for another builder" if result.waited else ""
         )
-        ctx.add(
-            ok(
-                "build.build",
-                f"using the cached build {short}{waited}",
-                paths=[result.dir],
-                details=result.to_json(),
-            )
-        )
+        ctx.use_build(result, ok, f"using the cached build {short}{waited}")
 
 
 @dataclass(frozen=True)

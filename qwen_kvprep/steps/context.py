@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Optional, TypedDict
 
 from qwen_kvprep.common import sha256_bytes
-from qwen_kvprep.findings import Finding
+from qwen_kvprep.findings import Finding, MakeFinding
 from qwen_kvprep.journal.writer import Journal
 
 if TYPE_CHECKING:
@@ -116,3 +116,9 @@ class FixContext:
 
     def add(self, *findings: Finding) -> None:
         self.findings.extend(findings)
+
+    def use_build(self, result: BuildResult, make: MakeFinding, message: str) -> None:
+        """Make `result` the build this run uses (in --json too) and say so as build.build."""
+        self.build = result
+        self.extra["build"] = result.to_json()
+        self.add(make("build.build", message, paths=[result.dir], details=result.to_json()))

@@ -471,16 +471,10 @@ def install_for_fix(ctx: FixContext) -> None:
         )
         return
     result = install(variant, layout, stderr_notify)
-    ctx.build = result
-    ctx.extra["build"] = result.to_json()
-    ctx.add(
-        ok(
-            "build.build",
-            f"installed the prebuilt variant {variant.name} from {chosen.where} as build "
-            f"{result.key[:12]} (sha256 verified; nothing compiled)",
-            paths=[result.dir],
-            details=result.to_json(),
-        )
+    ctx.use_build(
+        result, ok,
+        f"installed the prebuilt variant {variant.name} from {chosen.where} as build "
+        f"{result.key[:12]} (sha256 verified; nothing compiled)",
     )
 
 

@@ -28,21 +28,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     )
     parser.add_argument("--kernel-sources", type=Path, help="folder with the two kernel files")
     args = parser.parse_args(argv)
+    # Each option's dest is generate_checkpoint's parameter of the same name.
+    options = vars(args)
     try:
-        dest = generate_checkpoint(
-            args.dest,
-            layers=args.layers,
-            heads=args.heads,
-            head_dim=args.head_dim,
-            intermediate=args.intermediate,
-            vocab_merges=args.vocab_merges,
-            shards=args.shards,
-            dtype=args.dtype,
-            seed=args.seed,
-            legacy_bin=args.legacy_bin,
-            gptq=args.gptq,
-            kernel_sources=args.kernel_sources,
-        )
+        dest = generate_checkpoint(options.pop("dest"), **options)
     except KvprepError as exc:
         print(f"error: {exc.message}", file=sys.stderr)
         return exc.exit_code
