@@ -45,6 +45,21 @@ def slow_fake_worker(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
     return seen
 
 
+def test_piped_build_beats_while_compiling(
+    isolated_hf: Path, tmp_path: Path, slow_fake_worker: dict[str, Any]
+) -> None:
+    """`qwen-kvprep build` is what an image build runs: it must not be silent either."""
+    cache = tmp_path / "cache"  # never the shared cache: this build is a fake
+    res = invoke("build", "--cache-dir", str(cache), "--json")
+    assert res.returncode == 0, res.stdout + res.stderr
+    doc = document(res)  # the log went to stderr
+    said = [m.group(1) for m in map(re.compile(r"^\[ *\d+\.\ds\] build: (.*)$").match,
+                                    res.stderr.splitlines()) if m]
+    assert said[0] == "looking up the extension in the build cache ...", said
+    assert any(s.startswith("compiling the extension") for s in said), said
+    assert len([s for s in said if s.startswith("still compiling the extension (")]) >= 2, said
+    assert (Path(doc["build"]["dir"]) / "build.log").is_file()
+
 def test_piped_fix_logs_each_step_and_beats_while_compiling(
     isolated_hf: Path, tmp_path: Path, slow_fake_worker: dict[str, Any]
 ) -> None:

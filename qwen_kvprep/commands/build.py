@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Optional
 
@@ -8,6 +9,7 @@ import click
 from qwen_kvprep.commands._common import finish, json_option, output_options
 from qwen_kvprep.commands._options import cache_dir_option
 from qwen_kvprep.errors import UsageError
+from qwen_kvprep.smoke.progress import step_log
 
 
 @click.command()
@@ -99,8 +101,10 @@ def build(
                                     else None)
         )
         finish(done.findings, **done.fields)
-    built = build_into_cache(
-        source_dir, arch, Path(cache_dir) if cache_dir else None, force, lock_timeout)
+    # a log (docker build, CI) gets a line a notice and a heartbeat while compiling
+    with step_log("build") or nullcontext() as log:
+        built = build_into_cache(
+            source_dir, arch, Path(cache_dir) if cache_dir else None, force, lock_timeout, log)
     if export_dir is not None:
         done = prebuilt.export_build(
             export_dir.absolute(),

@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from qwen_kvprep.buildcache.builder import BuildPlan, BuildResult
     from qwen_kvprep.buildcache.paths import CacheLayout
     from qwen_kvprep.jsontypes import JSONObject
+    from qwen_kvprep.smoke.progress import StepLog
 
 
 def _degrade_gracefully(ctx: FixContext) -> list[Finding]:
@@ -81,10 +82,9 @@ def _no_kernel_for_gpus(plan: BuildPlan) -> bool:
     return not plan.cuda and plan.torch.cuda is not None
 
 
-def _notify(ctx: FixContext) -> Callable[[str], None]:
+def log_notify(log: Optional[StepLog]) -> Callable[[str], None]:
     """Where the build's notices go: the log (whose heartbeat then says "still compiling"
     while the compiler runs), else stderr as they are."""
-    log = ctx.log
     if log is None:
         return stderr_notify
 
@@ -157,7 +157,7 @@ def run(ctx: FixContext) -> None:
             )
         return
     try:
-        result = ensure_build(plan, layout, notify=_notify(ctx))
+        result = ensure_build(plan, layout, notify=log_notify(ctx.log))
     except KvprepError as exc:
         # the CLI prints the error's findings (ctx's are lost with the exception)
         exc.findings = (*exc.findings, *_degrade_gracefully(ctx))
@@ -194,15 +194,20 @@ def build_into_cache(
     cache_dir: Optional[Path] = None,
     force: bool = False,
     lock_timeout: Optional[float] = None,
+    log: Optional[StepLog] = None,
 ) -> CacheBuild:
     """The extension for this torch in the build cache, compiled (under the key's lock) only
     when the cache has no build of these sources for this ABI, or with `force`. No
-    checkpoint is involved: the sources are qwen-kvprep's own, or those in `source_dir`."""
+    checkpoint is involved: the sources are qwen-kvprep's own, or those in `source_dir`.
+    `log`: a line a notice and a heartbeat while compiling (a log that is not a terminal)."""
     layout = CacheLayout(resolve_cache_dir(cache_dir))
     sources = read_sources(source_dir, required=KERNEL_FILES[:1]) if source_dir else vendored()
     plan = plan_build(sources, arch)
     findings = [(warn if _no_kernel_for_gpus(plan) else info)("build.mode", plan.mode)]
-    result = ensure_build(plan, layout, force=force, timeout=lock_timeout)
+    if log is not None:
+        log.phase("looking up the extension in the build cache")
+    result = ensure_build(plan, layout, force=force, timeout=lock_timeout,
+                          notify=log_notify(log))
     if result.compiled:
         message = f"compiled in {result.manifest['build_seconds']:.0f} s ({result.jobs})"
         findings.append(info("build.build", message, paths=[result.dir], details=result.to_json()))
