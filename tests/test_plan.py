@@ -399,7 +399,6 @@ def test_prediction_matches_live_tensors_of_the_tiny_model(
                 q = chunk or prompt
                 allowed += 4 * batch * shape.heads * q * (prompt + new)
             assert abs(predicted - measured) <= allowed, (mode, batch, prompt, new)
-    # in this test: the remote code loads from this test's modules cache
     _fast_path_matches_live_tensors(tmp_path)
 
 
@@ -411,10 +410,20 @@ def _fast_path_matches_live_tensors(tmp_path: Path) -> None:
 
     d = generate_checkpoint(tmp_path / "PlanFast", layers=2, heads=4, head_dim=128,
                             intermediate=2048)
-    done = kvprep("fix", str(d), "--no-smoke", "--json", timeout=1800)
+    from transformers import dynamic_module_utils as dmu
+
+    from qwen_kvprep.runtime import FAST_MARK
+
+    # the model loads in this process, from the modules cache transformers chose when it was
+    # first imported (under xdist, maybe another test's): fix must plant the fast path there
+    env = dict(os.environ, HF_MODULES_CACHE=str(dmu.HF_MODULES_CACHE))
+    done = kvprep("fix", str(d), "--no-smoke", "--json", env=env, timeout=1800)
     assert done.returncode == 0, done.stdout + done.stderr
     shape = model_shape(d)
     model = load(str(d), int8=True)
+    # the run below is the fast path's, or it measures nothing this test is about
+    assert any(getattr(type(m), FAST_MARK, False) for m in model.modules()), (
+        "the fast path did not load")
     # a decode that grows the buffers (127 + 1 -> 256), a prompt of two blocks, one that
     # grows during decoding (100 -> 128 -> 256). Prefill in chunks is not in the list: there
     # the prediction is short of the live peak (8 x 256 in chunks of 64: 17.2 against
