@@ -314,13 +314,15 @@ class Needed:
 def needed(tinfo: TorchInfo, gpus: tuple[tuple[int, int], ...], source: Source) -> Needed:
     inputs: BuildInputs = abi_inputs(source_hashes(vendored_sources()), tinfo)
     arch = ";".join(f"{a}.{b}" for a, b in gpus)
-    cuda = tinfo.cuda is not None
+    # a CUDA torch with no GPU visible (an image build, CI) runs the CPU-only extension of
+    # this torch, the variant such a machine exports; a CUDA one would serve as well
+    cuda = tinfo.cuda is not None and bool(gpus)
     if cuda:
-        inputs["arch_list"] = [f"{a}.{b}" for a, b in gpus] or ["ARCH"]
+        inputs["arch_list"] = [f"{a}.{b}" for a, b in gpus]
     dest = str(source.folder) if source.folder is not None else "DIR"
     command = f"qwen-kvprep build --export {shlex.quote(dest)}"
     if cuda:
-        command += f" --arch {shlex.quote(arch or '8.0;9.0')}"
+        command += f" --arch {shlex.quote(arch)}"
     where = "with this torch and Python" + (" and a CUDA toolkit (nvcc)" if cuda else "")
     command = f"`{command}` on a machine {where}"
     if source.repo_id is not None:
@@ -328,8 +330,8 @@ def needed(tinfo: TorchInfo, gpus: tuple[tuple[int, int], ...], source: Source) 
     if source.lock is not None:
         command += f", then lock anew: `qwen-kvprep build --lock {source.repo_id or dest}`"
     text = describe(inputs, cuda)
-    if cuda:
-        text = text.replace(";ARCH", "").replace("ARCH", "any architecture")
+    if tinfo.cuda is not None and not cuda:
+        text += "; no GPU is visible, so a CUDA variant of this torch serves too"
     return Needed(variant_name(inputs, cuda), text, command)
 
 
