@@ -59,6 +59,9 @@
 // `fix` or `demo` waits on it).
 #include <ATen/ATen.h>
 #include <torch/csrc/utils/pybind.h>
+#if __has_include(<torch/version.h>)
+#include <torch/version.h>
+#endif
 
 #include <ATen/MemoryOverlap.h>
 #include <ATen/Parallel.h>
@@ -837,23 +840,30 @@ constexpr AppendNames kStepValueNames{
     kStepName, {"value", "value_codes", "value_scales", "value_zeros"}};
 
 // torch < 2.1 has no fp16 softmax or clamp on the CPU: there the scores go through fp32 and
-// back (clamping is exact either way; the model's own code fails outright there).
+// back (clamping is exact either way; the model's own code fails outright there). Decided by
+// the torch this is built against (a build serves one torch), not by catching the error: a
+// Python dispatch mode (a profiler, a memory tracer) raises a Python error, not a c10::Error.
+#if defined(TORCH_VERSION_MAJOR) && defined(TORCH_VERSION_MINOR)
+constexpr bool kOldCpuHalf =
+    TORCH_VERSION_MAJOR < 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR < 1);
+#else
+constexpr bool kOldCpuHalf = true;  // torch older than its version header
+#endif
+
+bool old_cpu_half(const at::Tensor& w) {
+  return kOldCpuHalf && w.scalar_type() == at::kHalf && w.device().is_cpu();
+}
+
 at::Tensor softmax_last(const at::Tensor& w) {
-  try {
-    return w.softmax(-1);
-  } catch (const c10::Error&) {
-    if (w.scalar_type() != at::kHalf || !w.device().is_cpu()) throw;
-    return w.to(at::kFloat).softmax(-1).to(at::kHalf);
-  }
+  if (old_cpu_half(w)) return w.to(at::kFloat).softmax(-1).to(at::kHalf);
+  return w.softmax(-1);
 }
 
 at::Tensor clamp_fp16_min(const at::Tensor& w) {
-  try {
-    return w.clamp_(at::Scalar(-65504.0), c10::nullopt);
-  } catch (const c10::Error&) {
-    if (!w.device().is_cpu()) throw;
+  if (old_cpu_half(w)) {
     return w.to(at::kFloat).clamp_(at::Scalar(-65504.0), c10::nullopt).to(at::kHalf);
   }
+  return w.clamp_(at::Scalar(-65504.0), c10::nullopt);
 }
 
 using CacheTriple = std::tuple<at::Tensor, at::Tensor, at::Tensor>;

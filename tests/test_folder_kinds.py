@@ -328,7 +328,11 @@ def test_doctor_exits_1_when_the_cache_is_on_and_the_kernel_sources_are_missing(
 def test_doctor_exits_0_when_the_cache_is_simply_off(tiny: Path, tmp_path: Path) -> None:
     folder = _with_config(tiny, tmp_path, use_flash_attn=False)
     code, doc = _doctor_all(folder, tmp_path)
-    assert code == 0, _failed(doc)
+    # the folder adds no failure; the machine may (a CUDA torch whose toolkit does not
+    # match this machine's nvcc, as torch 2.0's CUDA 11 beside a CUDA 13 nvcc)
+    failed = _failed(doc)
+    machine = {i for i in failed if i.startswith("env.")}
+    assert failed == machine and code == (1 if machine else 0), failed
     kv = [f for f in doc["findings"] if f["id"] == "config.kv_cache"]
     assert [f["severity"] for f in kv] == ["warn"]
 

@@ -100,7 +100,9 @@ class FakeHub:
             if names is None:
                 return Reply(401, b"Repository not found", {"X-Error-Code": "RepoNotFound"})
             body = json.dumps(
-                {"id": unquote(api["repo"]), "sha": COMMIT,
+                # fields the real Hub always sends and huggingface_hub 0.19 requires
+                {"id": unquote(api["repo"]), "sha": COMMIT, "private": False,
+                 "downloads": 0, "likes": 0, "tags": [],
                  "siblings": [{"rfilename": n} for n in names]}
             ).encode()
             return Reply(200, body, {"Content-Type": "application/json"})

@@ -671,6 +671,17 @@ def step_buffers(b: int, h: int, d: int, cap: int) -> Args:
     return [*qa_buffers(b, h, d, cap, key=True), *qa_buffers(b, h, d, cap, key=False)]
 
 
+def _softmax_last(w: torch.Tensor) -> torch.Tensor:
+    """The model's softmax over the last dimension. torch < 2.1 has none in fp16 on the CPU:
+    there attention_step goes through fp32 and back, and so does its reference."""
+    try:
+        return torch.softmax(w, dim=-1)
+    except RuntimeError:
+        if w.dtype != torch.float16 or w.device.type != "cpu":
+            raise
+        return torch.softmax(w.float(), dim=-1).half()
+
+
 def step_reference(
     ext: ModuleType, query_key: torch.Tensor, value: torch.Tensor, bufs: Args, pos: int,
     head_mask: torch.Tensor | None,
@@ -686,7 +697,7 @@ def step_reference(
     w = torch.zeros(b, h, s, n, dtype=torch.float16)
     getattr(ext, QK)(query.to(torch.float16).contiguous(), kbuf[..., :n], w, ks[:, :, :n],
                      kz[:, :, :n])
-    w = torch.softmax(w / d**0.5, dim=-1).type(query.dtype)
+    w = _softmax_last(w / d**0.5).type(query.dtype)
     if head_mask is not None:
         w = w * head_mask
     out = torch.zeros(b, h, s, d, dtype=torch.float16)

@@ -113,7 +113,8 @@ def test_export_layout_names_the_abi_and_hashes_every_file(exported: Path) -> No
 
     variant = the_variant(exported)
     name = variant.name
-    assert name.startswith(f"torch{torch.__version__.split('+')[0]}-cxx11-")
+    abi = "cxx11" if torch._C._GLIBCXX_USE_CXX11_ABI else "cxx98"  # torch 2.0 wheels: cxx98
+    assert name.startswith(f"torch{torch.__version__.split('+')[0]}-{abi}-")
     assert f"-cp{sys.version_info[0]}{sys.version_info[1]}-" in name and name.endswith("-linux")
     metadata = json.loads((variant / METADATA).read_text())
     assert set(metadata["files"]) == {SO_FILE, *KERNEL_FILES}

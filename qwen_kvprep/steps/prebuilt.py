@@ -178,7 +178,9 @@ def _hub_error(
     where = f"{what} of {source.where()}"
     endpoint = str(constants.ENDPOINT)
     fetch = f"qwen-kvprep build --fetch {shlex.quote(source.spec)}"
-    if isinstance(exc, LocalEntryNotFoundError) and (constants.HF_HUB_OFFLINE or cached_only):
+    # huggingface_hub 0.19 offline, without the repo cached, fails to open its ref file
+    missing = isinstance(exc, (LocalEntryNotFoundError, FileNotFoundError))
+    if missing and (constants.HF_HUB_OFFLINE or cached_only):
         why = "HF_HUB_OFFLINE is set and " if constants.HF_HUB_OFFLINE else ""
         message = f"{why}{where} is not in the huggingface_hub cache ({constants.HF_HUB_CACHE})"
         fix = f"fetch every variant once while online (at image build): `{fetch}`"
@@ -229,7 +231,9 @@ def _snapshot(
             )
     except HFValidationError as exc:
         raise UsageError(f"{source.spec!r} is not a Hub repo id: {exc}") from None
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, KeyError) as exc:
+        # KeyError: a server (an HF_ENDPOINT mirror) whose answer lacks a field this
+        # huggingface_hub requires
         raise _hub_error(exc, source, what, cached_only) from exc
     return Path(path)
 
