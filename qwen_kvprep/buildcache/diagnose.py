@@ -23,54 +23,56 @@ _NOISE = re.compile(
     re.IGNORECASE,
 )
 
-_ADVICE: Sequence[tuple[re.Pattern[str], str]] = [
+# (what the log says, case ignored; what to do), the most specific first
+_ADVICE_TEXT: Sequence[tuple[str, str]] = [
     (
-        re.compile(r"unsupported GNU version|unsupported clang version", re.IGNORECASE),
+        r"unsupported GNU version|unsupported clang version",
         "this nvcc does not support the host compiler: install a gcc/g++ it supports and "
         "point nvcc at it, e.g. `export NVCC_PREPEND_FLAGS='-ccbin /usr/bin/g++-12'`, "
         "or use a newer CUDA toolkit",
     ),
     (
-        re.compile(r"Python\.h: No such file", re.IGNORECASE),
+        r"Python\.h: No such file",
         "the Python headers are missing: install them (Debian/Ubuntu: "
         "`apt-get install python3-dev` for this Python's version; RHEL: python3-devel)",
     ),
     (
-        re.compile(r"mismatches the version that was used to compile PyTorch"),
+        r"mismatches the version that was used to compile PyTorch",
         "nvcc and torch were built for different CUDA major versions: install the CUDA "
         "toolkit matching torch.version.cuda (and set CUDA_HOME to it), or a torch wheel "
         "built for your toolkit",
     ),
     (
-        re.compile(r"Unsupported gpu architecture", re.IGNORECASE),
+        r"Unsupported gpu architecture",
         "nvcc does not know an architecture it was asked for: pass --arch (or "
         "TORCH_CUDA_ARCH_LIST) with architectures from `nvcc --list-gpu-arch`",
     ),
     (
-        re.compile(r"Ninja is required", re.IGNORECASE),
+        r"Ninja is required",
         "install ninja into this environment: `pip install ninja`",
     ),
     (
-        re.compile(r"(cuda_runtime\.h|cuda_fp16\.h|cuda\.h): No such file", re.IGNORECASE),
+        r"(cuda_runtime\.h|cuda_fp16\.h|cuda\.h): No such file",
         "the CUDA headers were not found: set CUDA_HOME to the toolkit that holds nvcc "
         "(the folder with bin/nvcc and include/cuda_runtime.h)",
     ),
     (
-        re.compile(r"internal compiler error: Killed|\bKilled\b|signal 9", re.IGNORECASE),
+        r"internal compiler error: Killed|\bKilled\b|signal 9",
         "a compiler was killed, most likely out of memory: build with fewer parallel jobs "
         "(`MAX_JOBS=1`)",
     ),
     (
-        re.compile(r"DeprecatedTypeProperties", re.IGNORECASE),
+        r"DeprecatedTypeProperties",
         "these kernel sources use an API that current torch removed (the official Qwen "
         "sources do): build qwen-kvprep's own kernels (the default source)",
     ),
     (
-        re.compile(r"undefined symbol", re.IGNORECASE),
+        r"undefined symbol",
         "the extension does not link against this torch: rebuild with --force; if it "
         "persists, torch and its headers come from different installations",
     ),
 ]
+_ADVICE = [(re.compile(pattern, re.IGNORECASE), hint) for pattern, hint in _ADVICE_TEXT]
 
 
 def first_errors(log: str, limit: int = 5) -> list[str]:

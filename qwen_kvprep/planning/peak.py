@@ -136,6 +136,41 @@ def _fast_growth_forwards(prompt: int, new: int, step: int) -> list[_Forward]:
     return picks
 
 
+@dataclass(frozen=True)
+class _Block:
+    """What one block of a forward holds on either path, in bytes unless said."""
+
+    e: int  # bytes per element of the model's dtype
+    proj: int  # heads x head_dim
+    tokens: int  # batch x tokens fed
+    length: int  # tokens attended to: the past and those fed
+    stream: int  # the embedding output, the residual stream and ln_1's or ln_2's output
+    mixed: int  # c_attn's output [b, q, 3 x proj]
+    mlp: int  # the MLP's peak
+
+
+def _block(shape: ModelShape, batch: int, past: int, query: int) -> _Block:
+    e = shape.dtype_bytes
+    proj = shape.heads * shape.head_dim
+    tokens = batch * query
+    # QWenModel.forward keeps the embedding output (inputs_embeds) for the whole forward;
+    # the block adds the residual stream and ln_1's or ln_2's output
+    stream = tokens * 3 * shape.hidden * e
+    return _Block(
+        e=e,
+        proj=proj,
+        tokens=tokens,
+        length=past + query,
+        stream=stream,
+        # c_attn's output stays alive for the whole attention forward (the value is a view
+        # into it)
+        mixed=tokens * 3 * proj * e,
+        # the stream plus the attention output (the block still holds it), then w1(x),
+        # silu(w2(x)) and their product, each [b, q, intermediate // 2]
+        mlp=stream + tokens * (shape.hidden * e + 3 * (shape.intermediate // 2) * e),
+    )
+
+
 def _fast_transients(
     shape: ModelShape, batch: int, past: int, query: int, softmax_in_fp32: bool
 ) -> tuple[int, int]:
@@ -147,13 +182,9 @@ def _fast_transients(
     and the masked scores of a first forward, the softmax, the fp16 output and the context)
     and the MLP.
     """
-    e = shape.dtype_bytes
-    proj = shape.heads * shape.head_dim
-    ff = shape.intermediate // 2
-    tokens = batch * query
-    length = past + query
-    stream = tokens * 3 * shape.hidden * e
-    mixed = tokens * 3 * proj * e
+    blk = _block(shape, batch, past, query)
+    e, proj, tokens, length, stream, mixed = (
+        blk.e, blk.proj, blk.tokens, blk.length, blk.stream, blk.mixed)
     before = stream + mixed + tokens * 2 * proj * 16
     attn_in = stream + mixed + tokens * 2 * proj * e
     scores = batch * shape.heads * query * length
@@ -173,8 +204,7 @@ def _fast_transients(
         s2 + half_out + tokens * proj * e,  # PV's output, then the context
     )
     after = attn_in + max(phases)
-    mlp = stream + tokens * (shape.hidden * e + 3 * ff * e)
-    return before, max(after, mlp)
+    return before, max(after, blk.mlp)
 
 
 # -- one forward ---------------------------------------------------------------------------
@@ -258,18 +288,10 @@ def _layer_transients(
     Before: rotating the key and, for Int8, quantizing it -- the last layer's part of the
     new cache is not made yet. After: the attention itself and the MLP.
     """
-    e = shape.dtype_bytes
-    proj = shape.heads * shape.head_dim
-    ff = shape.intermediate // 2
-    tokens = batch * query
-    length = past + query
-    # QWenModel.forward keeps the embedding output (inputs_embeds) for the whole forward;
-    # the block adds the residual stream and ln_1's or ln_2's output
-    stream = tokens * 3 * shape.hidden * e
-    # c_attn's output [b, q, 3·proj] stays alive for the whole attention forward (the
-    # value is a view into it), and so does the rotated query
-    mixed = tokens * 3 * proj * e
-    attn_in = stream + mixed + tokens * proj * e
+    blk = _block(shape, batch, past, query)
+    e, proj, tokens, length, mixed = blk.e, blk.proj, blk.tokens, blk.length, blk.mixed
+    # the rotated query stays alive for the whole attention forward too
+    attn_in = blk.stream + mixed + tokens * proj * e
     # rotating the key: four fp32 temporaries of [b, q, proj] (float copy, x·cos, the
     # rotated half, times sin) before their sum
     before = attn_in + tokens * proj * 16
@@ -283,10 +305,7 @@ def _layer_transients(
         if past == 0:
             attn_in -= mixed
         after = attn_in + _sdpa_attention(shape, batch, query, length)
-    # MLP: the stream plus the attention output (the block still holds it), then w1(x),
-    # silu(w2(x)) and their product, each [b, q, intermediate // 2]
-    mlp = stream + tokens * (shape.hidden * e + 3 * ff * e)
-    return before, max(after, mlp)
+    return before, max(after, blk.mlp)
 
 
 def _head_transient(shape: ModelShape, batch: int, query: int) -> int:

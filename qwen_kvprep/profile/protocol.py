@@ -118,14 +118,17 @@ class ProbeResult(TypedDict):
     versions: Versions
 
 
-class Loaded(TypedDict):
+class Loaded(TypedDict, total=False):
+    """What loading the model measured (load() fills every key; not total, as Generation,
+    so that RunAnswer, which holds what a run got to, can declare them by inheriting)."""
+
     dtype: str  # as the model was loaded: bf16, fp16 or fp32
     load_seconds: float
     load_warnings: list[str]
 
 
-class Generation(TypedDict):
-    """The prefill and decode of one run."""
+class Generation(TypedDict, total=False):
+    """The prefill and decode of one run (generate() fills every key)."""
 
     cached_tokens: Optional[int]
     kv_bytes: int
@@ -150,25 +153,14 @@ class QualityResult(TypedDict):
     kernel_layers: int
 
 
-class RunAnswer(TypedDict, total=False):
+class RunAnswer(Loaded, Generation, total=False):
     """What a run adds to the probe's answer: `oom` and `error`, what `Loaded` and
     `Generation` hold as far as it got before running out of memory (in `oom_phase`), the
     kernel counts and the memory peak. A quality run adds `Loaded` alone."""
 
     oom: bool
     error: Optional[str]
-    # Loaded
-    dtype: str
-    load_seconds: float
-    load_warnings: list[str]
     layers: int  # attention layers
-    # Generation
-    cached_tokens: Optional[int]
-    kv_bytes: int
-    prefill_seconds: float
-    decode_seconds: float
-    prefill_tokens_per_s: Optional[float]
-    decode_tokens_per_s: Optional[float]
     oom_phase: str
     kernel_layers: int  # layers that called the compiled kernel
     kernel_calls: list[int]  # per layer

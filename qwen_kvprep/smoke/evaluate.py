@@ -71,8 +71,10 @@ class KvBytes(_KvBytes, total=False):
     element_bytes: Optional[int]
 
 
-class SmokeNumbers(TypedDict):
-    """What was measured: in the summary and in smoke.measure's details."""
+class SmokeNumbers(TypedDict, total=False):
+    """What was measured: in the summary and in smoke.measure's details (measurements()
+    fills every key; not total only so that SmokeSummary, whose keys depend on how far the
+    child got, can declare them by inheriting)."""
 
     kv_bytes_per_token: KvBytes
     tokens_per_s: ByMode
@@ -111,7 +113,7 @@ class _SummaryHead(TypedDict):
     elapsed_seconds: float
 
 
-class SmokeSummary(_SummaryHead, total=False):
+class SmokeSummary(_SummaryHead, SmokeNumbers, total=False):
     """The "smoke" object of --json and of state.json: `phase` and `error` when the child
     gave no result, the rest when it did."""
 
@@ -135,12 +137,6 @@ class SmokeSummary(_SummaryHead, total=False):
     max_new_tokens: Optional[int]
     agreement: Agreement
     text: Texts
-    kv_bytes_per_token: KvBytes
-    tokens_per_s: ByMode
-    prefill_seconds: ByMode
-    load_seconds: Optional[float]
-    peak_memory: Optional[PeakMemory]
-    peak_memory_by_run: Optional[ByMode]
     gptq: GptqModules  # GPTQ checkpoints only
 
 
