@@ -299,7 +299,16 @@ def _source_mismatch(source: Optional[str], state: Mapping[str, object]) -> Opti
                 return f"--source vendored: {name} is not qwen-kvprep's own"
     elif source == "hub":
         origin = _object(state.get("sources")).get("origin")
-        if origin != "hub":
+        if origin == "prebuilt":
+            # a prebuilt variant is held to the policy by the sources it was built from
+            # (fix --prebuilt --source hub chose it so); only this start pays the import
+            from qwen_kvprep.catalogue import known_good
+
+            official = known_good().files
+            for name in KERNEL_FILES:
+                if recorded.get(name) != official[name].sha256:
+                    return f"--source hub: the prebuilt variant's {name} is not Qwen's official"
+        elif origin != "hub":
             return f"--source hub: the kernel sources came from {origin}"
     return None
 

@@ -282,6 +282,28 @@ def test_vendored_sources_satisfy_source_vendored(fake: Path) -> None:
     assert state_mismatch(Request(str(fake), source="auto")) is None
 
 
+def test_a_prebuilt_variant_of_qwen_s_sources_satisfies_source_hub(
+    fake: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """fix --prebuilt --source hub records origin "prebuilt": prestart --source hub must
+    judge the sources the variant was built from, or every start would run fix again."""
+    from qwen_kvprep import catalogue
+    from qwen_kvprep.resources import KERNEL_FILES
+
+    state = json.loads((fake / ".qwen-kvprep" / "state.json").read_text())
+    edit_state(fake, sources={**state["sources"], "origin": "prebuilt"})
+    # the folder's sources as the official ones, as a variant built from Qwen's would be
+    official = {
+        name: catalogue.KnownFile(name, state["files"][name], 1) for name in KERNEL_FILES
+    }
+    monkeypatch.setattr(catalogue, "known_good", lambda: catalogue.KnownGood(official, ()))
+    assert state_mismatch(Request(str(fake), source="hub")) is None
+    other = dict(official, **{KERNEL_FILES[0]: catalogue.KnownFile(KERNEL_FILES[0], "0" * 64, 1)})
+    monkeypatch.setattr(catalogue, "known_good", lambda: catalogue.KnownGood(other, ()))
+    reason = state_mismatch(Request(str(fake), source="hub"))
+    assert reason is not None and "not Qwen's official" in reason
+
+
 def test_equivalent_arch_spellings_match(fake: Path) -> None:
     assert state_mismatch(Request(str(fake), arch="sm_80, 9.0+ptx")) is None
 
