@@ -425,26 +425,54 @@ def _fast_path_matches_live_tensors(tmp_path: Path) -> None:
     assert any(getattr(type(m), FAST_MARK, False) for m in model.modules()), (
         "the fast path did not load")
     # a decode that grows the buffers (127 + 1 -> 256), a prompt of two blocks, one that
-    # grows during decoding (100 -> 128 -> 256). Prefill in chunks is not in the list: there
-    # the prediction is short of the live peak (8 x 256 in chunks of 64: 17.2 against
-    # 20.4 MB), a part of the fast path's prefill transients not yet modelled.
-    for batch, prompt, new in [(16, 1, 127), (8, 256, 16), (4, 100, 60)]:
-        measured = measure(model, batch, prompt, new, None, fast_path=True)
+    # grows during decoding (100 -> 128 -> 256), a prompt in chunks that grows the buffers
+    for batch, prompt, new, chunk in [(16, 1, 127, None), (8, 256, 16, None), (4, 100, 60, None),
+                                      (8, 256, 16, 64)]:
+        measured = measure(model, batch, prompt, new, chunk, fast_path=True)
         measured -= shape.weights_bytes
         predicted = (
-            predict_peak_bytes(shape, batch, prompt, new, "int8", None, fast_path=True)
+            predict_peak_bytes(shape, batch, prompt, new, "int8", chunk, fast_path=True)
             - shape.weights_bytes
             - CUBLAS_WORKSPACE_BYTES
         )
         allowed = 0.05 * measured
         if OLD_CPU_SOFTMAX:
             allowed += 4 * batch * shape.heads * prompt * (prompt + new)
-        assert abs(predicted - measured) <= allowed, (batch, prompt, new, predicted, measured)
+        # the CPU kernels' own temporaries can only add to the live peak: plan leaves them
+        # out (it predicts the CUDA allocator), so they widen the bound upwards alone
+        above = _cpu_gemm_bytes(shape, batch, chunk or prompt, prompt + new)
+        assert -allowed <= measured - predicted <= allowed + above, (
+            batch, prompt, new, chunk, predicted, measured)
         # the model's own code's prediction is another number
-        assert predict_peak_bytes(shape, batch, prompt, new, "int8") != predicted + \
+        assert predict_peak_bytes(shape, batch, prompt, new, "int8", chunk) != predicted + \
             shape.weights_bytes + CUBLAS_WORKSPACE_BYTES
     layers = [m for m in model.modules() if hasattr(m, "cache_kernels")]
     assert layers and all(getattr(m, "qwen_kvprep_fast_steps", 0) > 0 for m in layers)
+
+
+# kernels/cache_autogptq_cuda_256.cpp: from kCpuGemmMinQ queries on, the CPU kernels
+# dequantize the cache into fp32 for a GEMM, kCpuGemmChunkBytes of it at a time
+CPU_GEMM_MIN_Q = 32
+CPU_GEMM_CHUNK_BYTES = 16 << 20
+
+
+def _cpu_gemm_bytes(shape: Any, batch: int, query: int, length: int) -> int:
+    """The most the CPU GEMM path holds at once for one kernel call: the fp32 codes and
+    their dequantized copy for a chunk of heads, the fp32 queries or probabilities and
+    the fp32 product, the fp32 scales and zeros."""
+    if query < CPU_GEMM_MIN_Q:
+        return 0
+    d = shape.head_dim
+    n = min(batch * shape.heads, max(1, CPU_GEMM_CHUNK_BYTES // (length * d * 4)))
+    return 4 * n * (2 * length * d + query * (length + d) + 2 * length)
+
+
+def test_cpu_gemm_constants_match_the_kernels() -> None:
+    from qwen_kvprep.resources import kernels_dir
+
+    source = (kernels_dir() / "cache_autogptq_cuda_256.cpp").read_text(encoding="utf-8")
+    assert f"kCpuGemmMinQ = {CPU_GEMM_MIN_Q};" in source
+    assert f"kCpuGemmChunkBytes = int64_t{{{CPU_GEMM_CHUNK_BYTES >> 20}}} << 20;" in source
 
 
 def test_fast_path_block_matches_the_planted_module() -> None:

@@ -178,9 +178,9 @@ def _fast_transients(
 
     Before its cache exists: the queries and keys rotated together (fp32 temporaries of
     [b, q, 2·proj]); the quantization writes into the buffers without temporaries. After:
-    attention_step's tensors (an fp16 copy of the queries, the fp16 scores, the causal mask
-    and the masked scores of a first forward, the softmax, the fp16 output and the context)
-    and the MLP.
+    attention_step's tensors (an fp16 copy of the queries, the fp16 scores and, for long
+    query blocks, the kernel's dequantized cache, the causal mask and the masked scores of
+    a first forward, the softmax, the fp16 output and the context) and the MLP.
     """
     blk = _block(shape, batch, past, query)
     e, proj, tokens, length, stream, mixed = (
@@ -196,12 +196,13 @@ def _fast_transients(
     # and one in fp16 for the kernel
     soft = s2 + 2 * s4 if softmax_in_fp32 else 2 * s2
     back = 0 if e == 4 and not softmax_in_fp32 else s2 + se + s2
+    qk_ws, pv_ws = _kernel_workspaces(shape, batch, query, length)
     phases = (
-        half_out + s2,  # QK: the fp16 queries and the scores
+        half_out + s2 + qk_ws,  # QK: the fp16 queries and the scores
         2 * s2 + mask,  # causal masking (a first forward only)
         soft,
         back,
-        s2 + half_out + tokens * proj * e,  # PV's output, then the context
+        s2 + half_out + max(pv_ws, tokens * proj * e),  # PV's output, then the context
     )
     after = attn_in + max(phases)
     return before, max(after, blk.mlp)
@@ -221,6 +222,16 @@ def _rotary_bytes(shape: ModelShape, length: int) -> int:
 # kGemmMinQQk and kGemmMinQPv in kernels/cache_autogptq_cuda_kernel_256.cu).
 KERNEL_GEMM_MIN_Q_QK = 256
 KERNEL_GEMM_MIN_Q_PV = 128
+
+
+def _kernel_workspaces(shape: ModelShape, batch: int, query: int, length: int) -> tuple[int, int]:
+    """The fp16 dequantized cache [b, h, l, d] the QK and the PV kernel each hold during
+    their call (0 below their query lengths)."""
+    workspace = 2 * batch * shape.heads * length * shape.head_dim
+    return (
+        workspace if query >= KERNEL_GEMM_MIN_Q_QK else 0,
+        workspace if query >= KERNEL_GEMM_MIN_Q_PV else 0,
+    )
 
 
 def _int8_scores(
@@ -249,9 +260,7 @@ def _int8_scores(
     key_codes_t = batch * h * d * length
     out16 = batch * h * query * d * 2
     mask = 2 * query * length
-    workspace = 2 * batch * h * length * d
-    qk_ws = workspace if query >= KERNEL_GEMM_MIN_Q_QK else 0
-    pv_ws = workspace if query >= KERNEL_GEMM_MIN_Q_PV else 0
+    qk_ws, pv_ws = _kernel_workspaces(shape, batch, query, length)
     phases = (
         s2 + query_copies + key_codes_t + scale_zero + qk_ws,  # QK kernel
         s2 + se,  # .to(model dtype)
