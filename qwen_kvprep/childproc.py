@@ -33,6 +33,7 @@ import tempfile
 import threading
 import time
 import traceback
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Callable, Generic, Literal, Optional, TypedDict, TypeVar, Union, cast
@@ -151,9 +152,22 @@ def _read_events(
                     # written by `child_main` below, in the same installation
                     outcome.error = cast(ErrorEvent, event)
             if kind not in ("result", "error") and on_event is not None:
-                with contextlib.suppress(Exception):  # progress display must not break a run
-                    # the phase and progress events of `Events` below
+                try:  # the phase and progress events of `Events` below
                     on_event(cast(ShownEvent, event))
+                except Exception as exc:  # a broken display must not break the run ...
+                    on_event = None
+                    _display_failed(exc)  # ... nor fail unseen
+
+
+def _display_failed(exc: Exception) -> None:
+    """A warning (the library prints nothing itself), then no more progress for this
+    child: its result still counts."""
+    warnings.warn(
+        f"qwen-kvprep: the progress display failed ({type(exc).__name__}: {exc}); "
+        "the run goes on without it",
+        RuntimeWarning,
+        stacklevel=1,
+    )
 
 
 def kill_group(proc: subprocess.Popen[bytes]) -> None:

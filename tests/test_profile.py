@@ -25,7 +25,7 @@ from qwen_kvprep.planning.peak import ModelShape, kv_bytes_per_token
 from qwen_kvprep.profile import max_batch
 from qwen_kvprep.profile import runner as runner_mod
 from qwen_kvprep.profile.evaluate import evaluate, human_bytes
-from qwen_kvprep.profile.progress import ProgressBar, progress_bar
+from qwen_kvprep.profile.progress import ProgressBar, ProgressLog, progress_bar
 from qwen_kvprep.profile.protocol import ENV_SIMULATE_OOM, ChildSpec
 from qwen_kvprep.profile.runner import (
     ROW_FIELDS,
@@ -37,6 +37,7 @@ from qwen_kvprep.profile.runner import (
 )
 from qwen_kvprep.profile.source import ModelSource
 from qwen_kvprep.profile.tables import render_text, summary, table
+from qwen_kvprep.smoke.progress import StepLog
 from tests.cli import ENTRY, document, kvprep
 from tests.modeling_patch import patch_modeling
 from tests.toolkit import NO_TOOLKIT
@@ -215,8 +216,25 @@ def test_table_and_text() -> None:
     assert "neither ran out of memory" in render_text(profile)
 
 
-def test_progress_bar_only_on_a_terminal() -> None:
-    assert progress_bar(as_json=False, total=3) is None  # pytest's stderr is no terminal
+def test_progress_on_a_pipe_is_a_log_and_on_a_terminal_a_bar() -> None:
+    display = progress_bar(as_json=True, total=3)  # pytest's stderr is no terminal
+    assert isinstance(display, ProgressLog)
+    display.close()
+    stream = io.StringIO()
+    log = ProgressLog(StepLog(stream, "profile", heartbeat=60), total=3)
+    log.start("int8 batch 4")
+    log.event({"event": "phase", "phase": "start", "t": 0.0})  # the child's own: no 2nd line
+    log.event({"event": "progress", "phase": "decode", "done": 5, "total": 16})
+    log.event({"event": "phase", "phase": "decode", "t": 0.0})
+    log.finish_step()
+    log.start("quality")
+    log.close()
+    lines = stream.getvalue().splitlines()
+    assert [line.split("] ", 1)[1] for line in lines] == [
+        "profile: 1/3 int8 batch 4: starting ...",
+        "profile: 1/3 int8 batch 4: decoding ...",  # a phase, not the counters
+        "profile: 2/3 quality: starting ...",
+    ]
     stream = io.StringIO()
     bar = ProgressBar(stream, total=3)
     bar.start("int8 batch 4")
@@ -413,7 +431,8 @@ def test_tiny_checkpoint_both_modes_kernel_and_quality(fixed: dict[str, Any]) ->
                "--tokens", "6", "--prompt-tokens", "9", env=fixed["env"])
     doc = document(res)
     assert res.returncode == 0, (doc["findings"], res.stderr)
-    assert "\r[" not in res.stderr  # no progress bar on a pipe
+    assert "\r[" not in res.stderr  # no progress bar on a pipe: log lines
+    assert "s] profile: 2/6 unquantized batch 1: decoding ..." in res.stderr, res.stderr
     p = doc["profile"]
     assert {"rows", "quality", "device", "versions", "batches", "prompt_tokens", "new_tokens",
             "prefill_chunk", "dtype", "random_weights", "timeout", "model",

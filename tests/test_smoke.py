@@ -372,6 +372,33 @@ def test_result_survives_noise_on_stdout_and_a_bad_exit(
     assert out.returncode == 3 and out.bad_lines == 1 and not out.timed_out
 
 
+def test_a_failing_progress_display_is_reported_once_and_the_run_goes_on(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    _stand_in(
+        monkeypatch,
+        """
+        import os, sys
+        out = os.fdopen(int(sys.argv[1]), "w")
+        for phase in ("load", "generate-quantized", "generate-unquantized"):
+            out.write('{"event": "phase", "phase": "%s"}\\n' % phase)
+        out.write('{"event": "result", "result": {"real": 1}}\\n'); out.flush()
+        """,
+    )
+    calls: list[str] = []
+
+    def broken(phase: str) -> None:
+        calls.append(phase)
+        raise KeyError(phase)
+
+    with pytest.warns(RuntimeWarning) as warned:
+        out = run_child(tmp_path, SmokeOptions(timeout=30), broken)
+    assert out.result == {"real": 1} and out.returncode == 0
+    assert calls == ["load"]  # not called again after it failed
+    (warning,) = [str(w.message) for w in warned]
+    assert "the progress display failed (KeyError: 'load')" in warning
+
+
 def test_crash_keeps_the_last_phase_and_output(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
@@ -459,7 +486,10 @@ def test_fixed_checkpoint_passes_with_the_kernel_in_every_layer(
     res = kvprep("smoke", str(ckpt), "--max-new-tokens", "4", timeout=300)
     assert res.returncode == 0, res.stdout + res.stderr
     assert "ran in all 2 layers" in res.stdout and "1,056 bytes instead of 2,048" in res.stdout
-    assert "smoke [" not in res.stderr  # no progress lines when stderr is not a terminal
+    # stderr is not a terminal: a log line a phase, not the terminal's display
+    assert "smoke [" not in res.stderr
+    assert "s] smoke: loading the model ..." in res.stderr, res.stderr
+    assert "s] smoke: generating with the quantized cache ..." in res.stderr
 
 
 @pytest.mark.slow

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Optional
 
 import click
@@ -13,7 +14,7 @@ from qwen_kvprep.commands._common import (
 )
 from qwen_kvprep.findings import warn
 from qwen_kvprep.smoke import SmokeOptions, smoke_and_record
-from qwen_kvprep.smoke.progress import phase_progress
+from qwen_kvprep.smoke.progress import log_phases, phase_progress, step_log
 from qwen_kvprep.smoke.protocol import (
     DEFAULT_MAX_NEW_TOKENS,
     DEFAULT_PROMPT,
@@ -70,7 +71,10 @@ def smoke(
         timeout=timeout,
         load_path=load_path,
     )
-    report = smoke_and_record(path, options, on_phase=phase_progress(output_options().as_json))
+    # on a terminal its phases as they come; on a pipe a line a phase and a heartbeat
+    with step_log("smoke") or nullcontext() as log:
+        on_phase = phase_progress(output_options().as_json) if log is None else log_phases(log)
+        report = smoke_and_record(path, options, on_phase=on_phase)
     findings = list(report.findings)
     if problem is not None:
         findings.insert(0, warn(

@@ -20,7 +20,7 @@ from typing import Optional
 from qwen_kvprep.errors import UsageError
 from qwen_kvprep.findings import Finding, info
 from qwen_kvprep.profile.document import ProfileDocument
-from qwen_kvprep.profile.progress import ProgressBar
+from qwen_kvprep.profile.progress import Progress
 from qwen_kvprep.profile.protocol import RANDOM_SEED
 from qwen_kvprep.profile.runner import (
     Measurements,
@@ -87,7 +87,7 @@ def max_batch(rows: list[ProfileRow]) -> dict[str, Optional[int]]:
 
 
 def run_profile(
-    directory: Path, options: ProfileOptions, bar: Optional[ProgressBar] = None
+    directory: Path, options: ProfileOptions, bar: Optional[Progress] = None
 ) -> ProfileReport:
     """Measure; never raises for what a child does (crashes, hangs and OOMs come back in
     the rows and findings). Raises KvprepError subclasses when it cannot start: a folder
@@ -139,7 +139,7 @@ def run_profile(
 def profile_and_plot(
     directory: Path,
     options: ProfileOptions,
-    bar: Optional[ProgressBar] = None,
+    bar: Optional[Progress] = None,
     plot: Optional[Path] = None,
 ) -> ProfileReport:
     """`qwen-kvprep profile`: run_profile, then the plot drawn into `plot` when asked."""

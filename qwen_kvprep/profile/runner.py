@@ -18,7 +18,7 @@ from typing import Optional, TypedDict, cast
 
 from qwen_kvprep.childproc import ChildOutcome, child_env, run_events_child
 from qwen_kvprep.errors import KvprepError
-from qwen_kvprep.profile.progress import ProgressBar
+from qwen_kvprep.profile.progress import Progress
 from qwen_kvprep.profile.protocol import (
     CPU_BATCHES,
     CPU_NEW_TOKENS,
@@ -141,7 +141,7 @@ def _command(spec: ChildSpec, fd: int) -> list[str]:
 
 
 def run_child(
-    spec: ChildSpec, source: ModelSource, timeout: float, bar: Optional[ProgressBar], label: str
+    spec: ChildSpec, source: ModelSource, timeout: float, bar: Optional[Progress], label: str
 ) -> ProfileOutcome:
     if bar is not None:
         bar.start(label)
@@ -237,7 +237,7 @@ def skipped_row(spec: ChildSpec, reason: str, oom: bool) -> ProfileRow:
 
 
 def probe(
-    source: ModelSource, options: ProfileOptions, bar: Optional[ProgressBar]
+    source: ModelSource, options: ProfileOptions, bar: Optional[Progress]
 ) -> ProbeResult:
     spec = ChildSpec(task=TASK_PROBE, source=str(source.load_from), device=options.device,
                      cudnn_attention=options.cudnn_attention)
@@ -256,7 +256,7 @@ def probe(
 
 
 def measure(
-    source: ModelSource, options: ProfileOptions, bar: Optional[ProgressBar] = None
+    source: ModelSource, options: ProfileOptions, bar: Optional[Progress] = None
 ) -> Measurements:
     info = probe(source, options, bar)
     device = info["device"]

@@ -1,7 +1,8 @@
 """Progress lines for long steps (stderr, never stdout): on a terminal, the smoke's phases
 (`PhaseProgress`, not with --json); on a pipe (a CI job, `docker build`, an init
 container's log), a line a phase with the time since the start and a heartbeat while a
-long phase runs (`StepLog`, with --json too: the document stays alone on stdout)."""
+long phase runs (`StepLog`, with --json too: the document stays alone on stdout). `fix`,
+`build`, `smoke` and `profile` all log this way on a pipe."""
 
 from __future__ import annotations
 
@@ -111,6 +112,16 @@ class StepLog:
         # a closed pipe must not stop the work it reports on
         with contextlib.suppress(OSError, ValueError):
             print(f"[{now - self.t0:6.1f}s] {self.label}: {text}", file=self.stream, flush=True)
+
+
+def log_phases(log: StepLog, prefix: str = "") -> Callable[[str], None]:
+    """A child's phases as lines of `log`, whose heartbeat covers a long model load."""
+
+    def phase(name: str) -> None:
+        if name != PHASE_DONE:
+            log.phase(f"{prefix}{PHASE_WORDS.get(name, name)}")
+
+    return phase
 
 
 def step_log(label: str = "fix", stream: Optional[IO[str]] = None) -> Optional[StepLog]:

@@ -12,8 +12,8 @@ from typing import Callable, Optional
 from qwen_kvprep.findings import Finding, ok, warn
 from qwen_kvprep.jsontypes import JSONObject, as_json_object
 from qwen_kvprep.smoke import SmokeOptions, run_smoke
-from qwen_kvprep.smoke.progress import PhaseProgress
-from qwen_kvprep.smoke.protocol import DEFAULT_TIMEOUT_S, PHASE_DONE, PHASE_WORDS
+from qwen_kvprep.smoke.progress import PhaseProgress, log_phases
+from qwen_kvprep.smoke.protocol import DEFAULT_TIMEOUT_S
 from qwen_kvprep.smoke.record import record_smoke
 from qwen_kvprep.smoke.runner import load_path_for
 from qwen_kvprep.state.writer import state_path
@@ -67,16 +67,8 @@ def _keep_verdict(ctx: FixContext, recorded: JSONObject) -> None:
 
 
 def _log_phases(ctx: FixContext) -> Optional[Callable[[str], None]]:
-    """The child's phases as lines of the log (its heartbeat covers a long model load)."""
-    log = ctx.log
-    if log is None:
-        return None
-
-    def phase(name: str) -> None:
-        if name != PHASE_DONE:
-            log.phase(f"smoke: {PHASE_WORDS.get(name, name)}")
-
-    return phase
+    """The child's phases as lines of fix's log."""
+    return None if ctx.log is None else log_phases(ctx.log, "smoke: ")
 
 
 def _spelling_warning(spelt: str, problem: str, ctx: FixContext) -> Finding:
