@@ -276,3 +276,35 @@ def test_markdown_reports_views_and_quantize_append(runner: ModuleType) -> None:
     md = runner.markdown(doc)
     assert "| decode view | 1 | 2 | 1 | 9 | 21 | default | True | False |" in md
     assert "| bfloat16 | 37 | True | False | 0 | True |" in md
+
+
+def test_remote_code_runs_the_7b_steps_on_those_files(tmp_path: Path) -> None:
+    """--remote-code DIR: the Qwen-7B steps get a folder with DIR's .py files beside the
+    config, and the report says whose code ran (here the imitation's files stand in for
+    Qwen's, which are not in the repository)."""
+    remote = tmp_path / "remote"
+    remote.mkdir()
+    for src in (ROOT / "qwen_kvprep" / "tiny" / "remote").glob("*.py"):
+        (remote / src.name).write_bytes(src.read_bytes())
+    out = tmp_path / "out"
+    res = subprocess.run(
+        [sys.executable, str(GPU / "run"), "--out", str(out), "--bundle", str(tmp_path / "none"),
+         "--only", "plan-7b", "--remote-code", str(remote)],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stdout + res.stderr
+    doc = json.loads((out / "gpu-results.json").read_text())
+    assert doc["steps"][0]["status"] == "passed", doc["steps"]
+    said = doc["machine"]["remote_code"]
+    assert said.startswith(f"Qwen's remote code from {remote}") and "sha256" in said
+    assert f"Qwen-7B steps: {said}." in (out / "gpu-results.md").read_text()
+    planned = Path(doc["measurements"]["plan-7b"]["plan"]["directory"])
+    assert planned.name == "qwen-7b-chat-remote"  # the assembled folder, not tests/data's
+
+    (remote / "modeling_qwen.py").unlink()
+    res = subprocess.run(
+        [sys.executable, str(GPU / "run"), "--out", str(out), "--only", "plan-7b",
+         "--remote-code", str(remote)],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert res.returncode == 2 and "no modeling_qwen.py there" in res.stderr
