@@ -179,6 +179,9 @@ def parse_fast(args: Sequence[str]) -> Optional[Request]:
         return None
     if values["--source"] not in (None, *SOURCES):
         return None
+    cache_dir = values["--cache-dir"]
+    if cache_dir and os.path.exists(cache_dir) and not os.path.isdir(cache_dir):
+        return None  # a file: click says so (exit 2), also for $QWEN_KVPREP_CACHE
     directory = positional[0] if positional else (os.environ.get(ENV_DIR) or None)
     output = values["-o"] or values["--output"]
     if directory is None:
@@ -523,8 +526,14 @@ def say(request: Request, text: str) -> None:
 def _dump_imports() -> None:
     path = os.environ.get(ENV_DEBUG_IMPORTS)
     if path:
-        with open(path, "w", encoding="utf-8") as fh:
-            fh.write("\n".join(sorted(sys.modules)) + "\n")
+        try:
+            with open(path, "w", encoding="utf-8") as fh:
+                fh.write("\n".join(sorted(sys.modules)) + "\n")
+        except OSError as exc:  # a debugging aid must not keep the server from starting
+            sys.stderr.write(
+                f"qwen-kvprep prestart: warning: cannot write {ENV_DEBUG_IMPORTS}={path}: "
+                f"{exc.strerror or exc}\n"
+            )
 
 
 def hand_over(command: Sequence[str]) -> NoReturn:

@@ -187,6 +187,37 @@ def test_read_only_cache_is_a_clear_error(tmp_path: Path, command: str) -> None:
         assert (ckpt / "cpp_kernels.py").read_text().startswith("# qwen-kvprep loader")
 
 
+def test_cache_path_naming_a_file_is_refused_before_the_first_write(
+    tmp_path: Path, shared_build_cache: Path
+) -> None:
+    ckpt = generate_checkpoint(tmp_path / "tiny")
+    before = snapshot(ckpt)
+    not_a_folder = tmp_path / "hostname"
+    not_a_folder.write_text("a file\n")
+    done = kvprep("fix", str(ckpt), "--no-smoke", env=_env(tmp_path, not_a_folder),
+                  cwd=tmp_path, timeout=600)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert f"the build cache {not_a_folder} is not a folder" in done.stderr
+    assert "Traceback" not in done.stderr
+    assert snapshot(ckpt) == before  # nothing written: not even the config or the loader
+
+
+def test_a_failed_build_keeps_a_loader_that_works(tmp_path: Path, shared_build_cache: Path) -> None:
+    """The next fix cannot use its build cache: the loader of the fix that worked, which
+    points at the build that works, stays; only the original cpp_kernels.py is replaced."""
+    ckpt = generate_checkpoint(tmp_path / "tiny")
+    done = _run(["fix", str(ckpt), "--no-smoke"], _env(tmp_path, shared_build_cache), tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    working = (ckpt / "cpp_kernels.py").read_bytes()
+    unusable = tmp_path / "ro"
+    unusable.mkdir()
+    (unusable / "builds").write_text("in the way\n")  # the cache cannot hold builds
+    done = _run(["fix", str(ckpt), "--no-smoke"], _env(tmp_path, unusable), tmp_path)
+    assert done.returncode == 1 and "is not writable" in done.stderr, done.stderr
+    assert (ckpt / "cpp_kernels.py").read_bytes() == working
+    assert "installed the loader although the build failed" not in done.stdout
+
+
 def test_revert_after_fix_is_byte_identical(tmp_path: Path, shared_build_cache: Path) -> None:
     """Including a config.json that is a symlink into a huggingface_hub-like blob store."""
     ckpt = generate_checkpoint(tmp_path / "tiny")

@@ -396,6 +396,29 @@ def test_directory_from_the_environment(fake: Path) -> None:
     assert res.stdout == "env\n"
 
 
+def test_a_cache_dir_naming_a_file_is_a_usage_error_on_the_fast_path(
+    fake: Path, tmp_path: Path
+) -> None:
+    """The recorded state may match: a file as the build cache is still a mistake to say."""
+    a_file = tmp_path / "hostname"
+    a_file.write_text("x\n")
+    for args, env in (
+        (["--cache-dir", str(a_file)], None),
+        ([], {**os.environ, "QWEN_KVPREP_CACHE": str(a_file)}),
+    ):
+        res = run_prestart(str(fake), *args, "--", "true", env=env)
+        assert res.returncode == 2, res.stderr
+        assert "is a file" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_an_unwritable_import_dump_does_not_stop_the_server(fake: Path) -> None:
+    env = {**os.environ, "QWEN_KVPREP_DEBUG_IMPORTS": "/nonexistent-qwen-kvprep/x.txt"}
+    res = run_prestart(str(fake), "--", sys.executable, "-c", "print('served')", env=env)
+    assert res.returncode == 0 and res.stdout == "served\n", res.stderr
+    assert "warning: cannot write QWEN_KVPREP_DEBUG_IMPORTS" in res.stderr
+    assert "Traceback" not in res.stderr
+
+
 def test_dashes_without_a_command_are_a_usage_error(fake: Path) -> None:
     """An image whose CMD is empty must not look like a server that stopped cleanly."""
     assert parse_fast([str(fake), "--"]) is None  # left to click, which says what to pass

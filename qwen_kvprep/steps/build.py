@@ -20,6 +20,7 @@ from qwen_kvprep.buildcache.builder import (
     plan_build,
     stderr_notify,
 )
+from qwen_kvprep.buildcache.loader import is_loader
 from qwen_kvprep.buildcache.manifest import BUILD_LOG
 from qwen_kvprep.common import KERNEL_FILES, LOADER_FILE
 from qwen_kvprep.errors import KvprepError
@@ -38,7 +39,15 @@ if TYPE_CHECKING:
 def _degrade_gracefully(ctx: FixContext) -> list[Finding]:
     """config.json already asks for the kernel; with the original cpp_kernels.py still in
     place the model would JIT-build at import and crash (docs/qwen-v1.md). Our loader instead
-    raises ImportError there, and the model falls back with its warning."""
+    raises ImportError there, and the model falls back with its warning. A loader of ours
+    already in place is kept: it may point at a build that works (this run's cache may be
+    the only thing wrong)."""
+    try:
+        current = (ctx.directory / LOADER_FILE).read_bytes()[:4096]
+    except OSError:
+        current = b""
+    if is_loader(current.decode("utf-8", "replace")):
+        return []
     try:
         loader.run(ctx)
     except (KvprepError, OSError):

@@ -9,11 +9,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Optional
 
+from qwen_kvprep.buildcache import resolve_cache_dir
 from qwen_kvprep.buildcache.builder import stderr_notify
 from qwen_kvprep.buildcache.lock import lock_timeout
-from qwen_kvprep.common import JOURNAL_FILE, STATE_DIRNAME
+from qwen_kvprep.buildcache.paths import CACHE_OPTION
+from qwen_kvprep.common import ENV_CACHE, JOURNAL_FILE, STATE_DIRNAME
 from qwen_kvprep.dirlock import OUR_FILES, folder_lock, release_if_unused, remove_leftover_temps
-from qwen_kvprep.errors import KvprepError, os_failure
+from qwen_kvprep.errors import CacheError, KvprepError, os_failure
 from qwen_kvprep.findings import Finding, info
 from qwen_kvprep.journal.writer import Journal, PlannedWrite
 from qwen_kvprep.state.writer import state_problem
@@ -115,6 +117,7 @@ def _preflight(source: Path, target: Path, options: FixOptions) -> _Early:
     earlier run (StateError). A damaged state.json is only noted: fix writes it anew."""
     early = _Early()
     facts, findings = validate.check(source)
+    _check_cache_folder(options)
     if target == source:
         early.facts, early.findings = facts, findings
     if not os.path.isdir(target):
@@ -130,6 +133,21 @@ def _preflight(source: Path, target: Path, options: FixOptions) -> _Early:
             )
         )
     return early
+
+
+def _check_cache_folder(options: FixOptions) -> None:
+    """A build cache path that names a file ($QWEN_KVPREP_CACHE=/etc/hostname) fails every
+    build and every load: say so before the first write, not after the config and the
+    loader were changed. (An unwritable folder may still hold the build: the build step
+    judges that.)"""
+    root = resolve_cache_dir(options.cache_dir)
+    if os.path.lexists(root) and not os.path.isdir(root):
+        raise CacheError.failing(
+            "build.cache",
+            f"the build cache {root} is not a folder",
+            f"use a folder: `{CACHE_OPTION} DIR` or `export {ENV_CACHE}=DIR`",
+            [root],
+        )
 
 
 def _run_locked(
