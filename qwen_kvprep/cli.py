@@ -18,7 +18,14 @@ import click
 from qwen_kvprep import __version__
 from qwen_kvprep.commands import register
 from qwen_kvprep.commands._common import OutputOptions, debug_option, json_option
-from qwen_kvprep.errors import EXIT_FAILED, EXIT_OK, EXIT_USAGE, KvprepError, os_failure
+from qwen_kvprep.errors import (
+    EXIT_FAILED,
+    EXIT_OK,
+    EXIT_USAGE,
+    KvprepError,
+    UsageError,
+    os_failure,
+)
 from qwen_kvprep.redact import install_log_filter, scrub
 from qwen_kvprep.render import report_error
 
@@ -46,6 +53,18 @@ def _interrupted() -> int:
     return EXIT_INTERRUPTED
 
 
+def _asks_for_json(args: Sequence[str]) -> bool:
+    """--json among qwen-kvprep's own arguments (prestart's CMD, after `--`, has its own)."""
+    own = args[: list(args).index("--")] if "--" in args else args
+    return "--json" in own
+
+
+def _usage_error(exc: click.ClickException) -> UsageError:
+    ctx = getattr(exc, "ctx", None)
+    help_command = f"{ctx.command_path} --help" if ctx is not None else "qwen-kvprep --help"
+    return UsageError(exc.format_message(), fix=f"see `{help_command}`")
+
+
 def main(argv: Optional[Sequence[str]] = None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
     options = OutputOptions()
@@ -64,11 +83,15 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             click.echo("Aborted.", err=True)
             code = EXIT_FAILED
     except click.ClickException as exc:
-        if scrub(exc.format_message()) != exc.format_message():
+        if options.as_json or _asks_for_json(args):
+            # the document a script parses, also when click stopped before reading --json
+            code = report_error(_usage_error(exc), as_json=True)
+        elif scrub(exc.format_message()) != exc.format_message():
             click.echo(f"Error: {scrub(exc.format_message())}", err=True)
+            code = EXIT_USAGE
         else:
             exc.show()
-        code = EXIT_USAGE
+            code = EXIT_USAGE
     except KvprepError as exc:
         if options.debug:
             raise

@@ -63,6 +63,32 @@ def test_json_error_document_is_one_object(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
+    "args",
+    [
+        ["doctor", "--json", "--no-such-option"],  # click stops before it reads --json
+        ["doctor", "--no-such-option", "--json"],
+        ["--json", "no-such-command"],
+        ["smoke", "DIR", "--json", "--max-new-tokens", "0"],
+        ["template", "--json"],
+        ["plan", "DIR", "--json", "--prompt-tokens", "0"],
+    ],
+)
+def test_usage_errors_with_json_are_one_document(tmp_path: Path, args: list[str]) -> None:
+    args = [str(tmp_path) if a == "DIR" else a for a in args]
+    res = kvprep(*args)
+    assert res.returncode == 2, res.stdout + res.stderr
+    doc = json.loads(res.stdout)
+    assert doc["ok"] is False and doc["error"]["message"], doc
+    assert "--help" in doc["error"]["fix"]
+    assert res.stderr == ""
+
+
+def test_json_after_the_command_s_dashes_is_the_command_s(tmp_path: Path) -> None:
+    res = kvprep("prestart", str(tmp_path), "--no-such", "--", "serve", "--json")
+    assert res.returncode == 2 and res.stdout == "" and "No such option" in res.stderr
+
+
+@pytest.mark.parametrize(
     ("text", "line", "said"),
     [
         ('{\n  "model_type": "qwen",\n  "hidden_size": 4096\n  "num_layers": 2\n}\n', 3,
