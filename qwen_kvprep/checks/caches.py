@@ -380,9 +380,11 @@ def modules_folder(facts: Facts) -> FindingsLike:
     planted = _state_folder(caches)
     primary = caches.module_folders[0]
     if not existing:
+        # A server started now creates the folder without the kernel sources and falls
+        # back: when the config asks for the kernel, that is the failure doctor exits 1 for.
         details = {"folder": primary.path, "state_folder": planted}
         if planted and planted != primary.path:
-            return warn(
+            return (fail if requested else warn)(
                 f"`fix` planted the kernel sources in {planted}, but this environment's "
                 f"modules cache points at {primary.path} (HF_HOME/HF_MODULES_CACHE differ): the "
                 f"first load creates it without them, warns `{FALLBACK_WARNING}` and silently "
@@ -392,7 +394,7 @@ def modules_folder(facts: Facts) -> FindingsLike:
                 paths=[primary.path],
                 details=details,
             )
-        return info(
+        return (fail if requested else info)(
             f"{primary.path} does not exist yet: transformers creates it at the first load and "
             "copies only .py files, so unless `qwen-kvprep fix` or `prestart` plants the kernel "
             "sources there the model silently falls back to the slow path",

@@ -311,16 +311,19 @@ def test_modules_folder_missing_sources_means_silent_fallback() -> None:
     )
 
 
-def test_modules_folder_absent_before_first_load_is_info() -> None:
-    f = facts(checkpoint=ckpt(), cache=caches(module_folders=(folder(exists=False),)))
-    assert worst("modules.folder", f) is Severity.INFO
+def test_modules_folder_absent_before_first_load_fails_when_the_kernel_is_asked_for() -> None:
+    """A fresh container: a server started now creates the folder without the kernel sources
+    and falls back, so doctor exits 1; with the cache off that does not matter."""
+    absent = caches(module_folders=(folder(exists=False),))
     planted_elsewhere = caches(
         module_folders=(folder(exists=False),),
         state={"modules": {"folder": "/build-time/hf/modules/transformers_modules/Qwen-7B-Chat"}},
     )
-    assert (
-        worst("modules.folder", facts(checkpoint=ckpt(), cache=planted_elsewhere)) is Severity.WARN
-    )
+    off = ckpt(config={"model_type": "qwen", "use_cache_quantization": False})
+    for cache, when_off in ((absent, Severity.INFO), (planted_elsewhere, Severity.WARN)):
+        assert worst("modules.folder", facts(checkpoint=ckpt(), cache=cache)) is Severity.FAIL
+        assert worst("modules.folder", facts(checkpoint=off, cache=cache)) is when_off
+    assert "prestart" in text("modules.folder", facts(checkpoint=ckpt(), cache=planted_elsewhere))
 
 
 def test_modules_folder_stale_sources_and_original_loader() -> None:
