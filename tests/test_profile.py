@@ -393,6 +393,25 @@ def test_bad_options_are_usage_errors(tmp_path: Path) -> None:
         assert "Traceback" not in res.stderr
 
 
+def test_another_family_or_a_fifo_config_is_refused_at_once(tmp_path: Path) -> None:
+    """A Llama config would build a Qwen model of the wrong shape; a FIFO would block the
+    read forever."""
+    llama = tmp_path / "llama"
+    llama.mkdir()
+    (llama / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64}))
+    res = _cli("profile", str(llama), "--random-weights", "--device", "cpu", timeout=120)
+    assert res.returncode == 1 and "Traceback" not in res.stderr, res.stderr
+    assert "model_type 'llama'" in res.stderr and "Qwen (v1)" in res.stderr
+    fifo = tmp_path / "fifo"
+    fifo.mkdir()
+    os.mkfifo(fifo / "config.json")
+    for command in ("profile", "plan"):
+        extra = ["--random-weights", "--device", "cpu"] if command == "profile" else []
+        res = _cli(command, str(fifo), *extra, timeout=60)
+        assert res.returncode == 1 and "Traceback" not in res.stderr, (command, res.stderr)
+        assert "FIFO" in res.stderr or "not a regular file" in res.stderr, res.stderr
+
+
 # -- the real thing on tiny checkpoints (CPU) ------------------------------------------------
 
 

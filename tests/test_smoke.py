@@ -436,6 +436,31 @@ def test_child_reports_an_unusable_directory(tmp_path: Path) -> None:
     assert summary["ok"] is False
 
 
+def test_what_is_not_the_cache_s_fault_is_said_before_the_child(tmp_path: Path) -> None:
+    """Another family's folder, an empty prompt and a GPU that is not there are refused up
+    front, with nothing recorded: the child would fail with a traceback and the failure
+    would replace a passing verdict in the state."""
+    llama = tmp_path / "llama"
+    llama.mkdir()
+    (llama / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    res = kvprep("smoke", str(llama), timeout=120)
+    assert res.returncode == 1 and 'model_type "llama"' in res.stderr, res.stderr
+    assert "Traceback" not in res.stdout + res.stderr
+    res = kvprep("smoke", str(llama), "--prompt", "  ", timeout=120)
+    assert res.returncode == 2 and "the prompt is empty" in res.stderr
+    import torch
+
+    from qwen_kvprep.tiny import generate_checkpoint
+
+    if not torch.cuda.is_available():
+        qwen = tmp_path / "qwen"
+        generate_checkpoint(qwen)
+        res = kvprep("smoke", str(qwen), "--device", "cuda", timeout=120)
+        assert res.returncode == 2 and "sees no GPU" in res.stderr, res.stderr
+        assert "--device cpu" in res.stderr and "Traceback" not in res.stderr
+        assert not (qwen / ".qwen-kvprep").exists()
+
+
 # -- the real thing on generated checkpoints (CPU build of the extension) ------------------
 
 

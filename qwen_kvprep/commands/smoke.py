@@ -12,6 +12,7 @@ from qwen_kvprep.commands._common import (
     json_option,
     output_options,
 )
+from qwen_kvprep.errors import UsageError
 from qwen_kvprep.findings import warn
 from qwen_kvprep.smoke import SmokeOptions, smoke_and_record
 from qwen_kvprep.smoke.progress import log_phases, phase_progress, step_log
@@ -22,6 +23,7 @@ from qwen_kvprep.smoke.protocol import (
     DEVICES,
 )
 from qwen_kvprep.smoke.runner import load_path_for
+from qwen_kvprep.steps.validate import check as validate_checkpoint
 
 
 @click.command()
@@ -40,7 +42,12 @@ from qwen_kvprep.smoke.runner import load_path_for
     show_default=True,
     help="Greedy tokens generated with each cache.",
 )
-@click.option("--prompt", metavar="TEXT", help=f"Prompt text (default: {DEFAULT_PROMPT!r}).")
+@click.option(
+    "--prompt",
+    metavar="TEXT",
+    callback=lambda _ctx, _param, value: _prompt(value),
+    help=f"Prompt text (default: {DEFAULT_PROMPT!r}).",
+)
 @click.option(
     "--timeout",
     type=click.FloatRange(min=1.0),
@@ -63,6 +70,10 @@ def smoke(
     process), check every layer uses the quantized cache through the compiled kernel,
     compare greedy output with the unquantized cache, and measure what it saves."""
     path, spelt = checkpoint_dir(directory, revision)
+    # what would make the child fail for a reason that is not the cache's, said before it
+    # starts (a failed smoke replaces a passing verdict in the state)
+    validate_checkpoint(path)
+    _device_available(device)
     load_path, problem = load_path_for(spelt)
     options = SmokeOptions(
         device=device,
@@ -84,6 +95,25 @@ def smoke(
             paths=[path],
         ))
     finish(findings, directory=str(path), smoke=report.summary)
+
+
+def _prompt(value: Optional[str]) -> Optional[str]:
+    if value is not None and not value.strip():
+        raise click.BadParameter("the prompt is empty: give some text (or leave --prompt out)")
+    return value
+
+
+def _device_available(device: str) -> None:
+    if device != "cuda":
+        return
+    import torch  # only for this answer: the model is loaded in the child
+
+    if not torch.cuda.is_available():
+        raise UsageError(
+            f"--device cuda, but torch {torch.__version__} sees no GPU here "
+            f"(torch.version.cuda={torch.version.cuda})",
+            fix="use --device cpu, or --device auto (the GPU when torch sees one)",
+        )
 
 
 def register(group: click.Group) -> None:

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Optional
 
 from qwen_kvprep import hubcli
-from qwen_kvprep.configjson import CONFIG, parse_config
+from qwen_kvprep.configjson import CONFIG, parse_config, read_config_bytes
 from qwen_kvprep.errors import CheckpointError, ConfigError, UsageError
 from qwen_kvprep.jsontypes import JSON, JSONObject
 from qwen_kvprep.planning.peak import ModelShape
@@ -104,21 +104,17 @@ def _doctor(path: Path) -> str:
 
 def read_config(path: Path) -> JSONObject:
     config_path = path / CONFIG
-    if not config_path.is_file():
+    if not os.path.lexists(config_path):
         raise CheckpointError(
             f"{path} has no {CONFIG}: plan needs it for the model's shape",
             fix=_fix_config(path),
         )
-    try:
-        text = config_path.read_text(encoding="utf-8", errors="replace")
-    except OSError as exc:
-        raise ConfigError(
-            f"{config_path} cannot be read: {exc.strerror or exc}", fix=_fix_config(path)
-        ) from exc
-    problem = sniff(CONFIG, text.encode("utf-8", errors="replace")[:1024], len(text))
+    # bounded, regular files only (a FIFO would block the read forever), as fix reads it
+    raw = read_config_bytes(config_path)
+    problem = sniff(CONFIG, raw[:1024], len(raw))
     if problem is not None:
         raise ConfigError(f"{config_path} {problem.detail}", fix=_fix_config(path))
-    return dict(parse_config(text, config_path))
+    return dict(parse_config(raw.decode("utf-8", errors="replace"), config_path))
 
 
 def _positive_int(config: Mapping[str, JSON], key: str, path: Path) -> int:

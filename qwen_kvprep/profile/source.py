@@ -12,6 +12,7 @@ folder reaches the user's modules cache.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -21,9 +22,10 @@ from pathlib import Path
 from typing import Optional, TypedDict
 
 from qwen_kvprep.common import FAST_FILE, KERNEL_FILES, LOADER_FILE
+from qwen_kvprep.configjson import read_config as read_checked_config
 from qwen_kvprep.errors import CheckpointError, ConfigError
 from qwen_kvprep.fastkv import patched, recognise
-from qwen_kvprep.jsontypes import JSON, JSONObject
+from qwen_kvprep.jsontypes import JSONObject
 from qwen_kvprep.resources import templates_dir
 
 CONFIG = "config.json"
@@ -61,19 +63,26 @@ class ModelSource:
 
 
 def read_config(directory: Path) -> JSONObject:
+    """config.json, read as fix and doctor read it (a regular file, bounded, strict JSON),
+    of a Qwen (v1) checkpoint: another family's config would build a Qwen model of the
+    wrong shape and measure nothing of theirs."""
     path = directory / CONFIG
-    try:
-        data: JSON = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
+    if not os.path.lexists(path):
         message = f"{directory} has no {CONFIG}"
         fix = "point profile at a Qwen (v1) checkpoint folder (config.json is the minimum)"
-        raise CheckpointError.failing("profile.source", message, fix, [path]) from None
-    except (OSError, ValueError) as exc:
-        message = f"{path} cannot be read as JSON: {exc}"
-        raise ConfigError(message, fix=f"repair or re-download {path}") from exc
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path} is not a JSON object", fix=f"repair or re-download {path}")
-    return data
+        raise CheckpointError.failing("profile.source", message, fix, [path])
+    config: JSONObject = dict(read_checked_config(path))
+    model_type = config.get("model_type")
+    if model_type != "qwen":
+        raise ConfigError.failing(
+            "profile.source",
+            f"{path} has model_type {model_type!r}: profile measures Qwen (v1) checkpoints "
+            "(model_type 'qwen') only",
+            "point profile at a Qwen (v1) checkpoint such as Qwen/Qwen-7B-Chat "
+            "(`qwen-kvprep doctor DIR` says what this folder is)",
+            [path],
+        )
+    return config
 
 
 def _weights_problem(directory: Path) -> Optional[tuple[str, Optional[str]]]:
