@@ -16,7 +16,7 @@ from pathlib import Path
 from xml.sax.saxutils import escape
 
 from qwen_kvprep.errors import UsageError
-from qwen_kvprep.fsutil import atomic_write_bytes
+from qwen_kvprep.fsutil import atomic_write_bytes, check_folder_of
 
 FORMATS = (".svg", ".png")
 PNG_INSTALL = "pip install 'qwen-kvprep[plot]'"
@@ -80,8 +80,7 @@ def check_target(path: Path, option: str = "--plot") -> None:
     suffix = path.suffix.lower()
     if suffix not in FORMATS:
         raise PlotError(f"{option} {path}: the file name must end in .svg or .png")
-    if not path.absolute().parent.is_dir():
-        raise PlotError(f"{option} {path}: the folder {path.absolute().parent} does not exist")
+    check_folder_of(path, option, PlotError)
     if suffix == ".png":
         try:
             import matplotlib  # noqa: F401

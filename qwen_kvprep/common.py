@@ -1,6 +1,7 @@
 """What prestart's fast path and the rest of qwen-kvprep share: the names of the files and
 folders qwen-kvprep writes, sha256, the Python tag, where the build cache and transformers'
-modules cache are, and the CUDA toolkit as torch resolves it.
+modules cache are, the GPU architecture lists torch reads, and the CUDA toolkit as torch
+resolves it.
 
 The fast path imports this module on every container start: standard library only (and
 qwen_kvprep.untrusted, which the fast path reads with anyway and which is standard library
@@ -233,6 +234,70 @@ def modules_cache_root(environ: Optional[Mapping[str, str]] = None) -> tuple[str
         return os.path.join(xdg, "huggingface", "modules"), "XDG_CACHE_HOME"
     home = os.path.expanduser("~")
     return os.path.join(home, ".cache", "huggingface", "modules"), "default"
+
+
+# ------------------------------------------------------------------ GPU architectures
+# `--arch`, QWEN_KVPREP_ARCH and TORCH_CUDA_ARCH_LIST are read by one grammar: what torch's
+# cpp_extension takes for TORCH_CUDA_ARCH_LIST (compute capabilities such as 8.0, 9.0a,
+# 8.6+PTX, separated by `;` or spaces, and the family names below), and the spellings
+# qwen-kvprep has always taken besides (commas; sm_80, compute_90a, 80, a lower-case +ptx).
+# Here, not in buildcache/arch.py: prestart's fast path checks QWEN_KVPREP_ARCH, and the
+# CLI checks --arch as it parses it, neither of which may import the build cache.
+
+# TORCH_CUDA_ARCH_LIST's family names, expanded as torch 2.13's cpp_extension expands them
+# (older torch knows fewer); exact case, as torch matches them.
+ARCH_NAMES = {
+    "Kepler+Tesla": ("3.7",),
+    "Kepler": ("3.5+PTX",),
+    "Maxwell+Tegra": ("5.3",),
+    "Maxwell": ("5.0", "5.2+PTX"),
+    "Pascal": ("6.0", "6.1+PTX"),
+    "Volta+Tegra": ("7.2",),
+    "Volta": ("7.0+PTX",),
+    "Turing": ("7.5+PTX",),
+    "Ampere+Tegra": ("8.7",),
+    "Ampere": ("8.0", "8.6+PTX"),
+    "Ada": ("8.9+PTX",),
+    "Hopper": ("9.0+PTX",),
+    "Blackwell+Tegra": ("11.0",),
+    "Blackwell": ("10.0", "10.3", "12.0", "12.1+PTX"),
+}
+ARCH_LIST_FIX = (
+    'give compute capabilities separated by ; or spaces, e.g. "8.0;9.0+PTX" or "8.6" '
+    "(`nvidia-smi --query-gpu=compute_cap --format=csv` shows a GPU's), or a family name as "
+    "torch takes it: Volta, Turing, Ampere, Ada, Hopper, Blackwell"
+)
+_ARCH_ENTRY = r"(?:sm_|compute_)?(\d+)\.?(\d)([af]?)(\+ptx)?"
+
+
+def read_arch_list(text: str, origin: str) -> tuple[str, ...]:
+    """ "8.0;9.0+PTX", "8.0 9.0", "sm_90a", "Ampere" -> ("8.0", "9.0+PTX"), ("8.0", "9.0"),
+    ("9.0a",), ("8.0", "8.6+PTX"): normalised, each once, sorted by capability. A
+    ValueError names `origin` and what cannot be read (an empty list included); callers
+    raise it as a usage error with ARCH_LIST_FIX."""
+    import re  # loaded anyway where this runs (json imports it); compiled once, cached
+
+    out: list[str] = []
+    for raw in re.split(r"[;,\s]+", text.strip()):
+        if not raw:
+            continue
+        m = re.fullmatch(_ARCH_ENTRY, raw, re.IGNORECASE)
+        if raw in ARCH_NAMES:
+            entries: tuple[str, ...] = ARCH_NAMES[raw]
+        elif m:
+            major, minor, variant, ptx = m.groups()
+            entries = (f"{int(major)}.{minor}{variant.lower()}" + ("+PTX" if ptx else ""),)
+        else:
+            raise ValueError(f"{origin}: {raw!r} is not a GPU architecture")
+        out.extend(e for e in entries if e not in out)
+    if not out:
+        raise ValueError(f"{origin}: the architecture list is empty")
+    return tuple(sorted(out, key=lambda a: (_capability(a), a)))
+
+
+def _capability(entry: str) -> tuple[int, int]:
+    major, minor = entry.split("+")[0].rstrip("af").split(".")
+    return int(major), int(minor)
 
 
 # ------------------------------------------------------------------ the CUDA toolkit

@@ -25,6 +25,7 @@ from qwen_kvprep.common import (
     USERS_DIRNAME,
     modules_cache_root,
     python_tag,
+    read_arch_list,
     sha256_small,
     user_record_name,
 )
@@ -125,6 +126,16 @@ def env_flag(name: str) -> Optional[bool]:
     return None
 
 
+def _readable_arch(arch: Optional[str]) -> bool:
+    if arch is None or not arch.strip():
+        return True  # none asked: the build's own list stands
+    try:
+        read_arch_list(arch, "--arch")
+    except ValueError:
+        return False
+    return True
+
+
 def parse_fast(args: Sequence[str]) -> Optional[Request]:
     """Parse `prestart`'s arguments without click, or None for anything unusual (--help,
     an unknown option, a bad value...): click then parses them and reports the problem."""
@@ -179,6 +190,8 @@ def parse_fast(args: Sequence[str]) -> Optional[Request]:
         return None
     if values["--source"] not in (None, *SOURCES):
         return None
+    if not _readable_arch(values["--arch"]):
+        return None  # a typo in --arch/QWEN_KVPREP_ARCH: click says what is wrong (exit 2)
     cache_dir = values["--cache-dir"]
     if cache_dir and os.path.exists(cache_dir) and not os.path.isdir(cache_dir):
         return None  # a file: click says so (exit 2), also for $QWEN_KVPREP_CACHE
@@ -276,16 +289,11 @@ def dist_version(name: str) -> Optional[str]:
 
 
 def _same_arch(asked: str, recorded: object) -> bool:
-    # here, not at the top: only --arch needs them, and they pull filelock, subprocess and
-    # dataclasses into every container start (~75 ms)
-    from qwen_kvprep.buildcache.arch import parse_arch_list
-    from qwen_kvprep.errors import UsageError
-
     if not isinstance(recorded, list):
         return False  # a build without its arch list: fix records it again
     try:
-        return tuple(parse_arch_list(asked, "--arch")) == tuple(recorded)
-    except UsageError:
+        return read_arch_list(asked, "--arch") == tuple(recorded)
+    except ValueError:
         return False  # the slow path reports it
 
 

@@ -5,11 +5,27 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import shlex
 import tempfile
 from pathlib import Path
 from typing import Union
 
+from qwen_kvprep.errors import UsageError
+
 PathLike = Union[str, "os.PathLike[str]"]
+
+
+def check_folder_of(path: Path, option: str, error: type[UsageError] = UsageError) -> None:
+    """A usage error naming `option` when the folder a file is to be written into does not
+    exist: said before any work, where the atomic write would fail at the end naming its
+    temporary file."""
+    folder = path.absolute().parent
+    if not folder.is_dir():
+        raise error(
+            f"{option} {path}: the folder {folder} does not exist",
+            fix=f"create it first (mkdir -p {shlex.quote(str(folder))}), or name a file in a "
+            "folder that exists",
+        )
 
 
 def atomic_write_bytes(path: PathLike, data: bytes, mode: int | None = None) -> None:

@@ -13,8 +13,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Optional, TypedDict
 
 from qwen_kvprep import __version__
+from qwen_kvprep.common import ARCH_LIST_FIX, read_arch_list
 from qwen_kvprep.errors import UsageError
-from qwen_kvprep.fsutil import atomic_write_text
+from qwen_kvprep.fsutil import atomic_write_text, check_folder_of
 from qwen_kvprep.resources import templates_dir
 
 if TYPE_CHECKING:
@@ -33,6 +34,11 @@ PREBUILT_TEMPLATES = {
 }
 LOCKED_AT = "/opt/qwen-kvprep"  # where the docker template copies a lock file
 DEFAULT_MODEL_DIR = "/models/Qwen-7B-Chat"
+# Where the view of the model directory is prepared unless --view-dir says: the model volume
+# is read-only in production (docker's `-v …:ro`, k8s' readOnly claim), so docker and k8s
+# always serve through a view. k8s mounts an emptyDir there; an image keeps it in the
+# container's own writable layer. The entrypoint serves what the user's command loads.
+VIEW_ROOTS = {"docker": "/var/lib/qwen-kvprep", "k8s": "/prepared"}
 # One cubin per major covers the family (8.0 runs on A10/L4/L40 too); PTX on the newest
 # lets later GPUs JIT it. V100/T4 need 7.0 added (with CUDA 12.x: CUDA 13 dropped Volta).
 DEFAULT_ARCH = "8.0;9.0+PTX"
@@ -43,10 +49,13 @@ DEFAULT_TORCH = "2.5.1"
 
 # Values land unquoted in YAML, a Dockerfile and a shell script: allow only characters
 # that mean nothing special in any of them, rather than escaping for three languages.
+# (--arch is not here: it is written as build reads it, digits, ".", "a", "f", "+PTX", ";".)
 _SAFE = {
     "path": re.compile(r"^/[A-Za-z0-9_./-]*$"),
-    "arch": re.compile(r"^[A-Za-z0-9_.;+ ]+$"),
     "image": re.compile(r"^[A-Za-z0-9_./:@-]+$"),
+    # --cuda names an nvidia/cuda tag (12.4.1, 12.4.1-cudnn) and, by its first two
+    # numbers, torch's wheel index (cu124)
+    "cuda": re.compile(r"^[0-9]+\.[0-9]+[A-Za-z0-9_.+-]*$"),
     "version": re.compile(r"^[0-9][A-Za-z0-9_.+-]*$"),
     "name": re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$"),
     # a Hub repo ORG/NAME[@REVISION], or a lock file beside the Dockerfile
@@ -99,13 +108,51 @@ def wheel_command() -> str:
     return f"pip wheel --no-deps -w . {shlex.quote(path)}"
 
 
+_PATH_EXAMPLES = {
+    "--model-dir": DEFAULT_MODEL_DIR,
+    "--view-dir": f"{VIEW_ROOTS['docker']}/Qwen-7B-Chat",
+    "--cache-dir": DEFAULT_CACHE,
+}
+# kind -> what a value refused by _SAFE[kind] is not, and how to give one that is
+_REFUSED = {
+    "path": ("has characters the templates cannot hold unquoted",
+             "use letters, digits and . _ - /"),
+    "image": ("is not an image name the templates can hold unquoted",
+              f"use letters, digits and . _ - / : @, e.g. --image {DEFAULT_IMAGE}"),
+    "cuda": ("is not a CUDA version like 12.4.1",
+             f"give the version of the nvidia/cuda images to build on, e.g. --cuda {DEFAULT_CUDA}"),
+    "version": ("is not a version number like 2.5.1",
+                f"give a torch release, e.g. --torch {DEFAULT_TORCH}"),
+    "name": ("is not a DNS-1123 name (the Deployment's)",
+             "use lower-case letters, digits and -, at most 63, starting and ending with a "
+             "letter or digit"),
+    "prebuilt": ("is neither a Hub repo ORG/NAME[@REVISION] nor a lock file NAME.json",
+                 "e.g. --prebuilt my-org/qwen-kvprep-kernels, or --prebuilt kvprep.lock.json "
+                 "for a lock file beside the Dockerfile"),
+}
+
+
 def _checked(kind: str, option: str, value: str) -> str:
-    if not _SAFE[kind].match(value):
+    if kind == "path" and not value.startswith("/"):
+        # where things are inside the container: a path relative to what would be unknowable
         raise UsageError(
-            f"{option} {value!r} has characters the templates cannot hold unquoted",
-            fix="use letters, digits and . _ - / (absolute paths; a DNS-1123 name for --name)",
+            f"{option} {value!r} is a relative path; the templates need where it is inside "
+            "the container",
+            fix=f"give the absolute path, e.g. {option} {_PATH_EXAMPLES[option]}",
         )
+    if not _SAFE[kind].match(value):
+        problem, fix = _REFUSED[kind]
+        raise UsageError(f"{option} {value!r} {problem}", fix=fix)
     return value
+
+
+def _arch(value: str) -> str:
+    """--arch as build reads it, written out that way ("sm_80,Hopper" -> "8.0;9.0+PTX"):
+    an empty list is refused too, since the image build has no GPU to pick one from."""
+    try:
+        return ";".join(read_arch_list(value, "--arch"))
+    except ValueError as exc:
+        raise UsageError(str(exc), fix=ARCH_LIST_FIX) from None
 
 
 def _serving_name(path: str, option: str) -> None:
@@ -133,9 +180,9 @@ def variables(
     """Every $name the templates use, validated."""
     model_dir = _checked("path", "--model-dir", model_dir.rstrip("/") or "/")
     model_name = Path(model_dir).name
-    if kind == "k8s" and view_dir is None:
-        # in Kubernetes the model volume is mounted read-only: always serve from a view
-        view_dir = f"/prepared/{model_name.replace('.', '_')}"
+    if view_dir is None and kind in VIEW_ROOTS:
+        # the view's name is a module name for transformers: no dot
+        view_dir = f"{VIEW_ROOTS[kind]}/{model_name.replace('.', '_')}"
     if view_dir is not None:
         view_dir = _checked("path", "--view-dir", view_dir.rstrip("/"))
     serve_dir = view_dir or model_dir
@@ -143,16 +190,14 @@ def variables(
     if name is None:
         name = re.sub(r"[^a-z0-9-]+", "-", model_name.lower()).strip("-") or "qwen"
     if view_dir:
-        output_env = f"ENV QWEN_KVPREP_OUTPUT={view_dir}"
         output_export = (
             f'QWEN_KVPREP_OUTPUT="${{QWEN_KVPREP_OUTPUT:-{view_dir}}}"\n'
             "export QWEN_KVPREP_OUTPUT"
         )
     else:
-        hint = f"/var/lib/qwen-kvprep/{model_name.replace('.', '_')}"
-        output_env = f"# ENV QWEN_KVPREP_OUTPUT={hint}   (read-only model volume)"
+        hint = f"{VIEW_ROOTS['docker']}/{model_name.replace('.', '_')}"
         output_export = f"# read-only MODEL_DIR: export QWEN_KVPREP_OUTPUT={hint}"
-    cuda = _checked("version", "--cuda", cuda)
+    cuda = _checked("cuda", "--cuda", cuda)
     return {
         **_prebuilt_variables(prebuilt),
         "tool_version": __version__,
@@ -162,16 +207,15 @@ def variables(
         "model_name": model_name,
         "view_dir": view_dir or "",
         "serve_dir": serve_dir,
-        "arch": _checked("arch", "--arch", arch),
+        "arch": _arch(arch),
         "image": _checked("image", "--image", image),
         "cache_dir": _checked("path", "--cache-dir", cache_dir.rstrip("/")),
         "cuda": cuda,
-        "torch_cuda_tag": "cu" + "".join(cuda.split(".")[:2]),
+        "torch_cuda_tag": "cu" + "".join(cuda.split("-")[0].split(".")[:2]),
         "torch": _checked("version", "--torch", torch),
         "name": _checked("name", "--name", name),
         "replicas": str(int(replicas)),
         "model_claim": f"{name}-models",
-        "output_env": output_env,
         "output_export": output_export,
     }
 
@@ -232,5 +276,7 @@ def render(kind: str, **options: Unpack[TemplateOptions]) -> str:
 
 
 def write(path: str, kind: str, text: str) -> None:
-    """The rendered file at `path` (an entrypoint executable)."""
+    """The rendered file at `path` (an entrypoint executable); a usage error when its folder
+    does not exist (the write would fail naming its temporary file)."""
+    check_folder_of(Path(path), "--output")
     atomic_write_text(path, text, mode=0o755 if kind == "entrypoint" else None)

@@ -113,3 +113,39 @@ def test_bad_json_is_reported_at_the_line_to_fix(
     res = kvprep("doctor", str(d), "--check", "config.parse", "--json")
     (finding,) = json.loads(res.stdout)["findings"]
     assert f"at line {line}," in finding["message"], finding
+
+
+@pytest.mark.parametrize("arch", ["abc", "8", "ampere", ";;"])
+@pytest.mark.parametrize("command", [["build"], ["fix", "DIR"], ["prestart", "DIR", "--", "true"]])
+def test_an_unreadable_arch_is_a_usage_error_on_any_torch(
+    tmp_path: Path, command: list[str], arch: str
+) -> None:
+    """Checked as the options are read, also where a CPU torch builds no architectures
+    (these tests' torch): a typo in an image build fails there, not on the first GPU."""
+    args = [str(tmp_path) if a == "DIR" else a for a in command]
+    res = invoke(*args[:2], "--arch", arch, *args[2:])
+    assert res.returncode == 2, res.stdout + res.stderr
+    assert res.stderr.startswith("error: --arch: "), res.stderr
+    assert '"8.0;9.0+PTX"' in res.stderr  # the fix shows a list that works
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_prestart_names_the_variable_an_unreadable_arch_came_from(tmp_path: Path) -> None:
+    import os
+
+    res = kvprep("prestart", str(tmp_path), "--", "true",
+                 env={**os.environ, "QWEN_KVPREP_ARCH": "sm80;9.0"})
+    assert res.returncode == 2, res.stdout + res.stderr
+    assert res.stderr.startswith("error: QWEN_KVPREP_ARCH: 'sm80' is not a GPU architecture")
+
+
+@pytest.mark.parametrize("command", ["build", "fix", "prestart"])
+@pytest.mark.parametrize("arch", ["8.0;9.0+PTX", "8.0 9.0a", "sm_80,8.6+ptx", "Ampere", ""])
+def test_every_arch_build_reads_is_taken(command: str, arch: str) -> None:
+    """What worked before still parses: torch's lists and names, qwen-kvprep's spellings
+    (sm_80, commas), and a blank list, which means none given."""
+    from qwen_kvprep.cli import cli
+
+    args = ["--arch", arch] if command == "build" else ["DIR", "--arch", arch]
+    ctx = cli.commands[command].make_context(command, args)
+    assert ctx.params["arch"] == arch

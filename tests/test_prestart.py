@@ -82,6 +82,18 @@ def test_parse_fast_leaves_bad_env_values_to_click(monkeypatch: pytest.MonkeyPat
     assert parse_fast(["/m"]) is None
 
 
+def test_parse_fast_leaves_an_unreadable_arch_to_click(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Even where the recorded build is CPU-only and never compares it: click says what is
+    wrong with it (exit 2) on every start, not first on a GPU machine."""
+    monkeypatch.delenv("QWEN_KVPREP_ARCH", raising=False)
+    assert parse_fast(["/m", "--arch", "abc", "--", "x"]) is None
+    assert parse_fast(["/m", "--arch", "Ampere;sm_90", "--", "x"]) is not None
+    monkeypatch.setenv("QWEN_KVPREP_ARCH", "8.0;ampere")
+    assert parse_fast(["/m", "--", "x"]) is None
+    monkeypatch.setenv("QWEN_KVPREP_ARCH", "")  # unset, as click reads it too
+    assert parse_fast(["/m", "--", "x"]) is not None
+
+
 # ------------------------------------------------------------------ helpers equal their originals
 
 

@@ -393,6 +393,26 @@ def test_bad_options_are_usage_errors(tmp_path: Path) -> None:
         assert "Traceback" not in res.stderr
 
 
+@pytest.mark.parametrize("batch", ["1,,2", "1,2,", "1 4", "", " ", "1,-2", "0", "4,1,4"])
+def test_batch_is_read_exactly_as_plan_reads_it(batch: str) -> None:
+    """One parser for --batch: profile took `1,,2` as 1,2 (and `1 4` as 14) where plan
+    refuses them (exit 2)."""
+    from qwen_kvprep.errors import UsageError
+    from qwen_kvprep.planning.sizes import parse_int_list
+    from qwen_kvprep.profile import parse_batches
+
+    try:
+        planned: object = parse_int_list(batch, "--batch")
+    except UsageError as exc:
+        planned = exc.message
+    try:
+        profiled: object = parse_batches(batch)
+    except UsageError as exc:
+        profiled = exc.message
+    assert profiled == planned
+    assert parse_batches(None) is None  # the device's default batches
+
+
 def test_another_family_or_a_fifo_config_is_refused_at_once(tmp_path: Path) -> None:
     """A Llama config would build a Qwen model of the wrong shape; a FIFO would block the
     read forever."""

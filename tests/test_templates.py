@@ -16,7 +16,7 @@ import yaml
 
 from qwen_kvprep.cli import cli
 from qwen_kvprep.templating import TEMPLATES, render
-from tests.cli import kvprep
+from tests.cli import invoke, kvprep
 
 
 def assert_cli_accepts(args: list[str]) -> None:
@@ -45,6 +45,19 @@ def dockerfile_command_lines(text: str) -> list[list[str]]:
                 if argv and argv[0] == "qwen-kvprep":
                     found.append(argv[1:])
     return found
+
+
+def final_stage_env(text: str) -> dict[str, str]:
+    """The ENV variables the Dockerfile's last stage sets, as docker reads them."""
+    joined = re.sub(r"\\\n", " ", text.split("\nFROM ")[-1])
+    env: dict[str, str] = {}
+    for line in joined.splitlines():
+        instr, _, rest = line.strip().partition(" ")
+        if instr == "ENV":
+            for part in shlex.split(rest):
+                key, _, value = part.partition("=")
+                env[key] = value
+    return env
 
 
 def leftover_placeholders(text: str) -> list[str]:
@@ -94,9 +107,32 @@ def test_dockerfile_installs_the_qwen_kvprep_the_user_has() -> None:
 
 def test_dockerfile_with_a_view_serves_from_it() -> None:
     text = render("docker", view_dir="/srv/prepared/Qwen-7B-Chat")
-    assert "ENV QWEN_KVPREP_OUTPUT=/srv/prepared/Qwen-7B-Chat" in text
+    assert final_stage_env(text)["QWEN_KVPREP_OUTPUT"] == "/srv/prepared/Qwen-7B-Chat"
     cmd = next(line for line in text.splitlines() if line.startswith("CMD "))
     assert json.loads(cmd[4:])[-1] == "/srv/prepared/Qwen-7B-Chat"
+
+
+@pytest.mark.parametrize("prebuilt", [None, "my-org/kernels"])
+@pytest.mark.parametrize("model_dir", ["/models/Qwen-7B-Chat", "/models/Qwen-1.8B-Chat"])
+def test_dockerfile_serves_its_read_only_run_example(
+    prebuilt: str | None, model_dir: str
+) -> None:
+    """The header's `docker run -v …:ro` mounts the model read-only, so prestart must
+    prepare a view in a folder of the container's own and the server must load that: a
+    Dockerfile that left QWEN_KVPREP_OUTPUT unset failed its own example (prestart: `… is
+    on a read-only file system`)."""
+    text = render("docker", model_dir=model_dir, prebuilt=prebuilt)
+    run = next(line for line in text.splitlines() if line.startswith("#   docker run "))
+    mount = shlex.split(run)[shlex.split(run).index("-v") + 1]
+    _, inside, mode = mount.split(":")
+    assert mode == "ro"
+    env = final_stage_env(text)
+    assert env["QWEN_KVPREP_DIR"] == inside == model_dir
+    view = env["QWEN_KVPREP_OUTPUT"]
+    assert view.startswith("/") and not view.startswith(inside + "/")
+    assert "." not in Path(view).name  # transformers imports the model code by that name
+    cmd = next(line for line in text.splitlines() if line.startswith("CMD "))
+    assert json.loads(cmd[4:])[-1] == view
 
 
 def test_entrypoint_execs_prestart_with_the_arguments(tmp_path: Path) -> None:
@@ -169,15 +205,60 @@ def test_k8s_manifest_prepares_a_view_in_an_init_container() -> None:
 
 
 @pytest.mark.parametrize(
-    ("option", "value"),
-    [("model_dir", "/models/x; rm -rf /"), ("arch", '8.0"\nRUN evil'), ("image", "a b"),
-     ("model_dir", "relative/path"), ("model_dir", "/models/Qwen-1.8B-Chat")],
+    ("kind", "option", "value"),
+    [("docker", "model_dir", "/models/x; rm -rf /"), ("docker", "arch", '8.0"\nRUN evil'),
+     ("docker", "image", "a b"), ("docker", "model_dir", "relative/path"),
+     # the entrypoint serves the model folder itself (docker and k8s serve a view)
+     ("entrypoint", "model_dir", "/models/Qwen-1.8B-Chat")],
 )
-def test_unsafe_or_unloadable_values_are_refused(option: str, value: str) -> None:
+def test_unsafe_or_unloadable_values_are_refused(kind: str, option: str, value: str) -> None:
     from qwen_kvprep.errors import UsageError
 
     with pytest.raises(UsageError):
-        render("docker", **{option: value})
+        render(kind, **{option: value})
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["--cuda", "abc"], "--cuda 'abc' is not a CUDA version like 12.4.1"),
+        (["--cuda", "12"], "--cuda '12' is not a CUDA version like 12.4.1"),
+        (["--torch", "abc"], "--torch 'abc' is not a version number like 2.5.1"),
+        (["--arch", ""], "--arch: the architecture list is empty"),
+        (["--arch", "abc"], "--arch: 'abc' is not a GPU architecture"),
+        (["--model-dir", "relative/path"], "--model-dir 'relative/path' is a relative path"),
+        (["--view-dir", "prepared/x"], "--view-dir 'prepared/x' is a relative path"),
+        (["--cache-dir", "cache"], "--cache-dir 'cache' is a relative path"),
+        (["--name", "Qwen_7B"], "--name 'Qwen_7B' is not a DNS-1123 name"),
+        (["--prebuilt", "kernels"], "--prebuilt 'kernels' is neither a Hub repo"),
+    ],
+)
+def test_refused_values_say_what_is_wrong(args: list[str], says: str) -> None:
+    res = invoke("template", "docker", *args)
+    assert res.returncode == 2, res.stderr
+    first = res.stderr.splitlines()[0]
+    assert first.startswith(f"error: {says}"), res.stderr
+    assert "cannot hold unquoted" not in first and "fix: " in res.stderr
+
+
+def test_arch_is_written_as_build_reads_it() -> None:
+    """--arch takes what build takes (commas, sm_80, torch's family names) and writes the
+    list build and QWEN_KVPREP_ARCH read as the same one."""
+    text = render("docker", arch="sm_80,Hopper 8.6")
+    (build,) = [c for c in dockerfile_command_lines(text) if c[0] == "build"]
+    assert build[build.index("--arch") + 1] == "8.0;8.6;9.0+PTX"
+    assert final_stage_env(text)["QWEN_KVPREP_ARCH"] == "8.0;8.6;9.0+PTX"
+    assert_cli_accepts(build)
+
+
+def test_output_in_a_missing_folder_is_a_usage_error(tmp_path: Path) -> None:
+    target = tmp_path / "missing" / "Dockerfile"
+    res = invoke("template", "docker", "-o", str(target))
+    assert res.returncode == 2, res.stderr
+    assert res.stderr.splitlines()[0] == (
+        f"error: --output {target}: the folder {target.parent} does not exist"
+    )
+    assert ".tmp" not in res.stderr and not target.parent.exists()
 
 
 def test_template_command_prints_and_writes(tmp_path: Path) -> None:

@@ -13,10 +13,10 @@ build to a handful of device passes.
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Iterable, Sequence
 from typing import Optional
 
+from qwen_kvprep.common import ARCH_LIST_FIX, read_arch_list
 from qwen_kvprep.errors import BuildError, UsageError
 from qwen_kvprep.probe.toolchain import NvccInfo, arch_sort_key
 
@@ -25,29 +25,14 @@ ENV_ARCH = "TORCH_CUDA_ARCH_LIST"
 # Kernels use nothing older than Volta; CUDA 13 dropped Volta itself (nvcc's list says so).
 MIN_ARCH = (7, 0)
 
-_ENTRY = re.compile(r"^(?:sm_|compute_)?(\d+)\.?(\d)([af]?)(\+ptx)?$", re.IGNORECASE)
-
 
 def parse_arch_list(text: str, origin: str) -> tuple[str, ...]:
-    """ "8.0;9.0+PTX", "8.0 9.0", "sm_90a" -> ("8.0", "9.0+PTX", "9.0a"). Sorted, unique."""
-    out: list[str] = []
-    for raw in re.split(r"[;,\s]+", text.strip()):
-        if not raw:
-            continue
-        m = _ENTRY.match(raw)
-        if not m:
-            raise UsageError(
-                f"{origin}: cannot read the architecture {raw!r}",
-                fix='give compute capabilities like "8.0;9.0" or "8.6+PTX" '
-                "(see nvidia-smi --query-gpu=compute_cap --format=csv)",
-            )
-        major, minor, variant, ptx = m.groups()
-        entry = f"{int(major)}.{minor}{variant.lower()}" + ("+PTX" if ptx else "")
-        if entry not in out:
-            out.append(entry)
-    if not out:
-        raise UsageError(f"{origin}: the architecture list is empty")
-    return tuple(sorted(out, key=lambda a: (arch_sort_key(a), a)))
+    """ "8.0;9.0+PTX", "8.0 9.0", "sm_90a" -> ("8.0", "9.0+PTX", "9.0a"). Sorted, unique.
+    A usage error for anything else (common.read_arch_list holds the grammar)."""
+    try:
+        return read_arch_list(text, origin)
+    except ValueError as exc:
+        raise UsageError(str(exc), fix=ARCH_LIST_FIX) from None
 
 
 def family_default(supported: Sequence[str]) -> tuple[str, ...]:

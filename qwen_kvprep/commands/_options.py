@@ -5,6 +5,10 @@ from __future__ import annotations
 from typing import Callable, Optional, TypeVar
 
 import click
+from click.core import ParameterSource
+
+from qwen_kvprep.common import ARCH_LIST_FIX, read_arch_list
+from qwen_kvprep.errors import UsageError
 
 F = TypeVar("F", bound=Callable[..., object])
 
@@ -33,3 +37,27 @@ def cache_dir_option(
         show_default=image_default is not None,
         help=help,
     )
+
+
+def arch_option(help: str, *, envvar: Optional[str] = None) -> Callable[[F], F]:
+    """--arch LIST for the commands that build (fix, build, prestart), read as click reads
+    it: a list the build could not read is a usage error here, on any machine, rather than
+    on the first one with CUDA (a CPU torch builds no architectures and reads none)."""
+    return click.option(
+        "--arch", metavar="LIST", envvar=envvar, callback=_check_arch, help=help
+    )
+
+
+def _check_arch(
+    ctx: click.Context, param: click.Parameter, value: Optional[str]
+) -> Optional[str]:
+    # blank means none given, as before (and as torch reads an empty TORCH_CUDA_ARCH_LIST)
+    if value is None or not value.strip():
+        return value
+    envvar = param.envvar if isinstance(param.envvar, str) else None
+    from_env = ctx.get_parameter_source(param.name or "") == ParameterSource.ENVIRONMENT
+    try:
+        read_arch_list(value, envvar if from_env and envvar else "--arch")
+    except ValueError as exc:
+        raise UsageError(str(exc), fix=ARCH_LIST_FIX) from None
+    return value  # as given: the build reads it again, with its other inputs

@@ -7,16 +7,14 @@ from typing import Optional
 import click
 
 from qwen_kvprep.commands._common import finish, json_option, output_options
-from qwen_kvprep.commands._options import cache_dir_option
+from qwen_kvprep.commands._options import arch_option, cache_dir_option
 from qwen_kvprep.errors import UsageError
 from qwen_kvprep.smoke.progress import step_log
 
 
 @click.command()
-@click.option(
-    "--arch",
-    metavar="LIST",
-    help='GPU architectures, e.g. "8.0;9.0" or "8.6+PTX" (default: TORCH_CUDA_ARCH_LIST, '
+@arch_option(
+    'GPU architectures, e.g. "8.0;9.0" or "8.6+PTX" (default: TORCH_CUDA_ARCH_LIST, '
     "else the visible GPUs, else every architecture the installed nvcc supports).",
 )
 @cache_dir_option()

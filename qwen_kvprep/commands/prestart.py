@@ -7,7 +7,7 @@ import click
 
 from qwen_kvprep.commands._common import checkpoint_dir, output_options
 from qwen_kvprep.commands._dashes import CommandAfterDashes, command_after_dashes
-from qwen_kvprep.commands._options import cache_dir_option
+from qwen_kvprep.commands._options import arch_option, cache_dir_option
 from qwen_kvprep.common import ENV_CACHE
 from qwen_kvprep.fastpath import (
     ENV_ALLOW_FALLBACK,
@@ -45,10 +45,10 @@ from qwen_kvprep.render import prestart_json, report_prestart
     f"without the kernel). [env: {ENV_ALLOW_FALLBACK}=1]",
 )
 @cache_dir_option(envvar=ENV_CACHE)
-@click.option(
-    "--arch", metavar="LIST", envvar=ENV_ARCH,
-    help=f'CUDA architectures to build for when a build is needed, e.g. "8.0;9.0". '
+@arch_option(
+    f'CUDA architectures to build for when a build is needed, e.g. "8.0;9.0". '
     f"[env: {ENV_ARCH}]",
+    envvar=ENV_ARCH,
 )
 @click.option(
     "--source", type=click.Choice(SOURCES), envvar=ENV_SOURCE,

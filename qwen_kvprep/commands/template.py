@@ -31,8 +31,9 @@ from qwen_kvprep.templating import (
 @click.option("--image", default=DEFAULT_IMAGE, show_default=True,
               help="The image name (k8s; a comment in the Dockerfile).")
 @click.option("--view-dir", metavar="DIR",
-              help="Read-only model directory: prepare a view here and serve from it "
-              "(k8s always does: /prepared/<model name>).")
+              help="Where prestart prepares a view of the (read-only) model directory, which "
+              "the server loads; docker and k8s always use one (default: "
+              "/var/lib/qwen-kvprep/<model name>, k8s: /prepared/<model name>).")
 @cache_dir_option(image_default=DEFAULT_CACHE)
 @click.option("--cuda", default=DEFAULT_CUDA, show_default=True,
               help="CUDA version of the nvidia/cuda base images (docker).")

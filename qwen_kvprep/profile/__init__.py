@@ -48,16 +48,15 @@ BUILTIN_PASSAGE = "\0builtin"  # --quality without a file
 
 
 def parse_batches(value: Optional[str]) -> Optional[tuple[int, ...]]:
-    """`--batch 1,4,16`; None: the device's default batches."""
+    """`--batch 1,4,16`, read exactly as plan reads its --batch; None: the device's
+    default batches."""
     if value is None:
         return None
-    try:
-        batches = tuple(int(part) for part in value.replace(" ", "").split(",") if part)
-    except ValueError:
-        raise UsageError(f"--batch {value!r}: give batch sizes like 1,4,16") from None
-    if not batches or min(batches) < 1:
-        raise UsageError(f"--batch {value!r}: give one or more batch sizes >= 1")
-    return batches
+    # here, not at the top: planning/ costs every start of the CLI ~25 ms (run_profile
+    # loads it anyway, for plan's prediction)
+    from qwen_kvprep.planning.sizes import parse_int_list
+
+    return parse_int_list(value, "--batch")
 
 
 def quality_file(value: Optional[str]) -> Optional[Path]:
