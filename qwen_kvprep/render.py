@@ -298,13 +298,19 @@ def fix_fields(
 
 
 def print_fix(
-    directory: Path, spelt: str, dry_run: bool, result: FixResult, as_json: bool
+    directory: Path,
+    spelt: str,
+    dry_run: bool,
+    result: FixResult,
+    as_json: bool,
+    rerun: Optional[str] = None,
 ) -> None:
     """fix's output: the planned writes (--dry-run), the findings, the verdict and what to
-    run next, as text or as the --json document. `spelt`: the folder to serve, as written."""
+    run next, as text or as the --json document. `spelt`: the folder to serve, as written;
+    `rerun`: the command that applies a dry run."""
     if dry_run and not as_json:
         emit(render_planned(result.planned) or "nothing would change")
-    verdict = fix_verdict(spelt, result.findings, result.extra, dry_run)
+    verdict = fix_verdict(spelt, result.findings, result.extra, dry_run, rerun)
     fields = fix_fields(directory, dry_run, result.extra, result.planned)
     fields.update(verdict=verdict.verdict, next=verdict.next)
     print_findings(result.findings, as_json, **fields)
@@ -367,15 +373,21 @@ class FixVerdict:
 
 
 def fix_verdict(
-    spelt: str, findings: Sequence[Finding], extra: Mapping[str, object], dry_run: bool
+    spelt: str,
+    findings: Sequence[Finding],
+    extra: Mapping[str, object],
+    dry_run: bool,
+    rerun: Optional[str] = None,
 ) -> FixVerdict:
-    """`spelt`: the folder to serve (DIR, or OUT with --output), as the user wrote it."""
+    """`spelt`: the folder to serve (DIR, or OUT with --output), as the user wrote it;
+    `rerun`: the command that applies a dry run (the same options, less --dry-run)."""
     import shlex
 
     where = shlex.quote(spelt)
     prestart = f"qwen-kvprep prestart {where} -- <your server command>"
     if dry_run:
-        return FixVerdict("dry_run", "dry run, nothing was written", f"qwen-kvprep fix {where}")
+        return FixVerdict("dry_run", "dry run, nothing was written",
+                          rerun or f"qwen-kvprep fix {where}")
     failures = [f for f in findings if f.severity is Severity.FAIL]
     if failures:
         return FixVerdict(

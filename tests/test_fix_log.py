@@ -232,3 +232,23 @@ def test_piped_fix_beats_while_the_smoke_loads(isolated_hf: Path, tmp_path: Path
     assert "smoke: loading the model ..." in said, said
     assert [s for s in said if s.startswith("still smoke: loading the model (")], said
     assert "Result: ready: the Int8 KV cache works" in res.stdout
+
+
+def test_a_dry_run_names_the_command_that_applies_it(
+    isolated_hf: Path, tmp_path: Path, shared_build_cache: Path
+) -> None:
+    """The same choices, less --dry-run: a view's OUT is not a checkpoint to fix, and
+    `fix DIR` alone would install the fast path the preview left out."""
+    from qwen_kvprep.tiny import generate_checkpoint
+
+    ckpt = generate_checkpoint(tmp_path / "tiny")
+    out = tmp_path / "the view"
+    res = invoke("fix", str(ckpt), "--dry-run", "--no-fast-path", "-o", str(out), "--json",
+                 "--cache-dir", str(shared_build_cache))
+    assert res.returncode == 0, res.stdout + res.stderr
+    doc = document(res)
+    assert doc["verdict"] == "dry_run"
+    assert doc["next"] == (f"qwen-kvprep fix {ckpt} --no-fast-path --output '{out}' "
+                           f"--cache-dir {shared_build_cache}")
+    res = invoke("fix", str(ckpt), "--dry-run", "--cache-dir", str(shared_build_cache))
+    assert f"Next: qwen-kvprep fix {ckpt} --cache-dir {shared_build_cache}" in res.stdout

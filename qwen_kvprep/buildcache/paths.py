@@ -4,7 +4,6 @@
     <cache>/locks/<key>.lock, <key>.owner   one lock per key; who holds it
     <cache>/tmp/<key>.<pid>.<rand>/         builds in progress (renamed into builds/)
     <cache>/logs/<key>-<time>.log           logs of failed builds
-    <cache>/probe/                          memoized tool probes (nvcc version, ...)
 
 Everything a build writes goes under tmp/ first, on the same file system as builds/, so
 publishing is one rename: a reader sees a complete build or none.
@@ -49,10 +48,6 @@ class CacheLayout:
     def logs(self) -> Path:
         return self.root / "logs"
 
-    @property
-    def probe(self) -> Path:
-        return self.root / "probe"
-
     def build_dir(self, key: str) -> Path:
         return self.builds / key
 
@@ -66,7 +61,7 @@ class CacheLayout:
         """Create the folders and prove a file can be written, or raise a CacheError that
         names the folder and how to use another one."""
         try:
-            for folder in (self.builds, self.locks, self.tmp, self.logs, self.probe):
+            for folder in (self.builds, self.locks, self.tmp, self.logs):
                 folder.mkdir(parents=True, exist_ok=True)
             # os.access lies for root and on some network file systems: really write.
             fd, probe = tempfile.mkstemp(prefix=".write-test.", dir=self.tmp)

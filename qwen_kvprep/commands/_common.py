@@ -3,6 +3,7 @@ arguments, and the end of a command that prints findings."""
 
 from __future__ import annotations
 
+import shlex
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -10,6 +11,7 @@ from pathlib import Path
 from typing import Callable, NoReturn, Optional, TypeVar
 
 import click
+from click.core import ParameterSource
 
 from qwen_kvprep.errors import EXIT_FAILED, EXIT_OK, UsageError
 from qwen_kvprep.findings import Finding, failed
@@ -95,3 +97,22 @@ def finish(findings: Sequence[Finding], **fields: object) -> NoReturn:
     with the code they imply."""
     print_findings(findings, output_options().as_json, **fields)
     sys.exit(exit_code(findings))
+
+
+def command_line_without(*dropped: str) -> str:
+    """The running command's line as the user gave it (qwen-kvprep, the command, its
+    arguments and the options given on the command line), less the options `dropped`:
+    e.g. the command that applies what `fix --dry-run` showed, every other choice kept."""
+    ctx = click.get_current_context()
+    words = ctx.command_path.split()
+    for param in ctx.command.params:
+        name = param.name or ""
+        if ctx.get_parameter_source(name) is not ParameterSource.COMMANDLINE:
+            continue
+        value = ctx.params.get(name)
+        if isinstance(param, click.Argument):
+            words.append(str(value))
+        elif isinstance(param, click.Option) and not set(dropped) & set(param.opts):
+            flag = max(param.opts, key=len)
+            words += [flag] if param.is_flag else [flag, str(value)]
+    return shlex.join(words)

@@ -8,11 +8,12 @@ import click
 
 from qwen_kvprep.commands._common import (
     checkpoint_dir,
+    command_line_without,
     exit_code,
     json_option,
     output_options,
 )
-from qwen_kvprep.commands._options import cache_dir_option
+from qwen_kvprep.commands._options import arch_option, cache_dir_option
 from qwen_kvprep.errors import UsageError
 from qwen_kvprep.render import print_fix
 from qwen_kvprep.smoke.progress import step_log
@@ -59,10 +60,9 @@ from qwen_kvprep.smoke.progress import step_log
               "patched copies of what fix changes) and fix that; DIRECTORY is not touched. "
               "Serve from OUT.")
 @cache_dir_option()
-@click.option("--arch", metavar="LIST",
-              help='GPU architectures to build for, e.g. "8.0;9.0" (default: '
-              "TORCH_CUDA_ARCH_LIST, else the visible GPUs, else every architecture nvcc "
-              "supports).")
+@arch_option('GPU architectures to build for, e.g. "8.0;9.0" (default: '
+             "TORCH_CUDA_ARCH_LIST, else the visible GPUs, else every architecture nvcc "
+             "supports).")
 def fix(
     directory: str,
     dry_run: bool,
@@ -98,8 +98,7 @@ def fix(
         fast_path=not no_fast_path, per_token_prefill=per_token_prefill,
         smoke_timeout=smoke_timeout, source=source, repo_id=repo_id, revision=revision,
         output=Path(output).absolute() if output else None,
-        # download bars go to stderr; a --json consumer wants none at all
-        progress=False if as_json else None,
+        progress=False if as_json else None,  # download bars: --json wants none at all
         cache_dir=Path(cache_dir).absolute() if cache_dir else None,
         arch=arch,
         spelling=spelt,
@@ -112,7 +111,8 @@ def fix(
     finally:
         if log is not None:
             log.close()
-    print_fix(path, output or spelt, dry_run, result, as_json)
+    rerun = command_line_without("--dry-run", "--json")
+    print_fix(path, output or spelt, dry_run, result, as_json, rerun=rerun)
     sys.exit(exit_code(result.findings))
 
 
