@@ -252,3 +252,22 @@ def test_a_dry_run_names_the_command_that_applies_it(
                            f"--cache-dir {shared_build_cache}")
     res = invoke("fix", str(ckpt), "--dry-run", "--cache-dir", str(shared_build_cache))
     assert f"Next: qwen-kvprep fix {ckpt} --cache-dir {shared_build_cache}" in res.stdout
+
+
+def test_a_dry_run_previews_the_loader_a_new_build_gets(
+    isolated_hf: Path, tmp_path: Path, slow_fake_worker: dict[str, Any]
+) -> None:
+    """With nothing built yet, the preview's loader names the key the build will have, so
+    the dry run lists the bytes the fix then writes."""
+    from qwen_kvprep.tiny import generate_checkpoint
+
+    slow_fake_worker["seconds"] = 0.0
+    ckpt = generate_checkpoint(tmp_path / "tiny")
+    cache = tmp_path / "cache"  # empty, and never the shared one: this build is a fake
+    res = invoke("fix", str(ckpt), "--dry-run", "--json", "--cache-dir", str(cache))
+    assert res.returncode == 0, res.stdout + res.stderr
+    previewed = {w["path"]: w["bytes"] for w in document(res)["would_write"]}
+    res = invoke("fix", str(ckpt), "--no-smoke", "--json", "--cache-dir", str(cache))
+    assert res.returncode == 0, res.stdout + res.stderr
+    loader = ckpt / "cpp_kernels.py"
+    assert previewed[str(loader)] == loader.stat().st_size

@@ -157,6 +157,7 @@ def run(ctx: FixContext) -> None:
                 )
             )
         else:
+            ctx.planned_key = plan.key
             ctx.add(
                 info(
                     "build.build",

@@ -105,6 +105,8 @@ class FixContext:
     facts: Optional[Facts] = None  # with the checkpoint part, once validated
     sources: Optional[SourceSet] = None  # chosen by steps/sources.py
     build: Optional[BuildResult] = None  # the build used (steps/build.py)
+    # the key a dry run would build (no build yet): the loader it previews names it
+    planned_key: Optional[str] = None
     prebuilt: Optional[Chosen] = None  # the verified variant for --prebuilt
     modules: Optional[StateModules] = None  # what steps/modules.py planted where
     smoke: Optional[SmokeSummary] = None  # the smoke this run ran (steps/smoke.py)

@@ -19,7 +19,7 @@ def loader_bytes(ctx: FixContext) -> bytes:
         ctx.directory,
         [root],
         source_hashes(sources_of(ctx.sources)),
-        build.key if build is not None else None,
+        build.key if build is not None else ctx.planned_key,
     )
 
 
