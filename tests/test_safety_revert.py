@@ -5,6 +5,7 @@ user file is lost, and no traceback reaches the user."""
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import random
@@ -236,13 +237,24 @@ def _tamper(p: Any, how: str) -> None:
         group["files"][victim] = {"kind": "absent", "written": None}
     elif how == "root-elsewhere":  # the recorded root is never used to resolve a path
         group["root"] = str(p.outside)
-        group["files"] = {"victim.txt": {"kind": "absent", "written": None}}
+        group["files"] = {"cpp_kernels.py": {"kind": "absent", "written": None}}
+    elif how in ("planted-model-code", "planted-other-model"):
+        # a file of the modules cache fix never plants, claimed as fix's (its current sha256
+        # in `written`): the folder's own modeling_qwen.py, or another model's code
+        other = p.modules / "transformers_modules" / "Other-Chat"
+        other.mkdir(parents=True, exist_ok=True)
+        (other / "modeling_other.py").write_text("# someone else's model\n")
+        target = (p.folder / "modeling_qwen.py" if how == "planted-model-code"
+                  else other / "modeling_other.py")
+        rel = str(target.relative_to(p.modules))
+        digest = hashlib.sha256(target.read_bytes()).hexdigest()
+        group["files"][rel] = {"kind": "absent", "written": [digest]}
     save_journal(p.directory, data)
 
 
 @pytest.mark.parametrize(
     "how", ["dotdot", "absolute", "store-outside", "planted-dotdot", "planted-absolute",
-            "root-elsewhere"],
+            "root-elsewhere", "planted-model-code", "planted-other-model"],
 )
 def test_a_journal_pointing_outside_is_refused_or_confined(
     tmp_path: Path, modules_env: Any, how: str

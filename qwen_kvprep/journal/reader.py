@@ -28,7 +28,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Literal, Optional, TypedDict
 
 from qwen_kvprep.common import (
+    FAST_FILE,
     JOURNAL_FILE,
+    KERNEL_FILES,
+    LOADER_FILE,
     STATE_DIRNAME,
 )
 from qwen_kvprep.common import sha256_bytes as sha256
@@ -260,6 +263,21 @@ def _check_owner(owner: JSON, where: str) -> FolderIdentity:
     return {"path": os.path.normpath(path), "dev": dev, "ino": ino}
 
 
+# What fix plants in the modules cache, which other models share: a journal naming any
+# other file there (someone else's modeling code) would make revert delete or overwrite it.
+PLANTABLE = frozenset((*KERNEL_FILES, LOADER_FILE, FAST_FILE))
+
+
+def _check_planted(table: dict[str, Entry], where: str) -> dict[str, Entry]:
+    for rel in table:
+        if os.path.basename(rel) not in PLANTABLE:
+            raise Invalid(
+                f"{where} entry {rel!r}",
+                f"is not a file fix plants ({', '.join(sorted(PLANTABLE))})",
+            )
+    return table
+
+
 def _check_groups(groups: JSON, version: int) -> list[PlantedGroup]:
     if not isinstance(groups, list):
         raise Invalid("planted", "is not a list")
@@ -275,7 +293,9 @@ def _check_groups(groups: JSON, version: int) -> list[PlantedGroup]:
             {
                 "root": os.path.normpath(root),
                 "owner": _check_owner(group.get("owner"), where),
-                "files": _check_table(group.get("files"), f"{where} files", version),
+                "files": _check_planted(
+                    _check_table(group.get("files"), f"{where} files", version), f"{where} files"
+                ),
             }
         )
     return out
@@ -299,6 +319,7 @@ def _from_version_1(data: JSONObject, directory: Path, modules_root: Path) -> Jo
         if why is not None:
             raise Invalid(where, f"is outside the modules cache {root}")
         group[rel] = _check_entry(entry, where, 1)
+    _check_planted(group, "planted")
     groups: list[PlantedGroup] = []
     if group:
         groups.append({"root": root, "owner": folder_identity(directory), "files": group})
