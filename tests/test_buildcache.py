@@ -566,3 +566,45 @@ def test_failing_loader_runs_once_per_process(tmp_path: Path) -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env
     )
     assert out.stdout.split() == ["3", "1", "1"], out.stdout + out.stderr
+
+
+def test_a_build_s_files_are_read_as_untrusted(tmp_path: Path) -> None:
+    """A shared cache is written by others: the manifest is read bounded and never through a
+    FIFO, and the extension it names is a plain file of the build's own folder, by Python
+    (doctor, fix, prestart) and by the loader (the model's load) alike."""
+    from qwen_kvprep.buildcache.manifest import parse_manifest, read_manifest
+
+    path = _render(tmp_path, tmp_path / "empty-cache")
+    namespace: dict[str, Any] = {"__file__": str(path), "__name__": "loader_under_test"}
+    source = path.read_text(encoding="utf-8").replace(
+        "cache_autogptq_cuda_256 = _resolve()", "pass"
+    )
+    exec(compile(source, str(path), "exec"), namespace)
+    fifo, huge = tmp_path / "fifo", tmp_path / "huge"
+    for folder in (fifo, huge):
+        folder.mkdir()
+    os.mkfifo(fifo / "manifest.json")
+    with open(huge / "manifest.json", "wb") as fh:
+        fh.truncate(64 << 20)
+    for folder in (fifo, huge):
+        assert read_manifest(folder) is None  # returns at once: no hang, no 64 MiB read
+        with pytest.raises((OSError, ValueError)):
+            namespace["_read_manifest"](folder)
+
+    build = tmp_path / "build"
+    build.mkdir()
+    (build / "ext.so").write_bytes(b"\x7fELF")
+    (tmp_path / "evil.so").write_bytes(b"\x7fELF")
+    (build / "link.so").symlink_to(tmp_path / "evil.so")
+    own = namespace["_own_file"]
+    assert own(build, "ext.so") == build / "ext.so"
+    for name in ("../evil.so", str(tmp_path / "evil.so"), "link.so", "..", "", None):
+        assert own(build, name) is None, name
+    inputs = {"sources": {}, "flags": {}, "torch": "2.13.0", "torch_cuda": None,
+              "cxx11_abi": True, "python_tag": "cp311", "machine": "linux-x86_64",
+              "tool_version": "0", "arch_list": [], "nvcc": None}
+    good = {"manifest_version": manifest.MANIFEST_VERSION, "key": "k", "inputs": inputs,
+            "cuda": False, "so": "ext.so", "so_sha256": "0" * 64}
+    assert parse_manifest(good) is not None
+    for name in ("../evil.so", str(tmp_path / "evil.so"), ".."):
+        assert parse_manifest({**good, "so": name}) is None, name

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Optional, TypedDict
 
 from qwen_kvprep.common import sha256_file
+from qwen_kvprep.untrusted import read_record
 
 if TYPE_CHECKING:
     from typing import TypeGuard
@@ -137,6 +138,8 @@ def _is_manifest(data: JSON) -> TypeGuard[Manifest]:
         return False
     if not all(isinstance(data[k], str) for k in ("key", "so", "so_sha256")):
         return False
+    if not _plain_name(data["so"]):
+        return False  # the extension lies in its build's own folder, by a plain name
     optional = {
         "build_seconds": _number,
         "created": lambda v: isinstance(v, str),
@@ -149,6 +152,10 @@ def _is_manifest(data: JSON) -> TypeGuard[Manifest]:
     )
 
 
+def _plain_name(name: JSON) -> bool:
+    return isinstance(name, str) and name not in ("", ".", "..") and not {"/", "\x00"} & set(name)
+
+
 def parse_manifest(data: JSON) -> Optional[Manifest]:
     """`data` as a manifest when it is one this version can use (a prebuilt variant's
     metadata carries one), else None."""
@@ -158,7 +165,9 @@ def parse_manifest(data: JSON) -> Optional[Manifest]:
 def read_manifest(build_dir: Path) -> Optional[Manifest]:
     """The parsed manifest, or None if it is missing, unreadable or not ours."""
     try:
-        data: JSON = json.loads((Path(build_dir) / MANIFEST).read_text(encoding="utf-8"))
+        # a regular file of bounded size: a FIFO or a huge file in a shared cache must not
+        # hang or exhaust the reader
+        data = read_record(Path(build_dir) / MANIFEST)
     except (OSError, ValueError):
         return None
     return data if _is_manifest(data) else None
@@ -167,8 +176,8 @@ def read_manifest(build_dir: Path) -> Optional[Manifest]:
 def problem(build_dir: Path, manifest: Manifest, check_hash: bool = True) -> Optional[str]:
     """Why this published build cannot be used, or None if it can."""
     so = Path(build_dir) / manifest["so"]
-    if not so.is_file():
-        return f"{so} is missing"
+    if not so.is_file() or so.is_symlink():
+        return f"{so} is missing (or not a regular file of the build's own)"
     if check_hash and sha256_file(so) != manifest["so_sha256"]:
         return f"{so} does not match the sha256 in its manifest (modified or truncated)"
     return None
