@@ -245,3 +245,22 @@ def test_revert_after_fix_is_byte_identical(tmp_path: Path, shared_build_cache: 
     for name in KERNEL_FILES:  # planted by fix, absent before: gone again
         assert not (modules / name).exists()
     assert "build cache" in done.stdout  # says the shared build cache is kept
+
+
+def test_a_folder_in_place_of_state_json_is_refused_before_the_first_write(
+    tmp_path: Path, shared_build_cache: Path
+) -> None:
+    ckpt = generate_checkpoint(tmp_path / "tiny")
+    env = _env(tmp_path, shared_build_cache)
+    assert _run(["fix", str(ckpt), "--no-smoke"], env, tmp_path).returncode == 0
+    state = ckpt / ".qwen-kvprep" / "state.json"
+    state.unlink()
+    state.mkdir()
+    (ckpt / "config.json").write_text((ckpt / "config.json").read_text().replace(
+        '"use_cache_kernel": true', '"use_cache_kernel": false'))
+    config = (ckpt / "config.json").read_bytes()
+    done = _run(["fix", str(ckpt), "--no-smoke"], env, tmp_path)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert f"{state} is a folder" in done.stderr and "rm -r" in done.stderr
+    assert "Traceback" not in done.stderr and ".tmp" not in done.stderr
+    assert (ckpt / "config.json").read_bytes() == config  # refused before writing it

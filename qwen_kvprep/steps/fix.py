@@ -4,6 +4,7 @@ state → smoke. Each step reads and extends one FixContext (steps/context.py)."
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -13,9 +14,9 @@ from qwen_kvprep.buildcache import resolve_cache_dir
 from qwen_kvprep.buildcache.builder import stderr_notify
 from qwen_kvprep.buildcache.lock import lock_timeout
 from qwen_kvprep.buildcache.paths import CACHE_OPTION
-from qwen_kvprep.common import ENV_CACHE, JOURNAL_FILE, STATE_DIRNAME
+from qwen_kvprep.common import ENV_CACHE, JOURNAL_FILE, STATE_DIRNAME, STATE_FILE
 from qwen_kvprep.dirlock import OUR_FILES, folder_lock, release_if_unused, remove_leftover_temps
-from qwen_kvprep.errors import CacheError, KvprepError, os_failure
+from qwen_kvprep.errors import CacheError, KvprepError, StateError, os_failure
 from qwen_kvprep.findings import Finding, info
 from qwen_kvprep.journal.writer import Journal, PlannedWrite
 from qwen_kvprep.state.writer import state_problem
@@ -123,6 +124,7 @@ def _preflight(source: Path, target: Path, options: FixOptions) -> _Early:
     if not os.path.isdir(target):
         return early
     Journal(target, dry_run=True)
+    _check_state_file(target)
     problem = state_problem(target)
     if problem is not None:
         early.findings.append(
@@ -133,6 +135,19 @@ def _preflight(source: Path, target: Path, options: FixOptions) -> _Early:
             )
         )
     return early
+
+
+def _check_state_file(target: Path) -> None:
+    """A damaged state.json is written anew at the end; a folder in its place cannot be
+    replaced, and every run would fail there after writing everything else."""
+    path = target / STATE_DIRNAME / STATE_FILE
+    if os.path.isdir(path) and not os.path.islink(path):
+        raise StateError.failing(
+            "state.record",
+            f"{path} is a folder, where fix records its state in a file",
+            f"remove it (`rm -r {shlex.quote(str(path))}`) and run fix again",
+            [path],
+        )
 
 
 def _check_cache_folder(options: FixOptions) -> None:
