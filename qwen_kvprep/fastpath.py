@@ -492,8 +492,11 @@ def state_mismatch(request: Request, planting: Optional[Planting] = None) -> Opt
     if not build:
         return "no build is recorded"
     build_dir = str(build.get("dir"))
-    if not os.path.isfile(os.path.join(build_dir, str(build.get("so")))):
+    so = os.path.join(build_dir, str(build.get("so")))
+    if not os.path.isfile(so):
         return f"the recorded build {build_dir} is gone"
+    if "so_size" in build and os.stat(so).st_size != build["so_size"]:
+        return f"the recorded build's library {so} changed size since fix (damaged?)"
     try:
         manifest = read_record(os.path.join(build_dir, "manifest.json"))
     except (OSError, ValueError):

@@ -165,7 +165,8 @@ def fake_prepared(root: Path) -> Path:
         "sources": {"origin": "vendored", "repo_id": None, "revision": None},
         "packages": {n: importlib.metadata.version(n) for n in ("torch", "transformers")},
         "build": {"key": "k1", "dir": str(build), "so": str(build / "cache_autogptq_cuda_256.so"),
-                  "cuda": True, "arch_list": ["8.0", "9.0+PTX"]},
+                  "cuda": True, "arch_list": ["8.0", "9.0+PTX"],
+                  "so_sha256": sha(build / "cache_autogptq_cuda_256.so"), "so_size": 4},
         "modules": {"root": str(modules_root), "folder": str(folder), "files": planted},
         "smoke": None,
         "updated": "2025-01-01T00:00:00+00:00",
@@ -223,6 +224,7 @@ def test_modules_copies_are_planted_without_torch(
         ("so", "build"),
         ("manifest", "manifest"),
         ("python", "this Python"),
+        ("so-damaged", "changed size"),
         ("planted-foreign", "modules cache"),
         ("modules-readonly", "cannot plant"),
         ("no-state", "no state"),
@@ -252,6 +254,8 @@ def test_each_change_is_noticed(
         (build / "cache_autogptq_cuda_256.so").unlink()
     elif change == "manifest":
         (build / "manifest.json").unlink()
+    elif change == "so-damaged":  # truncated by a full disk, say: the loader would rebuild
+        (build / "cache_autogptq_cuda_256.so").write_bytes(b"\x7f")
     elif change == "python":
         (build / "manifest.json").write_text(json.dumps({"inputs": {"python_tag": "cp27"}}))
     elif change == "planted-foreign":

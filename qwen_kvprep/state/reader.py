@@ -8,7 +8,7 @@ it, so they agree on what a damaged state is. Standard library only (the fast pa
     {"state_version": 1, "tool_version", "checkpoint": abs path,
      "files": {name: sha256 or null},      config.json, cpp_kernels.py, the kernel sources
      "sources": {...} | null, "packages": {name: version or null},
-     "build": {"key", "dir", "so", "cuda", "arch_list"} | null,
+     "build": {"key", "dir", "so", "cuda", "arch_list", "so_sha256", "so_size"} | null,
      "modules": {"root", "folder", "files": {name: sha256}, "hub_folder", "also": [folder]}
                 | null,
      "smoke": {...} | null, "updated": iso time}
@@ -50,6 +50,8 @@ if TYPE_CHECKING:  # typing costs milliseconds at import; only mypy needs it
     class StateBuild(_StateBuildKeys, total=False):
         cuda: JSON  # whether it was built with CUDA (not checked)
         arch_list: Optional[list[str]]  # the GPU architectures it was built for
+        so_sha256: str  # the library's sha256, as its manifest records it
+        so_size: int  # and its size: a stat at every start tells a damaged library
 
     class _StateModulesKeys(TypedDict):
         root: str  # absolute: the modules-cache root fix planted into
@@ -135,6 +137,11 @@ def schema_problem(data: JSON) -> Optional[str]:
             not isinstance(arch, list) or not all(isinstance(a, str) for a in arch)
         ):
             return "has a build with an invalid arch_list"
+        digest, size = build.get("so_sha256"), build.get("so_size")
+        if digest is not None and not (isinstance(digest, str) and _HEX64.fullmatch(digest)):
+            return "has a build with an invalid so_sha256"
+        if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 0):
+            return "has a build with an invalid so_size"
     modules = data.get("modules")
     if modules is not None:
         if not isinstance(modules, dict):

@@ -4,6 +4,8 @@ importing torch, that nothing changed since."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 from typing import TYPE_CHECKING, Optional
 
 from qwen_kvprep.common import KERNEL_FILES
@@ -30,13 +32,18 @@ def _build(ctx: FixContext) -> Optional[StateBuild]:
     build = ctx.build
     if build is None:
         return None
-    return {
+    out: StateBuild = {
         "key": build.key,
         "dir": str(build.dir),
         "so": str(build.so),
         "cuda": build.cuda,
         "arch_list": build.arch_list,
+        # a rebuilt library is another library: the smoke verdict must not carry over
+        "so_sha256": build.manifest["so_sha256"],
     }
+    with contextlib.suppress(OSError):
+        out["so_size"] = os.stat(build.so).st_size
+    return out
 
 
 def _keep_origin(previous: State, state: State) -> None:
