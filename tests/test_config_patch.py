@@ -97,7 +97,7 @@ def test_journal_revert_is_byte_identical(
     monkeypatch.setenv("HF_MODULES_CACHE", str(tmp_path / "modules"))
     d = _minimal_checkpoint(tmp_path)
     os.chmod(d / "config.json", 0o640)
-    outside = tmp_path / "modules" / "x" / "planted.cpp"
+    outside = tmp_path / "modules" / "x" / "cache_autogptq_cuda_256.cpp"
     before = snapshot(d)
     j = Journal(d)
     j.write("config.json", b"{}\n")
@@ -118,8 +118,8 @@ def test_journal_dry_run_writes_nothing(tmp_path: Path, monkeypatch: pytest.Monk
     before = snapshot(d)
     j = Journal(d, dry_run=True)
     assert j.write("config.json", b"{}\n")
-    assert j.plant(tmp_path / "elsewhere" / "x" / "f", b"x")
-    assert [p.path.name for p in j.planned] == ["config.json", "f"]
+    assert j.plant(tmp_path / "elsewhere" / "x" / "cpp_kernels.py", b"x")
+    assert [p.path.name for p in j.planned] == ["config.json", "cpp_kernels.py"]
     assert snapshot(d) == before
     assert not (tmp_path / "elsewhere").exists()
 

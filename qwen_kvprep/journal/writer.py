@@ -41,6 +41,7 @@ from qwen_kvprep.fsutil import atomic_write_bytes, atomic_write_text
 from qwen_kvprep.journal.reader import (
     ORIGINAL_LIMIT,
     ORIGINALS,
+    PLANTABLE,
     STORE_NAME,
     WRITTEN_KEEP,
     Entry,
@@ -300,8 +301,11 @@ class Journal:
 
     def plant(self, path: Path, data: bytes, root: Optional[Path] = None) -> bool:
         """Write a file in the modules cache (below `root`, by default the one the
-        environment names), recorded for revert relative to that root."""
+        environment names), recorded for revert relative to that root. Only the files fix
+        plants: a journal naming any other is refused when read back."""
         path = Path(os.path.abspath(path))
+        if path.name not in PLANTABLE:
+            raise ValueError(f"{path.name} is not a file fix plants")
         base = os.path.abspath(root if root is not None else modules_cache_root()[0])
         rel = os.path.relpath(path, base)
         why = relpath_problem(rel)
