@@ -31,6 +31,7 @@ if TYPE_CHECKING:  # typing costs milliseconds at import; only mypy needs it
 STATE_DIRNAME = ".qwen-kvprep"
 STATE_FILE = "state.json"
 JOURNAL_FILE = "journal.json"
+LOCK_FILE = "lock"  # the folder's lock (dirlock.py), shared by fix, prestart and revert
 # In a modules-cache folder: one file per prepared folder that relies on what is planted.
 USERS_DIRNAME = ".qwen-kvprep-users"
 # The kernel sources Qwen's remote code compiles: (the C++ binding, the CUDA kernels).

@@ -27,12 +27,16 @@ from typing import Callable, Literal, NoReturn, Optional
 
 import filelock
 
-from qwen_kvprep.common import ENV_LOCK_TIMEOUT, STATE_DIRNAME, STATE_FILE, TRACKED_FILES
+from qwen_kvprep.common import (
+    ENV_LOCK_TIMEOUT,
+    LOCK_FILE,
+    STATE_DIRNAME,
+    STATE_FILE,
+    TRACKED_FILES,
+)
 from qwen_kvprep.errors import LockTimeout, StateError
 from qwen_kvprep.fsutil import TEMP_NAME
 from qwen_kvprep.untrusted import kind_of
-
-LOCK_FILE = "lock"
 
 
 @dataclass
@@ -166,6 +170,13 @@ def _timed_out(path: Path, timeout: float) -> NoReturn:
         f"{ENV_LOCK_TIMEOUT}=SECONDS"
     )
     raise LockTimeout.failing("build.lock", message, fix, [path])
+
+
+def refuse_foreign(directory: Path) -> None:
+    """StateError when DIR/.qwen-kvprep or its lock is not what qwen-kvprep made (a link, a
+    FIFO...): what every command that writes there refuses, for a preview to refuse too."""
+    state = Path(directory) / STATE_DIRNAME
+    _refuse_links(state, state / LOCK_FILE)
 
 
 def _refuse_links(state: Path, path: Path) -> None:

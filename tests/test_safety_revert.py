@@ -654,3 +654,29 @@ def test_refusal_names_every_problem_for_json(tmp_path: Path, modules_env: Any) 
     doc = json.loads(res.stdout)
     assert doc["ok"] is False and "revert refused" in doc["error"]["message"]
     assert [f["id"] for f in doc["findings"]] == ["state.journal"] * 3
+
+
+@pytest.mark.parametrize("what", ["state-folder-link", "lock-fifo"])
+def test_a_foreign_state_folder_or_lock_is_refused_by_the_preview_and_doctor_too(
+    tmp_path: Path, modules_env: Any, what: str
+) -> None:
+    """revert refuses to write through them; its --dry-run (which runs every check revert
+    runs) and doctor must not call the folder sound, nor prestart trust a state read there."""
+    p = prepare(tmp_path)
+    state = p.directory / ".qwen-kvprep"
+    if what == "state-folder-link":
+        shutil.move(str(state), str(p.outside / "moved-state"))
+        state.symlink_to(p.outside / "moved-state")
+    else:
+        lock = state / "lock"
+        if lock.exists():
+            lock.unlink()
+        os.mkfifo(lock)
+    for args in (["revert", str(p.directory), "--dry-run"], ["revert", str(p.directory)]):
+        res = kvprep(*args, env=modules_env, timeout=60)
+        assert res.returncode == 1, (args, res.stdout + res.stderr)
+        assert "refusing to write through it" in res.stderr and "Traceback" not in res.stderr
+    res = kvprep("doctor", str(p.directory), "--json", env=modules_env, timeout=120)
+    found = {f["id"]: f for f in json.loads(res.stdout)["findings"]}
+    assert found["state.record"]["severity"] == "fail", found["state.record"]
+    assert res.returncode == 1

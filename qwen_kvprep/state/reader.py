@@ -28,9 +28,16 @@ from __future__ import annotations
 
 import os
 import re
+import stat
 
-from qwen_kvprep.common import MODULE_FILES, STATE_DIRNAME, STATE_FILE, TRACKED_FILES
-from qwen_kvprep.untrusted import describe_json_error, read_record, relpath_problem
+from qwen_kvprep.common import (
+    LOCK_FILE,
+    MODULE_FILES,
+    STATE_DIRNAME,
+    STATE_FILE,
+    TRACKED_FILES,
+)
+from qwen_kvprep.untrusted import describe_json_error, kind_of, read_record, relpath_problem
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # typing costs milliseconds at import; only mypy needs it
@@ -190,8 +197,27 @@ def _is_state(data: JSON, problem: Optional[str]) -> TypeGuard[State]:
     return problem is None
 
 
+def own_folder_problem(target: str) -> Optional[str]:
+    """Why DIR/.qwen-kvprep or its lock is not what qwen-kvprep made (a link, a FIFO...):
+    state read through a link is someone else's, and every write there would land where
+    it points (fix, revert and prestart refuse to write through it)."""
+    folder = os.path.join(target, STATE_DIRNAME)
+    for path, want in ((folder, stat.S_ISDIR), (os.path.join(folder, LOCK_FILE), stat.S_ISREG)):
+        try:
+            mode = os.lstat(path).st_mode
+        except OSError:
+            continue
+        if not want(mode):
+            what = "folder" if path == folder else "lock file"
+            return f"{path} is {kind_of(mode)}, not the {what} qwen-kvprep made"
+    return None
+
+
 def read_state(target: str) -> tuple[Optional[State], Optional[str]]:
     """(state, None), (None, None) when there is none, or (None, why it is unusable)."""
+    problem = own_folder_problem(target)
+    if problem is not None:
+        return None, problem
     path = state_file(target)
     try:
         data = read_record(path)

@@ -21,6 +21,7 @@ from qwen_kvprep.dirlock import (
     finish_cut_revert,
     folder_lock,
     lock_path,
+    refuse_foreign,
     remove_leftover_temps,
 )
 from qwen_kvprep.errors import StateError, os_failure
@@ -60,6 +61,7 @@ def preview_revert(directory: Path) -> RevertResult:
     would."""
     directory = Path(directory)
     result = RevertResult(dry_run=True)
+    refuse_foreign(directory)  # as revert's lock would
     if not (directory / STATE_DIRNAME).is_dir():
         return result
     result.build_cache = recorded_build_cache(directory)
