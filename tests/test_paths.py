@@ -314,6 +314,31 @@ def test_records_of_folders_no_longer_prepared_are_reported_and_dropped(
     assert len(os.listdir(p.folder / USERS_DIRNAME)) == 1
 
 
+def test_a_record_survives_another_fix_pruning_the_empty_records_folder(
+    tmp_path: Path, modules_env: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Two checkpoints' fixes share transformers_modules/ itself (the `DIR/` spelling): the
+    # other one's prune removes the records folder in the instant it is still empty.
+    from qwen_kvprep.journal import writer
+
+    p = prepare(tmp_path)
+    shutil.rmtree(p.folder / USERS_DIRNAME)  # this checkpoint registers for the first time
+    real = writer.atomic_write_text
+    pruned = []
+
+    def racing(path: Path, text: str) -> None:
+        if not pruned:
+            pruned.append(path)
+            assert writer.prune_users(p.folder) == []
+            assert not path.parent.exists()
+        real(path, text)
+
+    monkeypatch.setattr(writer, "atomic_write_text", racing)
+    Journal(p.directory).register_user(p.folder)
+    assert pruned
+    assert os.listdir(p.folder / USERS_DIRNAME) == [pruned[0].name]
+
+
 def test_a_fresh_container_gets_every_spelling_planted_by_the_fast_path(
     tmp_path: Path, modules_env: Any
 ) -> None:

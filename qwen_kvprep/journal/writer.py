@@ -79,6 +79,9 @@ __all__ = [
     "remove_state_dir",
 ]
 
+# how often register_user writes its record again after a concurrent prune took the folder
+_REGISTER_TRIES = 20
+
 
 @dataclass(frozen=True)
 class PlannedWrite:
@@ -324,7 +327,6 @@ class Journal:
             return
         prune_users(folder)
         users = Path(folder) / USERS_DIRNAME
-        users.mkdir(parents=True, exist_ok=True)
         me = users / user_record_name(self.identity["path"])
         text = json.dumps({"path": self.identity["path"]}) + "\n"
         try:
@@ -332,7 +334,17 @@ class Journal:
                 return
         except OSError:
             pass
-        atomic_write_text(me, text)
+        for attempt in range(_REGISTER_TRIES):
+            users.mkdir(parents=True, exist_ok=True)
+            try:
+                atomic_write_text(me, text)
+                return
+            except FileNotFoundError:
+                # Another checkpoint's fix sharing this folder (every checkpoint's `DIR/`
+                # spelling runs from the package folder itself) pruned the records folder
+                # while it was still empty; once our record is in it, no prune removes it.
+                if attempt + 1 == _REGISTER_TRIES:
+                    raise
 
     def record_state_file(self, name: str, text: str) -> None:
         """Write a tool-owned file inside the state folder (removed by revert)."""
