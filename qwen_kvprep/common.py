@@ -34,6 +34,9 @@ JOURNAL_FILE = "journal.json"
 LOCK_FILE = "lock"  # the folder's lock (dirlock.py), shared by fix, prestart and revert
 # In a modules-cache folder: one file per prepared folder that relies on what is planted.
 USERS_DIRNAME = ".qwen-kvprep-users"
+# how often a record is written again into USERS_DIRNAME after another checkpoint's fix
+# pruned it while it was still empty (checkpoints share transformers_modules/ itself)
+REGISTER_TRIES = 20
 # The kernel sources Qwen's remote code compiles: (the C++ binding, the CUDA kernels).
 KERNEL_FILES = ("cache_autogptq_cuda_256.cpp", "cache_autogptq_cuda_kernel_256.cu")
 # The checkpoint's module that builds and loads the kernels; fix replaces it with its loader,

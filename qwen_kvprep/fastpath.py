@@ -20,6 +20,7 @@ from qwen_kvprep import __version__
 from qwen_kvprep.common import (
     ENV_CACHE,
     KERNEL_FILES,
+    REGISTER_TRIES,
     SMALL_FILE_LIMIT,
     TRACKED_FILES,
     USERS_DIRNAME,
@@ -410,26 +411,36 @@ def _register(fd: int, target: str) -> None:
     """Mark the folder as used by the checkpoint being started (journal.register_user),
     so that reverting another folder of the same name leaves these copies alone."""
     with contextlib.suppress(OSError):
-        with contextlib.suppress(FileExistsError):
-            os.mkdir(USERS_DIRNAME, 0o755, dir_fd=fd)
-        ufd = os.open(
-            USERS_DIRNAME,
-            os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_DIRECTORY", 0),
-            dir_fd=fd,
-        )
-        try:
-            name = user_record_name(target)
-            text = '{"path": ' + json.dumps(target) + "}\n"
-            tmp = f".{name}.{os.getpid() % 10**8:08d}.tmp"
-            flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0)
-            out = os.open(tmp, flags, 0o644, dir_fd=ufd)
+        for _ in range(REGISTER_TRIES):
             try:
-                os.write(out, text.encode("utf-8", "surrogateescape"))
-            finally:
-                os.close(out)
-            os.replace(tmp, name, src_dir_fd=ufd, dst_dir_fd=ufd)
+                _write_record(fd, target)
+                return
+            except FileNotFoundError:
+                # another checkpoint's fix pruned the records folder while it was empty
+                continue
+
+
+def _write_record(fd: int, target: str) -> None:
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(USERS_DIRNAME, 0o755, dir_fd=fd)
+    ufd = os.open(
+        USERS_DIRNAME,
+        os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_DIRECTORY", 0),
+        dir_fd=fd,
+    )
+    try:
+        name = user_record_name(target)
+        text = '{"path": ' + json.dumps(target) + "}\n"
+        tmp = f".{name}.{os.getpid() % 10**8:08d}.tmp"
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0)
+        out = os.open(tmp, flags, 0o644, dir_fd=ufd)
+        try:
+            os.write(out, text.encode("utf-8", "surrogateescape"))
         finally:
-            os.close(ufd)
+            os.close(out)
+        os.replace(tmp, name, src_dir_fd=ufd, dst_dir_fd=ufd)
+    finally:
+        os.close(ufd)
 
 
 def _same_folder_planted(state: Mapping[str, object], recorded: str, target: str) -> bool:

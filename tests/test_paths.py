@@ -366,6 +366,31 @@ def test_a_fresh_container_gets_every_spelling_planted_by_the_fast_path(
     assert "recorded for" in str(state_mismatch(Request(str(other))))
 
 
+def test_the_fast_path_records_its_use_though_another_fix_prunes_the_records_folder(
+    tmp_path: Path, modules_env: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from qwen_kvprep import fastpath
+    from tests.safety_kit import fake_build
+
+    p = prepare(tmp_path)
+    write_state(p.directory, p.modules, p.folder, fake_build(tmp_path / "b"))
+    shutil.rmtree(p.modules)  # a fresh container: an empty modules cache
+    real_open = os.open
+    pruned = []
+
+    def racing_open(path: Any, flags: int, *args: Any, **kwargs: Any) -> int:
+        if path == USERS_DIRNAME and not pruned:  # right after its mkdir, as a prune does
+            pruned.append(path)
+            os.rmdir(USERS_DIRNAME, dir_fd=kwargs["dir_fd"])
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(fastpath.os, "open", racing_open)
+    assert fastpath.state_mismatch(fastpath.Request(str(p.directory))) is None
+    monkeypatch.undo()
+    assert pruned
+    assert len(os.listdir(p.folder / USERS_DIRNAME)) == 1
+
+
 def test_a_build_whose_compiler_hits_a_full_disk_is_refused_with_where_and_how_much(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

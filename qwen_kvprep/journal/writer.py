@@ -29,6 +29,7 @@ from typing import Callable, Optional
 
 from qwen_kvprep.common import (
     JOURNAL_FILE,
+    REGISTER_TRIES,
     STATE_DIRNAME,
     USERS_DIRNAME,
     modules_cache_root,
@@ -78,9 +79,6 @@ __all__ = [
     "PlannedWrite",
     "remove_state_dir",
 ]
-
-# how often register_user writes its record again after a concurrent prune took the folder
-_REGISTER_TRIES = 20
 
 
 @dataclass(frozen=True)
@@ -334,7 +332,7 @@ class Journal:
                 return
         except OSError:
             pass
-        for attempt in range(_REGISTER_TRIES):
+        for attempt in range(REGISTER_TRIES):
             users.mkdir(parents=True, exist_ok=True)
             try:
                 atomic_write_text(me, text)
@@ -343,7 +341,7 @@ class Journal:
                 # Another checkpoint's fix sharing this folder (every checkpoint's `DIR/`
                 # spelling runs from the package folder itself) pruned the records folder
                 # while it was still empty; once our record is in it, no prune removes it.
-                if attempt + 1 == _REGISTER_TRIES:
+                if attempt + 1 == REGISTER_TRIES:
                     raise
 
     def record_state_file(self, name: str, text: str) -> None:
