@@ -217,6 +217,32 @@ def test_revert_without_the_originals_changes_nothing_and_says_how_to_recover(
     assert (target / "config.json").exists()
 
 
+def test_fix_says_that_revert_would_refuse_when_the_originals_are_gone(
+    tmp_path: Path,
+) -> None:
+    # fix cannot bring the originals back and goes on; it must not let the user believe
+    # that revert still can
+    from qwen_kvprep.tiny import generate_checkpoint
+
+    ckpt = generate_checkpoint(tmp_path / "models" / "Tiny-Chat")
+    env = {**os.environ, "HF_HOME": str(tmp_path / "hf"),
+           "HF_MODULES_CACHE": str(tmp_path / "hf" / "modules"),
+           "QWEN_KVPREP_CACHE": str(tmp_path / "build-cache"), "HF_HUB_OFFLINE": "1"}
+    res = kvprep("fix", str(ckpt), "--no-build", "--no-smoke", env=env, timeout=600)
+    assert res.returncode == 0, res.stderr
+    res = kvprep("fix", str(ckpt), "--dry-run", "--no-build", "--no-smoke", "--json", env=env)
+    assert not [f for f in json.loads(res.stdout)["findings"] if f["id"] == "state.journal"]
+    shutil.rmtree(ckpt / ".qwen-kvprep" / "originals")
+    res = kvprep("fix", str(ckpt), "--dry-run", "--no-build", "--no-smoke", "--json", env=env)
+    assert res.returncode == 0 and "Traceback" not in res.stderr
+    doc = json.loads(res.stdout)
+    refusals = [f for f in doc["findings"] if f["id"] == "state.journal"]
+    assert len(refusals) >= 2, doc["findings"]  # config.json, cpp_kernels.py, ...
+    assert all(f["severity"] == "warn" and "would refuse" in f["message"] for f in refusals)
+    assert any("config.json" in f["message"] and "missing" in f["message"] for f in refusals)
+    assert all("doctor" in f["fix"] for f in refusals)
+
+
 # ------------------------------------------------------------------ 3. a tampered journal
 
 

@@ -17,7 +17,7 @@ from qwen_kvprep.buildcache.paths import CACHE_OPTION
 from qwen_kvprep.common import ENV_CACHE, JOURNAL_FILE, STATE_DIRNAME, STATE_FILE
 from qwen_kvprep.dirlock import OUR_FILES, folder_lock, release_if_unused, remove_leftover_temps
 from qwen_kvprep.errors import CacheError, KvprepError, StateError, os_failure
-from qwen_kvprep.findings import Finding, info
+from qwen_kvprep.findings import Finding, info, warn
 from qwen_kvprep.journal.writer import Journal, PlannedWrite
 from qwen_kvprep.state.writer import state_problem
 from qwen_kvprep.steps import (
@@ -123,7 +123,7 @@ def _preflight(source: Path, target: Path, options: FixOptions) -> _Early:
         early.facts, early.findings = facts, findings
     if not os.path.isdir(target):
         return early
-    Journal(target, dry_run=True)
+    early.findings.extend(_revert_problems(Journal(target, dry_run=True), target))
     _check_state_file(target)
     problem = state_problem(target)
     if problem is not None:
@@ -135,6 +135,22 @@ def _preflight(source: Path, target: Path, options: FixOptions) -> _Early:
             )
         )
     return early
+
+
+def _revert_problems(journal: Journal, target: Path) -> list[Finding]:
+    """What an earlier fix's journal can no longer undo (an original deleted or changed in
+    the state folder): fix goes on, but says that revert would refuse, and why."""
+    if not journal.exists:
+        return []
+    advice = (
+        "put the original back from a backup; until then `qwen-kvprep revert` changes "
+        f"nothing (`qwen-kvprep doctor {shlex.quote(str(target))}` says how to restore by hand)"
+    )
+    return [
+        warn("state.journal", f"`qwen-kvprep revert` would refuse: {problem}", advice,
+             paths=[target / STATE_DIRNAME])
+        for problem in journal.plan_revert().problems
+    ]
 
 
 def _check_state_file(target: Path) -> None:
