@@ -16,7 +16,7 @@ from pathlib import Path
 from xml.sax.saxutils import escape
 
 from qwen_kvprep.errors import UsageError
-from qwen_kvprep.fsutil import atomic_write_bytes, check_folder_of
+from qwen_kvprep.fsutil import atomic_write_bytes, check_output_file
 
 FORMATS = (".svg", ".png")
 PNG_INSTALL = "pip install 'qwen-kvprep[plot]'"
@@ -80,7 +80,7 @@ def check_target(path: Path, option: str = "--plot") -> None:
     suffix = path.suffix.lower()
     if suffix not in FORMATS:
         raise PlotError(f"{option} {path}: the file name must end in .svg or .png")
-    check_folder_of(path, option, PlotError)
+    check_output_file(path, option, PlotError)
     if suffix == ".png":
         try:
             import matplotlib  # noqa: F401

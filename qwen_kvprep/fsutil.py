@@ -6,11 +6,13 @@ import contextlib
 import os
 import re
 import shlex
+import stat
 import tempfile
 from pathlib import Path
 from typing import Union
 
 from qwen_kvprep.errors import UsageError
+from qwen_kvprep.untrusted import kind_of
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -25,6 +27,29 @@ def check_folder_of(path: Path, option: str, error: type[UsageError] = UsageErro
             f"{option} {path}: the folder {folder} does not exist",
             fix=f"create it first (mkdir -p {shlex.quote(str(folder))}), or name a file in a "
             "folder that exists",
+        )
+
+
+def check_output_file(
+    path: Path, option: str, error: type[UsageError] = UsageError, fix: str = ""
+) -> None:
+    """check_folder_of, and a usage error when `path` exists as anything but a regular file.
+
+    The write replaces what is at `path` with a new file: a device, a FIFO or a symlink
+    there (`-o /dev/stdout` is a link to one) would be replaced, not written to, and as
+    root a device node in /dev is replaced as readily as a file."""
+    check_folder_of(path, option, error)
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        raise error(f"{option} {path} cannot be examined: {exc.strerror or exc}") from exc
+    if not stat.S_ISREG(mode):
+        raise error(
+            f"{option} {path} is {kind_of(mode)}, not a regular file: writing would replace "
+            "it with one",
+            fix=fix or "name a regular file, or a new one",
         )
 
 

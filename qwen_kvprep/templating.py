@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Optional, TypedDict
 
 from qwen_kvprep import __version__
 from qwen_kvprep.common import ARCH_LIST_FIX, read_arch_list
-from qwen_kvprep.errors import UsageError
-from qwen_kvprep.fsutil import atomic_write_text, check_folder_of
+from qwen_kvprep.errors import UsageError, os_failure
+from qwen_kvprep.fsutil import atomic_write_text, check_output_file
 from qwen_kvprep.resources import templates_dir
 
 if TYPE_CHECKING:
@@ -277,6 +277,12 @@ def render(kind: str, **options: Unpack[TemplateOptions]) -> str:
 
 def write(path: str, kind: str, text: str) -> None:
     """The rendered file at `path` (an entrypoint executable); a usage error when its folder
-    does not exist (the write would fail naming its temporary file)."""
-    check_folder_of(Path(path), "--output")
-    atomic_write_text(path, text, mode=0o755 if kind == "entrypoint" else None)
+    does not exist or something other than a regular file is there."""
+    check_output_file(
+        Path(path), "--output", fix="name a regular file, or leave out -o to print to stdout"
+    )
+    try:
+        atomic_write_text(path, text, mode=0o755 if kind == "entrypoint" else None)
+    except OSError as exc:
+        # named after the file asked for, not the temporary file the write failed on
+        raise os_failure(OSError(exc.errno, exc.strerror, path), output_option=False) from exc

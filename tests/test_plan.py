@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import stat
 import struct
 import sys
 from pathlib import Path
@@ -658,6 +659,10 @@ def test_plan_plot_is_an_svg_without_matplotlib(
     assert not (tmp_path / "p.png").exists()
     res = invoke("plan", str(QWEN_7B), "--gpu", "a100-80g", "--plot", str(tmp_path / "p.pdf"))
     assert res.returncode == 2 and ".svg or .png" in res.stderr
+    os.mkfifo(tmp_path / "fifo.svg")
+    res = invoke("plan", str(QWEN_7B), "--gpu", "a100-80g", "--plot", str(tmp_path / "fifo.svg"))
+    assert res.returncode == 2 and "a FIFO (named pipe), not a regular file" in res.stderr
+    assert stat.S_ISFIFO(os.lstat(tmp_path / "fifo.svg").st_mode)
 
 
 def test_plan_plot_png_with_matplotlib(tmp_path: Path) -> None:

@@ -312,6 +312,11 @@ def test_lock_pins_the_digests_and_fetch_fills_the_cache_for_offline_use(
 ) -> None:
     _serve(fake_hub, exported)
     lock = tmp_path / "kvprep.lock.json"
+    lock.symlink_to(tmp_path / "elsewhere.json")
+    res = invoke("build", "--lock", REPO, "--lock-file", str(lock), "--json")
+    assert res.returncode == 2 and "a symlink, not a regular file" in res.stdout
+    assert lock.is_symlink() and not (tmp_path / "elsewhere.json").exists()
+    lock.unlink()
     res = invoke("build", "--lock", REPO, "--lock-file", str(lock), "--json")
     assert res.returncode == 0, res.stdout
     pinned = json.loads(lock.read_text())

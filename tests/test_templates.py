@@ -261,6 +261,50 @@ def test_output_in_a_missing_folder_is_a_usage_error(tmp_path: Path) -> None:
     assert ".tmp" not in res.stderr and not target.parent.exists()
 
 
+@pytest.mark.parametrize("what", ["fifo", "link-to-file", "link-to-device"])
+def test_output_that_is_not_a_regular_file_is_refused_and_left_alone(
+    tmp_path: Path, what: str
+) -> None:
+    # the write replaces what is there: as root, `-o /dev/full` replaced the device node
+    target = tmp_path / "Dockerfile"
+    if what == "fifo":
+        os.mkfifo(target)
+    elif what == "link-to-file":
+        (tmp_path / "real").write_text("mine\n")
+        target.symlink_to(tmp_path / "real")
+    else:
+        target.symlink_to(os.devnull)  # what /dev/stdout is: a link
+    before = os.lstat(target)
+    res = invoke("template", "docker", "-o", str(target))
+    assert res.returncode == 2, res.stderr
+    first = res.stderr.splitlines()[0]
+    assert first.startswith(f"error: --output {target} is a ") and "not a regular file" in first
+    assert "leave out -o" in res.stderr
+    after = os.lstat(target)
+    assert (after.st_ino, after.st_mode) == (before.st_ino, before.st_mode)
+    if what == "link-to-file":
+        assert (tmp_path / "real").read_text() == "mine\n"
+
+
+def test_a_failed_write_names_the_file_not_its_temporary(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import errno
+
+    from qwen_kvprep import templating
+    from qwen_kvprep.errors import KvprepError
+
+    target = tmp_path / "Dockerfile"
+
+    def fails(path: str, text: str, mode: object = None) -> None:
+        raise OSError(errno.EIO, "Input/output error", str(tmp_path / ".Dockerfile.x1.tmp"))
+
+    monkeypatch.setattr(templating, "atomic_write_text", fails)
+    with pytest.raises(KvprepError) as err:
+        templating.write(str(target), "docker", "FROM scratch\n")
+    assert str(target) in err.value.message and ".tmp" not in err.value.message
+
+
 def test_template_command_prints_and_writes(tmp_path: Path) -> None:
     res = kvprep("template", "k8s", "--model-dir", "/models/Qwen-7B-Chat")
     assert res.returncode == 0, res.stderr

@@ -49,7 +49,7 @@ from qwen_kvprep.buildcache.variant import (
 from qwen_kvprep.common import KERNEL_FILES
 from qwen_kvprep.errors import KvprepError, SourceError, UsageError
 from qwen_kvprep.findings import Finding, fail, info, ok, warn
-from qwen_kvprep.fsutil import atomic_write_text
+from qwen_kvprep.fsutil import atomic_write_text, check_output_file
 from qwen_kvprep.probe.toolchain import torch_info
 from qwen_kvprep.redact import install_log_filter
 from qwen_kvprep.state.writer import load_state
@@ -516,6 +516,7 @@ def write_lock(spec: str, out: Path) -> Outcome:
     source = parse_source(spec)
     if source.lock is not None:
         raise UsageError(f"{spec} is a lock already; lock its source instead")
+    check_output_file(out, "--lock-file")  # before the listing (a download, maybe)
     listing = list_source(source)
     if not listing.variants:
         raise SourceError.failing(
