@@ -36,7 +36,7 @@ from qwen_kvprep.common import (
 )
 from qwen_kvprep.errors import LockTimeout, StateError
 from qwen_kvprep.fsutil import TEMP_NAME
-from qwen_kvprep.untrusted import kind_of
+from qwen_kvprep.state.reader import foreign_item, removal_command
 
 
 @dataclass
@@ -128,7 +128,7 @@ def folder_lock(
             # is nothing to serialise; the command's first write reports why
             yield False
             return
-        _refuse_links(state, path)
+        refuse_foreign(directory)
         lock = filelock.FileLock(str(path))
 
         def waiting() -> None:
@@ -174,29 +174,17 @@ def _timed_out(path: Path, timeout: float) -> NoReturn:
 
 def refuse_foreign(directory: Path) -> None:
     """StateError when DIR/.qwen-kvprep or its lock is not what qwen-kvprep made (a link, a
-    FIFO...): what every command that writes there refuses, for a preview to refuse too."""
-    state = Path(directory) / STATE_DIRNAME
-    _refuse_links(state, state / LOCK_FILE)
-
-
-def _refuse_links(state: Path, path: Path) -> None:
-    """Our state folder and its lock file must be what they seem: a link there would make
-    every write of ours land wherever it points."""
-    import stat
-
-
-    for item, want in ((state, stat.S_ISDIR), (path, stat.S_ISREG)):
-        try:
-            mode = os.lstat(item).st_mode
-        except FileNotFoundError:
-            continue
-        if not want(mode):
-            raise StateError(
-                f"{item} is {kind_of(mode)}, where qwen-kvprep keeps its own "
-                f"{'folder' if item == state else 'lock file'}: refusing to write through it",
-                fix=f"remove it (`rm {_q(item)}`) if you did not put it there, then run the "
-                "command again",
-            )
+    FIFO...): a link there would make every write of ours land wherever it points. What
+    every command that writes there refuses, for a preview to refuse too."""
+    found = foreign_item(str(directory))
+    if found is not None:
+        item, kind, what = found
+        raise StateError(
+            f"{item} is {kind}, where qwen-kvprep keeps its own {what}: refusing to write "
+            "through it",
+            fix=f"remove it (`{removal_command(found)}`) if you did not put it there, then run "
+            "the command again",
+        )
 
 
 def _q(path: object) -> str:

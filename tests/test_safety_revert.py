@@ -705,4 +705,7 @@ def test_a_foreign_state_folder_or_lock_is_refused_by_the_preview_and_doctor_too
     res = kvprep("doctor", str(p.directory), "--json", env=modules_env, timeout=120)
     found = {f["id"]: f for f in json.loads(res.stdout)["findings"]}
     assert found["state.record"]["severity"] == "fail", found["state.record"]
+    # the advice is what clears it (fix alone refuses to write through it, as revert does)
+    removal = f"rm {state if what == 'state-folder-link' else state / 'lock'}"
+    assert f"`{removal}`" in found["state.record"]["fix"], found["state.record"]
     assert res.returncode == 1

@@ -35,11 +35,16 @@ def record(facts: Facts) -> FindingsLike:
     caches = caches_of(facts)
     directory = getattr(facts.checkpoint, "path", "")
     if caches.state_error is not None:
+        again = f"qwen-kvprep fix {shlex.quote(str(directory))}"
         return fail(
             f"{caches.state_error}: prestart cannot trust it, so every start prepares the "
             "folder again (importing torch), and doctor cannot tell what fix did",
-            f"qwen-kvprep fix {shlex.quote(str(directory))}  (records the state anew; the "
-            "journal keeps the originals for revert)",
+            # fix refuses to write through a link there, so it cannot be the whole advice
+            f"remove it (`{caches.state_foreign_removal}`) if you did not put it there, then "
+            f"{again}"
+            if caches.state_foreign_removal
+            else f"{again}  (records the state anew; the journal keeps the originals for "
+            "revert)",
             paths=[caches.state_dir or directory],
         )
     out: list[Finding] = []

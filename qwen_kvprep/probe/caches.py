@@ -39,7 +39,7 @@ from qwen_kvprep.fsutil import TEMP_NAME, leftover_temps
 from qwen_kvprep.journal.reader import folder_identity, read_journal
 from qwen_kvprep.probe.binary import BinaryArchs, read_archs
 from qwen_kvprep.probe.revertplan import plan_revert, prepared
-from qwen_kvprep.state.reader import read_state
+from qwen_kvprep.state.reader import foreign_item, read_state, removal_command
 from qwen_kvprep.untrusted import read_record, read_regular
 
 if TYPE_CHECKING:
@@ -119,6 +119,8 @@ class CacheFacts:
     locks_scanned: bool = False
     state: Optional[State] = None  # <checkpoint>/.qwen-kvprep/state.json
     state_error: Optional[str] = None
+    # the command that removes a link (FIFO...) in place of .qwen-kvprep or its lock
+    state_foreign_removal: Optional[str] = None
     state_dir: Optional[str] = None  # <checkpoint>/.qwen-kvprep, when given a checkpoint
     journal_present: bool = False
     journal_error: Optional[str] = None  # why the journal cannot be read
@@ -451,6 +453,7 @@ def probe_caches(
     folders: tuple[ModuleFolder, ...] = ()
     state: Optional[State] = None
     state_error: Optional[str] = None
+    foreign: Optional[str] = None
     journal: _JournalFacts = {}
     left: tuple[str, ...] = ()
     if directory is not None:
@@ -458,6 +461,8 @@ def probe_caches(
             _probe_module_folder(p, how) for p, how in module_folder_candidates(directory, root)
         )
         state, state_error = _read_state(Path(directory))
+        found = foreign_item(str(directory))
+        foreign = removal_command(found) if found is not None else None
         journal = _read_journal(Path(directory), root)
         left = debris(Path(directory), [Path(mf.path) for mf in folders if mf.exists])
     return CacheFacts(
@@ -469,6 +474,7 @@ def probe_caches(
         locks_scanned=True,
         state=state,
         state_error=state_error,
+        state_foreign_removal=foreign,
         **journal,
         debris=left,
         python_tag=tag,

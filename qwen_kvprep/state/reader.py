@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import stat
 
 from qwen_kvprep.common import (
@@ -197,10 +198,11 @@ def _is_state(data: JSON, problem: Optional[str]) -> TypeGuard[State]:
     return problem is None
 
 
-def own_folder_problem(target: str) -> Optional[str]:
-    """Why DIR/.qwen-kvprep or its lock is not what qwen-kvprep made (a link, a FIFO...):
-    state read through a link is someone else's, and every write there would land where
-    it points (fix, revert and prestart refuse to write through it)."""
+def foreign_item(target: str) -> Optional[tuple[str, str, str]]:
+    """(path, what is there, what qwen-kvprep keeps there) when DIR/.qwen-kvprep or its lock
+    is not what qwen-kvprep made (a link, a FIFO...): state read through a link is someone
+    else's, and every write there would land where it points (fix, revert and prestart
+    refuse to write through it)."""
     folder = os.path.join(target, STATE_DIRNAME)
     for path, want in ((folder, stat.S_ISDIR), (os.path.join(folder, LOCK_FILE), stat.S_ISREG)):
         try:
@@ -208,9 +210,24 @@ def own_folder_problem(target: str) -> Optional[str]:
         except OSError:
             continue
         if not want(mode):
-            what = "folder" if path == folder else "lock file"
-            return f"{path} is {kind_of(mode)}, not the {what} qwen-kvprep made"
+            return path, kind_of(mode), "folder" if path == folder else "lock file"
     return None
+
+
+def removal_command(found: tuple[str, str, str]) -> str:
+    """The shell command that removes what foreign_item found (a link itself, not its
+    target)."""
+    path, kind, _ = found
+    return f"rm {'-r ' if kind == 'a folder' else ''}{shlex.quote(path)}"
+
+
+def own_folder_problem(target: str) -> Optional[str]:
+    """Why DIR/.qwen-kvprep or its lock is not what qwen-kvprep made, or None."""
+    found = foreign_item(target)
+    if found is None:
+        return None
+    path, kind, what = found
+    return f"{path} is {kind}, not the {what} qwen-kvprep made"
 
 
 def read_state(target: str) -> tuple[Optional[State], Optional[str]]:
