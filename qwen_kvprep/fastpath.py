@@ -549,7 +549,10 @@ def _dump_imports() -> None:
     path = os.environ.get(ENV_DEBUG_IMPORTS)
     if path:
         try:
-            with open(path, "w", encoding="utf-8") as fh:
+            # O_NONBLOCK: a FIFO nobody reads is an error (ENXIO), not a start that hangs
+            flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NONBLOCK", 0)
+            fd = os.open(path, flags, 0o644)
+            with open(fd, "w", encoding="utf-8") as fh:
                 fh.write("\n".join(sorted(sys.modules)) + "\n")
         except OSError as exc:  # a debugging aid must not keep the server from starting
             sys.stderr.write(

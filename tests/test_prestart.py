@@ -427,9 +427,17 @@ def test_a_cache_dir_naming_a_file_is_a_usage_error_on_the_fast_path(
         assert "is a file" in res.stderr and "Traceback" not in res.stderr
 
 
-def test_an_unwritable_import_dump_does_not_stop_the_server(fake: Path) -> None:
-    env = {**os.environ, "QWEN_KVPREP_DEBUG_IMPORTS": "/nonexistent-qwen-kvprep/x.txt"}
-    res = run_prestart(str(fake), "--", sys.executable, "-c", "print('served')", env=env)
+@pytest.mark.parametrize("where", ["missing-folder", "fifo"])
+def test_an_unwritable_import_dump_does_not_stop_the_server(
+    fake: Path, tmp_path: Path, where: str
+) -> None:
+    dump = "/nonexistent-qwen-kvprep/x.txt"
+    if where == "fifo":  # nobody reads it: opening it for writing used to wait forever
+        dump = str(tmp_path / "imports.fifo")
+        os.mkfifo(dump)
+    env = {**os.environ, "QWEN_KVPREP_DEBUG_IMPORTS": dump}
+    res = run_prestart(str(fake), "--", sys.executable, "-c", "print('served')", env=env,
+                       timeout=60)
     assert res.returncode == 0 and res.stdout == "served\n", res.stderr
     assert "warning: cannot write QWEN_KVPREP_DEBUG_IMPORTS" in res.stderr
     assert "Traceback" not in res.stderr
