@@ -9,6 +9,8 @@ said: click's context object carries --json and --debug (commands/_common.py).
 
 from __future__ import annotations
 
+import contextlib
+import os
 import sys
 from collections.abc import Sequence
 from typing import Optional
@@ -67,6 +69,19 @@ def _usage_error(exc: click.ClickException) -> UsageError:
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
+    try:
+        code = _run(args)
+    except BrokenPipeError:
+        # `qwen-kvprep fix --bad --json | head -1`: the reader has what it wanted. As click
+        # does for the commands: exit 1, quietly, with stdout pointed at /dev/null so that
+        # the interpreter's last flush does not fail again.
+        with contextlib.suppress(OSError, ValueError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        code = EXIT_FAILED
+    sys.exit(code)
+
+
+def _run(args: list[str]) -> int:
     options = OutputOptions()
     install_log_filter()  # what libraries log goes through the same redaction
     try:
@@ -98,6 +113,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         code = report_error(exc, as_json=options.as_json)
     except KeyboardInterrupt:
         code = _interrupted()
+    except BrokenPipeError:
+        raise  # stdout is gone: nothing to report it on (main)
     except OSError as exc:
         # a file-system refusal no command mapped itself: still something to act on
         if options.debug:
@@ -110,4 +127,4 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         click.echo(f"qwen-kvprep: internal error: {text}", err=True)
         click.echo("  this is a bug: rerun with --debug and report the traceback", err=True)
         code = EXIT_FAILED
-    sys.exit(code if isinstance(code, int) else EXIT_OK)
+    return code if isinstance(code, int) else EXIT_OK

@@ -189,6 +189,9 @@ def parse_fast(args: Sequence[str]) -> Optional[Request]:
         i += 1
     if any(v is None for v in flags.values()) or len(positional) > 1:
         return None
+    if any(values[k] is not None and not str(values[k]).strip()
+           for k in ("-o", "--output", "--cache-dir")):
+        return None  # `-o "$VIEW"` with VIEW unset: click refuses it (exit 2)
     if values["--source"] not in (None, *SOURCES):
         return None
     if not _readable_arch(values["--arch"]):

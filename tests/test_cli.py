@@ -83,6 +83,52 @@ def test_usage_errors_with_json_are_one_document(tmp_path: Path, args: list[str]
     assert res.stderr == ""
 
 
+@pytest.mark.parametrize(
+    "args", [["doctor", "--no-such-option", "--json"], ["template", "k8s"]]
+)
+def test_a_reader_that_went_away_gets_no_traceback(args: list[str]) -> None:
+    # `qwen-kvprep ... | head -1`: stdout is a pipe whose reader has closed it
+    import os
+    import subprocess
+    import sys
+
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        res = subprocess.run([sys.executable, "-m", "qwen_kvprep", *args], stdout=write,
+                             stderr=subprocess.PIPE, text=True, timeout=120)
+    finally:
+        os.close(write)
+    assert res.returncode == 1 and res.stderr == "", res.stderr
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["fix", "DIR", "-o", ""],  # it fixed DIR in place, or made the current folder a view
+        ["fix", "DIR", "--prebuilt", ""],  # it compiled instead
+        ["prestart", "DIR", "-o", "", "--", "true"],
+        ["prestart", "DIR", "--cache-dir", " ", "--", "true"],
+        ["build", "--fetch", ""],  # it ran an ordinary build
+        ["build", "--lock", ""],
+        ["build", "--export", ""],  # it wrote ./build/<variant>
+        ["build", "--lock", "org/name", "--lock-file", ""],
+        ["template", "docker", "-o", ""],
+    ],
+)
+def test_an_empty_value_is_a_usage_error_not_the_option_left_out(
+    tmp_path: Path, args: list[str]
+) -> None:
+    # what an unset shell variable gives: `--fetch "$LOCK"`
+    (tmp_path / "DIR").mkdir()
+    (tmp_path / "cwd").mkdir()
+    args = [str(tmp_path / "DIR") if a == "DIR" else a for a in args]
+    res = kvprep(*args, cwd=tmp_path / "cwd")
+    assert res.returncode == 2, res.stdout + res.stderr
+    assert "must not be empty" in res.stderr and "Traceback" not in res.stderr
+    assert not list((tmp_path / "cwd").iterdir()) and not list((tmp_path / "DIR").iterdir())
+
+
 def test_json_after_the_command_s_dashes_is_the_command_s(tmp_path: Path) -> None:
     res = kvprep("prestart", str(tmp_path), "--no-such", "--", "serve", "--json")
     assert res.returncode == 2 and res.stdout == "" and "No such option" in res.stderr

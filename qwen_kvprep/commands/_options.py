@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Callable, Optional, TypeVar
+import os
+from typing import TYPE_CHECKING, Callable, Optional, TypeVar, Union
 
 import click
 from click.core import ParameterSource
@@ -11,6 +12,45 @@ from qwen_kvprep.common import ARCH_LIST_FIX, read_arch_list
 from qwen_kvprep.errors import UsageError
 
 F = TypeVar("F", bound=Callable[..., object])
+
+
+if TYPE_CHECKING:  # generic in the click releases that ship type hints, not in 8.0
+    _TextType = click.ParamType[str]
+else:
+    _TextType = click.ParamType
+
+_EMPTY = "must not be empty (an unset shell variable?)"
+
+
+class _NonEmpty(_TextType):
+    """A value that must not be "": given as an unset shell variable (`--fetch "$LOCK"`,
+    `-o "$VIEW"`), it would read as the option left out, or as the current folder."""
+
+    name = "text"
+
+    def convert(
+        self, value: str, param: Optional[click.Parameter], ctx: Optional[click.Context]
+    ) -> str:
+        if isinstance(value, str) and not value.strip():
+            self.fail(_EMPTY, param, ctx)
+        return value
+
+
+class NonEmptyPath(click.Path):
+    """click.Path that refuses "" as _NonEmpty does (click reads it as the current folder)."""
+
+    def convert(
+        self,
+        value: Union[str, os.PathLike[str]],
+        param: Optional[click.Parameter],
+        ctx: Optional[click.Context],
+    ) -> Union[str, bytes, os.PathLike[str]]:
+        if isinstance(value, str) and not value.strip():
+            self.fail(_EMPTY, param, ctx)
+        return super().convert(value, param, ctx)
+
+
+NONEMPTY = _NonEmpty()
 
 
 def cache_dir_option(
@@ -31,7 +71,7 @@ def cache_dir_option(
         "--cache-dir",
         metavar="DIR",
         # a folder of this machine (checked by click), or one inside the image
-        type=click.Path(file_okay=False) if image_default is None else None,
+        type=NonEmptyPath(file_okay=False) if image_default is None else None,
         envvar=envvar,
         default=image_default,
         show_default=image_default is not None,

@@ -7,7 +7,7 @@ from typing import Optional
 import click
 
 from qwen_kvprep.commands._common import finish, json_option, output_options
-from qwen_kvprep.commands._options import arch_option, cache_dir_option
+from qwen_kvprep.commands._options import NONEMPTY, NonEmptyPath, arch_option, cache_dir_option
 from qwen_kvprep.errors import UsageError
 from qwen_kvprep.smoke.progress import step_log
 
@@ -34,7 +34,7 @@ from qwen_kvprep.smoke.progress import step_log
 @click.option(
     "--export",
     "export_dir",
-    type=click.Path(file_okay=False, path_type=Path),
+    type=NonEmptyPath(file_okay=False, path_type=Path),
     metavar="DIR",
     help="Also put the build into DIR/build/<variant>/ as a prebuilt variant (publish DIR "
     "with `hf upload ORG/NAME DIR`; `fix --prebuilt` installs it without a compiler).",
@@ -42,13 +42,13 @@ from qwen_kvprep.smoke.progress import step_log
 @click.option(
     "--lock",
     "lock_source",
-    metavar="SOURCE",
+    metavar="SOURCE", type=NONEMPTY,
     help="Compile nothing: pin SOURCE's revision and every variant's digests in a lock file "
     "(see --lock-file) that `fix --prebuilt FILE` then requires.",
 )
 @click.option(
     "--lock-file",
-    type=click.Path(dir_okay=False, path_type=Path),
+    type=NonEmptyPath(dir_okay=False, path_type=Path),
     default=Path("kvprep.lock.json"),
     show_default=True,
     metavar="FILE",
@@ -57,7 +57,7 @@ from qwen_kvprep.smoke.progress import step_log
 @click.option(
     "--fetch",
     "fetch_source",
-    metavar="SOURCE",
+    metavar="SOURCE", type=NONEMPTY,
     help="Compile nothing: download every variant of SOURCE (a Hub repo or a lock file) into "
     "the huggingface_hub cache and verify them, for images that run with HF_HUB_OFFLINE=1.",
 )

@@ -13,7 +13,7 @@ from qwen_kvprep.commands._common import (
     json_option,
     output_options,
 )
-from qwen_kvprep.commands._options import arch_option, cache_dir_option
+from qwen_kvprep.commands._options import NONEMPTY, arch_option, cache_dir_option
 from qwen_kvprep.errors import UsageError
 from qwen_kvprep.render import print_fix
 from qwen_kvprep.smoke.progress import step_log
@@ -50,12 +50,12 @@ from qwen_kvprep.smoke.progress import step_log
               help="Branch, tag or commit: of the repo DIRECTORY names when it is a Hub repo "
               "id or a Hub cache repo folder (its snapshot in the local Hub cache; default "
               "main), and for --source hub (default: the snapshot's commit, else main).")
-@click.option("--prebuilt", metavar="SOURCE",
+@click.option("--prebuilt", metavar="SOURCE", type=NONEMPTY,
               help="Install a prebuilt extension instead of compiling: SOURCE is a folder "
               "written by `build --export`, a Hub repo ORG/NAME[@REVISION], or a lock file "
               "written by `build --lock`. The variant this machine needs is verified (sha256) "
               "before anything is written; no compiler is used.")
-@click.option("--output", "-o", metavar="OUT",
+@click.option("--output", "-o", metavar="OUT", type=NONEMPTY,
               help="Read-only DIRECTORY: prepare a view of it in OUT (links to the weights, "
               "patched copies of what fix changes) and fix that; DIRECTORY is not touched. "
               "Serve from OUT.")

@@ -7,7 +7,7 @@ import click
 
 from qwen_kvprep.commands._common import checkpoint_dir, output_options
 from qwen_kvprep.commands._dashes import CommandAfterDashes, command_after_dashes
-from qwen_kvprep.commands._options import arch_option, cache_dir_option
+from qwen_kvprep.commands._options import NONEMPTY, arch_option, cache_dir_option
 from qwen_kvprep.common import ENV_CACHE
 from qwen_kvprep.fastpath import (
     ENV_ALLOW_FALLBACK,
@@ -31,7 +31,7 @@ from qwen_kvprep.render import prestart_json, report_prestart
 @click.command(cls=CommandAfterDashes)
 @click.argument("directory", required=False, envvar=ENV_DIR)
 @click.option(
-    "--output", "-o", metavar="OUT", envvar=ENV_OUTPUT,
+    "--output", "-o", metavar="OUT", envvar=ENV_OUTPUT, type=NONEMPTY,
     help="Prepare a view of DIRECTORY in OUT (links + patched copies) and leave "
     f"DIRECTORY untouched; point the server at OUT. [env: {ENV_OUTPUT}]",
 )

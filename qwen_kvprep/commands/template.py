@@ -6,7 +6,7 @@ from typing import Optional
 import click
 
 from qwen_kvprep.commands._common import json_option, output_options
-from qwen_kvprep.commands._options import cache_dir_option
+from qwen_kvprep.commands._options import NonEmptyPath, cache_dir_option
 from qwen_kvprep.errors import UsageError
 from qwen_kvprep.render import emit, render_json
 from qwen_kvprep.templating import (
@@ -46,7 +46,7 @@ from qwen_kvprep.templating import (
               help="Prebuilt kernels instead of compiling (docker, k8s): a Hub repo "
               "ORG/NAME[@REVISION] or a lock file beside the Dockerfile. The image has no "
               "nvcc and fetches every variant at build time; pods share no build cache.")
-@click.option("-o", "--output", type=click.Path(dir_okay=False), metavar="FILE",
+@click.option("-o", "--output", type=NonEmptyPath(dir_okay=False), metavar="FILE",
               help="Write to FILE instead of stdout.")
 @click.option("--out-file", "out_file", type=click.Path(dir_okay=False), hidden=True,
               help="Deprecated spelling of -o/--output.")
