@@ -608,3 +608,11 @@ def test_a_build_s_files_are_read_as_untrusted(tmp_path: Path) -> None:
     assert parse_manifest(good) is not None
     for name in ("../evil.so", str(tmp_path / "evil.so"), ".."):
         assert parse_manifest({**good, "so": name}) is None, name
+    # architectures are parsed by the GPU-coverage checks: an edited entry is refused here
+    # (it crashed fix and doctor on a GPU machine), a recorded one is taken
+    cuda = {**good, "cuda": True, "covers": ["8.0", "9.0a", "12.0+PTX"],
+            "inputs": {**inputs, "arch_list": ["8.0", "9.0a", "12.0+PTX"]}}
+    assert parse_manifest(cuda) is not None
+    for bad in ("abc", "9", "sm_90", "9.x", "", "9.0+ptx "):
+        assert parse_manifest({**cuda, "inputs": {**inputs, "arch_list": [bad]}}) is None, bad
+        assert parse_manifest({**cuda, "covers": [bad]}) is None, bad

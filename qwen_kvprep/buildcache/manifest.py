@@ -7,11 +7,14 @@ A manifest read back is checked against the types below before anything uses it.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional, TypedDict
 
 from qwen_kvprep.common import sha256_file
 from qwen_kvprep.untrusted import read_record
+
+_ARCH = re.compile(r"[0-9]{1,2}\.[0-9][af]?(\+PTX)?")
 
 if TYPE_CHECKING:
     from typing import TypeGuard
@@ -94,6 +97,14 @@ def _strings(value: JSON) -> bool:
     return isinstance(value, list) and all(isinstance(v, str) for v in value)
 
 
+def _arch_entries(value: JSON) -> bool:
+    """A list of architectures as builds record them ("8.0", "9.0a", "9.0+PTX"): what the
+    GPU-coverage checks parse, so that an edited one is refused, not a crash there."""
+    return isinstance(value, list) and all(
+        isinstance(v, str) and _ARCH.fullmatch(v) is not None for v in value
+    )
+
+
 def _str_or_none(value: JSON) -> bool:
     return value is None or isinstance(value, str)
 
@@ -117,7 +128,7 @@ def _valid_inputs(inputs: JSON) -> bool:
         and _str_or_none(inputs["torch_cuda"])
         and _str_or_none(inputs["nvcc"])
         and isinstance(inputs["cxx11_abi"], bool)
-        and _strings(inputs["arch_list"])
+        and _arch_entries(inputs["arch_list"])
     )
 
 
@@ -143,7 +154,7 @@ def _is_manifest(data: JSON) -> TypeGuard[Manifest]:
     optional = {
         "build_seconds": _number,
         "created": lambda v: isinstance(v, str),
-        "covers": _strings,
+        "covers": _arch_entries,
         "mode": lambda v: isinstance(v, str),
         "builder": _valid_builder,
     }
