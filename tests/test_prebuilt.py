@@ -349,6 +349,48 @@ def test_lock_pins_the_digests_and_fetch_fills_the_cache_for_offline_use(
     assert snapshot(other, digest=True) == before
 
 
+def test_a_tampered_lock_is_refused_with_the_command_that_writes_it_anew(
+    tmp_path: Path,
+) -> None:
+    from qwen_kvprep.errors import UsageError
+    from qwen_kvprep.steps.prebuilt import parse_source
+
+    folder = tmp_path / "export"
+    folder.mkdir()
+    pinned = {"key": "0" * 64, "metadata_sha256": "1" * 64, "files": {}}
+    good = {"lock_version": 1, "source": str(folder), "revision": None,
+            "variants": {"v": pinned}}
+    lock = tmp_path / "kvprep.lock.json"
+
+    def refusal(data: Any) -> str:
+        if isinstance(data, bytes):
+            lock.write_bytes(data)
+        else:
+            lock.write_text(json.dumps(data))
+        with pytest.raises(UsageError) as err:
+            parse_source(str(lock))
+        assert "build --lock SOURCE --lock-file FILE" in str(err.value.fix)
+        return err.value.message
+
+    lock.write_text(json.dumps(good))
+    assert parse_source(str(lock)).folder == folder
+    hub = {**good, "source": "org/kernels", "revision": "a" * 40}
+    lock.write_text(json.dumps(hub))
+    assert parse_source(str(lock)).revision == "a" * 40
+    # a source that is itself, or any file: refused, not followed (it recursed until
+    # Python's limit and said the lock "nests more than 16 levels deep")
+    assert "neither a folder nor a Hub repo id" in refusal({**good, "source": str(lock)})
+    assert "neither a folder nor a Hub repo id" in refusal({**good, "source": "/etc/passwd"})
+    # a Hub source pins a commit, not a branch that moves or a path out of the refs
+    for rev in ("main", "../../../../tmp/evil", "A" * 40):
+        assert "is not a commit" in refusal({**hub, "revision": rev}), rev
+    assert "pins no commit" in refusal({**hub, "revision": None})
+    assert "is not UTF-8" in refusal(b'{"lock_version": 1, "source": "\xc0"}')
+    assert "is not valid JSON" in refusal(b"{")
+    with pytest.raises(UsageError, match="is not a branch, tag or commit"):
+        parse_source("org/kernels@../../../tmp/evil")
+
+
 # -- doctor -------------------------------------------------------------------------------
 def test_doctor_reports_the_source_the_needed_variant_and_whether_it_is_there(
     exported: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch

@@ -54,7 +54,7 @@ from qwen_kvprep.probe.toolchain import torch_info
 from qwen_kvprep.redact import install_log_filter
 from qwen_kvprep.state.writer import load_state
 from qwen_kvprep.steps.download import _cause_summary, _progress_bars
-from qwen_kvprep.untrusted import read_record
+from qwen_kvprep.untrusted import describe_json_error, read_record
 
 if TYPE_CHECKING:
     from qwen_kvprep.buildcache.builder import BuildResult
@@ -68,6 +68,7 @@ LOCK_FILE = "kvprep.lock.json"
 LOCK_VERSION = 1
 _REPO = re.compile(r"^(?P<repo>[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*)(?:@(?P<rev>[^\s@]+))?$")
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
+_COMMIT = re.compile(r"^[0-9a-f]{40}$")
 
 
 class LockedVariant(TypedDict):
@@ -102,10 +103,13 @@ class Source:
 def _lock_problem(data: JSON) -> Optional[str]:
     if not isinstance(data, dict) or data.get("lock_version") != LOCK_VERSION:
         return f"it is not a version {LOCK_VERSION} qwen-kvprep lock"
-    if not isinstance(data.get("source"), str) or not isinstance(
-        data.get("revision"), (str, type(None))
-    ):
+    source, revision = data.get("source"), data.get("revision")
+    if not isinstance(source, str) or not isinstance(revision, (str, type(None))):
         return "its source or revision is malformed"
+    if revision is not None and not _COMMIT.match(revision):
+        return f"its revision {revision!r} is not a commit (40 hex digits)"
+    if revision is None and not os.path.isabs(source):
+        return "it pins no commit of its Hub repo (revision is null)"
     variants = data.get("variants")
     if not isinstance(variants, dict) or not variants:
         return "it pins no variant"
@@ -124,13 +128,12 @@ def read_lock(path: Path) -> LockData:
     try:
         data: JSON = read_record(path)
     except (OSError, ValueError) as exc:
-        raise UsageError(f"cannot read the lock file {path}: {exc}") from None
+        raise UsageError(
+            f"the lock file {path} {describe_json_error(exc)}", fix=_WRITE_LOCK
+        ) from None
     why = _lock_problem(data)
     if why is not None:
-        raise UsageError(
-            f"{path} cannot be used as a lock file: {why}",
-            fix="write it anew: `qwen-kvprep build --lock SOURCE --lock-file FILE`",
-        )
+        raise UsageError(f"{path} cannot be used as a lock file: {why}", fix=_WRITE_LOCK)
     lock: LockData = data  # type: ignore[assignment]  # checked just above
     return lock
 
@@ -138,28 +141,44 @@ def read_lock(path: Path) -> LockData:
 def parse_source(spec: str) -> Source:
     """A folder, a lock file or a Hub repo id (an existing path wins, as in transformers)."""
     path = Path(os.path.expanduser(spec))
+    if not path.is_file():
+        return _folder_or_repo(spec)
+    lock = read_lock(path)
+    # not parse_source: a lock's source that is a file (itself, another lock) is refused,
+    # not followed
+    inner = _folder_or_repo(lock["source"], lock_file=path)
+    return Source(str(path.absolute()), inner.folder, inner.repo_id, lock["revision"], lock)
+
+
+def _folder_or_repo(spec: str, lock_file: Optional[Path] = None) -> Source:
+    path = Path(os.path.expanduser(spec))
     if path.is_dir():
         return Source(str(path.absolute()), folder=path.absolute())
-    if path.is_file():
-        lock = read_lock(path)
-        inner = parse_source(lock["source"])
-        if inner.lock is not None:
-            raise UsageError(f"the lock file {path} names another lock file as its source")
-        return Source(
-            str(path.absolute()),
-            inner.folder,
-            inner.repo_id,
-            lock["revision"] or inner.revision,
-            lock,
-        )
     m = _REPO.match(spec)
-    if m is None:
+    rev = m["rev"] if m is not None else None
+    if m is not None and not os.path.lexists(path) and not (rev and _bad_revision(rev)):
+        return Source(spec, repo_id=m["repo"], revision=rev)
+    if lock_file is not None:
         raise UsageError(
-            f"--prebuilt {spec!r} is neither a folder, a lock file nor a Hub repo id",
-            fix="pass a folder written by `qwen-kvprep build --export DIR`, ORG/NAME[@REVISION], "
-            f"or a lock file written by `qwen-kvprep build --lock SOURCE` ({LOCK_FILE})",
+            f"{lock_file} cannot be used as a lock file: its source {spec!r} is neither a "
+            "folder nor a Hub repo id",
+            fix=_WRITE_LOCK,
         )
-    return Source(spec, repo_id=m["repo"], revision=m["rev"])
+    if m is not None and rev and _bad_revision(rev):
+        raise UsageError(f"--prebuilt {spec!r}: {rev!r} is not a branch, tag or commit")
+    raise UsageError(
+        f"--prebuilt {spec!r} is neither a folder, a lock file nor a Hub repo id",
+        fix="pass a folder written by `qwen-kvprep build --export DIR`, ORG/NAME[@REVISION], "
+        f"or a lock file written by `qwen-kvprep build --lock SOURCE` ({LOCK_FILE})",
+    )
+
+
+def _bad_revision(rev: str) -> bool:
+    """A revision huggingface_hub would resolve outside the repo's refs (`..`, `/x`)."""
+    return rev.startswith("/") or ".." in rev.split("/")
+
+
+_WRITE_LOCK = "write it anew: `qwen-kvprep build --lock SOURCE --lock-file FILE`"
 
 
 # -- the Hub -----------------------------------------------------------------------------
