@@ -106,6 +106,18 @@ def current_user() -> str:
 _NO_SPACE = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)}
 
 
+def _existing(path: str) -> str:
+    """`path`, or its nearest ancestor that exists."""
+    while path and not os.path.lexists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    return path
+
+
+def _inside(path: str, folder: str) -> bool:
+    full, base = os.path.abspath(path), os.path.abspath(folder)
+    return full == base or full.startswith(base.rstrip(os.sep) + os.sep)
+
+
 def os_failure(
     exc: OSError,
     folder: Union[str, os.PathLike[str], None] = None,
@@ -114,10 +126,18 @@ def os_failure(
     """An OSError as something the user can act on (the caller raises it `from exc`).
 
     `folder` is the folder being prepared (DIR, or OUT with --output); `output_option`
-    says whether `--output OUT` would help (fix and prestart) or not (revert)."""
-    path = exc.filename if exc.filename is not None else folder
+    says whether `--output OUT` would help (fix and prestart) or not (revert). The path
+    shown is the one written: a copy's or a rename's destination (filename2), not its
+    source; one outside `folder` (the build cache, say) is advised on by its own folder."""
+    path = exc.filename2 if exc.filename2 is not None else exc.filename
+    if path is None:
+        path = folder
     shown = os.fspath(path) if path is not None else "a file"
-    where = os.fspath(folder) if folder is not None else os.path.dirname(os.fspath(shown))
+    where = _existing(os.path.dirname(shown))  # a temporary folder is gone by now
+    if folder is not None and (path is folder or _inside(shown, os.fspath(folder))):
+        where = os.fspath(folder)
+    else:
+        output_option = False  # a view of DIR writes to the same place
     q = shlex.quote
     code = exc.errno
     if code == errno.EROFS:
@@ -135,9 +155,7 @@ def os_failure(
             "again; what was written so far is recorded and kept",
         )
     if code in (errno.EACCES, errno.EPERM):
-        existing = shown
-        while not os.path.lexists(existing) and os.path.dirname(existing) != existing:
-            existing = os.path.dirname(existing)
+        existing = _existing(shown)
         return FileSystemError(
             f"permission denied on {shown} for user {current_user()}",
             fix=f"run as the owner of {q(where)} (`ls -ld {q(existing)}` shows it), or give this "

@@ -443,3 +443,31 @@ def test_template_refuses_unsafe_prebuilt_values(value: str) -> None:
 def test_entrypoint_template_has_no_prebuilt_option() -> None:
     res = invoke("template", "entrypoint", "--prebuilt", "Org/kernels")
     assert res.returncode == 2 and "QWEN_KVPREP_PREBUILT" in res.stderr
+
+
+def test_an_unwritable_export_or_lock_file_is_named_with_advice_that_fits(
+    exported: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import errno
+
+    from qwen_kvprep.errors import FileSystemError
+    from qwen_kvprep.steps import prebuilt
+
+    dest = tmp_path / "exp"
+
+    def read_only(*args: Any, **kwargs: Any) -> None:
+        raise OSError(errno.EROFS, "Read-only file system", str(dest / "build" / ".v.tmp"))
+
+    monkeypatch.setattr(prebuilt, "export", read_only)
+    monkeypatch.setattr(prebuilt, "vendored_sources", lambda: {})
+    with pytest.raises(FileSystemError) as err:
+        prebuilt.export_build(dest, prebuilt.Outcome([], {}), None, None)  # type: ignore[arg-type]
+    assert "--output" not in str(err.value.fix)  # fix's advice for a read-only DIR
+
+    lock = tmp_path / "kvprep.lock.json"
+    monkeypatch.setattr(prebuilt, "atomic_write_text", read_only)
+    with pytest.raises(FileSystemError) as err:
+        prebuilt.write_lock(str(exported), lock)
+    # the lock file, not the temporary file written first
+    assert err.value.message == f"{lock} is on a read-only file system"
+    assert "--output" not in str(err.value.fix)

@@ -674,3 +674,29 @@ def test_replicas_making_one_new_output_view_together(
     assert json.loads((out / "config.json").read_text())["use_cache_kernel"] is True
     assert kvprep("revert", str(out), env=env).returncode == 0
     assert (out / "config.json").is_symlink()
+
+
+def test_a_file_system_refusal_names_the_file_written_and_the_folder_to_act_on(
+    tmp_path: Path,
+) -> None:
+    import errno
+
+    from qwen_kvprep.errors import os_failure
+
+    model, cache = tmp_path / "model", tmp_path / "cache"
+    model.mkdir()
+    cache.mkdir()
+    # a copy into DIR: the destination (filename2) is what was written, not the source
+    copy = OSError(errno.ENOSPC, "No space left on device", str(cache / "x.so"),
+                   None, str(model / "x.so"))
+    err = os_failure(copy, model)
+    assert f"writing {model / 'x.so'}" in err.message and f"df -h {model}" in str(err.fix)
+    # a write outside DIR (the build cache): that folder is the one to free or remount,
+    # a temporary folder already gone is named by the nearest that exists, and a view of
+    # DIR (--output) would not help
+    full = OSError(errno.ENOSPC, "No space left on device", str(cache / "tmp.1" / "x.so"))
+    err = os_failure(full, model)
+    assert f"holding {cache} " in err.message and f"df -h {cache}" in str(err.fix)
+    ro = OSError(errno.EROFS, "Read-only file system", str(cache / "x.so"))
+    assert "--output" not in str(os_failure(ro, model).fix)
+    assert "--output" in str(os_failure(OSError(errno.EROFS, "x", str(model / "c")), model).fix)

@@ -47,7 +47,7 @@ from qwen_kvprep.buildcache.variant import (
     verified_sources,
 )
 from qwen_kvprep.common import KERNEL_FILES
-from qwen_kvprep.errors import KvprepError, SourceError, UsageError
+from qwen_kvprep.errors import KvprepError, SourceError, UsageError, os_failure
 from qwen_kvprep.findings import Finding, fail, info, ok, warn
 from qwen_kvprep.fsutil import atomic_write_text, check_output_file
 from qwen_kvprep.probe.toolchain import torch_info
@@ -519,7 +519,10 @@ def export_build(
     sources = read_sources(source_dir, required=KERNEL_FILES[:1]) if source_dir else (
         vendored_sources()
     )
-    done = export(result, sources, dest)
+    try:
+        done = export(result, sources, dest)
+    except OSError as exc:  # a read-only or full DEST: said of DEST, not of a view of DIR
+        raise os_failure(exc, dest, output_option=False) from exc
     verb = "replaced" if done.replaced else "added"
     message = (
         f"{verb} the variant {done.name} in {dest}; publish it with `hf upload ORG/NAME "
@@ -557,7 +560,12 @@ def write_lock(spec: str, out: Path) -> Outcome:
             for v in listing.variants
         },
     }
-    atomic_write_text(out, json.dumps(lock, indent=2, sort_keys=True) + "\n")
+    try:
+        atomic_write_text(out, json.dumps(lock, indent=2, sort_keys=True) + "\n")
+    except OSError as exc:  # named after the lock file, not the temporary one written first
+        raise os_failure(
+            OSError(exc.errno, exc.strerror, str(out)), output_option=False
+        ) from exc
     names = sorted(lock["variants"])
     unusable = listing.unusable
     findings: list[Finding] = [
