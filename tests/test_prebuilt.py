@@ -237,20 +237,43 @@ def test_variant_of_other_sources_is_refused_where_sources_are_asked_for(
     assert snapshot(tiny, digest=True) == before and not (tmp_path / "cache").exists()
 
 
-def test_inconsistent_metadata_makes_a_variant_unusable(exported: Path, tiny: Path) -> None:
+@pytest.mark.parametrize("how", ["key", "no-sources"])
+def test_inconsistent_metadata_makes_a_variant_unusable(
+    exported: Path, tiny: Path, how: str
+) -> None:
     variant = the_variant(exported)
     metadata = json.loads((variant / METADATA).read_text())
-    metadata["key"] = "0" * 64
+    if how == "key":
+        metadata["key"] = "0" * 64
+        said = "metadata.json's key does not match"
+    else:  # consistent, but no kernel sources: it installed and planted none in DIR
+        inputs = metadata["manifest"]["inputs"]
+        inputs["sources"] = metadata["sources"] = {}
+        metadata["files"] = {SO_FILE: metadata["files"][SO_FILE]}
+        metadata["key"] = metadata["manifest"]["key"] = build_key(inputs)
+        said = "metadata.json records no kernel sources"
     (variant / METADATA).write_text(json.dumps(metadata))
+    before = snapshot(tiny, digest=True)
     res = invoke("fix", str(tiny), "--prebuilt", str(exported), "--no-smoke", "--json")
     assert res.returncode == 1
     refused = finding(document(res), "prebuilt.variant")
-    assert f"{variant.name} (metadata.json's key does not match" in refused["message"]
+    assert f"{variant.name} ({said}" in refused["message"]
+    assert snapshot(tiny, digest=True) == before
 
 
 def test_not_a_source_is_a_usage_error(tiny: Path, tmp_path: Path) -> None:
     res = invoke("fix", str(tiny), "--prebuilt", "no such thing", "--no-smoke")
     assert res.returncode == 2 and "neither a folder, a lock file nor a Hub repo id" in res.stderr
+
+
+def test_a_folder_inside_an_export_is_refused_naming_the_export(
+    exported: Path, tiny: Path
+) -> None:
+    # the advice was to export into it, which nests a second export inside the first
+    for inner in (the_variant(exported), exported / "build"):
+        res = invoke("fix", str(tiny), "--prebuilt", str(inner), "--no-smoke")
+        assert res.returncode == 2, res.stderr
+        assert "inside an export" in res.stderr and f"--prebuilt {exported}" in res.stderr
 
 
 # -- the Hub ------------------------------------------------------------------------------

@@ -143,6 +143,10 @@ def _metadata_problem(data: JSON, name: str) -> Optional[str]:
         KERNEL_FILES
     ):
         return f"{METADATA}'s sources differ from those the build was made from"
+    if KERNEL_FILES[0] not in sources:
+        # every build compiles the .cpp; without it fix would install a library and plant
+        # no kernel sources in the checkpoint
+        return f"{METADATA} records no kernel sources ({KERNEL_FILES[0]})"
     if not isinstance(files, dict) or files != expected:
         return f"{METADATA}'s file list is not the extension and its kernel sources"
     if not all(isinstance(v, str) and _SHA256.match(v) for v in expected.values()):

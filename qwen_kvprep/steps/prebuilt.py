@@ -36,6 +36,7 @@ from qwen_kvprep.buildcache.builder import (
 from qwen_kvprep.buildcache.loader import source_hashes
 from qwen_kvprep.buildcache.variant import (
     BUILD_DIRNAME,
+    METADATA,
     Chosen,
     Variant,
     bad_files,
@@ -283,10 +284,27 @@ def list_source(
         )
         commit = root.name
     variants, unusable = list_variants(root)
+    if source.folder is not None and not variants and not unusable:
+        _refuse_inner_folder(root)
     if source.lock is not None:
         pinned = source.lock["variants"]
         variants = [v for v in variants if v.name in pinned]
     return Listing(root, commit, variants, unusable)
+
+
+def _refuse_inner_folder(root: Path) -> None:
+    """A folder inside an export (a variant, or build/) given as SOURCE: the advice to
+    export into it would nest a second export inside the first."""
+    if (root / METADATA).is_file():
+        export, what = root.parent.parent, "one variant's folder"
+    elif root.name == BUILD_DIRNAME and root.parent.is_dir():
+        export, what = root.parent, f"the {BUILD_DIRNAME}/ folder"
+    else:
+        return
+    raise UsageError(
+        f"--prebuilt {root} is {what} inside an export; SOURCE is the export folder itself",
+        fix=f"pass --prebuilt {shlex.quote(str(export))}",
+    )
 
 
 # -- what this machine needs -------------------------------------------------------------
