@@ -316,6 +316,34 @@ def test_fix_from_the_hub_then_offline_from_its_cache(
     assert fake_hub.requests == []
 
 
+def test_a_damaged_copy_in_the_hub_cache_is_named_and_fetch_repairs_it(
+    fake_hub: FakeHub, exported: Path, tiny: Path, tmp_path: Path  # noqa: F811
+) -> None:
+    decoy = _serve(fake_hub, exported)
+    name = the_variant_name(exported, decoy)
+    res = invoke("build", "--fetch", REPO, "--json")
+    assert res.returncode == 0, res.stdout
+    # the blob the snapshot links to, damaged (a disk error, a hand edit)
+    snapshot_so = Path(document(res)["root"]) / "build" / name / SO_FILE
+    blob = Path(os.path.realpath(snapshot_so))
+    assert blob != snapshot_so and "blobs" in blob.parts
+    blob.write_bytes(blob.read_bytes() + b"x")
+    env = child_env(tmp_path, "server", HF_HUB_OFFLINE="1",
+                    HF_HUB_CACHE=str(tmp_path / "hf-cache"))
+    code, doc = fix(tiny, env, "--prebuilt", REPO, "--no-smoke")
+    assert code == 1
+    refused = finding(doc, "prebuilt.verify")
+    assert f"qwen-kvprep build --fetch {REPO}" in refused["fix"], refused
+    # removing the snapshot's link and fetching again linked the same damaged blob: fetch
+    # now downloads what fails verification anew
+    res = invoke("build", "--fetch", REPO, "--json")
+    assert res.returncode == 0, res.stdout
+    assert ": downloaded damaged files anew" in res.stdout  # (the decoy shares the blob)
+    assert sha256_file(blob) == sha256_file(exported / "build" / name / SO_FILE)
+    code, doc = fix(tiny, env, "--prebuilt", REPO, "--no-smoke")
+    assert code == 0, doc
+
+
 def the_variant_name(exported: Path, decoy: Path) -> str:
     (name,) = [p.name for p in (exported / "build").iterdir() if p.name != decoy.name]
     return name

@@ -433,12 +433,18 @@ def verify(variant: Variant, source: Source) -> None:
             else f"{rel}: missing or not a regular file"
             for rel, got in sorted(bad.items())
         )
+        again = (
+            "export the variant again (`qwen-kvprep build --export "
+            f"{shlex.quote(str(source.folder))}` on a machine of this kind)"
+            if source.folder is not None
+            else f"download the damaged files anew where the Hub is reachable: `qwen-kvprep "
+            f"build --fetch {shlex.quote(source.spec)}`"
+        )
         raise SourceError.failing(
             "prebuilt.verify",
             f"the prebuilt variant {variant.name} in {variant.folder} failed verification "
             f"({listing}); nothing was installed",
-            "export the variant again (`qwen-kvprep build --export DIR`), or remove the bad "
-            "copy from the huggingface_hub cache and fetch it anew",
+            again,
             [variant.folder / rel for rel in sorted(bad)],
             variant=variant.name,
             files={rel: got for rel, got in sorted(bad.items())},
@@ -607,7 +613,16 @@ def fetch_all(spec: str, progress: Optional[bool] = None) -> Outcome:
     findings: list[Finding] = []
     for variant in listing.variants:
         try:
-            verify(variant, source)
+            try:
+                verify(variant, source)
+            except SourceError:
+                # a damaged copy in the huggingface_hub cache: a plain download links the
+                # same damaged blob again, so those files are downloaded anew, once
+                if not _download_anew(source, listing, variant):
+                    raise
+                verify(variant, source)
+                findings.append(info("prebuilt.fetch", f"{variant.name}: downloaded "
+                                     "damaged files anew", paths=[variant.folder]))
         except SourceError as exc:
             findings += exc.findings
             continue
@@ -619,6 +634,23 @@ def fetch_all(spec: str, progress: Optional[bool] = None) -> Outcome:
     names: list[JSON] = [v.name for v in listing.variants]
     fields: JSONObject = {"root": str(listing.root), "revision": listing.commit, "variants": names}
     return Outcome(findings, fields)
+
+
+def _download_anew(source: Source, listing: Listing, variant: Variant) -> bool:
+    """Download the files of `variant` that fail verification again, replacing their blobs
+    in the huggingface_hub cache; False when SOURCE is no Hub repo, or offline."""
+    from huggingface_hub import constants, hf_hub_download
+
+    bad = bad_files(variant)
+    if source.repo_id is None or listing.commit is None or not bad or constants.HF_HUB_OFFLINE:
+        return False
+    try:
+        for rel in sorted(bad):
+            hf_hub_download(source.repo_id, f"{BUILD_DIRNAME}/{variant.name}/{rel}",
+                            revision=listing.commit, force_download=True)
+    except (OSError, ValueError) as exc:
+        raise _hub_error(exc, source, f"the files of {variant.name}") from exc
+    return True
 
 
 # -- doctor ------------------------------------------------------------------------------
