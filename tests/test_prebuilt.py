@@ -237,6 +237,39 @@ def test_variant_of_other_sources_is_refused_where_sources_are_asked_for(
     assert snapshot(tiny, digest=True) == before and not (tmp_path / "cache").exists()
 
 
+def test_a_variant_of_other_sources_sits_beside_ours_and_auto_prefers_ours(
+    exported: Path, tiny: Path, tmp_path: Path
+) -> None:
+    """Exporting a build of other sources for the same ABI replaced ours (one folder name
+    per ABI); now each set of sources has its own, and --source picks among them."""
+    import hashlib
+
+    from qwen_kvprep.buildcache.variant import variant_name
+
+    ours = the_variant(exported)
+    other = exported / "build" / ".staged"
+    shutil.copytree(ours, other)
+    cpp = (other / KERNEL_FILES[0]).read_bytes() + b"\n// patched\n"
+    (other / KERNEL_FILES[0]).write_bytes(cpp)
+    metadata = json.loads((other / METADATA).read_text())
+    inputs = metadata["manifest"]["inputs"]
+    inputs["sources"][KERNEL_FILES[0]] = hashlib.sha256(cpp).hexdigest()
+    metadata["sources"] = inputs["sources"]
+    metadata["files"][KERNEL_FILES[0]] = inputs["sources"][KERNEL_FILES[0]]
+    metadata["key"] = metadata["manifest"]["key"] = build_key(inputs)
+    name = metadata["variant"] = variant_name(inputs, metadata["manifest"]["cuda"])
+    assert name.startswith(f"{ours.name}-src") and len(name) == len(ours.name) + 12
+    (other / METADATA).write_text(json.dumps(metadata))
+    other.rename(exported / "build" / name)
+    assert sorted(v.name for v in list_variants(exported)[0]) == [ours.name, name]
+    for policy in ("auto", "vendored"):
+        cache = tmp_path / f"cache-{policy}"
+        res = invoke("fix", str(tiny), "--prebuilt", str(exported), "--source", policy,
+                     "--no-smoke", "--json", "--cache-dir", str(cache), "--dry-run")
+        assert res.returncode == 0, res.stdout
+        assert json.loads(res.stdout)["prebuilt"]["variant"] == ours.name
+
+
 @pytest.mark.parametrize("how", ["key", "no-sources"])
 def test_inconsistent_metadata_makes_a_variant_unusable(
     exported: Path, tiny: Path, how: str

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional, TypedDict
 
+from qwen_kvprep import catalogue
 from qwen_kvprep.buildcache.builder import _publish, build_key, find_build
 from qwen_kvprep.buildcache.lock import build_lock, lock_timeout
 from qwen_kvprep.buildcache.manifest import (
@@ -82,7 +83,19 @@ def variant_name(inputs: BuildInputs, with_cuda: bool, os_name: str = sys.platfo
     if not arch:
         system, arch = ("linux" if os_name.startswith("linux") else os_name), system
     name = "-".join([f"torch{torch}", abi, device, inputs["python_tag"], arch, system])
-    return re.sub(r"[^A-Za-z0-9._+-]", "_", name)
+    return re.sub(r"[^A-Za-z0-9._+-]", "_", name + _sources_tag(inputs["sources"]))
+
+
+def _sources_tag(sources: dict[str, str]) -> str:
+    """"" for qwen-kvprep's own kernels, "-official" for Qwen's, "-src<sha256[:8]>" for any
+    other: builds of other sources for one ABI get folders of their own, so that exporting
+    one does not replace the other (`fix --prebuilt --source` picks among them)."""
+    kind, _ = catalogue.classify_set(sources, catalogue.ours_hashes())
+    if kind == catalogue.OURS:
+        return ""
+    if kind == catalogue.OFFICIAL:
+        return "-official"
+    return "-src" + sha256_bytes(json.dumps(sorted(sources.items())).encode())[:8]
 
 
 def describe(inputs: BuildInputs, cuda: bool) -> str:
