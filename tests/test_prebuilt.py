@@ -372,7 +372,7 @@ def test_a_damaged_copy_in_the_hub_cache_is_named_and_fetch_repairs_it(
     res = invoke("build", "--fetch", REPO, "--json")
     assert res.returncode == 0, res.stdout
     assert ": downloaded damaged files anew" in res.stdout  # (the decoy shares the blob)
-    assert sha256_file(blob) == sha256_file(exported / "build" / name / SO_FILE)
+    assert sha256_file(snapshot_so) == sha256_file(exported / "build" / name / SO_FILE)
     code, doc = fix(tiny, env, "--prebuilt", REPO, "--no-smoke")
     assert code == 0, doc
 

@@ -637,17 +637,31 @@ def fetch_all(spec: str, progress: Optional[bool] = None) -> Outcome:
 
 
 def _download_anew(source: Source, listing: Listing, variant: Variant) -> bool:
-    """Download the files of `variant` that fail verification again, replacing their blobs
-    in the huggingface_hub cache; False when SOURCE is no Hub repo, or offline."""
+    """Download the files of `variant` that fail verification again, their damaged copies
+    in the huggingface_hub cache removed first (a plain download links the same blob
+    again, and some huggingface_hub releases return a commit's cached file even with
+    force_download); False when SOURCE is no Hub repo, or offline."""
     from huggingface_hub import constants, hf_hub_download
 
     bad = bad_files(variant)
     if source.repo_id is None or listing.commit is None or not bad or constants.HF_HUB_OFFLINE:
         return False
+    blobs = os.path.realpath(listing.root.parent.parent / "blobs")
+    try:
+        for rel in bad:
+            pointer = variant.folder / rel
+            blob = os.path.realpath(pointer)
+            # only what lies in this repo's own cache folders: the snapshot's link, its blob
+            if os.path.dirname(blob) == blobs and os.path.isfile(blob):
+                os.unlink(blob)
+            if os.path.islink(pointer) or os.path.isfile(pointer):
+                os.unlink(pointer)
+    except OSError as exc:
+        raise os_failure(exc, output_option=False) from exc
     try:
         for rel in sorted(bad):
             hf_hub_download(source.repo_id, f"{BUILD_DIRNAME}/{variant.name}/{rel}",
-                            revision=listing.commit, force_download=True)
+                            revision=listing.commit)
     except (OSError, ValueError) as exc:
         raise _hub_error(exc, source, f"the files of {variant.name}") from exc
     return True
