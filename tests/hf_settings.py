@@ -15,7 +15,17 @@ import sys
 from typing import Any
 
 import pytest
-from huggingface_hub import constants, file_download, hf_api  # noqa: F401  (imported: patched)
+
+# Imported here, at collection, before any test patches a setting: a module imported first
+# inside such a test (huggingface_hub loads its submodules lazily) copies the patched value
+# and keeps it after the test, where no later patch finds it (it is not `constants`' value):
+# 0.19's snapshot_download then downloaded into an earlier test's cache.
+from huggingface_hub import (  # noqa: F401  (imported: patched)
+    _snapshot_download,
+    constants,
+    file_download,
+    hf_api,
+)
 
 _MISSING = object()
 
