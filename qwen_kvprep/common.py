@@ -49,7 +49,13 @@ LOADER_MARKER = "# qwen-kvprep loader"
 # the model code whose last lines fix adds to import it (fastkv.py).
 FAST_FILE = "qwen_kvprep_kv.py"
 MODELING_FILE = "modeling_qwen.py"
-TRACKED_FILES = ("config.json", LOADER_FILE, *KERNEL_FILES, FAST_FILE, MODELING_FILE)
+# What Qwen's code needs from the running transformers (templates/qwen_kvprep_compat.py),
+# written beside modeling_qwen.py, which imports it relatively (compat.py): transformers
+# copies it into the modules cache itself.
+COMPAT_FILE = "qwen_kvprep_compat.py"
+TRACKED_FILES = (
+    "config.json", LOADER_FILE, *KERNEL_FILES, FAST_FILE, COMPAT_FILE, MODELING_FILE
+)
 MODULE_FILES = (*KERNEL_FILES, LOADER_FILE, FAST_FILE)
 
 # transformers names a local checkpoint's modules-cache folder after the last part of its

@@ -1,19 +1,27 @@
 """The transformers modules cache: where the model's remote code really runs from.
 
 transformers copies modeling_qwen.py (and the .py files it imports relatively) into
-`<HF_MODULES_CACHE>/transformers_modules/<name>/` and imports it from there, so the model
-looks for the kernel sources and cpp_kernels.py in that folder, not in the checkpoint
-(facts §4). `<name>` depends on the transformers version; instead of re-implementing its
-naming, `module_folder` asks transformers to do exactly what a load does.
+`<HF_MODULES_CACHE>/transformers_modules/<name>/` (transformers 5:
+`<name>/<hash>/`, the hash of the code's own bytes) and imports it from there, so the
+model looks for the kernel sources and cpp_kernels.py in that folder, not in the
+checkpoint. `<name>` and `<hash>` depend on the transformers version; instead of
+re-implementing its naming, `module_folder` asks transformers to do exactly what a load
+does, and the prediction of a dry run runs transformers' own hash over the code as fix
+would leave it.
 """
 
 from __future__ import annotations
 
 import os
+import tempfile
+from collections.abc import Mapping
 from pathlib import Path
+from types import ModuleType
+from typing import Optional
 
 from qwen_kvprep.common import modules_cache_root
 from qwen_kvprep.errors import CacheError, CheckpointError
+from qwen_kvprep.untrusted import read_regular
 
 MODULE_FILE = "modeling_qwen.py"
 DYNAMIC_MODULE_NAME = "transformers_modules"
@@ -27,12 +35,57 @@ def transformers_root() -> Path:
     return Path(getattr(dmu, "HF_MODULES_CACHE", None) or modules_cache_root()[0])
 
 
-def module_folder(checkpoint_dir: Path, materialize: bool = True) -> Path:
+CODE_LIMIT = 4 << 20  # a .py file of the checkpoint's code (modeling_qwen.py: ~60 KB)
+
+
+def code_hash(
+    checkpoint_dir: Path, planned: Optional[Mapping[str, bytes]] = None
+) -> Optional[str]:
+    """The `<hash>` part of the folder transformers 5 runs a local checkpoint's code from,
+    for the code as it will be once `planned` (file name -> bytes) is written; None for a
+    release that names the folder after the checkpoint alone.
+
+    transformers hashes modeling_qwen.py and the files it imports relatively; its own
+    function runs on a scratch copy of the folder's .py files, so nothing is written to
+    the checkpoint (a dry run) and the hash is exactly the one a load computes."""
+    from transformers import dynamic_module_utils as dmu
+
+    return _code_hash(dmu, Path(checkpoint_dir), planned or {})
+
+
+def _code_hash(
+    dmu: ModuleType, checkpoint_dir: Path, planned: Mapping[str, bytes]
+) -> Optional[str]:
+    compute = getattr(dmu, "_compute_local_source_files_hash", None)
+    if not callable(compute):
+        return None
+    with tempfile.TemporaryDirectory(prefix="qwen-kvprep-code-") as tmp:
+        scratch = Path(tmp) / "code"
+        scratch.mkdir()
+        for path in sorted(Path(checkpoint_dir).glob("*.py")):
+            try:
+                (scratch / path.name).write_bytes(read_regular(path, CODE_LIMIT))
+            except (OSError, ValueError):
+                continue  # not a file transformers could copy either
+        for name, data in planned.items():
+            (scratch / name).write_bytes(data)
+        try:
+            return str(compute(str(scratch), str(scratch / MODULE_FILE)))
+        except (OSError, ValueError):
+            return None
+
+
+def module_folder(
+    checkpoint_dir: Path,
+    materialize: bool = True,
+    planned: Optional[Mapping[str, bytes]] = None,
+) -> Path:
     """The folder the checkpoint's remote code is imported from.
 
     materialize=True calls transformers' get_cached_module_file, which copies the remote
     code there exactly as from_pretrained would (idempotent). materialize=False predicts
-    the folder with transformers' own naming without writing anything (for --dry-run).
+    the folder with transformers' own naming without writing anything (for --dry-run),
+    for the code as it will be once `planned` is written.
     """
     from transformers import dynamic_module_utils as dmu
 
@@ -44,7 +97,8 @@ def module_folder(checkpoint_dir: Path, materialize: bool = True) -> Path:
         sanitize = getattr(dmu, "_sanitize_module_name", None)
         if callable(sanitize):  # newer transformers rename folders it cannot import
             name = sanitize(name)
-        return root / package / name
+        digest = _code_hash(dmu, Path(source), planned or {})
+        return root / package / name / digest if digest else root / package / name
     try:
         rel = dmu.get_cached_module_file(source, MODULE_FILE, local_files_only=True)
     except ImportError as exc:
@@ -62,7 +116,9 @@ def module_folder(checkpoint_dir: Path, materialize: bool = True) -> Path:
     return root / Path(rel).parent
 
 
-def spelling_folders(checkpoint_dir: Path) -> list[tuple[Path, str]]:
+def spelling_folders(
+    checkpoint_dir: Path, planned: Optional[Mapping[str, bytes]] = None
+) -> list[tuple[Path, str]]:
     """Other modules-cache folders a load of this checkpoint by path runs from, besides
     `module_folder` (the folder of its absolute path's basename), with how it is spelt.
 
@@ -72,21 +128,25 @@ def spelling_folders(checkpoint_dir: Path) -> list[tuple[Path, str]]:
     `transformers_modules/` itself; a symlink gives the link's name, and the real folder's
     name when the server loads it by its real path. fix plants into each of these, so every
     spelling runs the kernel. A spelling ending in `..` is left out: transformers cannot
-    import the code from there at all.
+    import the code from there at all. transformers 5 adds the code's hash below each of
+    these (`transformers_modules/<hash>/` for `DIR/`).
     """
     from transformers import dynamic_module_utils as dmu
 
     root = Path(getattr(dmu, "HF_MODULES_CACHE", None) or modules_cache_root()[0])
     package = getattr(dmu, "TRANSFORMERS_DYNAMIC_MODULE_NAME", DYNAMIC_MODULE_NAME)
+    digest = _code_hash(dmu, Path(checkpoint_dir), planned or {})
+    base = root / package
     out: list[tuple[Path, str]] = []
     sanitize = getattr(dmu, "_sanitize_module_name", None)
     if not callable(sanitize) or sanitize("") == "":
         # newer transformers may rename an empty name; then the slash spelling has its own
-        out.append((root / package, "a path ending in / or /."))
+        out.append((base / digest if digest else base, "a path ending in / or /."))
     real = os.path.basename(os.path.realpath(checkpoint_dir))
     if real != os.path.basename(os.path.abspath(checkpoint_dir)):
         name = sanitize(real) if callable(sanitize) else real
-        out.append((root / package / name, "its real path, not the symlink"))
+        folder = base / name
+        out.append((folder / digest if digest else folder, "its real path, not the symlink"))
     return out
 
 

@@ -57,6 +57,7 @@ _AREA_TITLE = {
     "kernels": "Kernel sources",
     "build": "Build",
     "prebuilt": "Prebuilt kernels",
+    "compat": "Model code on this transformers (modeling_qwen.py)",
     "fastkv": "Fast path (modeling_qwen.py)",
     "modules": "Modules cache",
     "state": "Recorded state (.qwen-kvprep)",

@@ -1,15 +1,17 @@
-"""Step of `fix`: the Int8 cache's fast path. Plants qwen_kvprep_kv.py beside the loader
-and appends to modeling_qwen.py the block that imports it (fastkv.py), through the
-journal, for the revisions of modeling_qwen.py it was written for; any other revision is
-left alone with a finding that says why. With `--no-fast-path` the block is taken out
-again (the file as it was before fix)."""
+"""Step of `fix`: the model's code. Writes qwen_kvprep_compat.py beside modeling_qwen.py
+and adds the lines that import it (compat.py), so that Qwen's code runs on the installed
+transformers and on every other supported release; then the Int8 cache's fast path:
+plants qwen_kvprep_kv.py beside the loader and appends the block that imports it
+(fastkv.py), for the revisions of modeling_qwen.py it was written for; any other revision
+keeps the model's own attention, with a finding that says why. With `--no-fast-path` the
+fast path's block is taken out again. Everything goes through the journal."""
 
 from __future__ import annotations
 
 import shlex
 
-from qwen_kvprep import fastkv, hubcli
-from qwen_kvprep.common import FAST_FILE, MODELING_FILE
+from qwen_kvprep import compat, fastkv, hubcli
+from qwen_kvprep.common import COMPAT_FILE, FAST_FILE, MODELING_FILE
 from qwen_kvprep.findings import info, ok, warn
 from qwen_kvprep.resources import templates_dir
 from qwen_kvprep.steps.context import FixContext
@@ -23,6 +25,46 @@ def module_bytes(per_token_prefill: bool = False) -> bytes:
     return fastkv.render_module((templates_dir() / FAST_FILE).read_bytes(), per_token_prefill)
 
 
+def compat_bytes() -> bytes:
+    """The compatibility module as fix writes it."""
+    return (templates_dir() / COMPAT_FILE).read_bytes()
+
+
+def _compat(ctx: FixContext, text: str) -> str:
+    """modeling_qwen.py with the compatibility lines (and no fast-path block), once the
+    module is written; the text without them when the file defines none of Qwen's models."""
+    base = compat.unpatched(fastkv.unpatched(text))
+    path = ctx.directory / MODELING_FILE
+    reason = compat.recognise(base)
+    if reason is not None:
+        ctx.add(
+            warn(
+                "compat.model_code",
+                f"{MODELING_FILE} is left without qwen-kvprep's compatibility module: {reason}",
+                paths=[path],
+            )
+        )
+        ctx.extra["compat"] = False
+        return base
+    written = ctx.journal.write(COMPAT_FILE, compat_bytes())
+    result = compat.patched(base)
+    ctx.extra["compat"] = True
+    if written or result != fastkv.unpatched(text):
+        verb = "would add" if ctx.options.dry_run else "added"
+        ctx.add(
+            info(
+                "compat.model_code",
+                f"{verb} {COMPAT_FILE}, imported by {MODELING_FILE}: it gives Qwen's code what "
+                "the running transformers lacks (nothing before 4.54), so the folder serves "
+                "under every supported release",
+                paths=[path, ctx.directory / COMPAT_FILE],
+            )
+        )
+    else:
+        ctx.add(ok("compat.model_code", f"{COMPAT_FILE} is in place", paths=[path]))
+    return result
+
+
 def run(ctx: FixContext) -> None:
     path = ctx.directory / MODELING_FILE
     try:
@@ -32,10 +74,12 @@ def run(ctx: FixContext) -> None:
         message = f"cannot read {path}: {exc}; the fast path is not applied"
         ctx.add(warn("fastkv.model_code", message, paths=[path]))
         ctx.extra["fast_path"] = False
+        ctx.extra["compat"] = False
         return
+    base = _compat(ctx, text)
     if not ctx.options.fast_path:
+        ctx.journal.write(MODELING_FILE, base.encode("utf-8"))
         if fastkv.is_patched(text):
-            ctx.journal.write(MODELING_FILE, fastkv.unpatched(text).encode("utf-8"))
             verb = "would take" if ctx.options.dry_run else "took"
             message = f"{verb} the fast path out of {MODELING_FILE} (--no-fast-path)"
             ctx.add(info("fastkv.model_code", message, paths=[path]))
@@ -55,10 +99,11 @@ def run(ctx: FixContext) -> None:
                 paths=[path],
             )
         )
+        ctx.journal.write(MODELING_FILE, base.encode("utf-8"))
         ctx.extra["fast_path"] = False
         return
     planted = ctx.journal.write(FAST_FILE, module_bytes(ctx.options.per_token_prefill))
-    changed = ctx.journal.write(MODELING_FILE, fastkv.patched(text).encode("utf-8"))
+    changed = ctx.journal.write(MODELING_FILE, fastkv.patched(base).encode("utf-8"))
     ctx.extra["fast_path"] = True
     if planted or changed:
         verb = "would install" if ctx.options.dry_run else "installed"

@@ -68,7 +68,13 @@ def run(ctx: FixContext) -> None:
     files[LOADER_FILE] = loader_bytes(ctx)
     if ctx.extra.get("fast_path") is True:
         files[FAST_FILE] = module_bytes(ctx.options.per_token_prefill)
-    predicted = module_folder(ctx.directory, materialize=False)
+    # the checkpoint's code as this run leaves it (a dry run has not written it)
+    planned = {
+        w.path.name: w.new
+        for w in ctx.journal.planned
+        if w.path.parent == ctx.directory and w.path.suffix == ".py"
+    }
+    predicted = module_folder(ctx.directory, materialize=False, planned=planned)
     changed = _plant_all(ctx, predicted, files)
     folder = predicted
     if not ctx.options.dry_run:
@@ -92,7 +98,7 @@ def run(ctx: FixContext) -> None:
         changed += [f"{n} (for loads by repo id)" for n in _plant_all(ctx, hub_folder, files)]
     also: list[str] = []
     spellings: list[str] = []  # the spellings something was planted for in this run
-    for other, spelt in spelling_folders(ctx.directory):
+    for other, spelt in spelling_folders(ctx.directory, planned):
         if other in (folder, hub_folder) or str(other) in also:
             continue
         # the same files where the other spellings of DIR make the model code run from

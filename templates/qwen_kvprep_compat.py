@@ -1,0 +1,283 @@
+# qwen-kvprep compatibility: Qwen (v1)'s remote code on the running transformers.
+# Written by `qwen-kvprep fix` beside modeling_qwen.py, which imports it; transformers
+# copies it into its modules cache. `qwen-kvprep revert DIR` removes it and those lines.
+"""What Qwen (v1)'s modeling_qwen.py needs from a transformers newer than the one it was
+written for (4.32), decided when the model's code is imported.
+
+modeling_qwen.py, once patched by `qwen-kvprep fix`, ends with a few lines that call
+`install(globals())`. `install` looks at the transformers running now and changes only the
+model's own classes (never transformers' classes, so other models in the same process are
+untouched), and only where this release needs it:
+
+- `tuple-cache` (transformers >= 4.54): generate hands every model an empty `DynamicCache`
+  unless the class says it cannot take one; Qwen's code keeps its cache as tuples (and the
+  Int8 cache as `(codes, scale, zero)` triples), so the classes say so.
+- `head-mask` (transformers 5): `PreTrainedModel.get_head_mask` is gone; Qwen's forward
+  calls it, so the model's base class gets the 4.x behaviour back.
+- `loaded-numbers` (transformers 5): models are built on the meta device, the checkpoint's
+  tensors loaded, then every module not marked as loaded goes through the model's
+  `_init_weights`. Qwen's `_init_weights` re-initializes `c_proj.weight` of any module
+  that holds one (the attention and the MLP, whose weights were loaded), and nothing
+  computes the non-persistent buffers (`inv_freq`, `logn_tensor`, `masked_bias`), which
+  are left as uninitialized memory. `_init_weights` then runs the model's own init only
+  for modules whose own parameters were all missing from the checkpoint, and computes
+  the buffers as the model's `__init__` does.
+- `stream` (transformers >= 4.57, where `transformers_stream_generator` cannot be
+  imported): `chat_stream` streams through transformers' own streamer interface instead.
+
+`needs()` says which of these apply; `ACTIVE`, after `install`, which were installed.
+"""
+
+import math
+import queue
+import threading
+
+import torch
+import transformers
+
+MARK = "_qwen_kvprep_compat"  # set on the classes install() changed
+ACTIVE = ()  # the needs install() met, for smoke and doctor
+
+
+def _release():
+    parts = []
+    for piece in transformers.__version__.split(".")[:2]:
+        digits = "".join(c for c in piece if c.isdigit())
+        parts.append(int(digits or 0))
+    return tuple(parts + [0] * (2 - len(parts)))
+
+
+def _stream_generator_imports():
+    try:
+        import transformers_stream_generator  # noqa: F401
+    except Exception:  # it fails with ImportError, AttributeError... on newer transformers
+        return False
+    return True
+
+
+def needs(release=None, stream_ok=None):
+    """The changes this transformers needs, in the order install() makes them."""
+    release = _release() if release is None else release
+    out = []
+    if release >= (4, 54):
+        out.append("tuple-cache")
+    if release >= (5, 0):
+        out.append("head-mask")
+        out.append("loaded-numbers")
+    if release >= (4, 54):
+        if stream_ok is None:
+            stream_ok = _stream_generator_imports()
+        if not stream_ok:
+            out.append("stream")
+    return tuple(out)
+
+
+def install(namespace):
+    """Make the changes `needs()` names on the classes of modeling_qwen.py's namespace."""
+    global ACTIVE
+    base = namespace.get("QWenPreTrainedModel")
+    lm_head = namespace.get("QWenLMHeadModel")
+    if base is None or lm_head is None or getattr(base, MARK, None) is not None:
+        ACTIVE = tuple(getattr(base, MARK, ()) or ())
+        return
+    done = []
+    for need in needs():
+        if _INSTALLERS[need](namespace):
+            done.append(need)
+    setattr(base, MARK, tuple(done))
+    ACTIVE = tuple(done)
+
+
+def _tuple_cache(namespace):
+    def _supports_default_dynamic_cache(cls):
+        return False
+
+    namespace["QWenPreTrainedModel"]._supports_default_dynamic_cache = classmethod(
+        _supports_default_dynamic_cache
+    )
+    return True
+
+
+def _head_mask(namespace):
+    base = namespace["QWenPreTrainedModel"]
+    if hasattr(base, "get_head_mask"):
+        return False
+
+    def get_head_mask(self, head_mask, num_hidden_layers, is_attention_chunked=False):
+        """transformers 4.x's PreTrainedModel.get_head_mask."""
+        if head_mask is None:
+            return [None] * num_hidden_layers
+        if head_mask.dim() == 1:
+            head_mask = head_mask[None, None, :, None, None].expand(num_hidden_layers, -1, -1, -1, -1)
+        elif head_mask.dim() == 2:
+            head_mask = head_mask[:, None, :, None, None]
+        head_mask = head_mask.to(dtype=self.dtype)
+        if is_attention_chunked:
+            head_mask = head_mask.unsqueeze(-1)
+        return head_mask
+
+    base.get_head_mask = get_head_mask
+    return True
+
+
+def _loaded(tensor):
+    return bool(getattr(tensor, "_is_hf_initialized", False))
+
+
+def _fill(buffer, value):
+    with torch.no_grad():
+        buffer.copy_(value.to(device=buffer.device, dtype=buffer.dtype))
+
+
+def buffer_values(module):
+    """name -> value of the non-persistent buffers (and the cache's quantization bounds)
+    of one of the model's modules, computed as modeling_qwen.py's __init__ computes them."""
+    out = {}
+    if hasattr(module, "inv_freq") and hasattr(module, "dim") and hasattr(module, "base"):
+        dim = module.dim
+        out["inv_freq"] = 1.0 / (module.base ** (torch.arange(0, dim, 2).float() / dim))
+    if hasattr(module, "logn_tensor") and hasattr(module, "seq_length"):
+        n = module.logn_tensor.shape[1]
+        seq = module.seq_length
+        logn = [math.log(i, seq) if i > seq else 1 for i in range(1, n + 1)]
+        out["logn_tensor"] = torch.tensor(logn)[None, :, None, None]
+    if hasattr(module, "masked_bias"):
+        out["masked_bias"] = torch.tensor(-1e4)
+    return out
+
+
+def _bounds(module):
+    for name, value in (("cache_qmax", 255), ("cache_qmin", 0)):
+        bound = getattr(module, name, None)
+        if isinstance(bound, torch.Tensor) and bound.is_meta:
+            setattr(module, name, torch.tensor(value, dtype=bound.dtype))
+
+
+def _loaded_numbers(namespace):
+    base = namespace["QWenPreTrainedModel"]
+    own_init = base._init_weights
+
+    def _init_weights(self, module):
+        for name, value in buffer_values(module).items():
+            _fill(getattr(module, name), value)
+        if hasattr(module, "_rotary_pos_emb_cache"):
+            module._rotary_pos_emb_cache = None
+            module._seq_len_cached = 0
+            module._ntk_alpha_cached = 1.0
+        _bounds(module)
+        params = list(module.parameters(recurse=False))
+        if params and not any(_loaded(p) for p in params):
+            own_init(self, module)
+
+    base._init_weights = _init_weights
+    return True
+
+
+class _TextQueue:
+    """A transformers streamer (put/end) that hands each new token to a queue."""
+
+    def __init__(self):
+        self.tokens = queue.Queue()
+        self._prompt = True
+
+    def put(self, value):
+        if self._prompt:  # generate hands the prompt first
+            self._prompt = False
+            return
+        for token in value.reshape(-1).tolist():
+            self.tokens.put(token)
+
+    def end(self):
+        self.tokens.put(None)
+
+
+def _stream(namespace):
+    lm_head = namespace["QWenLMHeadModel"]
+    make_context = namespace["make_context"]
+    get_stop_words_ids = namespace["get_stop_words_ids"]
+    stop_words_processor = namespace["StopWordsLogitsProcessor"]
+    logits_processor_list = namespace["LogitsProcessorList"]
+
+    def chat_stream(
+        self,
+        tokenizer,
+        query,
+        history,
+        system="You are a helpful assistant.",
+        stop_words_ids=None,
+        logits_processor=None,
+        generation_config=None,
+        **kwargs,
+    ):
+        """Qwen's chat_stream, streamed through generate's streamer: yields the response
+        decoded so far after each new token."""
+        generation_config = generation_config if generation_config is not None else self.generation_config
+        if generation_config.chat_format != "chatml":
+            raise ValueError("chat_stream supports only the chatml format")
+        history = [] if history is None else history
+        stop_words_ids = [] if stop_words_ids is None else stop_words_ids
+        max_window_size = kwargs.pop("max_window_size", None)
+        if max_window_size is None:
+            max_window_size = generation_config.max_window_size
+        _, context_tokens = make_context(
+            tokenizer,
+            query,
+            history=history,
+            system=system,
+            max_window_size=max_window_size,
+            chat_format=generation_config.chat_format,
+        )
+        stop_words_ids.extend(get_stop_words_ids(generation_config.chat_format, tokenizer))
+        processor = stop_words_processor(
+            stop_words_ids=stop_words_ids, eos_token_id=generation_config.eos_token_id
+        )
+        if logits_processor is None:
+            logits_processor = logits_processor_list([processor])
+        else:
+            logits_processor.append(processor)
+        input_ids = torch.tensor([context_tokens]).to(self.device)
+        streamer = _TextQueue()
+        failure = []
+
+        def run():
+            try:
+                self.generate(
+                    input_ids,
+                    return_dict_in_generate=False,
+                    generation_config=generation_config,
+                    logits_processor=logits_processor,
+                    streamer=streamer,
+                    **kwargs,
+                )
+            except BaseException as exc:  # handed to the reader below
+                failure.append(exc)
+                streamer.tokens.put(None)
+
+        def stream_generator():
+            worker = threading.Thread(target=run, name="qwen-kvprep-chat-stream", daemon=True)
+            worker.start()
+            outputs = []
+            while True:
+                token = streamer.tokens.get()
+                if token is None:
+                    break
+                if token in (generation_config.eos_token_id,):
+                    continue
+                outputs.append(token)
+                yield tokenizer.decode(outputs, skip_special_tokens=True, errors="ignore")
+            worker.join()
+            if failure:
+                raise failure[0]
+
+        return stream_generator()
+
+    lm_head.chat_stream = chat_stream
+    return True
+
+
+_INSTALLERS = {
+    "tuple-cache": _tuple_cache,
+    "head-mask": _head_mask,
+    "loaded-numbers": _loaded_numbers,
+    "stream": _stream,
+}
