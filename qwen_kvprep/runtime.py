@@ -39,6 +39,9 @@ CALLS = "kernel_calls"  # qwen-kvprep's own model code counts its kernel calls
 # qwen-kvprep's fast path (templates/qwen_kvprep_kv.py): set on the classes it patched, and
 # counted per attention layer; a layer with FAST_OFF set runs the model's own code
 FAST_MARK = "_qwen_kvprep_fast"
+# qwen-kvprep's compatibility module (templates/qwen_kvprep_compat.py): set on the model's
+# base class, the changes it made for the running transformers
+COMPAT_MARK = "_qwen_kvprep_compat"
 FAST_STEPS = "qwen_kvprep_fast_steps"
 FAST_OFF = "qwen_kvprep_fast_off"
 

@@ -9,6 +9,10 @@ modeling_qwen.py, once patched by `qwen-kvprep fix`, ends with a few lines that 
 model's own classes (never transformers' classes, so other models in the same process are
 untouched), and only where this release needs it:
 
+- `generation-mixin` (transformers >= 4.50, whose PreTrainedModel no longer has
+  generate): QWenLMHeadModel gets GenerationMixin among its bases, as transformers' Auto
+  classes give it to remote code at each load; from the second load in one process on,
+  transformers 5 takes the class it registered at the first, without it.
 - `tuple-cache` (transformers >= 4.54): generate hands every model an empty `DynamicCache`
   unless the class says it cannot take one; Qwen's code keeps its cache as tuples (and the
   Int8 cache as `(codes, scale, zero)` triples), so the classes say so.
@@ -28,7 +32,7 @@ untouched), and only where this release needs it:
 `needs()` says which of these apply; `ACTIVE`, after `install`, which were installed.
 """
 
-import math
+import copy
 import queue
 import threading
 
@@ -55,10 +59,20 @@ def _stream_generator_imports():
     return True
 
 
-def needs(release=None, stream_ok=None):
+def _model_can_generate():
+    from transformers import GenerationMixin, PreTrainedModel
+
+    return issubclass(PreTrainedModel, GenerationMixin)
+
+
+def needs(release=None, stream_ok=None, model_can_generate=None):
     """The changes this transformers needs, in the order install() makes them."""
     release = _release() if release is None else release
     out = []
+    if model_can_generate is None:
+        model_can_generate = _model_can_generate()
+    if not model_can_generate:
+        out.append("generation-mixin")
     if release >= (4, 54):
         out.append("tuple-cache")
     if release >= (5, 0):
@@ -86,6 +100,20 @@ def install(namespace):
             done.append(need)
     setattr(base, MARK, tuple(done))
     ACTIVE = tuple(done)
+
+
+def _generation_mixin(namespace):
+    lm_head = namespace["QWenLMHeadModel"]
+    from transformers import GenerationMixin
+
+    if issubclass(lm_head, GenerationMixin):
+        return False
+    # What transformers' Auto classes do for remote code on each load, done once on the
+    # class itself: from the second load in a process on, transformers 5 takes the class
+    # it registered at the first, without the mixin, and generate() fails
+    # ('QWenLMHeadModel' object has no attribute 'generation_config').
+    lm_head.__bases__ = (*lm_head.__bases__, GenerationMixin)
+    return True
 
 
 def _tuple_cache(namespace):
@@ -124,47 +152,59 @@ def _loaded(tensor):
     return bool(getattr(tensor, "_is_hf_initialized", False))
 
 
-def _fill(buffer, value):
-    with torch.no_grad():
-        buffer.copy_(value.to(device=buffer.device, dtype=buffer.dtype))
+def _one_head(config):
+    """A copy of the config for the smallest attention layer the model's code builds:
+    its buffers depend on the sequence length and head size alone."""
+    small = copy.deepcopy(config)
+    small.num_attention_heads = 1
+    small.hidden_size = getattr(config, "kv_channels", 128)
+    small.use_cache_kernel = False  # no extension load for a throw-away layer
+    return small
 
 
-def buffer_values(module):
-    """name -> value of the non-persistent buffers (and the cache's quantization bounds)
-    of one of the model's modules, computed as modeling_qwen.py's __init__ computes them."""
-    out = {}
+def _fresh(module, config, made):
+    """A new instance of the module's class, built by the model's own __init__ on the CPU
+    (so its buffers are what the model computes); one per class and arguments."""
+    cls = type(module)
     if hasattr(module, "inv_freq") and hasattr(module, "dim") and hasattr(module, "base"):
-        dim = module.dim
-        out["inv_freq"] = 1.0 / (module.base ** (torch.arange(0, dim, 2).float() / dim))
-    if hasattr(module, "logn_tensor") and hasattr(module, "seq_length"):
-        n = module.logn_tensor.shape[1]
-        seq = module.seq_length
-        logn = [math.log(i, seq) if i > seq else 1 for i in range(1, n + 1)]
-        out["logn_tensor"] = torch.tensor(logn)[None, :, None, None]
-    if hasattr(module, "masked_bias"):
-        out["masked_bias"] = torch.tensor(-1e4)
-    return out
+        key, build = (cls, module.dim, module.base), lambda: cls(module.dim, base=module.base)
+    elif hasattr(module, "c_attn"):
+        # another model of the same code in this process may have another sequence length
+        key, build = (cls, config.to_json_string()), lambda: cls(_one_head(config))
+    else:
+        return None
+    if key not in made:
+        with torch.device("cpu"):
+            made[key] = build()
+    return made[key]
 
 
-def _bounds(module):
-    for name, value in (("cache_qmax", 255), ("cache_qmin", 0)):
-        bound = getattr(module, name, None)
-        if isinstance(bound, torch.Tensor) and bound.is_meta:
-            setattr(module, name, torch.tensor(value, dtype=bound.dtype))
+def _refill(module, fresh):
+    """Copy what the model's __init__ computed into what a meta-device load left empty."""
+    with torch.no_grad():
+        for name, value in fresh.named_buffers(recurse=False):
+            buffer = getattr(module, name, None)
+            if isinstance(buffer, torch.Tensor) and buffer.shape == value.shape:
+                buffer.copy_(value.to(device=buffer.device, dtype=buffer.dtype))
+    for name in ("cache_qmax", "cache_qmin"):  # plain tensors, never moved off the meta device
+        value = getattr(fresh, name, None)
+        if isinstance(getattr(module, name, None), torch.Tensor) and isinstance(value, torch.Tensor):
+            setattr(module, name, value.clone())
+    if hasattr(module, "_rotary_pos_emb_cache"):  # tables made from the empty inv_freq
+        module._rotary_pos_emb_cache = None
+        module._seq_len_cached = 0
+        module._ntk_alpha_cached = 1.0
 
 
 def _loaded_numbers(namespace):
     base = namespace["QWenPreTrainedModel"]
     own_init = base._init_weights
+    made = {}
 
     def _init_weights(self, module):
-        for name, value in buffer_values(module).items():
-            _fill(getattr(module, name), value)
-        if hasattr(module, "_rotary_pos_emb_cache"):
-            module._rotary_pos_emb_cache = None
-            module._seq_len_cached = 0
-            module._ntk_alpha_cached = 1.0
-        _bounds(module)
+        fresh = _fresh(module, self.config, made)
+        if fresh is not None:
+            _refill(module, fresh)
         params = list(module.parameters(recurse=False))
         if params and not any(_loaded(p) for p in params):
             own_init(self, module)
@@ -192,6 +232,9 @@ class _TextQueue:
 
 
 def _stream(namespace):
+    names = ("make_context", "get_stop_words_ids", "StopWordsLogitsProcessor", "LogitsProcessorList")
+    if any(name not in namespace for name in names):
+        return False  # a revision without Qwen's chat helpers: its chat_stream stays
     lm_head = namespace["QWenLMHeadModel"]
     make_context = namespace["make_context"]
     get_stop_words_ids = namespace["get_stop_words_ids"]
@@ -202,7 +245,7 @@ def _stream(namespace):
         self,
         tokenizer,
         query,
-        history,
+        history=None,
         system="You are a helpful assistant.",
         stop_words_ids=None,
         logits_processor=None,
@@ -276,6 +319,7 @@ def _stream(namespace):
 
 
 _INSTALLERS = {
+    "generation-mixin": _generation_mixin,
     "tuple-cache": _tuple_cache,
     "head-mask": _head_mask,
     "loaded-numbers": _loaded_numbers,

@@ -27,7 +27,6 @@ import huggingface_hub.utils as hf_utils
 import pytest
 from huggingface_hub import file_download
 from huggingface_hub.utils import _http as hf_http
-from huggingface_hub.utils import reset_sessions
 from packaging.version import Version
 
 from qwen_kvprep import catalogue
@@ -40,6 +39,9 @@ from qwen_kvprep.steps.context import FixContext, FixOptions
 from tests import needs
 from tests.cli import document, kvprep
 from tests.hf_settings import set_hf_constant
+
+# huggingface_hub < 1.0 keeps one requests session per thread; 1.x and later one httpx client
+reset_sessions = getattr(hf_utils, "reset_sessions", None) or hf_utils.close_session
 from tests.treesnap import snapshot
 
 CPP_NAME, CU_NAME = KERNEL_FILES

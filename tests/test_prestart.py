@@ -142,6 +142,7 @@ def fake_prepared(root: Path) -> Path:
                        ("cache_autogptq_cuda_256.cpp", "// cpp\n"),
                        ("cache_autogptq_cuda_kernel_256.cu", "// cu\n"),
                        ("qwen_kvprep_kv.py", "# fast path\n"),
+                       ("qwen_kvprep_compat.py", "# compatibility\n"),
                        ("modeling_qwen.py", "# model code\n"),
                        ("model.safetensors", "weights")]:
         (ckpt / name).write_text(text)

@@ -38,8 +38,9 @@ MIN_CUDA = (11, 4)
 TRANSFORMERS_MIN = (4, 32)
 TRANSFORMERS_FIRST_BROKEN = (4, 54)  # measured: 4.53.3 works, 4.54.1 does not
 TRANSFORMERS_QWEN_PIN = (4, 38)
-TRANSFORMERS_IMPORT_BROKEN = (4, 57)
-TRANSFORMERS_PIN_FIX = 'pip install "transformers>=4.32,<4.54"'
+TRANSFORMERS_5 = (5, 0)
+TRANSFORMERS_TOKENIZER_FIXED = (5, 23)  # measured: 5.0.0 fails; 5.23 and 5.24 work
+TRANSFORMERS_PIN_FIX = 'pip install -U "transformers>=5.23"'
 REMOTE_REQUIREMENTS = ("tiktoken", "einops", "transformers_stream_generator")
 CUDA_TORCH_FIX = (
     "install a torch built for CUDA >= 11.8, e.g. "
@@ -655,7 +656,7 @@ def python_headers(facts: Facts) -> FindingsLike:
 
 @check(
     "env.transformers",
-    "transformers inside the range that runs Qwen v1 (4.32 <= v < 4.54)",
+    "transformers runs Qwen v1 (4.32 to 4.53 as shipped; 4.54 on with the compatibility module)",
     needs=(ENV,),
 )
 def transformers_version(facts: Facts) -> FindingsLike:
@@ -682,26 +683,20 @@ def transformers_version(facts: Facts) -> FindingsLike:
             TRANSFORMERS_PIN_FIX,
             details=details,
         )
-    if v >= (5, 0):
-        return fail(
-            f"transformers {ver} cannot import Qwen's remote code (e.g. `cannot import name "
-            "'DisjunctiveConstraint' from 'transformers'`)",
-            TRANSFORMERS_PIN_FIX,
-            details=details,
-        )
-    if v >= TRANSFORMERS_IMPORT_BROKEN:
-        return fail(
-            f"transformers {ver} cannot import Qwen's remote code: `cannot import name "
-            "'BeamSearchScorer' from 'transformers'`",
+    if TRANSFORMERS_5 <= v < TRANSFORMERS_TOKENIZER_FIXED:
+        return warn(
+            f"transformers {ver}: Qwen's tokenizer fails on 5.0 (`QWenTokenizer has no attribute "
+            "mergeable_ranks`: the base class asks for the vocabulary before the tokenizer has "
+            "read it), which transformers fixed by 5.23; releases in between are not measured",
             TRANSFORMERS_PIN_FIX,
             details=details,
         )
     if v >= TRANSFORMERS_FIRST_BROKEN:
-        return fail(
-            f"transformers {ver} loads the model, then generate() fails with `TypeError: "
-            "'NoneType' object is not subscriptable` (it hands Qwen's code a DynamicCache "
-            "where a tuple is expected)",
-            TRANSFORMERS_PIN_FIX,
+        return ok(
+            f"transformers {ver} runs Qwen v1 through qwen-kvprep's compatibility module "
+            "(qwen_kvprep_compat.py, which fix adds beside modeling_qwen.py: Qwen's code as "
+            "shipped fails on 4.54 and later, and from 5.0 loads other weights than the "
+            "checkpoint's)",
             details=details,
         )
     if v >= TRANSFORMERS_QWEN_PIN:

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Callable, Optional, TypedDict
 
 from qwen_kvprep.childproc import Events, child_main
 from qwen_kvprep.runtime import (
+    COMPAT_MARK,
     FAST_MARK,
     FAST_STEPS,
     FLAG,
@@ -48,6 +49,7 @@ from qwen_kvprep.runtime import has_accelerate as _has_accelerate
 from qwen_kvprep.runtime import legacy_cache as _legacy
 from qwen_kvprep.runtime import rss_peak_bytes as _rss_peak_bytes
 from qwen_kvprep.runtime import tensors_in as _tensors
+from qwen_kvprep.smoke.numbers import loaded_numbers
 from qwen_kvprep.smoke.protocol import (
     DEFAULT_MAX_NEW_TOKENS,
     DEFAULT_PROMPT,
@@ -324,6 +326,7 @@ def smoke(
     peak_after_load = _peak(device)
 
     ev.start(PHASE_INSPECT)
+    numbers = loaded_numbers(model, directory)
     layers = attention_layers(model)
     layer_rows: list[LayerRow] = []
     proxies: list[Optional[CountingKernels]] = []
@@ -392,6 +395,8 @@ def smoke(
         "load_warnings": messages,
         "model_dtype": model_dtype,
         "model_code": getattr(code, "__file__", None),
+        "compat": [str(n) for n in getattr(type(model), COMPAT_MARK, None) or ()],
+        "numbers": numbers,
         "peak_after_load": peak_after_load,
         "layers": layer_rows,
         "prompt_tokens": len(ids),

@@ -29,7 +29,7 @@ import shlex
 import signal
 from typing import Optional, TypedDict
 
-from qwen_kvprep.common import GPTQ_INSTALL
+from qwen_kvprep.common import GPTQ_INSTALL, fix_command
 from qwen_kvprep.findings import Finding, Severity, fail, info, ok, skip, warn
 from qwen_kvprep.smoke.protocol import (
     FALLBACK_WARNINGS,
@@ -331,6 +331,34 @@ def _quantization(result: SmokeResult, directory: str) -> Finding:
         f"uint8 cache with per-token {first.get('scale_dtype')} scale and zero point in all "
         f"{len(layers)} layers",
         layers=len(layers),
+    )
+
+
+def _numbers(result: SmokeResult, directory: str) -> Finding:
+    n = result.get("numbers")
+    if n is None:
+        return skip("smoke.numbers", "not checked by this smoke child")
+    compat = ", ".join(result.get("compat") or []) or "nothing"
+    if n["tensors_differ"] or n["buffers_differ"]:
+        names = n["tensors_differ_names"] + n["buffers_differ_names"]
+        return fail(
+            "smoke.numbers",
+            f"the loaded model does not hold the checkpoint's numbers under transformers "
+            f"{result.get('transformers')}: {n['tensors_differ']} of {n['tensors_compared']} "
+            f"stored tensors differ from the loaded ones and {n['buffers_differ']} of "
+            f"{n['buffers_compared']} buffers from what the model's code computes "
+            f"({', '.join(names)}); the model would serve other weights than the checkpoint's",
+            fix=f"run `{fix_command(directory)}`, which adds the compatibility module for this "
+            "transformers (qwen_kvprep_compat.py)",
+            **n,
+        )
+    return ok(
+        "smoke.numbers",
+        f"the loaded model holds the checkpoint's numbers: {n['tensors_compared']} stored "
+        f"tensors equal the loaded ones (compared at both ends) and {n['buffers_compared']} "
+        f"buffers what the model's code computes ({n['seconds']:.1f} s; compatibility "
+        f"changes for transformers {result.get('transformers')}: {compat})",
+        **n,
     )
 
 
@@ -640,7 +668,7 @@ def _measure(m: SmokeNumbers, result: SmokeResult) -> Finding:
 def evaluate(
     outcome: SmokeOutcome, options: SmokeOptions, directory: str
 ) -> tuple[list[Finding], SmokeSummary]:
-    """Findings (ids smoke.load, smoke.run, smoke.quantization, smoke.kernel, smoke.gptq
+    """Findings (ids smoke.load, smoke.run, smoke.numbers, smoke.quantization, smoke.kernel, smoke.gptq
     for GPTQ checkpoints, smoke.agreement, smoke.measure) and the summary object for
     --json and the state."""
     summary: SmokeSummary = {
@@ -667,6 +695,7 @@ def evaluate(
             transformers=result.get("transformers"),
             torch=result.get("torch"),
         ),
+        _numbers(result, directory),
         _quantization(result, directory),
         _kernel(result, outcome.log_tail, directory),
         _fast_path(result, directory),
@@ -674,7 +703,7 @@ def evaluate(
     ]
     gptq = result.get("gptq")
     if gptq is not None:
-        findings.insert(3, _gptq(gptq, directory))
+        findings.insert(4, _gptq(gptq, directory))
     m = measurements(result)
     findings.append(_measure(m, result))
     layers = result.get("layers") or []

@@ -158,6 +158,19 @@ class GptqModules(TypedDict):
     plain_linears: list[str]  # nn.Linear modules left inside the blocks
 
 
+class LoadedNumbers(TypedDict):
+    """Whether the loaded model holds the checkpoint's numbers (smoke/numbers.py)."""
+
+    tensors_compared: int
+    tensors_stored: int
+    tensors_differ: int
+    tensors_differ_names: list[str]
+    buffers_compared: int
+    buffers_differ: int
+    buffers_differ_names: list[str]
+    seconds: float
+
+
 class _SmokeResultBase(TypedDict):
 
     result_version: int
@@ -173,6 +186,8 @@ class _SmokeResultBase(TypedDict):
     load_warnings: list[str]
     model_dtype: str
     model_code: Optional[str]
+    compat: list[str]  # what qwen_kvprep_compat.py installed on this transformers
+    numbers: LoadedNumbers
     peak_after_load: PeakMemory
     layers: list[LayerRow]
     prompt_tokens: int

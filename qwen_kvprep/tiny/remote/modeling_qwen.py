@@ -147,6 +147,9 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.dim = dim
         self.base = base
+        # as Qwen's code: a non-persistent buffer (never in the checkpoint) made here
+        inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2).float() / dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
         self._cached: Optional[Tuple[int, float, torch.device]] = None
         self._tables: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
 
@@ -226,13 +229,9 @@ class QWenAttention(nn.Module):
         self.use_dynamic_ntk = config.use_dynamic_ntk
         self.use_logn_attn = config.use_logn_attn
         self.softmax_in_fp32 = getattr(config, "softmax_in_fp32", False)
-        positions = torch.arange(1, 32768, dtype=torch.float32)
-        logn = torch.where(
-            positions > self.seq_length,
-            torch.log(positions) / math.log(self.seq_length),
-            torch.ones_like(positions),
-        )
-        self.register_buffer("logn_tensor", logn[None, :, None, None], persistent=False)
+        logn = [math.log(i, self.seq_length) if i > self.seq_length else 1 for i in range(1, 32768)]
+        self.register_buffer("logn_tensor", torch.tensor(logn)[None, :, None, None], persistent=False)
+        self.register_buffer("masked_bias", torch.tensor(-1e4), persistent=False)
         self.attn_dropout = nn.Dropout(config.attn_dropout_prob)
 
         # Note: nothing here switches flash attention off when the cache is quantized.
@@ -502,6 +501,11 @@ class QWenPreTrainedModel(PreTrainedModel):
             module.weight.data.normal_(mean=0.0, std=std)
         elif isinstance(module, RMSNorm):
             module.weight.data.fill_(1.0)
+        # as Qwen's code: the output projections of a block get a smaller std, found by
+        # name among the module's parameters (so also through the attention and the MLP)
+        for name, p in module.named_parameters():
+            if name == "c_proj.weight":
+                p.data.normal_(mean=0.0, std=std / math.sqrt(2 * self.config.num_hidden_layers))
 
 
 class QWenModel(QWenPreTrainedModel):
