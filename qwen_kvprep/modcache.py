@@ -128,8 +128,9 @@ def spelling_folders(
     `transformers_modules/` itself; a symlink gives the link's name, and the real folder's
     name when the server loads it by its real path. fix plants into each of these, so every
     spelling runs the kernel. A spelling ending in `..` is left out: transformers cannot
-    import the code from there at all. transformers 5 adds the code's hash below each of
-    these (`transformers_modules/<hash>/` for `DIR/`).
+    import the code from there at all. transformers 5 names the folder after the
+    normalised path (`DIR/` and `DIR/.` are DIR) and adds the code's hash below it, so
+    there only a symlink's real path is another spelling.
     """
     from transformers import dynamic_module_utils as dmu
 
@@ -139,9 +140,10 @@ def spelling_folders(
     base = root / package
     out: list[tuple[Path, str]] = []
     sanitize = getattr(dmu, "_sanitize_module_name", None)
-    if not callable(sanitize) or sanitize("") == "":
-        # newer transformers may rename an empty name; then the slash spelling has its own
-        out.append((base / digest if digest else base, "a path ending in / or /."))
+    if digest is None and (not callable(sanitize) or sanitize("") == ""):
+        # newer transformers may rename an empty name; then the slash spelling has its own.
+        # transformers 5 names the folder after the normalised path: `DIR/` is DIR's.
+        out.append((base, "a path ending in / or /."))
     real = os.path.basename(os.path.realpath(checkpoint_dir))
     if real != os.path.basename(os.path.abspath(checkpoint_dir)):
         name = sanitize(real) if callable(sanitize) else real

@@ -72,7 +72,7 @@ def pretrained_tokenizer(source: Union[str, Path]) -> PreTrainedTokenizerBase:
     from transformers import AutoTokenizer
 
     # untyped in transformers: AutoTokenizer.from_pretrained(path, *inputs, **kwargs)
-    tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(  # type: ignore[no-untyped-call]
+    tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(  # type: ignore[no-untyped-call, unused-ignore]
         source, trust_remote_code=True
     )
     return tokenizer

@@ -23,6 +23,7 @@ from qwen_kvprep.resources import KERNEL_FILES
 from qwen_kvprep.tiny import generate_checkpoint
 from tests import needs
 from tests.cli import ENTRY, kvprep
+from tests.remote_code import code_folder
 from tests.toolkit import NO_TOOLKIT
 from tests.treesnap import snapshot
 
@@ -229,10 +230,10 @@ def test_revert_after_fix_is_byte_identical(tmp_path: Path, shared_build_cache: 
     os.chmod(ckpt / "extra.txt", 0o600)
     before, blobs_before = snapshot(ckpt), snapshot(blobs)
     env = _env(tmp_path, shared_build_cache)
-    modules = Path(env["HF_MODULES_CACHE"]) / "transformers_modules" / ckpt.name
 
     done = _run(["fix", str(ckpt), "--no-smoke"], env, tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
+    modules = code_folder(Path(env["HF_MODULES_CACHE"]), ckpt)  # of the code fix left
     assert not (ckpt / "config.json").is_symlink()  # replaced, never written through
     assert snapshot(blobs) == blobs_before
     for name in (*KERNEL_FILES, "cpp_kernels.py"):

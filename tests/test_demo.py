@@ -19,6 +19,7 @@ from qwen_kvprep.errors import UsageError
 from qwen_kvprep.findings import fail, info, ok
 from qwen_kvprep.render import render_demo
 from tests.cli import kvprep
+from tests.remote_code import code_folder
 from tests.toolkit import NO_TOOLKIT
 
 
@@ -157,7 +158,7 @@ def test_demo_from_a_cold_cache_then_a_warm_one(tmp_path: Path) -> None:
     assert "the compiled kernel ran in 2/2 layers" in out
     assert "demo: " not in res.stderr  # progress only on a terminal
     # the model's remote code ran from the demo's private modules cache
-    assert (where / "hf" / "modules" / "transformers_modules" / "tiny-qwen").is_dir()
+    assert code_folder(where / "hf" / "modules", where / "tiny-qwen").is_dir()
 
     # the second run reuses the build and says so; --json carries the measurements
     res, warm_note = _demo(str(where), "--json", env=env)

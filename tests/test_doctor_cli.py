@@ -314,7 +314,7 @@ def test_doctor_without_torch_and_transformers(tiny: Path, tmp_path: Path) -> No
     ids = by_id(parse(res))
     assert ids["env.torch"][0]["severity"] == "fail"
     assert ids["env.transformers"][0]["severity"] == "fail"
-    assert "transformers>=4.32,<4.54" in ids["env.transformers"][0]["fix"]
+    assert 'transformers>=4.32"' in ids["env.transformers"][0]["fix"]
     assert ids["env.python"][0]["severity"] == "ok"
     report = doctor("--report", str(tiny), env=env, cwd=tmp_path, entry=bare)
     assert report.returncode == 1 and "Traceback" not in report.stderr

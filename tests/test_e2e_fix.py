@@ -25,11 +25,12 @@ from typing import Any
 import pytest
 
 from qwen_kvprep.buildcache.builder import plan_build
-from qwen_kvprep.common import KERNEL_FILES, sha256_file
+from qwen_kvprep.common import COMPAT_FILE, KERNEL_FILES, sha256_file
 from qwen_kvprep.probe.toolchain import nvcc_info
 from qwen_kvprep.resources import kernels_dir
 from qwen_kvprep.tiny import generate_checkpoint
 from tests.cli import kvprep
+from tests.remote_code import code_folder
 from tests.toolkit import matching_toolkit
 from tests.treesnap import snapshot
 
@@ -176,7 +177,7 @@ def test_new_process_elsewhere_uses_the_extension_in_every_layer(fixed: dict[str
 
 def test_modules_cache_holds_sources_and_loader(fixed: dict[str, Any]) -> None:
     ckpt, env = fixed["ckpt"], fixed["env"]
-    folder = Path(env["HF_MODULES_CACHE"]) / "transformers_modules" / ckpt.name
+    folder = code_folder(Path(env["HF_MODULES_CACHE"]), ckpt)
     state = json.loads((ckpt / ".qwen-kvprep" / "state.json").read_text())
     assert Path(state["modules"]["folder"]) == folder
     for name in (*KERNEL_FILES, "cpp_kernels.py"):
@@ -210,16 +211,24 @@ def test_dry_run_lists_every_write_and_writes_nothing(
     assert done.returncode == 0, done.stderr
     doc = json.loads(done.stdout)
     paths = {Path(p["path"]) for p in doc["would_write"]}
-    modules = Path(env["HF_MODULES_CACHE"]) / "transformers_modules" / ckpt.name
-    for name in ("config.json", "cpp_kernels.py", *KERNEL_FILES):
+    for name in ("config.json", "cpp_kernels.py", *KERNEL_FILES, COMPAT_FILE):
         assert ckpt / name in paths, name
-    for name in ("cpp_kernels.py", *KERNEL_FILES):
-        assert modules / name in paths, name
+    planted = {p.parent for p in paths if p.name in KERNEL_FILES and ckpt not in p.parents}
     ids = {f["id"]: f for f in doc["findings"]}
     assert "build.build" in ids and "checkpoint.state" in ids
     assert snapshot(ckpt) == before
     # nothing planted, no remote code copied (importing transformers may create hub/)
     assert not Path(env["HF_MODULES_CACHE"]).exists()
+    # the folders the dry run names are those fix then plants into (on transformers 5, a
+    # hash of the code as fix leaves it, which the dry run has not written)
+    done = _kvprep(["fix", str(ckpt), "--no-smoke", "--json"], env, tmp_path)
+    assert done.returncode == 0, done.stderr
+    state = json.loads((ckpt / ".qwen-kvprep" / "state.json").read_text())
+    modules = code_folder(Path(env["HF_MODULES_CACHE"]), ckpt)
+    assert Path(state["modules"]["folder"]) == modules
+    assert planted == {modules, *map(Path, state["modules"]["also"])}
+    for name in ("cpp_kernels.py", *KERNEL_FILES):
+        assert modules / name in paths, name
 
 
 LOAD_BY_REPO_ID = r"""

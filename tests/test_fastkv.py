@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from qwen_kvprep import fastkv
-from qwen_kvprep.common import FAST_FILE, MODELING_FILE
+from qwen_kvprep import compat, fastkv
+from qwen_kvprep.common import COMPAT_FILE, FAST_FILE, MODELING_FILE
 from qwen_kvprep.resources import templates_dir
 from qwen_kvprep.tiny import REMOTE_CODE_DIR, generate_checkpoint
 from tests.cli import invoke
@@ -93,7 +93,7 @@ def test_fix_installs_it_and_revert_restores_the_model_code(ckpt: Path) -> None:
     assert _finding(doc, "fastkv.model_code")["severity"] == "info"
     assert doc["fast_path"] is True
     text = (ckpt / MODELING_FILE).read_text(encoding="utf-8")
-    assert text == fastkv.patched(original.decode("utf-8"))
+    assert text == fastkv.patched(compat.patched(original.decode("utf-8")))
     assert (ckpt / FAST_FILE).read_bytes() == (templates_dir() / FAST_FILE).read_bytes()
     state = json.loads((ckpt / ".qwen-kvprep" / "state.json").read_text())
     assert FAST_FILE in state["modules"]["files"]
@@ -103,6 +103,7 @@ def test_fix_installs_it_and_revert_restores_the_model_code(ckpt: Path) -> None:
     assert done.returncode == 0, done.stdout + done.stderr
     assert (ckpt / MODELING_FILE).read_bytes() == original
     assert not (ckpt / FAST_FILE).exists()
+    assert not (ckpt / COMPAT_FILE).exists()
 
 
 def test_fix_repairs_a_lost_fast_module_and_speaks_only_of_what_it_did(ckpt: Path) -> None:
@@ -130,7 +131,8 @@ def test_no_fast_path_takes_the_block_out_again(ckpt: Path) -> None:
     _fix(str(ckpt))
     doc = _fix(str(ckpt), "--no-fast-path")
     assert doc["fast_path"] is False
-    assert (ckpt / MODELING_FILE).read_bytes() == original
+    # the compatibility lines stay: the model needs them on transformers >= 4.54
+    assert (ckpt / MODELING_FILE).read_text() == compat.patched(original.decode("utf-8"))
     done = invoke("revert", str(ckpt))
     assert done.returncode == 0, done.stdout + done.stderr
     assert (ckpt / MODELING_FILE).read_bytes() == original
@@ -148,7 +150,7 @@ def test_an_unrecognised_revision_is_left_alone_with_the_reason(ckpt: Path) -> N
     assert "rotary_pos_emb" in finding["message"]
     # the command that fetches the final revision, for this folder
     assert f"download REPO {MODELING_FILE} --local-dir {ckpt}" in finding["fix"]
-    assert path.read_text(encoding="utf-8") == older
+    assert path.read_text(encoding="utf-8") == compat.patched(older)
     assert not (ckpt / FAST_FILE).exists()
 
 

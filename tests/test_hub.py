@@ -39,10 +39,10 @@ from qwen_kvprep.steps.context import FixContext, FixOptions
 from tests import needs
 from tests.cli import document, kvprep
 from tests.hf_settings import set_hf_constant
+from tests.treesnap import snapshot
 
 # huggingface_hub < 1.0 keeps one requests session per thread; 1.x and later one httpx client
 reset_sessions = getattr(hf_utils, "reset_sessions", None) or hf_utils.close_session
-from tests.treesnap import snapshot
 
 CPP_NAME, CU_NAME = KERNEL_FILES
 # Stand-ins for Qwen's files (which cannot be shipped); the known-good list is swapped for

@@ -20,6 +20,7 @@ from typing import Any, Optional
 import pytest
 
 from qwen_kvprep.childproc import ChildOutcome
+from qwen_kvprep.common import COMPAT_FILE
 from qwen_kvprep.findings import Severity
 from qwen_kvprep.planning.peak import ModelShape, kv_bytes_per_token
 from qwen_kvprep.profile import max_batch
@@ -40,6 +41,7 @@ from qwen_kvprep.profile.tables import render_text, summary, table
 from qwen_kvprep.smoke.progress import StepLog
 from tests.cli import ENTRY, document, kvprep
 from tests.modeling_patch import patch_modeling
+from tests.remote_code import transformers_release, with_compat
 from tests.toolkit import NO_TOOLKIT
 
 # The tiny checkpoint: 2 layers x K and V x 2 heads x 128 dims; bf16 unquantized, or
@@ -609,6 +611,13 @@ def test_unfixed_checkpoint_falls_back_and_names_fix(
 
     ckpt = generate_checkpoint(tmp_path / "unfixed")
     env = _env(tmp_path, Path(fixed["env"]["QWEN_KVPREP_CACHE"]))
+    if transformers_release() >= (4, 57):
+        # Qwen's code as shipped does not load at all: the failure names fix
+        res = _cli("profile", str(ckpt), "--json", "--batch", "1", "--tokens", "3", env=env)
+        f = {f["id"]: f for f in document(res)["findings"]}["profile.run"]
+        assert res.returncode == 1 and f["severity"] == "fail"
+        assert f"qwen-kvprep fix {ckpt}" in f["fix"] and COMPAT_FILE in f["fix"]
+        with_compat(ckpt)  # the compatibility lines alone: the model loads, no kernel
     res = _cli("profile", str(ckpt), "--json", "--batch", "1", "--tokens", "3", env=env)
     doc = document(res)
     assert res.returncode == 0
@@ -623,6 +632,7 @@ def test_crashing_model_code_is_a_clean_failure(fixed: dict[str, Any], tmp_path:
     from qwen_kvprep.tiny import generate_checkpoint
 
     ckpt = generate_checkpoint(tmp_path / "broken")
+    with_compat(ckpt)  # so that it fails where the test makes it fail, on every transformers
     patch_modeling(ckpt, 'raise RuntimeError("tiny attention refuses to start (test)")')
     env = _env(tmp_path, Path(fixed["env"]["QWEN_KVPREP_CACHE"]))
     res = _cli("profile", str(ckpt), "--batch", "1,2", "--tokens", "2", env=env)

@@ -24,6 +24,7 @@ from qwen_kvprep.journal.writer import USERS_DIRNAME, Journal
 from qwen_kvprep.resources import KERNEL_FILES
 from qwen_kvprep.steps.revert import revert_checkpoint
 from tests.cli import document, invoke, kvprep
+from tests.remote_code import code_folder
 from tests.safety_kit import (
     MODULE_FILES,
     OFFICIAL_LOADER,
@@ -413,7 +414,7 @@ def test_cp_a_of_a_fixed_tiny_checkpoint(tmp_path: Path, shared_build_cache: Pat
            "QWEN_KVPREP_CACHE": str(shared_build_cache), "HF_HUB_OFFLINE": "1"}
     res = kvprep("fix", str(ckpt), "--no-build", "--no-smoke", env=env, timeout=600)
     assert res.returncode == 0, res.stderr
-    folder = tmp_path / "hf" / "modules" / "transformers_modules" / "Tiny-Chat"
+    folder = code_folder(tmp_path / "hf" / "modules", ckpt)
     planted = {n: (folder / n).read_bytes() for n in common.MODULE_FILES}
     copy = tmp_path / "copies" / "Tiny-Chat"  # same name: the same modules folder
     copy.parent.mkdir()

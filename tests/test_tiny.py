@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 from tests import needs
+from tests.remote_code import with_compat
 
 REPO = Path(__file__).resolve().parents[1]
 VENV453_PYTHON = REPO / ".venv453" / "bin" / "python"
@@ -516,19 +517,6 @@ def _transformers_of(python: Path) -> tuple[int, ...]:
         capture_output=True, text=True, check=True,
     ).stdout.strip()
     return tuple(int("".join(c for c in part if c.isdigit()) or 0) for part in out.split(".")[:2])
-
-
-def with_compat(ckpt: Path) -> None:
-    """The checkpoint's code with qwen-kvprep's compatibility lines, as fix adds them:
-    Qwen's code as shipped (and so the imitation) no longer loads from transformers 4.57
-    on, and from 4.54 on generates with the wrong cache."""
-    from qwen_kvprep import compat
-    from qwen_kvprep.common import COMPAT_FILE
-    from qwen_kvprep.resources import templates_dir
-
-    (ckpt / COMPAT_FILE).write_bytes((templates_dir() / COMPAT_FILE).read_bytes())
-    model = ckpt / "modeling_qwen.py"
-    model.write_text(compat.patched(model.read_text()))
 
 
 def _run_scenario(python: Path, tmp: Path) -> dict[str, Any]:

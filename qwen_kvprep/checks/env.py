@@ -40,7 +40,8 @@ TRANSFORMERS_FIRST_BROKEN = (4, 54)  # measured: 4.53.3 works, 4.54.1 does not
 TRANSFORMERS_QWEN_PIN = (4, 38)
 TRANSFORMERS_5 = (5, 0)
 TRANSFORMERS_TOKENIZER_FIXED = (5, 23)  # measured: 5.0.0 fails; 5.23 and 5.24 work
-TRANSFORMERS_PIN_FIX = 'pip install -U "transformers>=5.23"'
+TRANSFORMERS_PIN_FIX = 'pip install -U "transformers>=4.32"'
+TRANSFORMERS_TOKENIZER_FIX = 'pip install -U "transformers>=5.23"'
 REMOTE_REQUIREMENTS = ("tiktoken", "einops", "transformers_stream_generator")
 CUDA_TORCH_FIX = (
     "install a torch built for CUDA >= 11.8, e.g. "
@@ -688,7 +689,7 @@ def transformers_version(facts: Facts) -> FindingsLike:
             f"transformers {ver}: Qwen's tokenizer fails on 5.0 (`QWenTokenizer has no attribute "
             "mergeable_ranks`: the base class asks for the vocabulary before the tokenizer has "
             "read it), which transformers fixed by 5.23; releases in between are not measured",
-            TRANSFORMERS_PIN_FIX,
+            TRANSFORMERS_TOKENIZER_FIX,
             details=details,
         )
     if v >= TRANSFORMERS_FIRST_BROKEN:

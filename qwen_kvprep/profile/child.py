@@ -158,7 +158,7 @@ def load(spec: ChildSpec, device: str) -> tuple[PreTrainedModel, Loaded]:
             model = pretrained_model(source, torch_dtype=torch_dtype, **flags, **kwargs)
             if device == "cuda" and "device_map" not in kwargs:
                 model = moved_to_gpu(model)
-        model.eval()
+        model.eval()  # type: ignore[no-untyped-call, unused-ignore]
         _sync(device)
         load_s = time.perf_counter() - t0
     return model, {"dtype": dtype, "load_seconds": load_s, "load_warnings": messages}

@@ -21,10 +21,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, TypedDict
 
-from qwen_kvprep.common import FAST_FILE, KERNEL_FILES, LOADER_FILE
+from qwen_kvprep import compat, fastkv
+from qwen_kvprep.common import COMPAT_FILE, FAST_FILE, KERNEL_FILES, LOADER_FILE
 from qwen_kvprep.configjson import read_config as read_checked_config
 from qwen_kvprep.errors import CheckpointError, ConfigError
-from qwen_kvprep.fastkv import patched, recognise
 from qwen_kvprep.jsontypes import JSONObject
 from qwen_kvprep.resources import templates_dir
 
@@ -178,12 +178,18 @@ def _assemble(directory: Path, folder: Path, config: JSONObject, has_code: bool)
         config.setdefault("model_type", "qwen")
         config["auto_map"] = dict(_AUTO_MAP)
     (folder / CONFIG).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
-    # the Int8 cache's fast path, as fix installs it (its runs can switch it off)
+    # what Qwen's code needs from this transformers, and the Int8 cache's fast path, as fix
+    # installs them (its runs can switch the fast path off)
     modeling = folder / MODELING
     text = modeling.read_text(encoding="utf-8")
-    if recognise(text) is None:
-        modeling.write_text(patched(text), encoding="utf-8")
+    base = compat.unpatched(fastkv.unpatched(text))
+    if compat.recognise(base) is None:
+        base = compat.patched(base)
+        (folder / COMPAT_FILE).write_bytes((templates_dir() / COMPAT_FILE).read_bytes())
+    if fastkv.recognise(text) is None:
+        base = fastkv.patched(base)
         (folder / FAST_FILE).write_bytes((templates_dir() / FAST_FILE).read_bytes())
+    modeling.write_text(base, encoding="utf-8")
     # The checkpoint's own sources when it has both (fix put them there: their build is
     # the one in the cache), else qwen-kvprep's.
     sources = read_sources(directory)

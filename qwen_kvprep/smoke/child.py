@@ -97,7 +97,7 @@ def load_model(
         model = pretrained_model(directory, **kwargs)
         if device == "cuda" and "device_map" not in kwargs:
             model = moved_to_gpu(model)
-        model.eval()
+        model.eval()  # type: ignore[no-untyped-call, unused-ignore]
         if device == "cuda":
             import torch
 
@@ -445,7 +445,7 @@ def _sent(run: Measured, tokenizer: PreTrainedTokenizerBase) -> ModeRun:
         "decode_tokens_per_s": run["decode_tokens_per_s"],
         "cache": run["cache"],
         "peak_memory": run["peak_memory"],
-        "text": tokenizer.decode(run["tokens"]),
+        "text": str(tokenizer.decode(run["tokens"])),
     }
 
 

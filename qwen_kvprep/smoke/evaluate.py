@@ -177,6 +177,18 @@ _HINTS = (
         "`qwen-kvprep fix {dir}` (it uses qwen-kvprep's own kernel sources)",
     ),
     (
+        # Qwen's code as shipped on transformers >= 4.54 (without qwen_kvprep_compat.py)
+        "transformers_stream_generator",
+        "Qwen's code as shipped does not run on this transformers (its chat_stream imports "
+        "transformers_stream_generator, which cannot be imported here): run "
+        "`qwen-kvprep fix {dir}`, which adds qwen_kvprep_compat.py",
+    ),
+    (
+        "get_head_mask",
+        "Qwen's code as shipped does not run on this transformers: run "
+        "`qwen-kvprep fix {dir}`, which adds qwen_kvprep_compat.py",
+    ),
+    (
         "requires the following packages",
         "install the packages the model code imports: pip install tiktoken einops "
         "transformers_stream_generator",
@@ -668,9 +680,9 @@ def _measure(m: SmokeNumbers, result: SmokeResult) -> Finding:
 def evaluate(
     outcome: SmokeOutcome, options: SmokeOptions, directory: str
 ) -> tuple[list[Finding], SmokeSummary]:
-    """Findings (ids smoke.load, smoke.run, smoke.numbers, smoke.quantization, smoke.kernel, smoke.gptq
-    for GPTQ checkpoints, smoke.agreement, smoke.measure) and the summary object for
-    --json and the state."""
+    """Findings (ids smoke.load, smoke.run, smoke.numbers, smoke.quantization, smoke.kernel,
+    smoke.gptq for GPTQ checkpoints, smoke.agreement, smoke.measure) and the summary object
+    for --json and the state."""
     summary: SmokeSummary = {
         "ok": False,
         "device_requested": options.device,

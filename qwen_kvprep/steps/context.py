@@ -61,6 +61,7 @@ class FixExtra(TypedDict, total=False):
     build: JSONObject  # BuildResult.to_json, or the one reused (steps/build.py)
     loader: str  # the loader file (steps/loader.py)
     fast_path: bool  # whether the model's code got the fast path (steps/fastkv.py)
+    compat: bool  # whether it got the compatibility module (steps/fastkv.py)
     modules: StateModules  # the modules-cache copies (steps/modules.py)
     state: str  # state.json (steps/record.py)
     prebuilt: JSONObject  # the variant installed for --prebuilt (steps/prebuilt.py)
