@@ -113,6 +113,12 @@ def _result(**over: Any) -> dict[str, Any]:
         "load_warnings": [],
         "model_dtype": "bfloat16",
         "model_code": "/m/modeling_qwen.py",
+        "compat": [],
+        "numbers": {
+            "tensors_compared": 19, "tensors_stored": 19, "tensors_differ": 0,
+            "tensors_differ_names": [], "buffers_compared": 9, "buffers_differ": 0,
+            "buffers_differ_names": [], "seconds": 0.01,
+        },
         "layers": [_layer(0), _layer(1)],
         "first_step": {
             "max_abs_logit_diff": 0.1,
@@ -159,6 +165,19 @@ def _judge(result: Optional[dict[str, Any]] = None, **outcome: Any) -> dict[str,
     by_id = {f.id: f for f in findings}
     assert summary["ok"] is not any(f.severity is Severity.FAIL for f in findings)
     return by_id
+
+
+def test_other_numbers_than_the_checkpoints_fail_the_smoke() -> None:
+    res = _result(transformers="5.24.0")
+    res["numbers"].update(
+        tensors_differ=2, tensors_differ_names=["transformer.h.0.attn.c_proj.weight"],
+        buffers_differ=1, buffers_differ_names=["transformer.h.0.attn.logn_tensor"],
+    )
+    findings, summary = evaluate(ChildOutcome(result=res), SmokeOptions(), "/ckpt")
+    f = {f.id: f for f in findings}["smoke.numbers"]
+    assert f.severity is Severity.FAIL and summary["ok"] is False
+    assert "c_proj.weight" in f.message and "logn_tensor" in f.message
+    assert "qwen-kvprep fix /ckpt" in str(f.fix)
 
 
 def test_healthy_result_passes_with_measurements() -> None:

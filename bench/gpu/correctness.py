@@ -43,8 +43,23 @@ from typing import Optional
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import kernels as bench_kernels  # bench/kernels.py: the shared builder
+
+def _bench_kernels() -> ModuleType:
+    """bench/kernels.py, the shared builder, by its path: `import kernels` may find the
+    repository's kernels/ folder (a namespace package), which transformers 5 imports when
+    it looks for huggingface's `kernels` package from the repository's root."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parent.parent / "kernels.py"
+    spec = importlib.util.spec_from_file_location("qwen_kvprep_bench_kernels", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+bench_kernels = _bench_kernels()
 
 QK = bench_kernels.QK
 PV = bench_kernels.PV

@@ -164,6 +164,21 @@ def _known_repos_hint() -> str:
     return ", ".join(catalogue.known_good().repos)
 
 
+def hub_errors() -> tuple[type[BaseException], ...]:
+    """What a huggingface_hub download raises for an expected failure: its own errors are
+    OSErrors, and so are requests' (huggingface_hub < 1.0); from 1.0 on a network failure
+    outside the Hub's answers is httpx's (2.x: httpx2), which is not."""
+    import importlib
+
+    errors: list[type[BaseException]] = [OSError, ValueError]
+    for name in ("httpx", "httpx2"):
+        try:
+            errors.append(importlib.import_module(name).HTTPError)
+        except (ImportError, AttributeError):
+            continue
+    return tuple(errors)
+
+
 def fetch_error(
     exc: BaseException,
     *,
@@ -294,7 +309,7 @@ def fetch_official(
                 paths[name] = hf_hub_download(
                     repo_id, name, revision=revision, local_files_only=offline
                 )
-            except (OSError, ValueError) as exc:
+            except hub_errors() as exc:
                 raise fetch_error(
                     exc,
                     repo_id=repo_id,

@@ -54,7 +54,7 @@ from qwen_kvprep.fsutil import atomic_write_text, check_output_file
 from qwen_kvprep.probe.toolchain import torch_info
 from qwen_kvprep.redact import install_log_filter
 from qwen_kvprep.state.writer import load_state
-from qwen_kvprep.steps.download import _cause_summary, _progress_bars
+from qwen_kvprep.steps.download import _cause_summary, _progress_bars, hub_errors
 from qwen_kvprep.untrusted import describe_json_error, read_record
 
 if TYPE_CHECKING:
@@ -251,7 +251,7 @@ def _snapshot(
             )
     except HFValidationError as exc:
         raise UsageError(f"{source.spec!r} is not a Hub repo id: {exc}") from None
-    except (OSError, ValueError, KeyError) as exc:
+    except (*hub_errors(), KeyError) as exc:
         # KeyError: a server (an HF_ENDPOINT mirror) whose answer lacks a field this
         # huggingface_hub requires
         raise _hub_error(exc, source, what, cached_only) from exc
@@ -662,7 +662,7 @@ def _download_anew(source: Source, listing: Listing, variant: Variant) -> bool:
         for rel in sorted(bad):
             hf_hub_download(source.repo_id, f"{BUILD_DIRNAME}/{variant.name}/{rel}",
                             revision=listing.commit)
-    except (OSError, ValueError) as exc:
+    except hub_errors() as exc:
         raise _hub_error(exc, source, f"the files of {variant.name}") from exc
     return True
 
