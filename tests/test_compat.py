@@ -47,7 +47,8 @@ def test_patched_hides_the_stream_import_and_unpatched_restores_every_byte() -> 
     original = (REMOTE_CODE_DIR / "modeling_qwen.py").read_text(encoding="utf-8")
     assert IMPORT in original
     text = compat.patched(original)
-    assert IMPORT not in text and IMPORT.strip() in text
+    lines = text.splitlines(keepends=True)
+    assert IMPORT not in lines and "    " + IMPORT in lines  # one level deeper, in the try
     assert text.endswith(compat.BLOCK) and compat.is_patched(text)
     assert compat.patched(text) == text  # idempotent
     assert compat.unpatched(text) == original
@@ -158,8 +159,9 @@ def test_the_model_loads_its_own_numbers_and_serves(prepared: Path, tmp_path: Pa
     assert n["buffers_compared"] > 0 and n["buffers_differ"] == 0, n
     assert tuple(got["compat"]) == _module().needs()
     assert len(got["greedy"]) == 8 and got["second_load_greedy"] == got["greedy"]
-    # chat_stream yields the growing answer; its last piece is chat's answer
-    assert got["chat_stream"] and got["chat_stream"][-1] == got["chat"]
+    # chat_stream yields the growing answer; its last piece is chat's answer (decoded, as
+    # Qwen's chat_stream decodes, without the replacement characters chat shows)
+    assert got["chat_stream"] and got["chat_stream"][-1] == got["chat"].replace("\ufffd", "")
 
 
 @pytest.mark.slow

@@ -164,13 +164,13 @@ def _known_repos_hint() -> str:
     return ", ".join(catalogue.known_good().repos)
 
 
-def hub_errors() -> tuple[type[BaseException], ...]:
-    """What a huggingface_hub download raises for an expected failure: its own errors are
-    OSErrors, and so are requests' (huggingface_hub < 1.0); from 1.0 on a network failure
-    outside the Hub's answers is httpx's (2.x: httpx2), which is not."""
+def hub_errors(*more: type[BaseException]) -> tuple[type[BaseException], ...]:
+    """What a huggingface_hub download raises for an expected failure (and `more`): its
+    own errors are OSErrors, and so are requests' (huggingface_hub < 1.0); from 1.0 on a
+    network failure outside the Hub's answers is httpx's (2.x: httpx2), which is not."""
     import importlib
 
-    errors: list[type[BaseException]] = [OSError, ValueError]
+    errors: list[type[BaseException]] = [OSError, ValueError, *more]
     for name in ("httpx", "httpx2"):
         try:
             errors.append(importlib.import_module(name).HTTPError)

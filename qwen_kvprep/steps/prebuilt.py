@@ -251,7 +251,7 @@ def _snapshot(
             )
     except HFValidationError as exc:
         raise UsageError(f"{source.spec!r} is not a Hub repo id: {exc}") from None
-    except (*hub_errors(), KeyError) as exc:
+    except hub_errors(KeyError) as exc:
         # KeyError: a server (an HF_ENDPOINT mirror) whose answer lacks a field this
         # huggingface_hub requires
         raise _hub_error(exc, source, what, cached_only) from exc
