@@ -196,3 +196,46 @@ def test_one_folder_serves_two_releases_with_the_same_logits(
     assert here["greedy"] == there["greedy"]
     scale = max(abs(x) for x in there["logits"])
     assert max(abs(a - b) for a, b in zip(here["logits"], there["logits"])) <= 1e-5 * scale
+
+
+# ------------------------------------------------------------------ doctor
+
+
+@pytest.mark.parametrize(
+    ("release", "prepared", "want"),
+    [
+        ("4.37.2", False, "info"),
+        ("4.53.3", False, "info"),
+        ("4.54.1", False, "fail"),
+        ("5.24.0", False, "fail"),
+        ("5.24.0", True, "ok"),
+        ("4.32.0", True, "ok"),
+    ],
+)
+def test_doctor_says_whether_the_code_runs_on_this_transformers(
+    tmp_path: Path, release: str, prepared: bool, want: str
+) -> None:
+    from qwen_kvprep.probe.checkpoint import probe_checkpoint
+    from tests.checks.facts import env_facts, facts, text, worst
+
+    ckpt = generate_checkpoint(tmp_path / "Tiny-Chat", layers=1)
+    if prepared:
+        with_compat(ckpt)
+    f = facts(env_facts(transformers_version=release), checkpoint=probe_checkpoint(ckpt))
+    assert worst("checkpoint.compat", f).value == want
+    if want == "fail":
+        assert f"qwen-kvprep fix {ckpt}" in text("checkpoint.compat", f)
+
+
+def test_doctor_fails_an_import_of_a_missing_or_changed_module(tmp_path: Path) -> None:
+    from qwen_kvprep.probe.checkpoint import probe_checkpoint
+    from tests.checks.facts import env_facts, facts, worst
+
+    ckpt = generate_checkpoint(tmp_path / "Tiny-Chat", layers=1)
+    with_compat(ckpt)
+    (ckpt / COMPAT_FILE).write_text("# changed\n")
+    f = facts(env_facts(transformers_version="5.24.0"), checkpoint=probe_checkpoint(ckpt))
+    assert worst("checkpoint.compat", f).value == "warn"
+    (ckpt / COMPAT_FILE).unlink()
+    f = facts(env_facts(transformers_version="4.53.3"), checkpoint=probe_checkpoint(ckpt))
+    assert worst("checkpoint.compat", f).value == "fail"

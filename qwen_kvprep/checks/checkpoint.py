@@ -17,6 +17,7 @@ from qwen_kvprep import hubcli
 from qwen_kvprep.checks.identity import Kind, identify
 from qwen_kvprep.checks.registry import (
     CHECKPOINT,
+    ENV,
     LISTED,
     QWEN_V1,
     check,
@@ -27,7 +28,14 @@ from qwen_kvprep.checks.registry import (
     skip,
     warn,
 )
-from qwen_kvprep.common import FAST_FILE, GPTQ_INSTALL, KERNEL_FILES, fix_command, spelling_problem
+from qwen_kvprep.common import (
+    COMPAT_FILE,
+    FAST_FILE,
+    GPTQ_INSTALL,
+    KERNEL_FILES,
+    fix_command,
+    spelling_problem,
+)
 from qwen_kvprep.common import LOADER_FILE as LOADER
 from qwen_kvprep.configjson import CONFIG
 from qwen_kvprep.findings import Finding
@@ -388,6 +396,61 @@ def remote_code(facts: Facts) -> CheckResult:
             f"update the remote code: {update}", paths=[cp.path / MODELING],
         )
     return ok(f"{MODELING} supports the Int8 KV cache and its kernel")
+
+
+# The first release Qwen's code as shipped does not run on (generate gets a Cache object).
+NEEDS_COMPAT_FROM = (4, 54)
+
+
+@check(
+    "checkpoint.compat",
+    "Qwen's code runs on this transformers (qwen_kvprep_compat.py where it is needed)",
+    needs=(CHECKPOINT, LISTED, QWEN_V1, ENV),
+)
+def compat_module(facts: Facts) -> CheckResult:
+    cp = checkpoint_of(facts)
+    if cp.modeling_text_supports_kv is None:
+        return skip(f"{MODELING} is missing or damaged (see checkpoint.files / .content)")
+    fix = fix_command(cp.path)
+    release = facts.env.transformers_version if facts.env is not None else None
+    if cp.compat_imported:
+        if cp.compat_module_sha256 is None:
+            return fail(
+                f"{MODELING} imports qwen-kvprep's compatibility module but {COMPAT_FILE} is "
+                "missing: transformers refuses to load the model",
+                f"run `{fix}` (or `qwen-kvprep revert` to take the import out)",
+                paths=[cp.path / COMPAT_FILE],
+            )
+        if not cp.compat_module_current:
+            return warn(
+                f"{COMPAT_FILE} is not the one this qwen-kvprep writes (another version, or "
+                "changed by hand)",
+                f"run `{fix}` to write the current one", paths=[cp.path / COMPAT_FILE],
+            )
+        return ok(
+            f"{MODELING} imports qwen-kvprep's compatibility module: Qwen's code runs on "
+            f"transformers {release or 'of any supported release'} with the checkpoint's own "
+            "numbers"
+        )
+    parts = (release or "").split(".")[:2]
+    try:
+        version = tuple(int("".join(c for c in p if c.isdigit())) for p in parts)
+    except ValueError:
+        version = ()
+    if len(version) == 2 and version >= NEEDS_COMPAT_FROM:
+        return fail(
+            f"Qwen's {MODELING} as shipped does not run on transformers {release} (from 4.54 "
+            "generate fails, from 4.57 the load fails, and from 5.0 the model loads other "
+            "weights than the checkpoint's); the folder lacks qwen-kvprep's compatibility "
+            "module",
+            f"run `{fix}`",
+            paths=[cp.path / MODELING],
+        )
+    return info(
+        f"Qwen's code runs as shipped on transformers {release}; `{fix}` adds the "
+        "compatibility module newer releases need (4.54 and later)",
+        paths=[cp.path / MODELING],
+    )
 
 
 @check(

@@ -24,7 +24,15 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import TYPE_CHECKING, NamedTuple, Optional, TypedDict, Union
 
-from qwen_kvprep.common import FAST_FILE, KERNEL_FILES, LOADER_MARKER, sha256_bytes, sha256_file
+from qwen_kvprep import compat
+from qwen_kvprep.common import (
+    COMPAT_FILE,
+    FAST_FILE,
+    KERNEL_FILES,
+    LOADER_MARKER,
+    sha256_bytes,
+    sha256_file,
+)
 from qwen_kvprep.common import LOADER_FILE as LOADER
 from qwen_kvprep.configjson import CONFIG, parse_config_bytes, read_config_bytes
 from qwen_kvprep.errors import ConfigError, current_user
@@ -155,6 +163,9 @@ class CheckpointFacts:
     fast_path_imported: bool = False
     fast_module_sha256: Optional[str] = None
     fast_module_current: bool = False  # the one this qwen-kvprep installs
+    compat_imported: bool = False  # modeling_qwen.py imports qwen_kvprep_compat.py
+    compat_module_sha256: Optional[str] = None
+    compat_module_current: bool = False  # the one this qwen-kvprep writes
     remote_code: dict[str, Optional[str]] = field(default_factory=dict)  # name -> sha256
     gptq: bool = False
     gptq_source: Optional[str] = None
@@ -698,6 +709,14 @@ class _Where(TypedDict):
     special: tuple[tuple[str, str], ...]
 
 
+def _compat_module_hash() -> Optional[str]:
+    """sha256 of qwen_kvprep_compat.py as this qwen-kvprep writes it."""
+    try:
+        return sha256_bytes((templates_dir() / COMPAT_FILE).read_bytes())
+    except OSError:
+        return None
+
+
 def _fast_module_hashes() -> set[str]:
     """sha256 of qwen_kvprep_kv.py as this qwen-kvprep plants it, either way it can."""
     try:
@@ -862,6 +881,7 @@ def probe_checkpoint(path: Path, spelt: Optional[str] = None) -> CheckpointFacts
 
     loader_text = _read_text(path / LOADER) if LOADER in files else None
     fast_sha = _sha256(path / FAST_FILE) if FAST_FILE in files else None
+    compat_sha = _sha256(path / COMPAT_FILE) if COMPAT_FILE in files else None
     return CheckpointFacts(
         **base,
         files=tuple(listing),
@@ -878,6 +898,9 @@ def probe_checkpoint(path: Path, spelt: Optional[str] = None) -> CheckpointFacts
         fast_path_imported=modeling is not None and is_patched(modeling),
         fast_module_sha256=fast_sha,
         fast_module_current=fast_sha is not None and fast_sha in _fast_module_hashes(),
+        compat_imported=modeling is not None and compat.is_patched(modeling),
+        compat_module_sha256=compat_sha,
+        compat_module_current=compat_sha is not None and compat_sha == _compat_module_hash(),
         remote_code={f: _sha256(path / f) if f in files else None for f in REMOTE_CODE_FILES},
         gptq=gptq_source is not None,
         gptq_source=gptq_source,
