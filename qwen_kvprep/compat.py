@@ -10,8 +10,9 @@ out exactly:
 
 - a block at the end that imports the module (before the fast path's block, if any);
 - the import of `transformers_stream_generator` inside `chat_stream` wrapped in
-  `try:`/`finally: pass`. Its behaviour is unchanged, but transformers' check of the
-  packages a model file imports skips `try` blocks: from 4.57 on that package cannot be
+  `try:`/`except ImportError: raise`. Its behaviour is unchanged, but transformers' check
+  of the packages a model file imports skips `try` blocks (4.x by a regular expression
+  from `try:` to the next `except ...:`, later releases on the syntax tree): from 4.57 on that package cannot be
   imported at all, and the check refused every load although only `chat_stream` uses it
   (the module then gives `chat_stream` its own streaming).
 """
@@ -36,7 +37,7 @@ _qwen_kvprep_compat_install(globals())
 """
 
 _HIDE_BEGIN = "try:  # >>> qwen-kvprep: out of transformers' import check (qwen_kvprep_compat.py)"
-_HIDE_END = "finally:  # <<< qwen-kvprep"
+_HIDE_END = "except ImportError:  # <<< qwen-kvprep"
 # An import of the stream generator on a line of its own, as Qwen's chat_stream has it.
 _STREAM_IMPORT = re.compile(
     r"^(?P<indent>[ \t]*)(?P<stmt>(?:from[ \t]+transformers_stream_generator[\w.]*[ \t]+import"
@@ -47,14 +48,14 @@ _HIDDEN = re.compile(
     r"^(?P<indent>[ \t]*)" + re.escape(_HIDE_BEGIN) + r"\n"
     r"(?P=indent)    (?P<stmt>[^\n]*)\n"
     r"(?P=indent)" + re.escape(_HIDE_END) + r"\n"
-    r"(?P=indent)    pass\n",
+    r"(?P=indent)    raise\n",
     re.MULTILINE,
 )
 
 
 def _hide(match: re.Match[str]) -> str:
     indent, stmt = match.group("indent"), match.group("stmt")
-    return f"{indent}{_HIDE_BEGIN}\n{indent}    {stmt}\n{indent}{_HIDE_END}\n{indent}    pass\n"
+    return f"{indent}{_HIDE_BEGIN}\n{indent}    {stmt}\n{indent}{_HIDE_END}\n{indent}    raise\n"
 
 
 def _unhide(match: re.Match[str]) -> str:

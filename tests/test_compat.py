@@ -161,7 +161,9 @@ def test_the_model_loads_its_own_numbers_and_serves(prepared: Path, tmp_path: Pa
     assert len(got["greedy"]) == 8 and got["second_load_greedy"] == got["greedy"]
     # chat_stream yields the growing answer; its last piece is chat's answer (decoded, as
     # Qwen's chat_stream decodes, without the replacement characters chat shows)
-    assert got["chat_stream"] and got["chat_stream"][-1] == got["chat"].replace("\ufffd", "")
+    # (the imitation's own chat_stream, which runs before 4.57, keeps them)
+    last = got["chat_stream"][-1] if got["chat_stream"] else None
+    assert last is not None and last.replace("\ufffd", "") == got["chat"].replace("\ufffd", "")
 
 
 @pytest.mark.slow
@@ -170,8 +172,6 @@ def test_without_the_module_transformers_5_loads_other_numbers(
 ) -> None:
     """What the module prevents, measured: the same folder with its `loaded-numbers`
     change switched off (the module as planted, one line changed)."""
-    if transformers_release() < (5, 0):
-        pytest.skip("transformers < 5 builds models on the CPU: nothing to prevent")
     ckpt = tmp_path / "Tiny-Chat"
     subprocess.run(["cp", "-a", str(prepared), str(ckpt)], check=True)
     module = ckpt / COMPAT_FILE
@@ -180,6 +180,10 @@ def test_without_the_module_transformers_5_loads_other_numbers(
     assert line in text
     module.write_text(text.replace(line, '    "loaded-numbers": lambda namespace: False,\n'))
     n = _run(Path(sys.executable), ckpt, tmp_path)["numbers"]
+    if transformers_release() < (5, 0):
+        # transformers 4 builds the model on the CPU: the checkpoint's numbers all the same
+        assert n["tensors_differ"] == n["buffers_differ"] == 0, n
+        return
     assert n["tensors_differ"] > 0 or n["buffers_differ"] > 0, n
     assert any("c_proj" in name for name in n["tensors_differ_names"]), n
     assert any("logn_tensor" in name for name in n["buffers_differ_names"]), n
