@@ -12,9 +12,9 @@ out exactly:
 - the import of `transformers_stream_generator` inside `chat_stream` wrapped in
   `try:`/`except ImportError: raise`. Its behaviour is unchanged, but transformers' check
   of the packages a model file imports skips `try` blocks (4.x by a regular expression
-  from `try:` to the next `except ...:`, later releases on the syntax tree): from 4.57 on that package cannot be
-  imported at all, and the check refused every load although only `chat_stream` uses it
-  (the module then gives `chat_stream` its own streaming).
+  from `try:` to the next `except ...:`, later releases on the syntax tree): from 4.57 on
+  that package cannot be imported at all, and the check refused every load although only
+  `chat_stream` uses it (the module then gives `chat_stream` its own streaming).
 """
 
 from __future__ import annotations
