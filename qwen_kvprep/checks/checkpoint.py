@@ -17,7 +17,6 @@ from qwen_kvprep import hubcli
 from qwen_kvprep.checks.identity import Kind, identify
 from qwen_kvprep.checks.registry import (
     CHECKPOINT,
-    ENV,
     LISTED,
     QWEN_V1,
     check,
@@ -405,7 +404,7 @@ NEEDS_COMPAT_FROM = (4, 54)
 @check(
     "checkpoint.compat",
     "Qwen's code runs on this transformers (qwen_kvprep_compat.py where it is needed)",
-    needs=(CHECKPOINT, LISTED, QWEN_V1, ENV),
+    needs=(CHECKPOINT, LISTED, QWEN_V1),
 )
 def compat_module(facts: Facts) -> CheckResult:
     cp = checkpoint_of(facts)
@@ -446,9 +445,10 @@ def compat_module(facts: Facts) -> CheckResult:
             f"run `{fix}`",
             paths=[cp.path / MODELING],
         )
+    runs = f"on transformers {release}" if release else "on transformers 4.32 to 4.53"
     return info(
-        f"Qwen's code runs as shipped on transformers {release}; `{fix}` adds the "
-        "compatibility module newer releases need (4.54 and later)",
+        f"Qwen's code runs as shipped {runs}; `{fix}` adds the compatibility module newer "
+        "releases need (4.54 and later)",
         paths=[cp.path / MODELING],
     )
 
