@@ -23,8 +23,9 @@ import ast
 import re
 from typing import Optional
 
+from qwen_kvprep.fastkv import END, remove_block
+
 BEGIN = "# >>> qwen-kvprep: Qwen's code on this transformers (qwen_kvprep_compat.py)"
-END = "# <<< qwen-kvprep"
 # A relative import, unlike the fast path's block (fastkv.py): transformers then copies
 # the module into every modules-cache folder the code runs from, under every release (4.x
 # names the folder after DIR, 5.x after a hash of the code), and a load without it fails
@@ -68,17 +69,7 @@ def is_patched(text: str) -> bool:
 
 def unpatched(text: str) -> str:
     """The file without our changes (the text itself when it has none)."""
-    text = _HIDDEN.sub(_unhide, text)
-    start = text.find("\n" + BEGIN)
-    if start == -1:
-        return text
-    end = text.find(END, start)
-    if end == -1:
-        return text
-    end += len(END)
-    if text.startswith("\n", end):
-        end += 1
-    return text[:start] + text[end:]
+    return remove_block(_HIDDEN.sub(_unhide, text), BEGIN)
 
 
 def patched(text: str) -> str:

@@ -82,7 +82,13 @@ def is_patched(text: str) -> bool:
 
 def unpatched(text: str) -> str:
     """The file without our block (the text itself when it has none)."""
-    start = text.find("\n" + BEGIN)
+    return remove_block(text, BEGIN)
+
+
+def remove_block(text: str, begin: str) -> str:
+    """`text` without the block of ours that starts with the line `begin` and ends with
+    the next END line (the text itself when it has none, or an unfinished one)."""
+    start = text.find("\n" + begin)
     if start == -1:
         return text
     end = text.find(END, start)

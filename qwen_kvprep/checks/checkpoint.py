@@ -53,6 +53,7 @@ from qwen_kvprep.probe.checkpoint import (
     CheckpointFacts,
     ContentProblem,
 )
+from qwen_kvprep.probe.env import version_tuple
 from qwen_kvprep.probe.facts import Facts
 
 # Used in fix commands when the checkpoint's repo is unknown; the fix says to replace it.
@@ -397,6 +398,27 @@ def remote_code(facts: Facts) -> CheckResult:
     return ok(f"{MODELING} supports the Int8 KV cache and its kernel")
 
 
+def _imported_module_problem(
+    path: Path, name: str, what: str, sha256: Optional[str], current: bool, if_missing: str
+) -> Optional[Finding]:
+    """A module of ours that modeling_qwen.py imports: missing (a failure, with what the
+    model then does) or not the one this qwen-kvprep writes (a warning); None when it is."""
+    fix = fix_command(path)
+    if sha256 is None:
+        return fail(
+            f"{MODELING} imports qwen-kvprep's {what} but {name} is missing: {if_missing}",
+            f"run `{fix}` (or `qwen-kvprep revert` to take the import out)",
+            paths=[path / name],
+        )
+    if not current:
+        return warn(
+            f"{name} is not the one this qwen-kvprep writes (another version, or changed "
+            "by hand)",
+            f"run `{fix}` to write the current one", paths=[path / name],
+        )
+    return None
+
+
 # The first release Qwen's code as shipped does not run on (generate gets a Cache object).
 NEEDS_COMPAT_FROM = (4, 54)
 
@@ -413,30 +435,19 @@ def compat_module(facts: Facts) -> CheckResult:
     fix = fix_command(cp.path)
     release = facts.env.transformers_version if facts.env is not None else None
     if cp.compat_imported:
-        if cp.compat_module_sha256 is None:
-            return fail(
-                f"{MODELING} imports qwen-kvprep's compatibility module but {COMPAT_FILE} is "
-                "missing: transformers refuses to load the model",
-                f"run `{fix}` (or `qwen-kvprep revert` to take the import out)",
-                paths=[cp.path / COMPAT_FILE],
-            )
-        if not cp.compat_module_current:
-            return warn(
-                f"{COMPAT_FILE} is not the one this qwen-kvprep writes (another version, or "
-                "changed by hand)",
-                f"run `{fix}` to write the current one", paths=[cp.path / COMPAT_FILE],
-            )
+        problem = _imported_module_problem(
+            cp.path, COMPAT_FILE, "compatibility module", cp.compat_module_sha256,
+            cp.compat_module_current, "transformers refuses to load the model",
+        )
+        if problem is not None:
+            return problem
         return ok(
             f"{MODELING} imports qwen-kvprep's compatibility module: Qwen's code runs on "
             f"transformers {release or 'of any supported release'} with the checkpoint's own "
             "numbers"
         )
-    parts = (release or "").split(".")[:2]
-    try:
-        version = tuple(int("".join(c for c in p if c.isdigit())) for p in parts)
-    except ValueError:
-        version = ()
-    if len(version) == 2 and version >= NEEDS_COMPAT_FROM:
+    version = version_tuple(release)
+    if version is not None and version[:2] >= NEEDS_COMPAT_FROM:
         return fail(
             f"Qwen's {MODELING} as shipped does not run on transformers {release} (from 4.54 "
             "generate fails, from 4.57 the load fails, and from 5.0 the model loads other "
@@ -464,19 +475,12 @@ def fast_path(facts: Facts) -> CheckResult:
         return skip(f"{MODELING} is missing or damaged (see checkpoint.files / .content)")
     fix = fix_command(cp.path)
     if cp.fast_path_imported:
-        if cp.fast_module_sha256 is None:
-            return fail(
-                f"{MODELING} imports qwen-kvprep's fast path but {FAST_FILE} is missing: the "
-                "model warns and runs its own, slower code",
-                f"run `{fix}` (or `qwen-kvprep revert` to take the import out)",
-                paths=[cp.path / FAST_FILE],
-            )
-        if not cp.fast_module_current:
-            return warn(
-                f"{FAST_FILE} is not the one this qwen-kvprep installs (another version, or "
-                "changed by hand)",
-                f"run `{fix}` to install the current one", paths=[cp.path / FAST_FILE],
-            )
+        problem = _imported_module_problem(
+            cp.path, FAST_FILE, "fast path", cp.fast_module_sha256, cp.fast_module_current,
+            "the model warns and runs its own, slower code",
+        )
+        if problem is not None:
+            return problem
         return ok(
             f"{MODELING} imports qwen-kvprep's fast path: with qwen-kvprep's kernels the "
             "quantized cache grows in place, with one fused quantize-and-append per step"
