@@ -243,3 +243,13 @@ def test_doctor_fails_an_import_of_a_missing_or_changed_module(tmp_path: Path) -
     (ckpt / COMPAT_FILE).unlink()
     f = facts(env_facts(transformers_version="4.53.3"), checkpoint=probe_checkpoint(ckpt))
     assert worst("checkpoint.compat", f).value == "fail"
+
+
+def test_the_numbers_check_reads_only_the_folders_own_shards(tmp_path: Path) -> None:
+    from qwen_kvprep.smoke.numbers import INDEX, _shards
+
+    (tmp_path / INDEX).write_text(json.dumps({"weight_map": {
+        "a": "model-1.safetensors", "b": "../outside.safetensors", "c": "/abs.safetensors",
+        "d": "model-1.safetensors",
+    }}))
+    assert _shards(tmp_path) == [tmp_path / "model-1.safetensors"]

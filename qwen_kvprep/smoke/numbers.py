@@ -19,29 +19,34 @@ bounded in time whatever the model's size:
 from __future__ import annotations
 
 import copy
-import json
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
 from qwen_kvprep.smoke.protocol import LoadedNumbers
+from qwen_kvprep.untrusted import read_record
 
 if TYPE_CHECKING:
     import torch
     from transformers import PreTrainedModel
 
 SLICE_BYTES = 64 << 10  # from each end of a tensor
+INDEX_LIMIT = 16 << 20  # a 72B checkpoint's index is about 100 KB
 INDEX = "model.safetensors.index.json"
 GPTQ_PARTS = ("qweight", "qzeros", "scales", "g_idx")
 SHOWN = 5  # names listed in the result
 
 
 def _shards(directory: Path) -> list[Path]:
+    """The safetensors files of the folder: those its index names (plain file names in
+    the folder only: the index is the user's file, read bounded), else every one."""
     index = directory / INDEX
     if index.is_file():
-        with open(index, encoding="utf-8") as fh:
-            weight_map = json.load(fh).get("weight_map") or {}
-        return sorted({directory / str(f) for f in weight_map.values()})
+        data = read_record(index, INDEX_LIMIT)
+        weight_map = data.get("weight_map") if isinstance(data, dict) else None
+        names = {str(f) for f in weight_map.values()} if isinstance(weight_map, dict) else set()
+        plain = [n for n in names if n == Path(n).name and n not in ("", ".", "..")]
+        return sorted(directory / n for n in plain)
     return sorted(directory.glob("*.safetensors"))
 
 
