@@ -531,6 +531,24 @@ def test_cli_says_when_the_int8_figures_are_the_fast_path_s(tmp_path: Path) -> N
     assert "fast path" in kvprep(*args).stdout
 
 
+def test_fp32_fast_path_per_token_bytes_are_the_table_s(tmp_path: Path) -> None:
+    """fp32: the model's own Int8 code keeps fp32 scales, the fast path fp16 ones. A folder
+    planned with the fast path names the fast path's bytes a token, as its table uses."""
+    from qwen_kvprep.fastkv import patched
+    from qwen_kvprep.resources import templates_dir
+
+    d = generate_checkpoint(tmp_path / "tiny", layers=2, heads=4, head_dim=16, dtype="fp32")
+    modeling = d / "modeling_qwen.py"
+    modeling.write_text(patched(modeling.read_text(encoding="utf-8")), encoding="utf-8")
+    (d / "qwen_kvprep_kv.py").write_bytes((templates_dir() / "qwen_kvprep_kv.py").read_bytes())
+    args = ("plan", str(d), "--gpu-memory", "80GiB", "--batch", "4", "--tokens", "200")
+    fast = document(kvprep(*args, "--json"))["plan"]
+    assert fast["fast_path"] is True
+    assert fast["kv_bytes_per_token"]["int8"] == 2 * 2 * 4 * (16 + 2 * 2)  # fp16 scales
+    out = kvprep(*args).stdout
+    assert "320 B with Int8" in out and "384" not in out, out
+
+
 def test_cli_text_tables() -> None:
     res = kvprep("plan", str(QWEN_7B), "--gpu-memory", "80GiB", "--tokens", "1024,512,8192")
     assert res.returncode == 0, res.stderr

@@ -152,6 +152,23 @@ def test_fallback_warns_and_names_fix() -> None:
     assert "qwen-kvprep build" in (f.fix or "")
 
 
+def test_kv_bytes_message_names_the_unit_of_the_rows_beside_it() -> None:
+    # fp32: the model's own Int8 code keeps fp32 scales (384 bytes a token here), the fast
+    # path fp16 ones (320): the rows ran through the fast path, so the message says 320
+    units = {"unquantized": 1024, "int8": 384, "int8-fast": 320}
+    m = _measurements(
+        _record("unquantized", 1, kv_bytes=12 * 1024),
+        _record("int8", 1, kv_bytes=12 * 320, fast_layers=2),
+    )
+    f = _by_id(evaluate(m, _source(), units, 2, 60))["profile.kv_bytes"]
+    assert f.severity is Severity.OK, f.message
+    assert "320 bytes Int8 through the fast path" in f.message and "384" not in f.message
+    assert "(0.312x)" in f.message
+    m = _measurements(_record("int8", 2, kv_bytes=2 * 12 * 320 + 8, fast_layers=2))
+    f = _by_id(evaluate(m, _source(), units, 2, 60))["profile.kv_bytes"]
+    assert f.severity is Severity.WARN and "x 320 bytes" in f.message, f.message
+
+
 def test_cache_of_the_wrong_size_warns() -> None:
     m = _measurements(_record("int8", 2, kv_bytes=2 * 12 * TINY_INT8 + 8))
     f = _by_id(evaluate(m, _source(), UNITS, 2, 60))["profile.kv_bytes"]

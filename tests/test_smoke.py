@@ -231,6 +231,12 @@ def test_quantization_off_fails_and_skips_the_rest() -> None:
     assert by["smoke.quantization"].severity is Severity.FAIL
     assert by["smoke.kernel"].severity is Severity.SKIP
     assert by["smoke.agreement"].severity is Severity.SKIP
+    # the "quantized" run ran the unquantized cache: its speed is not called quantized
+    measure = by["smoke.measure"]
+    assert "quantized," not in measure.message and "tokens/s quantized" not in measure.message
+    assert "300 tokens/s unquantized" in measure.message
+    assert "the quantized cache is off" in measure.message
+    assert measure.details["tokens_per_s"]["quantized"] is None
 
 
 def test_cache_that_is_not_uint8_per_token_fails() -> None:

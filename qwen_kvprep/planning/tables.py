@@ -86,7 +86,7 @@ def payload(facts: ModelFacts, plan: PlanResult, gpu_source: str) -> PlanJSON:
         "weights_source": facts.weights_source,
         "kv_bytes_per_token": {
             "unquantized": kv_bytes_per_token(shape, "unquantized"),
-            "int8": kv_bytes_per_token(shape, "int8"),
+            "int8": kv_bytes_per_token(shape, "int8", plan.scenario.fast_path),
         },
         "gpu_memory_bytes": plan.scenario.gpu_memory_bytes,
         "gpu_memory_source": gpu_source,
@@ -143,7 +143,7 @@ def render_text(
     """The text output; `shown` is the directory as the user wrote it."""
     shape, s = plan.shape, plan.scenario
     kv_u = kv_bytes_per_token(shape, "unquantized")
-    kv_q = kv_bytes_per_token(shape, "int8")
+    kv_q = kv_bytes_per_token(shape, "int8", s.fast_path)  # the table's Int8 cache
     gptq = "" if facts.gptq is None else f", GPTQ {facts.gptq.bits}-bit"
     chunk = "in one forward" if s.prefill_chunk is None else f"in chunks of {s.prefill_chunk}"
     lines = [

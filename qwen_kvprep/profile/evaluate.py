@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from typing import Optional
 
 from qwen_kvprep.findings import Finding, fail, info, ok, skip, warn
-from qwen_kvprep.profile.predict import PerToken, expected_kv_bytes
+from qwen_kvprep.profile.predict import PerToken, expected_kv_bytes, unit_of
 from qwen_kvprep.profile.protocol import MODES
 from qwen_kvprep.profile.runner import (
     Measurements,
@@ -124,23 +124,35 @@ def kv_finding(rows: list[ProfileRow], per_token: PerToken) -> Finding:
     if not checked or per_token.get("int8") is None:
         return skip("profile.kv_bytes", "no finished run (or no model shape) to check")
     wrong = [r for r in checked if r["kv_bytes"] != expected_kv_bytes(r, per_token)]
-    u, q = per_token["unquantized"], per_token["int8"]
     if wrong:
         r = wrong[0]
         return warn(
             "profile.kv_bytes",
             f"the {r['mode']} cache at batch {r['batch']} holds {r['kv_bytes']:,} bytes, not "
-            f"batch x {r['cached_tokens']} tokens x {per_token[r['mode']]:,} bytes "
+            f"batch x {r['cached_tokens']} tokens x {unit_of(r, per_token) or 0:,} bytes "
             f"= {expected_kv_bytes(r, per_token):,}: the cache is not in the format the "
             "prediction assumes",
             mismatches=[{"mode": w["mode"], "batch": w["batch"], "kv_bytes": w["kv_bytes"],
                          "expected": expected_kv_bytes(w, per_token)} for w in wrong],
         )
-    ratio = f" ({q / u:.3f}x)" if u and q else ""
+    # the units the rows' KV bytes were checked against: an Int8 run through the fast path
+    # keeps fp16 scales, which an fp32 model's own code keeps in fp32
+    units: dict[tuple[str, bool], int] = {}
+    for r in checked:
+        fast = r["mode"] == "int8" and bool(r.get("fast_layers"))
+        units[(r["mode"], fast)] = unit_of(r, per_token) or 0
+    unquantized_first = sorted(units.items(), key=lambda i: (i[0][0] != "unquantized", i[0]))
+    parts = [
+        f"{unit:,} bytes {'unquantized' if mode == 'unquantized' else 'Int8'}"
+        + (" through the fast path" if fast else "")
+        for (mode, fast), unit in unquantized_first
+    ]
+    u = [v for (m, _), v in units.items() if m == "unquantized"]
+    q = [v for (m, _), v in units.items() if m == "int8"]
+    ratio = f" ({q[0] / u[0]:.3f}x)" if len(u) == 1 and len(q) == 1 and u[0] else ""
     return ok(
         "profile.kv_bytes",
-        f"every cache holds exactly batch x cached tokens x {u:,} bytes unquantized, "
-        f"{q:,} bytes Int8{ratio}",
+        f"every cache holds exactly batch x cached tokens x {', '.join(parts)}{ratio}",
     )
 
 

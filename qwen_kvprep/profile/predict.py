@@ -49,10 +49,15 @@ def fill_predictions(
         )
 
 
+def unit_of(row: ProfileRow, per_token: PerToken) -> Optional[int]:
+    """The bytes per token the row's cache holds: the fast path's for an Int8 run through it."""
+    fast = row["mode"] == "int8" and bool(row.get("fast_layers"))
+    return per_token.get(FAST_INT8 if fast else row["mode"])
+
+
 def expected_kv_bytes(row: ProfileRow, per_token: PerToken) -> Optional[int]:
     """batch x cached tokens x bytes per token: what the cache must hold, exactly."""
-    fast = row["mode"] == "int8" and bool(row.get("fast_layers"))
-    unit = per_token.get(FAST_INT8 if fast else row["mode"])
+    unit = unit_of(row, per_token)
     cached = row.get("cached_tokens")
     if unit is None or cached is None:
         return None

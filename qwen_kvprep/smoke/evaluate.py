@@ -624,21 +624,24 @@ def measurements(result: SmokeResult) -> SmokeNumbers:
         kv["expected_ratio"] = expected_ratio(
             int(head_dim), int(ql["scale_bytes"]), int(ul["element_bytes"])
         )
+    # with the quantized cache off, the "quantized" run ran the unquantized cache: nothing
+    # of it is a quantized figure
+    on = bool(q.get("enabled"))
     return {
         "kv_bytes_per_token": kv,
         "tokens_per_s": {
-            "quantized": q.get("decode_tokens_per_s"),
+            "quantized": q.get("decode_tokens_per_s") if on else None,
             "unquantized": u.get("decode_tokens_per_s"),
         },
         "prefill_seconds": {
-            "quantized": q.get("prefill_seconds"),
+            "quantized": q.get("prefill_seconds") if on else None,
             "unquantized": u.get("prefill_seconds"),
         },
         "load_seconds": result.get("load_seconds"),
         "peak_memory": result.get("peak_memory"),
         # per run (the allocator's peak is reset before each): CUDA only, RSS never drops
         "peak_memory_by_run": {
-            "quantized": (q.get("peak_memory") or {}).get("bytes"),
+            "quantized": (q.get("peak_memory") or {}).get("bytes") if on else None,
             "unquantized": (u.get("peak_memory") or {}).get("bytes"),
         }
         if (result.get("peak_memory") or {}).get("kind") == "cuda_max_allocated"
@@ -662,6 +665,10 @@ def _measure(m: SmokeNumbers, result: SmokeResult) -> Finding:
         parts.append(
             f"{tps['quantized']:.0f} tokens/s quantized, {tps['unquantized']:.0f} unquantized"
         )
+    elif tps["unquantized"]:
+        parts.append(f"{tps['unquantized']:.0f} tokens/s unquantized")
+    if kv["quantized"] is None:
+        parts.append("nothing quantized was measured: the quantized cache is off")
     peak = m.get("peak_memory")
     if peak is not None and peak.get("bytes"):
         what = "GPU peak" if peak.get("kind") == "cuda_max_allocated" else "peak RSS"
