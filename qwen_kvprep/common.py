@@ -255,7 +255,8 @@ def modules_cache_root(environ: Optional[Mapping[str, str]] = None) -> tuple[str
 # CLI checks --arch as it parses it, neither of which may import the build cache.
 
 # TORCH_CUDA_ARCH_LIST's family names, expanded as torch 2.13's cpp_extension expands them
-# (older torch knows fewer); exact case, as torch matches them.
+# (older torch knows fewer). Read in any case (`ampere`): torch matches the exact case, but
+# it is only ever given the capabilities they expand to.
 ARCH_NAMES = {
     "Kepler+Tesla": ("3.7",),
     "Kepler": ("3.5+PTX",),
@@ -292,8 +293,9 @@ def read_arch_list(text: str, origin: str) -> tuple[str, ...]:
         if not raw:
             continue
         m = re.fullmatch(_ARCH_ENTRY, raw, re.IGNORECASE)
-        if raw in ARCH_NAMES:
-            entries: tuple[str, ...] = ARCH_NAMES[raw]
+        family = next((n for n in ARCH_NAMES if n.lower() == raw.lower()), None)
+        if family is not None:
+            entries: tuple[str, ...] = ARCH_NAMES[family]
         elif m:
             major, minor, variant, ptx = m.groups()
             entries = (f"{int(major)}.{minor}{variant.lower()}" + ("+PTX" if ptx else ""),)

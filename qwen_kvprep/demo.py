@@ -51,6 +51,7 @@ class DemoOptions:
     progress: bool = False
     smoke_timeout: Optional[float] = None
     gptq: bool = False  # an Int4 GPTQ checkpoint (needs the GPTQ backend)
+    rerun: Optional[str] = None  # the demo's command line less --smoke-timeout (advice)
 
 
 class _DemoModelHead(TypedDict):
@@ -277,6 +278,7 @@ def run_demo(options: DemoOptions, echo: Optional[Echo] = None) -> DemoResult:
                     cache_dir=options.cache_dir,
                     progress=options.progress,
                     smoke_timeout=options.smoke_timeout,
+                    rerun=options.rerun,
                     force_smoke=True,  # the demo shows the smoke, even on a kept checkpoint
                 ),
             )

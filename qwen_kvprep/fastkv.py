@@ -5,7 +5,9 @@ The fast path itself is our module `templates/qwen_kvprep_kv.py`, planted as
 `qwen_kvprep_kv.py` beside the loader. It replaces `QWenAttention.forward` (for the
 quantized cache with our kernels) and `QWenLMHeadModel._reorder_cache` at import, relying on
 what Qwen's final revisions of modeling_qwen.py define. `recognise` checks exactly that, on
-the file's syntax tree, so a revision the fast path was not written for is left alone. The
+the file's syntax tree, and that the code it stands in for is, piece by piece, that of a
+revision it reproduces exactly (digests of the syntax tree: a comment or a blank line
+changes nothing, a changed line of code does), so any other code is left alone. The
 change to the user's file is one block at its end, between two marker lines; `revert`
 restores the original byte for byte from the journal.
 """
@@ -13,6 +15,7 @@ restores the original byte for byte from the journal.
 from __future__ import annotations
 
 import ast
+import hashlib
 from typing import Optional
 
 BEGIN = "# >>> qwen-kvprep: the Int8 KV cache's fast path (qwen_kvprep_kv.py)"
@@ -61,6 +64,53 @@ ATTRIBUTES = (
     "cache_kernels",
 )
 FUNCTIONS = ("apply_rotary_pos_emb", "quantize_cache_v")
+# Functions of the module that the fast path calls (the rotary embedding, on queries and
+# keys at once), reproduces in its extension (the quantization) or stands in for (the
+# dequantization of the model's own attention), digested with QWenAttention and
+# QWenLMHeadModel._reorder_cache (`_pieces`).
+MODULE_PIECES = (
+    "apply_rotary_pos_emb",
+    "_rotate_half",
+    "quantize_cache_v",
+    "dequantize_cache_torch",
+)
+QWEN_FINAL = "Qwen-7B-Chat's final revision"
+TINY = "qwen-kvprep's tiny model"
+# The revisions the fast path reproduces exactly (greedy tokens and logits bit for bit
+# those of the model's own Int8 code, in the tests): each piece's digest (`digests`).
+KNOWN: dict[str, dict[str, str]] = {
+    # Qwen's own code as its model repos end (Qwen-7B-Chat's modeling_qwen.py)
+    QWEN_FINAL: {
+        "QWenAttention": "8b5bb308279b678dedc537473af48095",
+        "QWenAttention.__init__": "5bac0978537999ea9647be01cddfbfb3",
+        "QWenAttention._attn": "b6a1a90fcd7cc83cfbaec7461c20e1e2",
+        "QWenAttention._merge_heads": "8dfff9aa3cfc0f4220114cddcb34c26a",
+        "QWenAttention._split_heads": "3e26ba89ead16be1e32b0f0505219094",
+        "QWenAttention.forward": "4203b6a7d61bf702fc3a01de2c3e6dea",
+        "QWenLMHeadModel._reorder_cache": "c9093829d74a84d54099d28e09f6b83b",
+        "_rotate_half": "068cc6629063eb0a3fa73fa82f200b0e",
+        "apply_rotary_pos_emb": "f336e30d149b611c615f72de88aa6986",
+        "dequantize_cache_torch": "df483de7314f016058614b0905fa7a1e",
+        "quantize_cache_v": "590caea9c3acbe59965dd3fcb104f50f",
+    },
+    # qwen-kvprep's imitation of it (qwen_kvprep/tiny/remote), which the tests load
+    TINY: {
+        "QWenAttention": "8b5bb308279b678dedc537473af48095",
+        "QWenAttention.__init__": "ce652199606409b44cb6bcf0064d7816",
+        "QWenAttention._attn": "08eda429da47419db7a985d93d1cb358",
+        "QWenAttention._causal_mask": "8f2615fe120f5291d44019403122c324",
+        "QWenAttention._flash": "8c0e4f1c172221d5b3027c0fd40f87cd",
+        "QWenAttention._merge_heads": "7fcf11a5f24db02262991c0df86c602d",
+        "QWenAttention._sdpa": "ad9d62039efa976184739a0607fe5b6c",
+        "QWenAttention._split_heads": "9aa364db1b16c2a8a5dd958dd955d2bf",
+        "QWenAttention.forward": "64ee162885ca3716da9ca34d8bdd8406",
+        "QWenLMHeadModel._reorder_cache": "ccecb5bebe24aee61ff3c71503ef0901",
+        "_rotate_half": "064d9ac1acb4aa425545d2f9f76fe87c",
+        "apply_rotary_pos_emb": "b551c89bc03f20d76d7cd253c2c33788",
+        "dequantize_cache_torch": "01f2ff083dbb50d6f20d56f7c81afbf9",
+        "quantize_cache_v": "99d3558ce2c51f748e75fcf73776afac",
+    },
+}
 
 
 PER_TOKEN_LINE = b"PER_TOKEN_PREFILL = False\n"
@@ -140,10 +190,118 @@ def _assigned(cls: ast.ClassDef) -> set[str]:
     return names
 
 
-def recognise(text: str) -> Optional[str]:
-    """None when the fast path applies to this modeling_qwen.py, else why not (one line)."""
+def _shape(node: object) -> str:
+    """A syntax tree as text: each node's kind and the fields that are set, docstrings
+    left out. The same on every Python from 3.9 on: `ast.dump` is not (3.12 adds
+    `type_params=[]`, 3.13 leaves out empty fields), while a field that is None or empty
+    carries nothing and is left out here whichever Python added it. Positions, comments
+    and blank lines are not in the tree."""
+    if isinstance(node, list):
+        return "[" + ",".join(_shape(item) for item in node) + "]"
+    if not isinstance(node, ast.AST):
+        return f"{type(node).__name__}:{node!r}"
+    fields = []
+    for name in node._fields:
+        value = getattr(node, name, None)
+        if name == "body" and isinstance(node, _DOCUMENTED) and _docstring(node.body):
+            value = node.body[1:]
+        if value is None or (isinstance(value, list) and not value):
+            continue
+        fields.append(f"{name}={_shape(value)}")
+    return f"{type(node).__name__}({','.join(fields)})"
+
+
+_DOCUMENTED = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
+
+
+def _docstring(body: list[ast.stmt]) -> bool:
+    return (
+        bool(body)
+        and isinstance(body[0], ast.Expr)
+        and isinstance(body[0].value, ast.Constant)
+        and isinstance(body[0].value.value, str)
+    )
+
+
+def _digest(node: ast.AST) -> str:
+    """sha256 of the node's shape, its first 128 bits in hex: enough to tell code apart."""
+    return hashlib.sha256(_shape(node).encode("utf-8")).hexdigest()[:32]
+
+
+def _pieces(tree: ast.Module) -> dict[str, str]:
+    """The digest of each piece of the model's code the fast path stands in for or
+    relies on, by name: QWenAttention (every method, and the class without them), the module's
+    rotary, quantization and dequantization functions, QWenLMHeadModel._reorder_cache.
+    A name defined twice is the later definition, as Python runs it."""
+    functions = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}
+    classes = {n.name: n for n in tree.body if isinstance(n, ast.ClassDef)}
+    found = {name: _digest(functions[name]) for name in MODULE_PIECES if name in functions}
+    attention = classes.get("QWenAttention")
+    if attention is not None:
+        methods = {n.name: n for n in attention.body if isinstance(n, ast.FunctionDef)}
+        for name, method in methods.items():
+            found[f"QWenAttention.{name}"] = _digest(method)
+        rest = ast.ClassDef(
+            name=attention.name,
+            bases=attention.bases,
+            keywords=attention.keywords,
+            body=[n for n in attention.body if not isinstance(n, ast.FunctionDef)],
+            decorator_list=attention.decorator_list,
+        )
+        found["QWenAttention"] = _digest(rest)
+    lm_head = classes.get("QWenLMHeadModel")
+    if lm_head is not None:
+        for n in lm_head.body:
+            if isinstance(n, ast.FunctionDef) and n.name == "_reorder_cache":
+                found["QWenLMHeadModel._reorder_cache"] = _digest(n)
+    return found
+
+
+def digests(text: str) -> dict[str, str]:
+    """The pieces' digests of a modeling_qwen.py (with or without our block), as KNOWN
+    records them; empty when it does not parse."""
     try:
-        tree = ast.parse(unpatched(text))
+        return _pieces(ast.parse(unpatched(text)))
+    except (SyntaxError, ValueError):
+        return {}
+
+
+def _unknown(found: dict[str, str]) -> Optional[str]:
+    """None when `found` is a known revision's, else which pieces differ from the closest
+    one (one line)."""
+    if any(found == known for known in KNOWN.values()):
+        return None
+
+    def differences(known: dict[str, str]) -> list[str]:
+        said = []
+        for name in sorted(set(known) | set(found)):
+            if name not in known:
+                said.append(f"{name} is new")
+            elif name not in found:
+                said.append(f"{name} is missing")
+            elif known[name] != found[name]:
+                said.append(f"{name} differs")
+        return said
+
+    closest = min(KNOWN, key=lambda revision: len(differences(KNOWN[revision])))
+    return (
+        f"it is not a revision the fast path reproduces exactly: against the closest, "
+        f"{closest}, {', '.join(differences(KNOWN[closest]))}"
+    )
+
+
+def source_text(text: str) -> str:
+    """Python source as the interpreter reads it: a leading UTF-8 BOM is no character of
+    the code (ast.parse of a str refuses it; Python itself skips it in a file)."""
+    return text[1:] if text.startswith("\ufeff") else text
+
+
+def recognise(text: str) -> Optional[str]:
+    """None when the fast path applies to this modeling_qwen.py, else why not (one line).
+    It applies only to attention code it reproduces exactly: the pieces' digests must be
+    those of a revision in KNOWN."""
+    try:
+        tree = ast.parse(source_text(unpatched(text)))
     except (SyntaxError, ValueError) as exc:
         return f"it does not parse as Python ({exc.__class__.__name__})"
     functions = {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}
@@ -169,4 +327,4 @@ def recognise(text: str) -> Optional[str]:
         return f"QWenAttention sets no {', '.join(absent)} (a revision before the Int8 cache?)"
     if not any(isinstance(n, ast.FunctionDef) and n.name == "_reorder_cache" for n in lm_head.body):
         return "QWenLMHeadModel has no _reorder_cache"
-    return None
+    return _unknown(_pieces(tree))

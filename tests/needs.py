@@ -30,6 +30,7 @@ KINDS = {
     "tool": "a system tool (nm, setpriv, a C++20 compiler, /proc of other processes)",
     "env": "an environment variable left unset",
     "gptq": "the GPTQ backend of the `gptq` extra (optimum and gptqmodel; docs/reference.md)",
+    "qwen-code": "Qwen's own remote code (not in this repository; tests/remote_code.py)",
 }
 ENV_ALLOWED = "QWEN_KVPREP_TEST_ALLOWED_SKIPS"
 PREFIX = "needs "

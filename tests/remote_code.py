@@ -1,5 +1,7 @@
 """The checkpoint's remote code and the running transformers, for tests.
 
+`qwen_modeling`: the text of Qwen's own modeling_qwen.py, where the run brings it along.
+
 `code_folder`: where the running transformers runs a local checkpoint's code from, by its
 own functions: `transformers_modules/<name>/` (4.x; from 4.5x with the name sanitized) or
 `transformers_modules/<name>/<hash>/` (5.x, the hash of the code's bytes), read from the
@@ -7,8 +9,13 @@ checkpoint as it is on disk now. Tests compare what qwen-kvprep planted against 
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Optional
+
+# A folder holding Qwen's own modeling_qwen.py (a Qwen (v1) model repo's remote code at its
+# final revision), for the tests that compare against it; they skip where it is unset.
+QWEN_CODE_ENV = "QWEN_KVPREP_TEST_QWEN_CODE"
 
 
 def code_folder(modules: Path, ckpt: Path, name: Optional[str] = None) -> Path:
@@ -54,3 +61,15 @@ def hashed_folders() -> bool:
     from transformers import dynamic_module_utils as dmu
 
     return callable(getattr(dmu, "_compute_local_source_files_hash", None))
+
+
+def qwen_modeling() -> str:
+    """Qwen's own modeling_qwen.py, from the folder QWEN_KVPREP_TEST_QWEN_CODE names; the
+    test skips (`needs qwen-code`) where it is unset. A folder named but without the file
+    is an error, not a skip."""
+    from tests import needs
+
+    folder = os.environ.get(QWEN_CODE_ENV)
+    if not folder:
+        needs.skip("qwen-code", f"{QWEN_CODE_ENV} names no folder holding it")
+    return (Path(folder) / "modeling_qwen.py").read_text(encoding="utf-8")

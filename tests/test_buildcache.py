@@ -74,7 +74,7 @@ def test_parse_arch_list_forms() -> None:
     assert archmod.parse_arch_list("9.0;8.0", "t") == ("8.0", "9.0")
     assert archmod.parse_arch_list("8.6+PTX 7.5,sm_90a", "t") == ("7.5", "8.6+PTX", "9.0a")
     assert archmod.parse_arch_list("12.0 12.0", "t") == ("12.0",)
-    for bad in ("ampere", "8", "8.0.1", ";;", "abc", "Ampere+PTX"):
+    for bad in ("8", "8.0.1", ";;", "abc", "Ampere+PTX", "Amperes"):
         with pytest.raises(UsageError) as err:
             archmod.parse_arch_list(bad, "--arch")
         assert err.value.message.startswith("--arch: ")
@@ -82,9 +82,12 @@ def test_parse_arch_list_forms() -> None:
 
 
 def test_parse_arch_list_takes_torch_s_family_names() -> None:
-    """TORCH_CUDA_ARCH_LIST may name families, as torch's cpp_extension expands them (in
-    torch's case: `ampere` is no name there either)."""
+    """TORCH_CUDA_ARCH_LIST may name families, as torch's cpp_extension expands them, in any
+    case (the hint names them capitalised; torch only ever gets the capabilities)."""
     assert archmod.parse_arch_list("Ampere", "t") == ("8.0", "8.6+PTX")
+    assert archmod.parse_arch_list("ampere", "t") == ("8.0", "8.6+PTX")
+    assert archmod.parse_arch_list("HOPPER;volta", "t") == ("7.0+PTX", "9.0+PTX")
+    assert archmod.parse_arch_list("ampere+tegra", "t") == ("8.7",)
     assert archmod.parse_arch_list("Volta;Hopper", "t") == ("7.0+PTX", "9.0+PTX")
     assert archmod.parse_arch_list("Kepler+Tesla 8.0", "t") == ("3.7", "8.0")
     assert archmod.parse_arch_list("Ampere 8.0", "t") == ("8.0", "8.6+PTX")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -186,7 +187,19 @@ def test_prestart_names_the_variable_an_unreadable_arch_came_from(tmp_path: Path
 
 
 @pytest.mark.parametrize("command", ["build", "fix", "prestart"])
-@pytest.mark.parametrize("arch", ["8.0;9.0+PTX", "8.0 9.0a", "sm_80,8.6+ptx", "Ampere", ""])
+def test_cache_dir_help_names_the_folders_the_cache_resolves_to(command: str) -> None:
+    """--help names each place the build cache is taken from, in common.build_cache_root's
+    order: the variable, $XDG_CACHE_HOME's folder, then the home one."""
+    res = invoke(command, "--help")
+    text = " ".join(re.sub(r"-\n\s+", "-", res.stdout).split())  # click breaks at hyphens
+    assert "$QWEN_KVPREP_CACHE, else $XDG_CACHE_HOME/qwen-kvprep, else ~/.cache/qwen-kvprep" \
+        in text, text
+
+
+@pytest.mark.parametrize("command", ["build", "fix", "prestart"])
+@pytest.mark.parametrize(
+    "arch", ["8.0;9.0+PTX", "8.0 9.0a", "sm_80,8.6+ptx", "Ampere", "ampere;HOPPER", ""]
+)
 def test_every_arch_build_reads_is_taken(command: str, arch: str) -> None:
     """What worked before still parses: torch's lists and names, qwen-kvprep's spellings
     (sm_80, commas), and a blank list, which means none given."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
 import sys
 import textwrap
@@ -22,6 +23,7 @@ from qwen_kvprep.smoke.evaluate import MAX_REL_LOGIT_DIFF, evaluate
 from qwen_kvprep.smoke.protocol import FALLBACK_WARNINGS
 from qwen_kvprep.smoke.record import state_entry
 from qwen_kvprep.smoke.runner import ChildOutcome, SmokeOptions, run_child, tail_lines
+from tests.advice import check_advice
 from tests.cli import document, kvprep
 from tests.modeling_patch import patch_modeling
 
@@ -287,12 +289,45 @@ def test_ratio_off_the_formula_is_a_warning() -> None:
     assert f.severity is Severity.WARN and "predicts 0.516x" in f.message
 
 
+@pytest.mark.parametrize(
+    ("command", "extra", "option"),
+    [("smoke", ["--device", "cpu"], "--timeout"), ("fix", ["--no-build"], "--smoke-timeout")],
+)
+def test_timeout_advice_is_the_command_that_ran_with_its_own_option(
+    isolated_hf: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    command: str, extra: list[str], option: str,
+) -> None:
+    """smoke takes --timeout, fix --smoke-timeout: the advice after a timeout reruns the
+    command as it was given, with twice the time."""
+    import qwen_kvprep.smoke as smoke_pkg
+    from qwen_kvprep.tiny import generate_checkpoint
+    from tests.cli import invoke
+
+    ckpt = generate_checkpoint(tmp_path / "tiny")
+    monkeypatch.setattr(smoke_pkg, "run_child", lambda *_a, **_k: ChildOutcome(
+        result=None, timed_out=True, phase="load"))
+    res = invoke(command, str(ckpt), *extra, option, "7", "--json")
+    f = {f["id"]: f for f in document(res)["findings"]}["smoke.load"]
+    assert f["details"]["timed_out"] is True
+    found = check_advice(f["fix"], models=[ckpt])
+    assert shlex.join(["qwen-kvprep", command, str(ckpt), *extra, option, "14"]) in found
+
+
 def test_timeout_during_load_is_a_load_failure() -> None:
     f = _judge(None, timed_out=True, phase="load", log_tail=["Loading ..."])["smoke.load"]
     assert f.severity is Severity.FAIL
     assert "30 s" in f.message and "loading the model" in f.message
     assert f.details["timed_out"] is True
     assert "Loading ..." in f.message
+    # the advice names the option of the command that ran the smoke, and it parses
+    assert check_advice(str(f.fix)) == ["qwen-kvprep doctor /ckpt",
+                                        "qwen-kvprep smoke /ckpt --timeout 60"]
+    out = ChildOutcome(result=None, timed_out=True, phase="load")
+    options = SmokeOptions(timeout=900, rerun=("qwen-kvprep fix /ckpt --no-fast-path",
+                                               "--smoke-timeout"))
+    (f,), _ = evaluate(out, options, "/ckpt")
+    assert "`qwen-kvprep fix /ckpt --no-fast-path --smoke-timeout 1800`" in str(f.fix)
+    check_advice(str(f.fix), models=["/ckpt"])
 
 
 def test_error_event_is_quoted_with_its_phase() -> None:

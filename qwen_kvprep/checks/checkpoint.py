@@ -481,6 +481,16 @@ def fast_path(facts: Facts) -> CheckResult:
         )
         if problem is not None:
             return problem
+        if cp.fast_path_problem is not None:
+            # changed after fix installed it, or installed by a qwen-kvprep that did not
+            # compare the code: the fast path runs in place of code it does not reproduce
+            return warn(
+                f"{MODELING} imports qwen-kvprep's fast path, which stands in for attention "
+                "code it does not reproduce (the Int8 cache may give other tokens than this "
+                f"code would): {cp.fast_path_problem}",
+                f"run `{fix}`: it takes the fast path out of code it does not reproduce",
+                paths=[cp.path / MODELING],
+            )
         return ok(
             f"{MODELING} imports qwen-kvprep's fast path: with qwen-kvprep's kernels the "
             "quantized cache grows in place, with one fused quantize-and-append per step"

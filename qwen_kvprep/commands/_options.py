@@ -65,7 +65,8 @@ def cache_dir_option(
     else:
         help = (
             "Build cache folder, shared by replicas (default: $QWEN_KVPREP_CACHE, else "
-            "~/.cache/qwen-kvprep)." + (f" [env: {envvar}]" if envvar else "")
+            "$XDG_CACHE_HOME/qwen-kvprep, else ~/.cache/qwen-kvprep)."
+            + (f" [env: {envvar}]" if envvar else "")
         )
     return click.option(
         "--cache-dir",

@@ -6,7 +6,12 @@ from typing import Optional
 
 import click
 
-from qwen_kvprep.commands._common import finish, json_option, output_options
+from qwen_kvprep.commands._common import (
+    command_line_without,
+    finish,
+    json_option,
+    output_options,
+)
 from qwen_kvprep.commands._options import cache_dir_option
 from qwen_kvprep.render import emit, render_demo
 from qwen_kvprep.smoke.progress import wants_progress
@@ -56,6 +61,7 @@ def demo(
             progress=progress,
             smoke_timeout=smoke_timeout,
             gptq=gptq,
+            rerun=command_line_without("--smoke-timeout", "--json"),
         ),
         echo,
     )

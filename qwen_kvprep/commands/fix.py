@@ -103,6 +103,7 @@ def fix(
         arch=arch,
         spelling=spelt,
         prebuilt=prebuilt,
+        rerun=command_line_without("--smoke-timeout", "--dry-run", "--json"),
     )
     # a log (CI, docker build) gets a line a step and a heartbeat; a terminal keeps its own
     log = step_log()

@@ -8,6 +8,7 @@ import click
 from qwen_kvprep.commands._common import (
     REVISION_HELP,
     checkpoint_dir,
+    command_line_without,
     finish,
     json_option,
     output_options,
@@ -81,6 +82,7 @@ def smoke(
         prompt=prompt if prompt is not None else DEFAULT_PROMPT,
         timeout=timeout,
         load_path=load_path,
+        rerun=(command_line_without("--timeout", "--json"), "--timeout"),
     )
     # on a terminal its phases as they come; on a pipe a line a phase and a heartbeat
     with step_log("smoke") or nullcontext() as log:

@@ -263,10 +263,11 @@ def _failure(outcome: SmokeOutcome, options: SmokeOptions, directory: str) -> Fi
             f"no answer after {options.timeout:g} s while {doing}; the child process and "
             "everything it started were killed"
         )
+        command, option = options.rerun or (f"qwen-kvprep smoke {_q(directory)}", "--timeout")
         fix = (
             "a stale torch JIT `lock` file in the modules cache makes every load wait "
             f"forever: run `qwen-kvprep doctor {_q(directory)}`; a very large model may just "
-            "need a longer --timeout"
+            f"need more time: `{command} {option} {2 * options.timeout:g}`"
         )
     elif outcome.error is not None:
         err = outcome.error

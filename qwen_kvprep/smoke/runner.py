@@ -51,6 +51,10 @@ class SmokeOptions:
     # trailing slash or `.` kept: transformers names the modules-cache folder after it);
     # None: the directory itself
     load_path: Optional[str] = None
+    # what a smoke that timed out advises running for more time: the command that ran it
+    # (quoted for a shell, less its timeout option) and that option; None: `qwen-kvprep
+    # smoke DIR` and --timeout (fix's option is --smoke-timeout)
+    rerun: Optional[tuple[str, str]] = None
 
 
 def spelt_as_given(given: str) -> str:

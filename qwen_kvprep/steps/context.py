@@ -43,6 +43,9 @@ class FixOptions:
     cache_dir: Optional[Path] = None
     arch: Optional[str] = None
     smoke_timeout: Optional[float] = None
+    # the command line that ran fix, less --smoke-timeout: what a smoke that timed out
+    # advises running again with more time (None: `qwen-kvprep smoke DIR --timeout S`)
+    rerun: Optional[str] = None
     # --output OUT: fix a view of the directory in OUT and leave the directory untouched
     output: Optional[Path] = None
     # DIR as the user wrote it (a trailing slash, `.`, a symlink): the smoke loads by it

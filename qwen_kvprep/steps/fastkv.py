@@ -95,7 +95,8 @@ def run(ctx: FixContext) -> None:
                 fix="download the final revision of the model's code "
                 f"({hubcli.download()} REPO {MODELING_FILE} --local-dir "
                 f"{shlex.quote(str(ctx.directory))}, REPO being the model's Qwen repo, e.g. "
-                "Qwen/Qwen-7B-Chat), then run fix again",
+                "Qwen/Qwen-7B-Chat), then run fix again; or keep this code: the Int8 "
+                "cache then runs it as it is, without the fast path",
                 paths=[path],
             )
         )

@@ -36,7 +36,8 @@ def run(ctx: FixContext) -> None:
             ctx.add(_spelling_warning(opts.spelling, problem, ctx))
     report = run_smoke(
         ctx.directory,
-        SmokeOptions(timeout=timeout, load_path=load_path),
+        SmokeOptions(timeout=timeout, load_path=load_path,
+                     rerun=(opts.rerun, "--smoke-timeout") if opts.rerun else None),
         on_phase=_log_phases(ctx) or (PhaseProgress(sys.stderr) if show else None),
     )
     ctx.add(*report.findings)
