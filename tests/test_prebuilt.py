@@ -18,6 +18,7 @@ import pytest
 from qwen_kvprep.buildcache.builder import build_key
 from qwen_kvprep.buildcache.variant import METADATA, SO_FILE, list_variants
 from qwen_kvprep.common import KERNEL_FILES, sha256_file
+from tests.advice import check_advice
 from tests.cli import document, invoke, kvprep
 from tests.test_hub import (
     COMMIT,
@@ -212,6 +213,21 @@ def test_missing_variant_names_what_is_needed(exported: Path, tiny: Path, tmp_pa
     assert missing["details"]["needed"] == mine
     assert snapshot(tiny, digest=True) == before
     assert not Path(env["QWEN_KVPREP_CACHE"]).exists()
+
+
+def test_a_model_folder_as_source_is_never_advised_as_the_export_folder(
+    tiny: Path, tmp_path: Path
+) -> None:
+    """`fix --prebuilt DIR` with a model folder (no build/ in it): the advice exports beside
+    it, never into it (build --export would write build/ among the model's files)."""
+    env = child_env(tmp_path, "server")
+    before = snapshot(tiny, digest=True)
+    code, doc = fix(tiny, env, "--prebuilt", str(tiny), "--no-smoke")
+    assert code == 1
+    missing = finding(doc, "prebuilt.variant")
+    (export,) = [c for c in check_advice(missing["fix"], models=[tiny]) if "--export" in c]
+    assert f"--export {tiny.parent / 'qwen-kvprep-variants'}" in export
+    assert snapshot(tiny, digest=True) == before
 
 
 def test_variant_of_other_sources_is_refused_where_sources_are_asked_for(

@@ -345,6 +345,21 @@ def _gpus() -> tuple[tuple[int, int], ...]:
     return tuple(_cap(a) for a in visible_gpu_archs())
 
 
+# Where advice exports to when SOURCE is a folder that is not an export (a model folder,
+# say), so that `build --export` never writes build/ among someone else's files.
+EXPORT_BESIDE = "qwen-kvprep-variants"
+
+
+def export_dest(folder: Path) -> Path:
+    """`folder` when it is an export (it has build/) or empty, else EXPORT_BESIDE beside it."""
+    try:
+        if (folder / BUILD_DIRNAME).is_dir() or not any(folder.iterdir()):
+            return folder
+    except OSError:
+        pass
+    return folder.parent / EXPORT_BESIDE
+
+
 @dataclass(frozen=True)
 class Needed:
     name: str  # the variant name this machine would export
@@ -360,7 +375,7 @@ def needed(tinfo: TorchInfo, gpus: tuple[tuple[int, int], ...], source: Source) 
     cuda = tinfo.cuda is not None and bool(gpus)
     if cuda:
         inputs["arch_list"] = [f"{a}.{b}" for a, b in gpus]
-    dest = str(source.folder) if source.folder is not None else "DIR"
+    dest = str(export_dest(source.folder)) if source.folder is not None else "DIR"
     command = f"qwen-kvprep build --export {shlex.quote(dest)}"
     if cuda:
         command += f" --arch {shlex.quote(arch)}"
