@@ -15,6 +15,8 @@ DEFAULT_TOKENS = "512,1024,2048,4096,8192"
 # default runs are that too: the peak is then the decode's, set by the cache. Long prompts
 # add the prefill's logits and scores; model them with --prompt-tokens/--prefill-chunk.
 DEFAULT_PROMPT_TOKENS = 1
+# planning.split.MAX_GPUS, written out: the CLI's start does not import the planning package
+MAX_GPUS = 64
 
 
 @click.command()
@@ -33,6 +35,16 @@ DEFAULT_PROMPT_TOKENS = 1
     help="Or the GPU's memory with a unit: 80Gi, 80GiB or 80GB (binary: 2^30 bytes a GB, "
     "as docker reads it and as a card's label means it), 80G (Kubernetes: 10^9), "
     "81920Mi. A bare number is refused.",
+)
+@click.option(
+    "--gpus",
+    type=click.IntRange(min=1, max=MAX_GPUS),
+    default=1,
+    show_default=True,
+    metavar="N",
+    help="Cards of that memory holding the model, split as transformers' "
+    'device_map="auto" splits it (whole decoder blocks, balanced; each block\'s KV cache '
+    "on its card).",
 )
 @click.option("--batch", "batch_list", metavar="LIST", default=DEFAULT_BATCHES,
               show_default=True,
@@ -66,6 +78,7 @@ def plan(
     directory: Optional[str],
     gpu_name: Optional[str],
     gpu_memory: Optional[str],
+    gpus: int,
     batch_list: str,
     tokens_list: str,
     dtype: Optional[str],
@@ -98,14 +111,14 @@ def plan(
         gpu_name, gpu_memory, batch_list, tokens_list, prompt_tokens, plot
     )
     planned = plan_checkpoint(
-        path, batches, tokens, memory, dtype, prompt_tokens, prefill_chunk, plot
+        path, batches, tokens, memory, dtype, prompt_tokens, prefill_chunk, plot, gpus
     )
     facts, result, gpu_source = planned.facts, planned.result, planned.gpu_source
     extra = {} if planned.plot is None else {"plot": str(planned.plot)}
     if as_json:
-        emit(render_json([], plan={**payload(facts, result, gpu_source), **extra}))
+        emit(render_json(planned.findings, plan={**payload(facts, result, gpu_source), **extra}))
     else:
-        emit(render_text(facts, result, gpu_source, shown=directory))
+        emit(render_text(facts, result, gpu_source, shown=directory, findings=planned.findings))
         if planned.plot is not None:
             emit(f"\nPlot: {planned.plot}")
 

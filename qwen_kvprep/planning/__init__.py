@@ -12,11 +12,14 @@ from qwen_kvprep.chart import check_target
 from qwen_kvprep.common import FAST_FILE, MODELING_FILE
 from qwen_kvprep.errors import UsageError
 from qwen_kvprep.fastkv import is_patched
+from qwen_kvprep.findings import Finding, warn
 from qwen_kvprep.planning.capacity import Scenario, make_plan
 from qwen_kvprep.planning.gpu import card_memory, find_card, visible_gpu_memory
 from qwen_kvprep.planning.model import read_model
+from qwen_kvprep.planning.peak import CUDA_CONTEXT_BYTES
 from qwen_kvprep.planning.plot import write_plan_plot
-from qwen_kvprep.planning.sizes import parse_int_list, parse_size
+from qwen_kvprep.planning.sizes import gib, parse_int_list, parse_size
+from qwen_kvprep.planning.split import MAX_GPUS, fewest_gpus, usable_bytes
 from qwen_kvprep.untrusted import read_prefix
 
 if TYPE_CHECKING:
@@ -30,6 +33,7 @@ class CheckpointPlan:
     result: PlanResult
     gpu_source: str  # where the GPU's memory figure came from
     plot: Optional[Path] = None  # the plot drawn (--plot FILE)
+    findings: tuple[Finding, ...] = ()  # plan.weights when the weights fit no card
 
 
 def fast_path_installed(directory: Path) -> bool:
@@ -53,10 +57,13 @@ def plan_checkpoint(
     prompt_tokens: int = 1,
     prefill_chunk: Optional[int] = None,
     plot: Optional[Path] = None,
+    gpus: int = 1,
 ) -> CheckpointPlan:
     """The predicted peaks for every batch size and token count, and the largest batch and
     longest context that fit. `gpu_memory` is (bytes, where that figure came from); without
-    it, the total of the GPU torch sees. With `plot`, the peaks are drawn into that file."""
+    it, the total of the GPU torch sees. `gpus` cards of that memory hold the model split
+    as transformers' device_map="auto" splits it. With `plot`, the peaks are drawn into
+    that file."""
     facts = read_model(directory, dtype)
     if gpu_memory is None:
         gpu_memory = visible_gpu_memory()
@@ -67,11 +74,43 @@ def plan_checkpoint(
         gpu_memory_bytes=memory,
         softmax_in_fp32=facts.softmax_in_fp32,
         fast_path=fast_path_installed(directory),
+        gpus=gpus,
     )
     result = make_plan(facts.shape, scenario, batches, tokens)
     if plot is not None:
         plot = write_plan_plot(facts, result, gpu_source, plot)
-    return CheckpointPlan(facts, result, gpu_source, plot)
+    return CheckpointPlan(facts, result, gpu_source, plot, weights_findings(result))
+
+
+def weights_findings(plan: PlanResult) -> tuple[Finding, ...]:
+    """plan.weights, when the weights alone fit no card: with the numbers, and the fewest
+    cards of this size that hold them."""
+    if plan.split.holds_weights:
+        return ()
+    shape, s = plan.shape, plan.scenario
+    free = usable_bytes(s.gpu_memory_bytes)
+    room = (f"{gib(free, 2)} GiB usable on a {gib(s.gpu_memory_bytes, 2)} GiB card (less "
+            f"{gib(CUDA_CONTEXT_BYTES)} GiB of CUDA context)")
+    if s.gpus == 1:
+        message = (f"the weights alone ({gib(shape.weights_bytes, 2)} GiB) exceed the card: "
+                   f"{room}; no run fits one card")
+    else:
+        left = ", ".join(m.name for m in plan.split.offloaded[:3])
+        more = len(plan.split.offloaded) - 3
+        left += f" and {more} more" if more > 0 else ""
+        message = (f"the weights ({gib(shape.weights_bytes, 2)} GiB) do not fit {s.gpus} "
+                   f"cards split as device_map=\"auto\" splits them, {room} each: {left} "
+                   "would be offloaded to the CPU; no run fits")
+    need = fewest_gpus(shape, s.gpu_memory_bytes)
+    if need:
+        fix = (f"--gpus {need}: the fewest cards of this size that hold the weights, split as "
+               "transformers' device_map=\"auto\" splits them (or a card with more memory)")
+    else:
+        fix = (f"not even {MAX_GPUS} such cards hold them: plan for a card with more memory "
+               "(--gpu h200, --gpu-memory) or an Int4 GPTQ checkpoint")
+    return (warn("plan.weights", message, fix, details={
+        "weights_bytes": shape.weights_bytes, "usable_bytes_per_card": free,
+        "gpus": s.gpus, "fewest_gpus": need or None}),)
 
 
 def plan_inputs(

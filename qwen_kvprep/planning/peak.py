@@ -19,6 +19,12 @@ modeling_qwen.py reproduces it), not fitted to published figures. A forward's pe
 and the run's peak is the largest forward peak. The transients of the last block are the
 ones that count: there the new cache is (nearly) whole.
 
+With the model split over several GPUs (planning/split.py, as transformers'
+`device_map="auto"` splits it), each card's peak is the same sum over what that card
+holds (a `Share`): its weights, its blocks' part of the past and of the new cache, the
+transients of its last block, the head's on the card computing it, and the logits the
+caller holds on the first card, where accelerate hands the outputs back.
+
 Not counted here: the CUDA context and the kernels' code, which live outside the caching
 allocator (`fits` accounts for them), allocator block rounding (512 bytes per tensor,
 under a MiB for any Qwen model), and the caching allocator's fragmentation.
@@ -58,6 +64,25 @@ class ModelShape:
     dtype_bytes: int  # 2 for bf16/fp16, 4 for fp32
     weights_bytes: int  # bytes of all weight tensors as they sit on the GPU
     gptq_bits: Optional[int] = None  # GPTQ checkpoints: the bits of the packed weights
+
+
+@dataclass(frozen=True)
+class Share:
+    """What one GPU holds of a model split over several (planning/split.py makes these):
+    the bytes of its weights, how many decoder blocks (each block's cache lives with it),
+    whether it is the first card (the embedding and the caller's tensors: accelerate
+    moves the outputs back to the input's device, so the logits the caller keeps are
+    there) and whether it computes the head (ln_f, lm_head and the logits of a forward)."""
+
+    weights_bytes: int
+    layers: int
+    first: bool
+    head: bool
+
+
+def whole(shape: ModelShape) -> Share:
+    """One GPU holding the whole model."""
+    return Share(shape.weights_bytes, shape.layers, first=True, head=True)
 
 
 def _check_mode(mode: str) -> None:
@@ -317,13 +342,16 @@ def _layer_transients(
     return before, max(after, blk.mlp)
 
 
+def _returned_logits(shape: ModelShape, batch: int, query: int) -> int:
+    """The logits of every position of the forward, [b, q, vocab] in the model's dtype
+    (lm_head runs on all of them), and the caller's fp32 copy of the last position."""
+    return batch * query * shape.vocab * shape.dtype_bytes + batch * shape.vocab * 4
+
+
 def _head_transient(shape: ModelShape, batch: int, query: int) -> int:
-    """ln_f's output and the logits of every position of the forward, [b, q, vocab] in the
-    model's dtype (lm_head runs on all of them), and the caller's fp32 copy of the last
-    position."""
-    e = shape.dtype_bytes
-    tokens = batch * query
-    return tokens * (shape.hidden * e + shape.vocab * e) + batch * shape.vocab * 4
+    """ln_f's output and the logits with the caller's copy (_returned_logits)."""
+    return batch * query * shape.hidden * shape.dtype_bytes + _returned_logits(
+        shape, batch, query)
 
 
 @dataclass(frozen=True)
@@ -334,7 +362,8 @@ class _Forward:
 
 
 def _fast_forward_peak(
-    shape: ModelShape, batch: int, fwd: _Forward, prompt: int, step: int, softmax_in_fp32: bool
+    shape: ModelShape, batch: int, fwd: _Forward, prompt: int, step: int, softmax_in_fp32: bool,
+    share: Share,
 ) -> int:
     """Peak of one forward of the Int8 cache through qwen-kvprep's fast path."""
     per_token = batch * kv_bytes_per_token(shape, "int8", fast_path=True)
@@ -345,11 +374,12 @@ def _fast_forward_peak(
     new_cache = per_token * cap_after if grows else 0
     old_logits = batch * fwd.before * shape.vocab * shape.dtype_bytes
     transients = _fast_transients(shape, batch, fwd.past, fwd.query, softmax_in_fp32)
-    return _assembled(shape, batch, fwd, old_cache + old_logits, new_cache, transients)
+    return _assembled(shape, batch, fwd, (old_cache, old_logits), new_cache, transients, share)
 
 
 def _forward_peak(
-    shape: ModelShape, mode: str, batch: int, fwd: _Forward, step: int, softmax_in_fp32: bool
+    shape: ModelShape, mode: str, batch: int, fwd: _Forward, step: int, softmax_in_fp32: bool,
+    share: Share,
 ) -> int:
     """Peak of one forward; `step` is the first forward's query length (the prefill chunk)."""
     per_token = batch * kv_bytes_per_token(shape, mode)
@@ -363,24 +393,37 @@ def _forward_peak(
     # the caller's previous output, logits of every position it fed, is alive meanwhile
     old_logits = batch * fwd.before * shape.vocab * shape.dtype_bytes
     transients = _layer_transients(shape, mode, batch, fwd.past, fwd.query, softmax_in_fp32)
-    return _assembled(shape, batch, fwd, old_cache + old_logits, new_cache, transients)
+    return _assembled(shape, batch, fwd, (old_cache, old_logits), new_cache, transients, share)
 
 
 def _assembled(
-    shape: ModelShape, batch: int, fwd: _Forward, held: int, new_cache: int,
-    transients: tuple[int, int],
+    shape: ModelShape, batch: int, fwd: _Forward, held: tuple[int, int], new_cache: int,
+    transients: tuple[int, int], share: Share,
 ) -> int:
-    """A forward's peak from what the caller holds (its past and last logits), the cache
-    the forward makes and the last block's transients (before its cache exists, after)."""
-    before, after = transients
-    last_layer = new_cache // shape.layers
-    during = max(
-        new_cache - last_layer + before,
-        new_cache + max(after, _head_transient(shape, batch, fwd.query)),
-    )
+    """A forward's peak on the card holding `share`, from what the caller holds (its past,
+    all layers', and its last logits), the cache the forward makes (all layers') and the
+    last block's transients (before its cache exists, after). The card has its blocks'
+    part of both caches; the transients of its last block, whose own cache is not made
+    yet before; the head's where it computes the head; and on the first card the
+    caller's logits, the old ones and, at the end, the new ones accelerate moves there."""
+    if share.weights_bytes == 0 and share.layers == 0:
+        return 0  # a card the split left empty
+    old_cache, old_logits = held
+    part = share.layers
+    # every layer's cache is the same size, so a card's part is exact
+    new = new_cache * part // shape.layers
+    during = []
+    if part:
+        before, after = transients
+        during += [new - new_cache // shape.layers + before, new + after]
+    if share.head:
+        during.append(new + _head_transient(shape, batch, fwd.query))
+    elif share.first:
+        during.append(new + _returned_logits(shape, batch, fwd.query))
+    held_here = old_cache * part // shape.layers + (old_logits if share.first else 0)
     length = fwd.past + fwd.query
-    fixed = shape.weights_bytes + CUBLAS_WORKSPACE_BYTES + _rotary_bytes(shape, length)
-    return fixed + held + during
+    fixed = share.weights_bytes + CUBLAS_WORKSPACE_BYTES + _rotary_bytes(shape, length)
+    return fixed + held_here + max(during, default=new)
 
 
 def _forwards(prompt: int, new: int, step: int) -> list[_Forward]:
@@ -413,13 +456,16 @@ def predict_peak_bytes(
     *,
     softmax_in_fp32: bool = False,
     fast_path: bool = False,
+    share: Optional[Share] = None,
 ) -> int:
     """Peak allocator bytes of the run described in the module docstring.
 
     `softmax_in_fp32` is config.json's flag of that name (default false, as QWenConfig's):
     it only changes the Int8 path's score temporaries. `fast_path`: the Int8 cache runs
     through qwen-kvprep's fast path (fix installs it), whose cache is whole blocks of
-    FAST_BLOCK tokens appended in place, with fp16 scales and zero points.
+    FAST_BLOCK tokens appended in place, with fp16 scales and zero points. `share`: the
+    peak of the one card that holds this part of a split model (default: one GPU holding
+    the whole model).
     """
     _check_mode(mode)
     if batch < 1 or prompt_tokens < 1 or new_tokens < 0:
@@ -427,15 +473,16 @@ def predict_peak_bytes(
     if prefill_chunk is not None and prefill_chunk < 1:
         raise ValueError("prefill_chunk must be >= 1 or None")
     step = prompt_tokens if prefill_chunk is None else min(prefill_chunk, prompt_tokens)
+    card = whole(shape) if share is None else share
     if fast_path and mode == "int8":
         forwards = _forwards(prompt_tokens, new_tokens, step)
         forwards += _fast_growth_forwards(prompt_tokens, new_tokens, step)
         return max(
-            _fast_forward_peak(shape, batch, fwd, prompt_tokens, step, softmax_in_fp32)
+            _fast_forward_peak(shape, batch, fwd, prompt_tokens, step, softmax_in_fp32, card)
             for fwd in forwards
         )
     return max(
-        _forward_peak(shape, mode, batch, fwd, step, softmax_in_fp32)
+        _forward_peak(shape, mode, batch, fwd, step, softmax_in_fp32, card)
         for fwd in _forwards(prompt_tokens, new_tokens, step)
     )
 

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Optional, TypedDict
 
+from qwen_kvprep.findings import Finding
 from qwen_kvprep.jsontypes import JSONObject
 from qwen_kvprep.planning.capacity import PlanResult
 from qwen_kvprep.planning.model import ModelFacts
@@ -14,13 +16,28 @@ from qwen_kvprep.planning.peak import (
     kv_bytes_per_token,
 )
 from qwen_kvprep.planning.sizes import gib, human
+from qwen_kvprep.planning.split import Card
 
 MODE_LABEL = {"unquantized": "unquantized cache", "int8": "Int8 cache"}
+SPLIT = 'transformers\' device_map="auto"'
 
 
 class KvBytesJSON(TypedDict):
     unquantized: int
     int8: int
+
+
+class CardJSON(TypedDict):
+    """One card of `plan --json`'s "cards"."""
+
+    card: int
+    budget_bytes: int  # what device_map fills it to: max_memory, balanced
+    weights_bytes: int
+    layers: int
+    first_layer: Optional[int]
+    last_layer: Optional[int]
+    modules: list[str]  # wte, ln_f, lm_head where they are
+    kv_bytes_per_token: KvBytesJSON  # its layers' part
 
 
 class PlanJSON(TypedDict):
@@ -42,6 +59,12 @@ class PlanJSON(TypedDict):
     max_tokens: dict[str, int]  # per mode, at max_tokens_at_batch
     max_tokens_at_batch: int
     fast_path: bool  # the Int8 figures are those of qwen-kvprep's fast path
+    gpus: int
+    weights_fit: bool  # the weights alone fit the cards
+    cards: list[CardJSON]
+    offloaded: list[str]  # modules that fit no card (device_map would offload them)
+    max_batch_card: dict[str, Optional[int]]  # the card that runs out first past max_batch
+    max_tokens_card: dict[str, Optional[int]]
     assumptions: list[str]
 
 
@@ -74,7 +97,45 @@ def assumptions(facts: ModelFacts, plan: PlanResult) -> list[str]:
         "an fp32 copy of the last position",
         f"cuBLAS workspace {human(CUBLAS_WORKSPACE_BYTES)}; flash-attn off (it cannot take "
         "the quantized cache); no beam search, no sampling buffers",
+        *(
+            [
+                f"{s.gpus} cards: the weights split as {SPLIT} splits them (balanced: "
+                "whole decoder blocks in order, wte on the first card, ln_f and lm_head "
+                "after the last block); each card holds its blocks' cache, the transients "
+                "of the blocks it runs, the head's where lm_head is and the caller's logits "
+                "on the first; a run fits when every card's peak does"
+            ]
+            if s.gpus > 1
+            else []
+        ),
     ]
+
+
+def _kv_of(shape_layers: int, card: Card, per_token: int) -> int:
+    # every layer's cache is the same size
+    return per_token * len(card.layers) // shape_layers
+
+
+def split_json(plan: PlanResult) -> list[CardJSON]:
+    shape = plan.shape
+    kv = {m: kv_bytes_per_token(shape, m) for m in ("unquantized", "int8")}
+    out: list[CardJSON] = []
+    for card in plan.split.cards:
+        layers = card.layers
+        out.append({
+            "card": card.index,
+            "budget_bytes": card.budget_bytes,
+            "weights_bytes": card.weights_bytes,
+            "layers": len(layers),
+            "first_layer": layers[0] if layers else None,
+            "last_layer": layers[-1] if layers else None,
+            "modules": [m.name for m in card.modules if m.layer < 0],
+            "kv_bytes_per_token": {
+                "unquantized": _kv_of(shape.layers, card, kv["unquantized"]),
+                "int8": _kv_of(shape.layers, card, kv["int8"]),
+            },
+        })
+    return out
 
 
 def payload(facts: ModelFacts, plan: PlanResult, gpu_source: str) -> PlanJSON:
@@ -99,6 +160,12 @@ def payload(facts: ModelFacts, plan: PlanResult, gpu_source: str) -> PlanJSON:
         "max_tokens": dict(plan.max_tokens),
         "max_tokens_at_batch": plan.batches[0],
         "fast_path": plan.scenario.fast_path,
+        "gpus": plan.scenario.gpus,
+        "weights_fit": plan.split.holds_weights,
+        "cards": split_json(plan),
+        "offloaded": [m.name for m in plan.split.offloaded],
+        "max_batch_card": dict(plan.max_batch_card),
+        "max_tokens_card": dict(plan.max_tokens_card),
         "assumptions": assumptions(facts, plan),
     }
 
@@ -137,8 +204,60 @@ def _context_note(facts: ModelFacts) -> str:
     return f"; memory only, the config says {' and '.join(limits)}" if limits else ""
 
 
+def _cards_table(plan: PlanResult) -> list[str]:
+    """What each card holds, its weights and its part of the cache per token."""
+    shape = plan.shape
+    kv = {m: kv_bytes_per_token(shape, m) for m in ("unquantized", "int8")}
+    head = ("card", "holds", "weights (GiB)", "KV cache per token", "with Int8")
+    rows = [
+        (str(c.index), c.holds(), gib(c.weights_bytes, 2),
+         human(_kv_of(shape.layers, c, kv["unquantized"])),
+         human(_kv_of(shape.layers, c, kv["int8"])))
+        for c in plan.split.cards
+    ]
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
+    right = (True, False, True, True, True)
+
+    def line(cells: Sequence[str]) -> str:
+        return "| " + " | ".join(
+            f"{c:>{w}}" if r else f"{c:<{w}}" for c, w, r in zip(cells, widths, right)) + " |"
+
+    rule = "|" + "|".join(
+        "-" * (w + 1) + ":" if r else "-" * (w + 2) for w, r in zip(widths, right)) + "|"
+    return [
+        f"Cards: the weights split as {SPLIT} splits them (whole blocks, balanced)",
+        "",
+        line(head),
+        rule,
+        *(line(r) for r in rows),
+        "",
+    ]
+
+
+def _runs_out(cards: dict[str, Optional[int]]) -> str:
+    """"; card 1 runs out first" (or which card for each cache) with several cards."""
+    found = {m: c for m, c in cards.items() if c is not None}
+    if not found:
+        return ""
+    if len(set(found.values())) == 1:
+        return f"; card {next(iter(found.values()))} runs out first"
+    return "; first to run out: " + ", ".join(
+        f"card {c} {'unquantized' if m == 'unquantized' else 'with Int8'}"
+        for m, c in found.items())
+
+
+def _findings_lines(findings: Sequence[Finding]) -> list[str]:
+    lines = []
+    for f in findings:
+        lines.append(f"{f.severity.value}: {f.message} ({f.id})")
+        if f.fix:
+            lines.append(f"  fix: {f.fix}")
+    return [*lines, ""] if lines else []
+
+
 def render_text(
-    facts: ModelFacts, plan: PlanResult, gpu_source: str, shown: Optional[str] = None
+    facts: ModelFacts, plan: PlanResult, gpu_source: str, shown: Optional[str] = None,
+    findings: Sequence[Finding] = (),
 ) -> str:
     """The text output; `shown` is the directory as the user wrote it."""
     shape, s = plan.shape, plan.scenario
@@ -159,23 +278,34 @@ def render_text(
             if s.fast_path
             else ""
         ),
-        f"GPU        {gib(s.gpu_memory_bytes, 2)} GiB ({gpu_source}); a run fits when its "
-        f"peak + {gib(CUDA_CONTEXT_BYTES)} GiB of CUDA context is within it",
+        (
+            f"GPU        {gib(s.gpu_memory_bytes, 2)} GiB ({gpu_source}); a run fits when its "
+            f"peak + {gib(CUDA_CONTEXT_BYTES)} GiB of CUDA context is within it"
+            if s.gpus == 1
+            else f"GPUs       {s.gpus} × {gib(s.gpu_memory_bytes, 2)} GiB ({gpu_source}); a run "
+            f"fits when each card's peak + {gib(CUDA_CONTEXT_BYTES)} GiB of CUDA context is "
+            "within it"
+        ),
         f"each run   {s.prompt_tokens}-token prompt {chunk}, then greedy decoding until "
         "the token count is cached; peak = CUDA allocator peak",
         "",
     ]
+    lines += _findings_lines(findings)
+    several = s.gpus > 1
+    if several:
+        lines += _cards_table(plan)
+    what = "Peak GPU memory of the fullest card (GiB)" if several else "Peak GPU memory (GiB)"
     t0, b0 = plan.tokens[0], plan.batches[0]
     modes = ("unquantized", "int8")
     lines += _table(
-        f"Peak GPU memory (GiB) by batch, {t0:,} tokens cached",
+        f"{what} by batch, {t0:,} tokens cached",
         "batch",
         list(plan.batches),
         {m: [_cell(plan, m, b, t0) for b in plan.batches] for m in modes},
     )
     lines.append("")
     lines += _table(
-        f"Peak GPU memory (GiB) by tokens cached, batch {b0:,}",
+        f"{what} by tokens cached, batch {b0:,}",
         "tokens",
         list(plan.tokens),
         {m: [_cell(plan, m, b0, t) for t in plan.tokens] for m in modes},
@@ -184,9 +314,10 @@ def render_text(
     lines += [
         "",
         f"Largest batch at {t0:,} tokens: {mb['unquantized']:,} unquantized, "
-        f"{mb['int8']:,} with the Int8 cache {_gain(mb['unquantized'], mb['int8'])}.",
+        f"{mb['int8']:,} with the Int8 cache {_gain(mb['unquantized'], mb['int8'])}"
+        f"{_runs_out(plan.max_batch_card) if several else ''}.",
         f"Longest context at batch {b0:,}: {mt['unquantized']:,} tokens unquantized, "
         f"{mt['int8']:,} with the Int8 cache {_gain(mt['unquantized'], mt['int8'])}"
-        f"{_context_note(facts)}.",
+        f"{_context_note(facts)}{_runs_out(plan.max_tokens_card) if several else ''}.",
     ]
     return "\n".join(lines)
