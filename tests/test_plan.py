@@ -708,3 +708,246 @@ def test_without_gpu_options_plan_takes_the_gpu_present(monkeypatch: pytest.Monk
     plan = document(res)["plan"]
     assert plan["gpu_memory_bytes"] == 23612293120
     assert plan["gpu_memory_source"] == "cuda:0 (NVIDIA L4)"
+
+
+# -- several cards: --gpus N, split as transformers' device_map="auto" splits the model -------
+
+A100_80G = 84987740160  # --gpu a100-80g
+RTX_4090 = 25250627584  # --gpu 4090
+
+
+def _layers_per_card(shape: Any, memory: int, gpus: int) -> list[int]:
+    from qwen_kvprep.planning.split import split_model
+
+    return [len(card.layers) for card in split_model(shape, memory, gpus).cards]
+
+
+def test_split_is_device_map_auto_s() -> None:
+    """The blocks per card are what transformers 5.24's get_balanced_memory and
+    infer_auto_device_map give for a meta-device model of each shape (checked against them
+    by test_split_agrees_with_transformers where accelerate is installed); whole blocks in
+    order, wte on the first card, ln_f and lm_head after the last block."""
+    from qwen_kvprep.planning.split import split_model
+
+    big, small = model_shape(QWEN_72B), model_shape(QWEN_1_8B)
+    assert _layers_per_card(big, A100_80G, 2) == [40, 40]
+    assert _layers_per_card(big, A100_80G, 3) == [26, 29, 25]
+    assert _layers_per_card(big, A100_80G, 4) == [19, 22, 22, 17]
+    assert _layers_per_card(small, A100_80G, 3) == [7, 17, 0]
+    for gpus in (2, 3, 4, 8):
+        split = split_model(big, A100_80G, gpus)
+        assert split.holds_weights and not split.offloaded
+        assert sum(c.weights_bytes for c in split.cards) == big.weights_bytes
+        assert all(c.weights_bytes <= c.budget_bytes <= A100_80G for c in split.cards)
+        order = [m.name for c in split.cards for m in c.modules]
+        assert order == ["wte", *(f"h.{i}" for i in range(80)), "ln_f", "lm_head"]
+        assert split.cards[0].modules[0].name == "wte"
+    # 24 GiB cards: two hold 25 of 80 blocks, the rest would be offloaded to the CPU
+    split = split_model(big, RTX_4090, 2)
+    assert not split.holds_weights and len(split.cards[0].layers) + len(
+        split.cards[1].layers) == 25
+    assert [m.name for m in split.offloaded][-2:] == ["ln_f", "lm_head"]
+
+
+def test_fewest_gpus_that_hold_the_weights() -> None:
+    from qwen_kvprep.planning.split import fewest_gpus, split_model
+
+    big = model_shape(QWEN_72B)
+    assert fewest_gpus(big, A100_80G) == 2
+    assert fewest_gpus(big, RTX_4090) == 7
+    assert not split_model(big, RTX_4090, 6).holds_weights
+    assert fewest_gpus(model_shape(QWEN_7B), RTX_4090) == 1
+    assert fewest_gpus(big, 1 << 30) == 0  # not even 64 cards of 1 GiB
+
+
+def test_split_agrees_with_transformers() -> None:
+    """Where accelerate is installed next to transformers 5, their own split of a
+    meta-device model shaped like Qwen (v1) is plan's, module by module."""
+    pytest.importorskip("accelerate")
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    if int(transformers.__version__.split(".")[0]) < 5:
+        pytest.skip("transformers 4.x balances with accelerate's margin, not modelled")
+    from torch import nn
+    from transformers.integrations.accelerate import get_balanced_memory, infer_auto_device_map
+
+    from qwen_kvprep.planning.split import split_model, usable_bytes
+
+    class Norm(nn.Module):
+        def __init__(self, h: int) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(torch.empty(h))
+
+    class QWenBlock(nn.Module):
+        def __init__(self, h: int, p: int, f: int) -> None:
+            super().__init__()
+            self.ln_1, self.ln_2 = Norm(h), Norm(h)
+            self.c_attn, self.c_proj = nn.Linear(h, 3 * p), nn.Linear(p, h, bias=False)
+            self.w1, self.w2 = nn.Linear(h, f, bias=False), nn.Linear(h, f, bias=False)
+            self.mlp_proj = nn.Linear(f, h, bias=False)
+
+    class Body(nn.Module):
+        def __init__(self, shape: Any) -> None:
+            super().__init__()
+            h = shape.hidden
+            self.wte = nn.Embedding(shape.vocab, h)
+            p, f = shape.heads * shape.head_dim, shape.intermediate // 2
+            self.h = nn.ModuleList(QWenBlock(h, p, f) for _ in range(shape.layers))
+            self.ln_f = Norm(h)
+
+    class Model(nn.Module):
+        def __init__(self, shape: Any) -> None:
+            super().__init__()
+            self.all_tied_weights_keys: dict[str, str] = {}  # nothing tied in Qwen (v1)
+            self.transformer = Body(shape)
+            self.lm_head = nn.Linear(shape.hidden, shape.vocab, bias=False)
+
+    shape = model_shape(QWEN_72B)
+    with torch.device("meta"):
+        model = Model(shape).to(torch.bfloat16)
+    for memory, gpus in ((A100_80G, 2), (A100_80G, 3), (RTX_4090, 4), (RTX_4090, 8)):
+        free = {i: usable_bytes(memory) for i in range(gpus)}
+        budgets = get_balanced_memory(model, max_memory={**free, "cpu": 1 << 50},
+                                      no_split_module_classes=["QWenBlock"])
+        theirs = infer_auto_device_map(model, max_memory=budgets,
+                                       no_split_module_classes=["QWenBlock"], clean_result=False)
+        where = {name.removeprefix("transformer."): device for name, device in theirs.items()}
+        split = split_model(shape, memory, gpus)
+        ours = {m.name: c.index for c in split.cards for m in c.modules}
+        ours.update({m.name: "cpu" for m in split.offloaded})
+        assert {n: where.get(n) for n in ours} == ours, (memory, gpus)
+
+
+def test_card_peaks_follow_the_split() -> None:
+    """Each card's peak is its weights, its blocks' part of the past and of the new cache,
+    and transients; one card holding the whole model is the single-GPU prediction."""
+    from qwen_kvprep.planning.capacity import card_peaks
+    from qwen_kvprep.planning.peak import whole
+    from qwen_kvprep.planning.split import split_model
+
+    shape = model_shape(QWEN_72B)
+    for mode in MODES:
+        assert predict_peak_bytes(shape, 4, 1, 511, mode, share=whole(shape)) == (
+            predict_peak_bytes(shape, 4, 1, 511, mode))
+    split = split_model(shape, A100_80G, 3)
+    two = Scenario(prompt_tokens=1, prefill_chunk=None, gpu_memory_bytes=A100_80G, gpus=3)
+    for mode in MODES:
+        short = card_peaks(shape, two, mode, 4, 512)
+        long = card_peaks(shape, two, mode, 4, 4608)
+        for card, a, b in zip(split.cards, short, long):
+            per_token = kv_bytes_per_token(shape, mode) * len(card.layers) // shape.layers
+            cache = 4 * 4096 * 2 * per_token  # 4096 more tokens, old and new cache alive
+            # and longer rotary tables; for Int8 the last block's longer transposed key
+            # codes and scores (4·64·128·4096 bytes more codes)
+            slack = (32 if mode == "unquantized" else 256) * MIB
+            assert cache <= b - a < cache + slack, (mode, card.index)
+            assert card.weights_bytes + 4 * 511 * 2 * per_token < a < (
+                card.weights_bytes + 4 * 512 * 2 * per_token + 512 * MIB)
+
+
+def test_weights_beyond_one_card_are_said_with_the_cards_that_hold_them() -> None:
+    res = invoke("plan", str(QWEN_72B), "--gpu", "a100-80g")
+    assert res.returncode == 0, res.stderr
+    assert "the weights alone (134.65 GiB) exceed the card: 78.65 GiB usable" in res.stdout
+    assert "fix: --gpus 2: the fewest cards" in res.stdout and "plan.weights" in res.stdout
+    doc = document(invoke("plan", str(QWEN_72B), "--gpu", "a100-80g", "--json"))
+    (finding,) = doc["findings"]
+    assert finding["id"] == "plan.weights" and finding["severity"] == "warn"
+    assert finding["details"]["fewest_gpus"] == 2
+    assert finding["details"]["weights_bytes"] == doc["plan"]["weights_bytes"]
+    assert doc["plan"]["weights_fit"] is False and doc["plan"]["gpus"] == 1
+    # two 24 GiB cards offload; seven hold the weights
+    doc = document(invoke("plan", str(QWEN_72B), "--gpu", "4090", "--gpus", "2", "--json"))
+    (finding,) = doc["findings"]
+    assert "do not fit 2 cards" in finding["message"] and "--gpus 7" in finding["fix"]
+    assert doc["plan"]["offloaded"][-1] == "lm_head"
+    assert all(r["int8_oom"] and r["unquantized_oom"] for r in doc["plan"]["table"])
+    assert doc["plan"]["max_batch"] == {"unquantized": 0, "int8": 0}
+    # a model that fits says nothing of the kind
+    doc = document(invoke("plan", str(QWEN_7B), "--gpu", "a100-80g", "--json"))
+    assert doc["findings"] == [] and doc["plan"]["weights_fit"] is True
+
+
+def test_gpus_2_plans_72b_on_80g_cards() -> None:
+    res = invoke("plan", str(QWEN_72B), "--gpu", "a100-80g", "--gpus", "2", "--json")
+    assert res.returncode == 0, res.stderr
+    doc = document(res)
+    plan = doc["plan"]
+    assert doc["findings"] == [] and plan["gpus"] == 2 and plan["weights_fit"] is True
+    cards = plan["cards"]
+    assert [c["layers"] for c in cards] == [40, 40]
+    assert [(c["first_layer"], c["last_layer"]) for c in cards] == [(0, 39), (40, 79)]
+    assert [c["modules"] for c in cards] == [["wte"], ["ln_f", "lm_head"]]
+    assert sum(c["weights_bytes"] for c in cards) == plan["weights_bytes"]
+    assert all(c["weights_bytes"] <= c["budget_bytes"] <= A100_80G for c in cards)
+    for mode in MODES:
+        assert sum(c["kv_bytes_per_token"][mode] for c in cards) == (
+            plan["kv_bytes_per_token"][mode])
+        assert plan["max_batch"][mode] > 0 and plan["max_tokens"][mode] > 0
+        assert plan["max_batch_card"][mode] in (0, 1)
+    assert plan["max_batch"]["int8"] > plan["max_batch"]["unquantized"]
+    for row in plan["table"]:
+        for mode in MODES:
+            per_card = row[f"{mode}_card_bytes"]
+            assert len(per_card) == 2 and row[f"{mode}_bytes"] == max(per_card)
+            fits_all = all(b + 512 * MIB <= A100_80G for b in per_card)
+            assert row[f"{mode}_oom"] is not fits_all
+    first = plan["table"][0]  # batch 1, 512 tokens: the weights, 511 tokens handed in, 512 out
+    for card, peak_bytes in zip(cards, first["int8_card_bytes"]):
+        core = card["weights_bytes"] + (511 + 512) * card["kv_bytes_per_token"]["int8"]
+        assert core < peak_bytes < core + 128 * MIB
+    # the largest batch is the fit boundary of the card that runs out first
+    shape = model_shape(QWEN_72B)
+    scenario = Scenario(prompt_tokens=1, prefill_chunk=None, gpu_memory_bytes=A100_80G, gpus=2)
+    for mode in MODES:
+        most = plan["max_batch"][mode]
+        assert max_batch(shape, scenario, mode, 512) == most
+        from qwen_kvprep.planning.capacity import card_peaks
+
+        over = card_peaks(shape, scenario, mode, most + 1, 512)
+        short = [i for i, b in enumerate(over) if b + 512 * MIB > A100_80G]
+        assert short and short[0] == plan["max_batch_card"][mode]
+    text = invoke("plan", str(QWEN_72B), "--gpu", "a100-80g", "--gpus", "2").stdout
+    assert "GPUs       2 × 79.15 GiB" in text
+    assert "| wte, layers 0-39 (40)" in text and "layers 40-79 (40), ln_f, lm_head" in text
+    assert "Peak GPU memory of the fullest card (GiB) by batch" in text
+    assert "runs out first" in text and "OOM" in text and "plan.weights" not in text
+
+
+def test_one_gpu_is_the_plan_as_before() -> None:
+    args = ("plan", str(QWEN_7B), "--gpu", "a100-80g", "--batch", "1,16", "--tokens", "512")
+    plain, one = invoke(*args), invoke(*args, "--gpus", "1")
+    assert plain.returncode == one.returncode == 0
+    assert plain.stdout == one.stdout and "card" not in plain.stdout
+    row = document(invoke(*args, "--json"))["plan"]["table"][0]
+    assert "int8_card_bytes" not in row
+
+
+def test_gpus_in_the_plot(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    out = tmp_path / "plan.svg"
+    res = invoke("plan", str(QWEN_72B), "--gpu", "a100-80g", "--gpus", "2", "--plot", str(out))
+    assert res.returncode == 0, res.stderr
+    svg = out.read_text()
+    assert "on each of 2 cards" in svg
+    assert "Int8 cache, card 0 (wte, layers 0-39 (40))" in svg
+    assert "unquantized cache, card 1 (layers 40-79 (40), ln_f, lm_head)" in svg
+
+
+@pytest.mark.parametrize(
+    ("value", "said"),
+    [("0", "0 is not in the range 1<=x<=64"), ("-2", "-2 is not in the range"),
+     ("1.5", "'1.5' is not a valid integer"), ("two", "'two' is not a valid integer"),
+     ("65", "65 is not in the range 1<=x<=64")],
+)
+def test_bad_gpus_are_refused(value: str, said: str) -> None:
+    res = invoke("plan", str(QWEN_72B), "--gpu", "a100-80g", "--gpus", value)
+    assert res.returncode == 2 and "--gpus" in res.stderr and said in res.stderr, res.stderr
+    assert "Traceback" not in res.stderr
+
+
+def test_the_cli_s_limit_is_split_s() -> None:
+    from qwen_kvprep.commands import plan as command
+    from qwen_kvprep.planning import split
+
+    assert command.MAX_GPUS == split.MAX_GPUS
