@@ -154,12 +154,24 @@ def user_record_name(prepared: str) -> str:
     return f"{digest[:16]}.json"
 
 
-def fix_command(directory: object) -> str:
+def fix_command(directory: object, read_only: bool = False) -> str:
     """The command that runs fix on the checkpoint folder `directory`, quoted for a shell:
-    the advice wherever fix puts a problem right."""
+    the advice wherever fix puts a problem right. A folder fix cannot write (`read_only`)
+    is fixed as a view in a folder of its own (view_folder), which the server then loads."""
     import shlex  # only advice needs it; the fast path never gives any
 
+    if read_only:
+        out = shlex.quote(view_folder(directory))
+        return f"qwen-kvprep fix -o {out} {shlex.quote(str(directory))}"
     return f"qwen-kvprep fix {shlex.quote(str(directory))}"
+
+
+def view_folder(directory: object) -> str:
+    """Where advice prepares the view of a read-only checkpoint folder: under the home
+    folder (the model's mount is read-only, and so may be the working directory), named
+    after it without dots (a dot in OUT's name breaks transformers' module import)."""
+    name = os.path.basename(os.path.normpath(os.path.abspath(str(directory))))
+    return os.path.join(os.path.expanduser("~"), "qwen-kvprep-views", name.replace(".", "_"))
 
 
 def sha256_bytes(data: bytes) -> str:

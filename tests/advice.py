@@ -4,7 +4,7 @@ fix text name a real command with options it has, and write nowhere they must no
 `commands_in(text)` finds the commands (each `...` quoted part that starts with qwen-kvprep,
 else the text from qwen-kvprep to where the prose goes on); `check_advice(text, ...)`
 parses each with the click command it names (its own parser: unknown options, missing
-option values and extra arguments fail) and checks the folders it would write: never inside
+option values, missing and extra arguments fail) and checks the folders it would write: never inside
 one of `models` (the user's model folders), and `fix`/`prestart` on a `read_only` folder
 only with -o/--output.
 """
@@ -29,7 +29,7 @@ _WRITES = frozenset({"export_dir", "output", "lock_file", "cache_dir", "plot"})
 # commands that write into their DIRECTORY argument unless -o/--output names a view
 _WRITES_DIRECTORY = frozenset({"fix", "prestart", "revert"})
 # where the prose goes on after a command written without backticks
-_PROSE = re.compile(r"\s\(|;|, then\b|, or\b|\.\s|\.$")
+_PROSE = re.compile(r"\s\(|;|, then\b|, or\b|\.\s|\.$|\s+again\b")
 
 
 def commands_in(text: str) -> list[str]:
@@ -66,6 +66,9 @@ def check_command(
     except click.UsageError as exc:
         raise AssertionError(f"{line!r}: {exc.format_message()}") from None
     assert not extra, f"{line!r}: arguments {name} does not take: {extra}"
+    missing = [p.name for p in command.params
+               if isinstance(p, click.Argument) and p.required and p.name not in values]
+    assert not missing, f"{line!r}: {name} needs {missing}"
     models, read_only = list(models), list(read_only)
     for key in _WRITES & set(values):
         value = str(values[key])

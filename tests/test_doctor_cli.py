@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 
 from tests import needs
+from tests.advice import check_advice
 from tests.checks.facts import ENV_AND_CACHE_CHECKS
 from tests.cli import ENTRY, kvprep
 from tests.treesnap import snapshot
@@ -343,6 +344,7 @@ def test_doctor_on_a_read_only_file_system(tiny: Path, tmp_path: Path) -> None:
         HF_HOME=str(root / "hf-home"),
         HF_MODULES_CACHE=str(root / "hf-home" / "modules"),
         QWEN_KVPREP_CACHE=str(root / "kvprep-cache"),
+        HOME=str(tmp_path / "home"),
     )
     before = snapshot(root)
     # A private mount namespace in which `root` is bind-mounted read-only onto itself.
@@ -367,3 +369,10 @@ def test_doctor_on_a_read_only_file_system(tiny: Path, tmp_path: Path) -> None:
     assert "QWEN_KVPREP_CACHE" in cache["fix"] and "--cache-dir" in cache["fix"]
     assert ids["modules.cache"][0]["severity"] == "fail"
     assert ids["env.python"][0]["severity"] == "ok"
+    # `fix DIR` would fail here: every fix command advised prepares a view elsewhere
+    fixes = [f["fix"] for f in doc["findings"] if "qwen-kvprep fix" in (f.get("fix") or "")]
+    assert fixes
+    for text in fixes:
+        for command in check_advice(text, models=[copy], read_only=[root]):
+            if " fix " in command:
+                assert f"-o {tmp_path / 'home' / 'qwen-kvprep-views' / 'Qwen-tiny'}" in command

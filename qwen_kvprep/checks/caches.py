@@ -23,7 +23,7 @@ from qwen_kvprep.checks.registry import (
     skip,
     warn,
 )
-from qwen_kvprep.common import KERNEL_FILES, fix_command
+from qwen_kvprep.common import KERNEL_FILES
 from qwen_kvprep.common import LOADER_FILE as LOADER
 from qwen_kvprep.findings import Finding, FindingsLike
 from qwen_kvprep.probe.binary import BinaryArchs, runs_on
@@ -45,7 +45,7 @@ CACHE_FIX = "use another folder: `--cache-dir DIR` or `export QWEN_KVPREP_CACHE=
 
 def _fix_cmd(facts: Facts) -> str:
     cp = facts.checkpoint
-    return fix_command(cp.path) if cp is not None else "qwen-kvprep fix DIR"
+    return cp.fix_command if cp is not None else "qwen-kvprep fix DIR"
 
 
 @check("build.cache", "Build cache folder writable", needs=(CACHES,))

@@ -32,7 +32,6 @@ from qwen_kvprep.common import (
     FAST_FILE,
     GPTQ_INSTALL,
     KERNEL_FILES,
-    fix_command,
     spelling_problem,
 )
 from qwen_kvprep.common import LOADER_FILE as LOADER
@@ -315,7 +314,7 @@ def files(facts: Facts) -> CheckResult:
         out.append(warn(
             f"{LOADER} is missing, so loading fails with `FileNotFoundError: ... {LOADER}` "
             "until `qwen-kvprep fix` installs its loader there",
-            fix_command(cp.path), paths=[cp.path / LOADER],
+            cp.fix_command, paths=[cp.path / LOADER],
         ))
     out.extend(_weights_findings(cp))
     if GENERATION_CONFIG not in present and GENERATION_CONFIG not in cp.dangling:
@@ -399,15 +398,18 @@ def remote_code(facts: Facts) -> CheckResult:
 
 
 def _imported_module_problem(
-    path: Path, name: str, what: str, sha256: Optional[str], current: bool, if_missing: str
+    cp: CheckpointFacts, name: str, what: str, sha256: Optional[str], current: bool,
+    if_missing: str,
 ) -> Optional[Finding]:
     """A module of ours that modeling_qwen.py imports: missing (a failure, with what the
     model then does) or not the one this qwen-kvprep writes (a warning); None when it is."""
-    fix = fix_command(path)
+    path, fix = cp.path, cp.fix_command
     if sha256 is None:
         return fail(
             f"{MODELING} imports qwen-kvprep's {what} but {name} is missing: {if_missing}",
-            f"run `{fix}` (or `qwen-kvprep revert` to take the import out)",
+            f"run `{fix}` (or `qwen-kvprep revert {shlex.quote(str(path))}` to take the "
+            "import out)",
+
             paths=[path / name],
         )
     if not current:
@@ -432,11 +434,11 @@ def compat_module(facts: Facts) -> CheckResult:
     cp = checkpoint_of(facts)
     if cp.modeling_text_supports_kv is None:
         return skip(f"{MODELING} is missing or damaged (see checkpoint.files / .content)")
-    fix = fix_command(cp.path)
+    fix = cp.fix_command
     release = facts.env.transformers_version if facts.env is not None else None
     if cp.compat_imported:
         problem = _imported_module_problem(
-            cp.path, COMPAT_FILE, "compatibility module", cp.compat_module_sha256,
+            cp, COMPAT_FILE, "compatibility module", cp.compat_module_sha256,
             cp.compat_module_current, "transformers refuses to load the model",
         )
         if problem is not None:
@@ -473,10 +475,10 @@ def fast_path(facts: Facts) -> CheckResult:
     cp = checkpoint_of(facts)
     if cp.modeling_text_supports_kv is None:
         return skip(f"{MODELING} is missing or damaged (see checkpoint.files / .content)")
-    fix = fix_command(cp.path)
+    fix = cp.fix_command
     if cp.fast_path_imported:
         problem = _imported_module_problem(
-            cp.path, FAST_FILE, "fast path", cp.fast_module_sha256, cp.fast_module_current,
+            cp, FAST_FILE, "fast path", cp.fast_module_sha256, cp.fast_module_current,
             "the model warns and runs its own, slower code",
         )
         if problem is not None:

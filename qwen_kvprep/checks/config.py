@@ -26,7 +26,6 @@ from qwen_kvprep.checks.registry import (
     skip,
     warn,
 )
-from qwen_kvprep.common import fix_command
 from qwen_kvprep.configjson import CONFIG
 from qwen_kvprep.findings import Finding
 from qwen_kvprep.probe.checkpoint import CheckpointFacts
@@ -124,20 +123,20 @@ def kv_cache(facts: Facts) -> Finding:
             "use_cache_kernel is on but use_cache_quantization is "
             f"{_shown(cfg, 'use_cache_quantization')}, so the kernel does nothing and the KV "
             "cache stays full size",
-            fix_command(cp.path), paths=[path], details=flags,
+            cp.fix_command, paths=[path], details=flags,
         )
     if not quant:
         return warn(
             f"Int8 KV cache is off (use_cache_quantization is "
             f"{_shown(cfg, 'use_cache_quantization')}), so the KV cache takes about twice the "
             "memory it needs",
-            fix_command(cp.path), paths=[path], details=flags,
+            cp.fix_command, paths=[path], details=flags,
         )
     if not kernel:
         return fail(
             f"Int8 KV cache is on but use_cache_kernel is {_shown(cfg, 'use_cache_kernel')}, so "
             "every step dequantizes the whole cache in pure torch (the slow fallback)",
-            fix_command(cp.path), paths=[path], details=flags,
+            cp.fix_command, paths=[path], details=flags,
         )
     return ok("Int8 KV cache and its kernel are on (use_cache_quantization, use_cache_kernel)")
 
@@ -169,13 +168,13 @@ def flash_attn(facts: Facts) -> Finding:
             "not switch flash-attn off: wherever flash_attn is installed and the model runs in "
             "bf16/fp16 on a GPU, generation fails with `AttributeError: 'tuple' object has no "
             "attribute 'dtype'`",
-            f"{fix_command(cp.path)}  (sets use_flash_attn to false)", paths=[path],
+            f"{cp.fix_command}  (sets use_flash_attn to false)", paths=[path],
             use_flash_attn=cfg.get("use_flash_attn", DEFAULTS["use_flash_attn"]),
         )
     return info(
         f"use_flash_attn is {shown}: harmless while the Int8 KV cache is off, but it must be "
         "false once the cache is on (fix sets both)",
-        fix_command(cp.path), paths=[path],
+        cp.fix_command, paths=[path],
     )
 
 

@@ -24,7 +24,7 @@ from qwen_kvprep.checks.registry import (
     skip,
     warn,
 )
-from qwen_kvprep.common import GPTQ_INSTALL, fix_command
+from qwen_kvprep.common import GPTQ_INSTALL
 from qwen_kvprep.findings import Finding, FindingsLike
 from qwen_kvprep.probe.binary import parse_arch_label, runs_on
 from qwen_kvprep.probe.caches import usable_builds
@@ -774,7 +774,7 @@ def flash_attn(facts: Facts) -> FindingsLike:
             "flash-attn is installed but the model runs in fp32, so it stays off",
             details=details,
         )
-    fix = f"{fix_command(facts.checkpoint.path)} (sets use_flash_attn false)"
+    fix = f"{facts.checkpoint.fix_command} (sets use_flash_attn false)"
     if not quant:
         return info(
             f"flash-attn {fa.version} is installed and use_flash_attn is {use_flash!r}: once "

@@ -19,7 +19,6 @@ from qwen_kvprep.checks.registry import (
     skip,
     warn,
 )
-from qwen_kvprep.common import fix_command
 from qwen_kvprep.findings import Finding, FindingsLike
 from qwen_kvprep.probe.facts import Facts
 
@@ -101,7 +100,7 @@ def _judge(
 def kernel_sources(facts: Facts) -> FindingsLike:
     cp = checkpoint_of(facts)
     ours = catalogue.ours_hashes()
-    fix_cmd = fix_command(cp.path)
+    fix_cmd = cp.fix_command
     requested = kernel_requested(facts)
     out = [
         _judge("checkpoint", getattr(cp, "kernel_sources", None) or {}, ours, fix_cmd, requested)
@@ -150,7 +149,7 @@ def official_compat(facts: Facts) -> FindingsLike:
         if compat.status == "no":
             return fail(
                 f"the official kernel sources here cannot compile: {compat.reason}",
-                f"{fix_command(cp.path)} --source vendored",
+                f"{cp.fix_command} --source vendored",
                 details=details,
             )
         return ok(f"official sources: {compat.reason}", details=details)

@@ -30,6 +30,7 @@ from qwen_kvprep.common import (
     FAST_FILE,
     KERNEL_FILES,
     LOADER_MARKER,
+    fix_command,
     sha256_bytes,
     sha256_file,
 )
@@ -38,6 +39,7 @@ from qwen_kvprep.configjson import CONFIG, parse_config_bytes, read_config_bytes
 from qwen_kvprep.errors import ConfigError, current_user
 from qwen_kvprep.fastkv import is_patched, recognise, render_module
 from qwen_kvprep.hubcache import repo_folder
+from qwen_kvprep.probe.caches import folder_access
 from qwen_kvprep.resources import templates_dir
 from qwen_kvprep.untrusted import json_error_at, kind_of, open_regular, read_prefix
 
@@ -192,6 +194,14 @@ class CheckpointFacts:
     cache_repo: Optional[str] = None
     cache_snapshots: tuple[str, ...] = ()
     cache_refs: tuple[tuple[str, str], ...] = ()
+    # why fix cannot write in the folder (a read-only file system, not this user's); None:
+    # it can. Advice then prepares a view of it elsewhere (`fix -o OUT DIR`).
+    read_only: Optional[str] = None
+
+    @property
+    def fix_command(self) -> str:
+        """`qwen-kvprep fix DIR`, or `fix -o OUT DIR` for a folder fix cannot write."""
+        return fix_command(self.path, self.read_only is not None)
 
     @property
     def dotted_name(self) -> bool:
@@ -707,6 +717,7 @@ class _Where(TypedDict):
     is_git_checkout: bool
     git_root: Optional[Path]
     special: tuple[tuple[str, str], ...]
+    read_only: Optional[str]
 
 
 def _compat_module_hash() -> Optional[str]:
@@ -776,6 +787,15 @@ def _config_error_kind(cause: Optional[BaseException]) -> Optional[str]:
     return None
 
 
+def _read_only(path: Path) -> Optional[str]:
+    """Why fix could not write in the folder, judged without writing (None: it could, or
+    the folder is not there: other findings say so)."""
+    if not path.is_dir():
+        return None
+    access = folder_access(path, "DIR")
+    return None if access.writable else access.reason
+
+
 def probe_checkpoint(path: Path, spelt: Optional[str] = None) -> CheckpointFacts:
     """Everything the checkpoint and config checks need; never raises for a broken checkpoint.
     `spelt` is the path as the user wrote it, kept for checkpoint.dirname."""
@@ -790,7 +810,7 @@ def probe_checkpoint(path: Path, spelt: Optional[str] = None) -> CheckpointFacts
     base: _Where = {
         "path": path, "name": name, "spelt": spelt, "repo_id": repo_id, "revision": revision,
         "hub_cache_dir": hub_root, "is_git_checkout": is_git_checkout, "git_root": git_root,
-        "special": tuple(special),
+        "special": tuple(special), "read_only": _read_only(path),
     }
     if listing_error is not None:
         return CheckpointFacts(listing_error=listing_error, **base)
