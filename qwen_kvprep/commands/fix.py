@@ -100,9 +100,7 @@ def fix(
         output=Path(output).absolute() if output else None,
         progress=False if as_json else None,  # download bars: --json wants none at all
         cache_dir=Path(cache_dir).absolute() if cache_dir else None,
-        arch=arch,
-        spelling=spelt,
-        prebuilt=prebuilt,
+        arch=arch, spelling=spelt, prebuilt=prebuilt,
         rerun=command_line_without("--smoke-timeout", "--dry-run", "--json"),
     )
     # a log (CI, docker build) gets a line a step and a heartbeat; a terminal keeps its own

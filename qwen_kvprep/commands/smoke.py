@@ -77,12 +77,9 @@ def smoke(
     _device_available(device)
     load_path, problem = load_path_for(spelt)
     options = SmokeOptions(
-        device=device,
-        max_new_tokens=max_new_tokens,
-        prompt=prompt if prompt is not None else DEFAULT_PROMPT,
-        timeout=timeout,
-        load_path=load_path,
-        rerun=(command_line_without("--timeout", "--json"), "--timeout"),
+        device=device, max_new_tokens=max_new_tokens,
+        prompt=prompt if prompt is not None else DEFAULT_PROMPT, timeout=timeout,
+        load_path=load_path, rerun=(command_line_without("--timeout", "--json"), "--timeout"),
     )
     # on a terminal its phases as they come; on a pipe a line a phase and a heartbeat
     with step_log("smoke") or nullcontext() as log:
