@@ -6,7 +6,7 @@ The changes themselves are in our module `templates/qwen_kvprep_compat.py`, writ
 what the running transformers needs (nothing on 4.32 to 4.53), so a folder prepared once
 serves under every supported release. The user's file gets two changes, each between
 marker lines, that `revert` undoes byte for byte from the journal and `unpatched` takes
-out exactly:
+out exactly (`without_ours`: ours and the fast path's; every other line is the user's):
 
 - a block at the end that imports the module (before the fast path's block, if any);
 - the import of `transformers_stream_generator` inside `chat_stream` wrapped in
@@ -23,7 +23,8 @@ import ast
 import re
 from typing import Optional
 
-from qwen_kvprep.fastkv import END, remove_block
+from qwen_kvprep import fastkv
+from qwen_kvprep.fastkv import END, append_block, remove_block
 
 BEGIN = "# >>> qwen-kvprep: Qwen's code on this transformers (qwen_kvprep_compat.py)"
 # A relative import, unlike the fast path's block (fastkv.py): transformers then copies
@@ -69,23 +70,61 @@ def is_patched(text: str) -> bool:
 
 def unpatched(text: str) -> str:
     """The file without our changes (the text itself when it has none)."""
-    return remove_block(_HIDDEN.sub(_unhide, text), BEGIN)
+    return remove_block(_HIDDEN.sub(_unhide, text), BLOCK)
 
 
 def patched(text: str) -> str:
     """The file with our changes (once); `text` must hold no fast-path block (the caller
     appends that one after ours)."""
-    base = _STREAM_IMPORT.sub(_hide, unpatched(text))
-    if not base.endswith("\n"):
-        base += "\n"
-    return base + "\n" + BLOCK
+    return append_block(_STREAM_IMPORT.sub(_hide, unpatched(text)), BLOCK)
+
+
+def without_ours(text: str) -> str:
+    """modeling_qwen.py without any of the lines fix adds (ours and the fast path's): the
+    user's own file, byte for byte, when `marker_problem` finds nothing."""
+    return unpatched(fastkv.unpatched(text))
+
+
+# What every marker line of ours holds (the blocks' and the hidden import's).
+START_MARK = ">>> qwen-kvprep"
+END_MARK = "<<< qwen-kvprep"
+
+
+def marker_problem(text: str) -> Optional[str]:
+    """Why the lines fix added to this modeling_qwen.py cannot be told from the user's
+    (a start marker without its end, lines inside a block edited), naming the first line
+    concerned; None when `without_ours` takes them out exactly (or there are none)."""
+    lines = text.split("\n")
+    opened = 0
+    for number, line in enumerate(lines, 1):
+        if START_MARK in line:
+            if opened:
+                return (
+                    f"line {opened}: qwen-kvprep's start marker has no end marker "
+                    f"(`{END_MARK}`) before the next start marker, on line {number}"
+                )
+            opened = number
+        elif END_MARK in line:
+            if not opened:
+                return f"line {number}: qwen-kvprep's end marker has no start marker before it"
+            opened = 0
+    if opened:
+        return f"line {opened}: qwen-kvprep's start marker has no end marker (`{END_MARK}`)"
+    left = set(without_ours(text).split("\n"))
+    for number, line in enumerate(lines, 1):
+        if (START_MARK in line or END_MARK in line) and line in left:
+            return (
+                f"line {number}: the lines qwen-kvprep marked there were edited, so they "
+                "cannot be taken out without touching yours"
+            )
+    return None
 
 
 def recognise(text: str) -> Optional[str]:
     """None when the module applies to this modeling_qwen.py (without our lines), else
     why not (one line)."""
     try:
-        tree = ast.parse(text)
+        tree = ast.parse(fastkv.source_text(text))
     except (SyntaxError, ValueError) as exc:
         return f"it does not parse as Python ({exc.__class__.__name__})"
     classes = {n.name for n in tree.body if isinstance(n, ast.ClassDef)}

@@ -132,30 +132,36 @@ def is_patched(text: str) -> bool:
 
 def unpatched(text: str) -> str:
     """The file without our block (the text itself when it has none)."""
-    return remove_block(text, BEGIN)
+    return remove_block(text, BLOCK)
 
 
-def remove_block(text: str, begin: str) -> str:
-    """`text` without the block of ours that starts with the line `begin` and ends with
-    the next END line (the text itself when it has none, or an unfinished one)."""
-    start = text.find("\n" + begin)
-    if start == -1:
-        return text
-    end = text.find(END, start)
-    if end == -1:
-        return text
-    end += len(END)
-    if text.startswith("\n", end):
-        end += 1
-    return text[:start] + text[end:]
+def remove_block(text: str, block: str) -> str:
+    """`text` without our `block` and the line break before it, exactly as `append_block`
+    added it (the text itself when it has none). Only the block as we wrote it is taken
+    out: one whose lines were edited is the user's to resolve (compat.marker_problem says
+    so), never a reason to delete lines we cannot tell from theirs."""
+    start = text.find("\n" + block)
+    if start != -1:
+        before, after = text[:start], text[start + 1 + len(block) :]
+        if after and not before.endswith("\n"):
+            # the user's lines after our block stay on lines of their own
+            return before + "\n" + after
+        return before + after
+    if text.endswith("\n" + block[:-1]):  # only the file's final line break taken off
+        return text[: -len(block)]
+    return text
+
+
+def append_block(base: str, block: str) -> str:
+    """`base` with `block` on lines of its own after it: a line break, then the block, so
+    that `remove_block` gives back `base` byte for byte (a blank line before the block when
+    `base` ends with a line break; no line break added to a file without a final one)."""
+    return base + "\n" + block
 
 
 def patched(text: str) -> str:
     """The file with our block appended (once)."""
-    base = unpatched(text)
-    if not base.endswith("\n"):
-        base += "\n"
-    return base + "\n" + BLOCK
+    return append_block(unpatched(text), BLOCK)
 
 
 def _args(fn: ast.FunctionDef) -> tuple[str, ...]:

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from qwen_kvprep import compat, fastkv
-from qwen_kvprep.common import COMPAT_FILE
+from qwen_kvprep.common import COMPAT_FILE, MODELING_FILE
 from qwen_kvprep.resources import templates_dir
 from qwen_kvprep.tiny import REMOTE_CODE_DIR, generate_checkpoint
 from tests import needs
@@ -253,3 +253,42 @@ def test_the_numbers_check_reads_only_the_folders_own_shards(tmp_path: Path) -> 
         "d": "model-1.safetensors",
     }}))
     assert _shards(tmp_path) == [tmp_path / "model-1.safetensors"]
+
+
+@pytest.mark.parametrize("final_newline", [True, False])
+def test_our_lines_come_out_exactly_and_the_users_lines_stay(final_newline: bool) -> None:
+    original = (REMOTE_CODE_DIR / MODELING_FILE).read_text(encoding="utf-8")
+    if not final_newline:
+        original = original.rstrip("\n")
+    both = fastkv.patched(compat.patched(original))
+    assert compat.marker_problem(both) is None
+    assert compat.without_ours(both) == original
+    assert compat.unpatched(compat.patched(original)) == original
+    # lines the user adds after our blocks stay on lines of their own
+    tail = both + "TAIL = 1\n"
+    assert compat.marker_problem(tail) is None
+    left = compat.without_ours(tail)
+    assert left.endswith("\nTAIL = 1\n") and compat.START_MARK not in left
+    compile(left, MODELING_FILE, "exec")
+    again = fastkv.patched(compat.patched(left))
+    assert fastkv.patched(compat.patched(compat.without_ours(again))) == again
+
+
+@pytest.mark.parametrize(
+    ("edit", "said"),
+    [
+        ((fastkv.END + "\n", ""), "has no end marker"),
+        ((compat.BEGIN, "# edited"), "has no start marker"),
+        (("(globals())\n# <<<", "(globals())\nx = 1\n# <<<"), "were edited"),  # inside a block
+        (("# <<< qwen-kvprep\n            raise\n", "# <<< qwen-kvprep\n            pass\n"),
+         "were edited"),  # the hidden import's `raise`
+    ],
+)
+def test_edited_marker_lines_are_named_with_their_line(edit: tuple[str, str], said: str) -> None:
+    original = (REMOTE_CODE_DIR / MODELING_FILE).read_text(encoding="utf-8")
+    both = fastkv.patched(compat.patched(original))
+    old, new = edit
+    where = both.rfind(old)  # the last one: our blocks are at the end
+    assert where != -1
+    problem = compat.marker_problem(both[:where] + new + both[where + len(old) :])
+    assert problem is not None and problem.startswith("line ") and said in problem, problem

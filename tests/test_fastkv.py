@@ -119,9 +119,11 @@ def test_the_block_is_appended_once_and_taken_out_byte_for_byte() -> None:
     assert fastkv.patched(once) == once
     assert fastkv.unpatched(once) == TINY_CODE
     assert fastkv.recognise(once) is None
-    # a file without a final newline keeps its last line intact
+    # a file without a final newline keeps its last line intact, and gets no line break
+    # of ours once the block is out again
     bare = TINY_CODE.rstrip("\n")
-    assert fastkv.patched(bare).startswith(bare + "\n\n" + fastkv.BEGIN)
+    assert fastkv.patched(bare) == bare + "\n" + fastkv.BLOCK
+    assert fastkv.unpatched(fastkv.patched(bare)) == bare
     # the block compiles, and imports by name (a relative import would make transformers
     # copy the module into its cache and fail the load when it is missing)
     compile(once, MODELING_FILE, "exec")

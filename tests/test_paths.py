@@ -181,6 +181,45 @@ def test_a_revert_killed_in_its_last_steps_is_finished_by_the_next(
     assert not state_dir.exists()
 
 
+def test_a_revert_killed_once_the_files_are_back_is_a_failure_until_finished(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kill_at: Any
+) -> None:
+    """Kill a revert at each of its unlinks: whenever every file is back as it was but the
+    records are still there, doctor fails them and names the revert that finishes the
+    job; that revert leaves nothing."""
+    from tests.treesnap import snapshot
+
+    struck = 0
+    for n in range(1, 60):
+        root = tmp_path / f"unlink-{n}"
+        monkeypatch.setenv("HF_MODULES_CACHE", str(root / "modules"))
+        p = prepare(root)
+        state_dir = p.directory / ".qwen-kvprep"
+        kill_at("unlink", n)
+        try:
+            revert_checkpoint(p.directory)
+            killed = False
+        except Killed:
+            killed = True
+        kill_at("unlink", 10**9)  # alive again
+        files = {k: v for k, v in snapshot(p.directory).items() if ".qwen-kvprep" not in k}
+        records = [n for n in ("journal.json", "state.json") if (state_dir / n).exists()]
+        if records and files == {k: v for k, v in p.pristine.items()}:
+            struck += 1
+            f = facts(checkpoint=ckpt(path=p.directory), cache=_caches(p.directory))
+            assert worst("state.record", f).value == "fail", (n, records)
+            said = text("state.record", f)
+            assert f"qwen-kvprep revert {p.directory}" in said, said
+        revert_checkpoint(p.directory)
+        assert not state_dir.exists(), n
+        assert snapshot(p.directory) == p.pristine, n
+        if not killed:
+            break  # n is past the last unlink: every point was tried
+    else:
+        pytest.fail("the revert made more unlinks than tried")
+    assert struck >= 2  # the state removed first, then the originals, the journal last
+
+
 def _caches(directory: Path) -> Any:
     from qwen_kvprep.probe.caches import probe_caches
 

@@ -710,3 +710,128 @@ def test_a_foreign_state_folder_or_lock_is_refused_by_the_preview_and_doctor_too
     removal = f"rm {state if what == 'state-folder-link' else state / 'lock'}"
     assert f"`{removal}`" in found["state.record"]["fix"], found["state.record"]
     assert res.returncode == 1
+
+
+# ------------------------------------------------------------------ 9. the user's model code
+# modeling_qwen.py gets marked lines from fix; every other line is the user's, also when
+# they edit it after fix: revert takes out exactly the marked lines and keeps theirs.
+
+
+@pytest.fixture()
+def tiny(tmp_path: Path, isolated_hf: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    from transformers import dynamic_module_utils as dmu
+
+    from qwen_kvprep.tiny import generate_checkpoint
+
+    # fix runs in this process, where transformers read the modules cache's place when it
+    # was first imported: this test's private one instead
+    monkeypatch.setattr(dmu, "HF_MODULES_CACHE", str(isolated_hf / "modules"))
+    return generate_checkpoint(tmp_path / "Qwen", dtype="fp32")
+
+
+def _fix_quick(directory: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return invoke("fix", str(directory), *args, "--no-build", "--no-smoke")
+
+
+def _ok(done: subprocess.CompletedProcess[str]) -> None:
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+USER_LINE = "USER_SETTING = 42  # the user's own line\n"
+
+
+def _add_user_line(path: Path) -> str:
+    """Insert the user's line after the imports at the top (away from fix's lines)."""
+    text = path.read_text(encoding="utf-8")
+    head, sep, rest = text.partition("\nimport ")
+    assert sep, "the model code has no import line"
+    edited = head + "\n" + USER_LINE.rstrip("\n") + sep + rest
+    path.write_bytes(edited.encode("utf-8"))
+    return edited
+
+
+def _assert_only_ours_gone(path: Path, expected: bytes) -> None:
+    from qwen_kvprep.common import COMPAT_FILE, FAST_FILE
+
+    assert path.read_bytes() == expected
+    assert not (path.parent / FAST_FILE).exists()
+    assert not (path.parent / COMPAT_FILE).exists()
+
+
+def test_an_edit_after_fix_survives_a_new_fix_and_revert(tiny: Path) -> None:
+    """What prestart does when the model code changed: fix again, then revert."""
+    path = tiny / "modeling_qwen.py"
+    original = path.read_text(encoding="utf-8")
+    _ok(_fix_quick(tiny))
+    _add_user_line(path)
+    _ok(_fix_quick(tiny))  # finds its lines in place: the file is left as the user made it
+    assert USER_LINE in path.read_text(encoding="utf-8")
+    done = invoke("revert", str(tiny))
+    _ok(done)
+    assert "marked lines taken out, yours kept" in done.stdout
+    expected = original.replace("\nimport ", "\n" + USER_LINE + "import ", 1)
+    _assert_only_ours_gone(path, expected.encode("utf-8"))
+
+
+def test_revert_after_an_edit_takes_out_exactly_our_lines(tiny: Path) -> None:
+    """No new fix: our block must not stay behind importing modules revert deletes."""
+    from qwen_kvprep import compat
+
+    path = tiny / "modeling_qwen.py"
+    original = path.read_text(encoding="utf-8")
+    _ok(_fix_quick(tiny))
+    _add_user_line(path)
+    with path.open("a", encoding="utf-8") as fh:
+        fh.write("TAIL = 1\n")  # after our blocks
+    _ok(invoke("revert", str(tiny)))
+    text = path.read_text(encoding="utf-8")
+    assert "qwen-kvprep:" not in text and compat.START_MARK not in text
+    expected = original.replace("\nimport ", "\n" + USER_LINE + "import ", 1) + "TAIL = 1\n"
+    _assert_only_ours_gone(path, expected.encode("utf-8"))
+    compile(text, str(path), "exec")
+
+
+def test_a_file_without_a_final_newline_comes_back_byte_for_byte(tiny: Path) -> None:
+    path = tiny / "modeling_qwen.py"
+    bare = path.read_text(encoding="utf-8").rstrip("\n")
+    path.write_bytes(bare.encode("utf-8"))
+    _ok(_fix_quick(tiny))
+    _ok(_fix_quick(tiny, "--no-fast-path"))
+    # the user edits a line after fix: revert keeps the edit and adds no line break
+    text = path.read_text(encoding="utf-8")
+    path.write_text(text.replace("\nimport ", "\n" + USER_LINE + "import ", 1), "utf-8")
+    _ok(invoke("revert", str(tiny)))
+    expected = bare.replace("\nimport ", "\n" + USER_LINE + "import ", 1)
+    _assert_only_ours_gone(path, expected.encode("utf-8"))
+
+
+@pytest.mark.parametrize("damage", ["end", "start", "inside"])
+def test_edited_markers_are_refused_by_fix_and_revert_and_nothing_is_lost(
+    tiny: Path, damage: str
+) -> None:
+    from qwen_kvprep import fastkv
+
+    path = tiny / "modeling_qwen.py"
+    _ok(_fix_quick(tiny))
+    text = path.read_text(encoding="utf-8")
+    if damage == "end":  # the fast path's end marker gone, the user's code after it
+        cut = text.rstrip("\n").rsplit("\n", 1)[0] + "\n"
+        assert text[len(cut) :] == fastkv.END + "\n"
+        text = cut + "USER_AFTER = 1\n"
+    elif damage == "start":
+        text = text.replace(fastkv.BEGIN, "# edited by hand", 1)
+    else:  # a line of the user's inside our block
+        text = text.replace(fastkv.END, "USER_INSIDE = 1\n" + fastkv.END, 1)
+    path.write_text(text, encoding="utf-8")
+    before = snapshot(tiny)
+    for _ in range(2):  # refused each time: fix is idempotent there too
+        done = _fix_quick(tiny)
+        assert done.returncode == 1, done.stdout + done.stderr
+        assert "Traceback" not in done.stderr
+        assert f"{path}, line " in done.stderr
+        assert "markers back as fix wrote them" in done.stderr
+        assert snapshot(tiny) == before
+    done = invoke("revert", str(tiny))
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "modeling_qwen.py, line " in done.stderr
+    assert snapshot(tiny) == before

@@ -61,6 +61,19 @@ def record(facts: Facts) -> FindingsLike:
                 paths=list(caches.debris),
             )
         )
+    if caches.revert_undone and not caches.revert_problems:
+        out.append(
+            fail(
+                f"{caches.state_dir} is left behind: every file fix changed is already back "
+                "as it was before fix (a revert was cut short once it had restored them), but "
+                "its records are still there, so prestart and doctor would trust a state "
+                "that no longer holds",
+                f"qwen-kvprep revert {shlex.quote(str(directory))}  (finishes it; or "
+                f"qwen-kvprep fix {shlex.quote(str(directory))} to prepare the folder again)",
+                paths=[caches.state_dir or directory],
+            )
+        )
+        return out
     if caches.state is None:
         return out or skip("fix has not recorded a state here")
     if not caches.journal_present and caches.journal_error is None:

@@ -31,6 +31,7 @@ from qwen_kvprep.common import (
     JOURNAL_FILE,
     REGISTER_TRIES,
     STATE_DIRNAME,
+    STATE_FILE,
     USERS_DIRNAME,
     modules_cache_root,
     user_record_name,
@@ -407,10 +408,19 @@ def prune_users(folder: Path) -> list[str]:
 
 
 def remove_state_dir(state_dir: Path) -> None:
-    """Remove `.qwen-kvprep/` (never following a link inside it)."""
+    """Remove `.qwen-kvprep/` (never following a link inside it), in an order that leaves
+    a revert killed on the way recognisable: the state first (prestart must not trust it
+    once the files are back), the journal last, so that what is left is a journal whose
+    every file is already back as it was (doctor fails it, a new revert finishes it) or
+    no journal and nothing of value (the lock, temporary files)."""
     if os.path.islink(state_dir):
         os.unlink(state_dir)
         return
+    with contextlib.suppress(OSError):
+        os.unlink(state_dir / STATE_FILE)
+    shutil.rmtree(state_dir / ORIGINALS, ignore_errors=True)
+    with contextlib.suppress(OSError):
+        os.unlink(state_dir / JOURNAL_FILE)
     shutil.rmtree(state_dir, ignore_errors=True)
 
 

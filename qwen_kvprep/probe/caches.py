@@ -126,6 +126,8 @@ class CacheFacts:
     journal_error: Optional[str] = None  # why the journal cannot be read
     revert_problems: tuple[str, ...] = ()  # why revert would refuse (checked read-only)
     revert_notes: tuple[str, ...] = ()  # what revert would leave alone
+    # the journal's every file is back as it was before fix: a revert cut short
+    revert_undone: bool = False
     debris: tuple[str, ...] = ()  # what killed commands of ours left (probe.caches.debris)
     python_tag: str = ""
     machine: str = ""
@@ -330,6 +332,7 @@ class _JournalFacts(TypedDict, total=False):
     journal_error: str
     revert_problems: tuple[str, ...]
     revert_notes: tuple[str, ...]
+    revert_undone: bool
 
 
 def _read_journal(directory: Path, modules_root: Path) -> _JournalFacts:
@@ -350,6 +353,7 @@ def _read_journal(directory: Path, modules_root: Path) -> _JournalFacts:
         return out
     out["revert_problems"] = tuple(plan.problems)
     out["revert_notes"] = tuple(plan.notes)
+    out["revert_undone"] = plan.undone
     return out
 
 

@@ -1,7 +1,13 @@
 """What `revert` would do, decided from the journal (journal/reader.py) and what is on disk
 now, without changing anything: doctor reports this plan, and journal.Journal carries it
 out. Every original's sha256 is verified before revert would restore it; a planted file
-another prepared folder still uses (its `.qwen-kvprep-users/` record) stays."""
+another prepared folder still uses (its `.qwen-kvprep-users/` record) stays.
+
+modeling_qwen.py is the one file fix changes by adding marked lines (compat.py, fastkv.py):
+those are ours to take out, every other line is the user's. When it still holds them,
+revert takes out exactly those and keeps the rest, so an edit the user made after fix
+survives (when nothing else changed, that is the original, which is restored byte for
+byte); marker lines that were edited make revert refuse, naming the line."""
 
 from __future__ import annotations
 
@@ -11,8 +17,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional, Union
 
+from qwen_kvprep import compat
 from qwen_kvprep.common import (
     JOURNAL_FILE,
+    MODELING_FILE,
     STATE_DIRNAME,
     USERS_DIRNAME,
     user_record_name,
@@ -21,6 +29,7 @@ from qwen_kvprep.common import sha256_bytes as sha256
 from qwen_kvprep.errors import StateError
 from qwen_kvprep.untrusted import (
     NotRegularFile,
+    lstat_at,
     open_dir_under,
     open_regular,
     read_fd,
@@ -102,6 +111,9 @@ class RevertPlan:
     notes: list[str] = field(default_factory=list)  # what is left alone, and why
     problems: list[str] = field(default_factory=list)  # why revert must change nothing
     users: list[tuple[Path, str]] = field(default_factory=list)  # registry files to remove
+    # every file fix changed in the folder is back as it was before fix: what a revert
+    # killed after restoring them leaves (or the user's own undoing); the records are stale
+    undone: bool = False
 
 
 def plan_revert(
@@ -115,7 +127,17 @@ def plan_revert(
     for rel in sorted(data["files"]):
         planner.entry(plan, planner.root, rel, data["files"][rel], rel)
     planner.planted(plan)
+    plan.undone = bool(data["files"]) and all(
+        _is_original_at(Path(root), rel, entry) for rel, entry in data["files"].items()
+    )
     return plan
+
+
+def _is_original_at(base: Path, rel: str, entry: Entry) -> bool:
+    try:
+        return is_original(present_at_path(base, rel.split("/")), entry)
+    except OSError:
+        return False
 
 
 class _Planner:
@@ -230,14 +252,19 @@ class _Planner:
                 f"leaving {base} ({exc.strerror or exc})"
             )
             return
+        marked = base == self.root and rel == MODELING_FILE
         try:
             current = present_at(fd, name) if fd >= 0 else Present("absent")
+            st = lstat_at(fd, name) if marked and fd >= 0 else None
         except OSError as exc:
             plan.problems.append(f"{shown} cannot be read: {exc.strerror or exc}")
             return
         finally:
             if fd >= 0:
                 os.close(fd)
+        mode = st.st_mode & 0o777 if st is not None else 0o644
+        if marked and self._marked(plan, base, parts, entry, current, shown, mode):
+            return
         if is_original(current, entry):
             plan.notes.append(f"{shown}: already as it was before fix")
             return
@@ -262,6 +289,67 @@ class _Planner:
                 (f"{shown} (symlink to {entry['target']})", Link(base, parts, entry["target"]))
             )
             return
+        original = self._original(plan, entry, shown)
+        if original is not None:
+            plan.actions.append((shown, Restore(base, parts, *original)))
+
+    def _marked(
+        self,
+        plan: RevertPlan,
+        base: Path,
+        parts: list[str],
+        entry: Entry,
+        current: Present,
+        shown: str,
+        mode: int,
+    ) -> bool:
+        """modeling_qwen.py still holding lines fix added: plan to take out exactly those
+        (the original itself when that is what is left). False when it holds none of
+        them: the rules of every other file apply."""
+        if current.kind != "file" or current.data is None:
+            return False
+        try:
+            text = current.data.decode("utf-8")
+        except UnicodeDecodeError:
+            return False
+        problem = compat.marker_problem(text)
+        if problem is not None:
+            plan.problems.append(
+                f"{shown}, {problem}: revert cannot tell qwen-kvprep's lines from yours; put "
+                "the marked lines back as fix wrote them, or delete them with both markers "
+                "(keeping your own lines), then run revert again"
+            )
+            return True
+        data = compat.without_ours(text).encode("utf-8")
+        if data == current.data:
+            return False
+        if entry["kind"] == "file":
+            original = self._original(plan, entry, shown)
+            if original is None:
+                return True
+            old = original[0]
+            # fix's first releases added a line break to a file without a final one; fix
+            # writes the file without a UTF-8 BOM it started with (steps/fastkv.py)
+            if old.startswith(b"\xef\xbb\xbf"):
+                old = old[3:]
+            if data == old or (data == old + b"\n" and not old.endswith(b"\n")):
+                plan.actions.append((shown, Restore(base, parts, *original)))
+                return True
+        elif is_ours(current, entry):
+            return False  # as fix wrote it over a link: put the link back
+        plan.actions.append(
+            (
+                f"{shown} (changed since fix: qwen-kvprep's marked lines taken out, yours kept)",
+                Restore(base, parts, data, mode),
+            )
+        )
+        return True
+
+    def _original(
+        self, plan: RevertPlan, entry: Entry, shown: str
+    ) -> Optional[tuple[bytes, int]]:
+        """The original fix kept for a file entry and the mode to restore it with, its
+        sha256 verified; None, with the reason in `plan.problems`, when it cannot be."""
         store = entry["store"]
         store_path = self.state_dir / store
         try:
@@ -280,27 +368,25 @@ class _Planner:
                 f"{shown}: its original {store_path} is missing (deleted, or the folder was "
                 "copied without it), so it cannot be restored"
             )
-            return
+            return None
         except NotRegularFile as exc:
             plan.problems.append(f"{shown}: its original {store_path} {exc.strerror}")
-            return
+            return None
         except OSError as exc:
             plan.problems.append(
                 f"{shown}: its original {store_path} cannot be read safely "
                 f"({exc.strerror or exc})"
             )
-            return
+            return None
         digest = entry.get("sha256")
         if digest is not None and sha256(data) != digest:
             plan.problems.append(
                 f"{shown}: its original {store_path} changed since fix kept it (sha256 "
                 f"{sha256(data)[:16]}…, recorded {digest[:16]}…), so it is not restored"
             )
-            return
+            return None
         mode = entry.get("mode")  # version 1 kept it on the stored copy instead
-        plan.actions.append(
-            (shown, Restore(base, parts, data, store_mode if mode is None else mode & 0o777))
-        )
+        return data, store_mode if mode is None else mode & 0o777
 
 
 def read_user_records(folder: Path) -> list[tuple[Path, str]]:

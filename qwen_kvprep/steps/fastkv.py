@@ -4,14 +4,20 @@ transformers and on every other supported release; then the Int8 cache's fast pa
 plants qwen_kvprep_kv.py beside the loader and appends the block that imports it
 (fastkv.py), for the revisions of modeling_qwen.py it was written for; any other revision
 keeps the model's own attention, with a finding that says why. With `--no-fast-path` the
-fast path's block is taken out again. Everything goes through the journal."""
+fast path's block is taken out again. Everything goes through the journal.
+
+Our lines are told from the user's by their marker lines alone: a file whose markers were
+edited (a start marker without its end...) is refused before fix writes anything
+(`check_markers`), since taking the block out would take the user's lines with it."""
 
 from __future__ import annotations
 
 import shlex
+from pathlib import Path
 
 from qwen_kvprep import compat, fastkv, hubcli
 from qwen_kvprep.common import COMPAT_FILE, FAST_FILE, MODELING_FILE
+from qwen_kvprep.errors import CheckpointError
 from qwen_kvprep.findings import info, ok, warn
 from qwen_kvprep.resources import templates_dir
 from qwen_kvprep.steps.context import FixContext
@@ -30,10 +36,34 @@ def compat_bytes() -> bytes:
     return (templates_dir() / COMPAT_FILE).read_bytes()
 
 
+def check_markers(directory: Path) -> None:
+    """Refuse (CheckpointError naming the file and the line) a modeling_qwen.py whose
+    qwen-kvprep marker lines were edited; one that cannot be read is the step's to report."""
+    path = Path(directory) / MODELING_FILE
+    try:
+        text = read_regular(path, MODEL_CODE_LIMIT).decode("utf-8")
+    except (OSError, UnicodeDecodeError):
+        return
+    problem = compat.marker_problem(text)
+    if problem is not None:
+        raise _refusal(path, problem)
+
+
+def _refusal(path: Path, problem: str) -> CheckpointError:
+    return CheckpointError.failing(
+        "fastkv.model_code",
+        f"{path}, {problem}: fix would not know which lines are yours, so it changes nothing",
+        "put the lines between the `# >>> qwen-kvprep` and `# <<< qwen-kvprep` markers back as "
+        "fix wrote them, or delete them with both markers (keeping your own lines), then run "
+        "fix again",
+        [path],
+    )
+
+
 def _compat(ctx: FixContext, text: str) -> str:
     """modeling_qwen.py with the compatibility lines (and no fast-path block), once the
     module is written; the text without them when the file defines none of Qwen's models."""
-    base = compat.unpatched(fastkv.unpatched(text))
+    base = compat.without_ours(text)
     path = ctx.directory / MODELING_FILE
     reason = compat.recognise(base)
     if reason is not None:
@@ -76,6 +106,22 @@ def run(ctx: FixContext) -> None:
         ctx.extra["fast_path"] = False
         ctx.extra["compat"] = False
         return
+    if text.startswith("\ufeff"):
+        # transformers' check of a model file's imports (4.53 and later) parses its text
+        # with ast, where a UTF-8 BOM is a SyntaxError: fix writes it without (revert
+        # restores it)
+        text = text[1:]
+        verb = "would remove" if ctx.options.dry_run else "removed"
+        ctx.add(info(
+            "compat.bom",
+            f"{verb} the UTF-8 BOM at the start of {MODELING_FILE}: transformers' check of "
+            "the model's imports (4.53 and later) fails on it with `SyntaxError: invalid "
+            "non-printable character U+FEFF`",
+            paths=[path],
+        ))
+    problem = compat.marker_problem(text)
+    if problem is not None:  # checked before the first write; changed since
+        raise _refusal(path, problem)
     base = _compat(ctx, text)
     if not ctx.options.fast_path:
         ctx.journal.write(MODELING_FILE, base.encode("utf-8"))

@@ -14,7 +14,7 @@ from qwen_kvprep.buildcache import resolve_cache_dir
 from qwen_kvprep.buildcache.builder import stderr_notify
 from qwen_kvprep.buildcache.lock import lock_timeout
 from qwen_kvprep.buildcache.paths import CACHE_OPTION
-from qwen_kvprep.common import ENV_CACHE, JOURNAL_FILE, STATE_DIRNAME, STATE_FILE
+from qwen_kvprep.common import ENV_CACHE, JOURNAL_FILE, MODELING_FILE, STATE_DIRNAME, STATE_FILE
 from qwen_kvprep.dirlock import OUR_FILES, folder_lock, release_if_unused, remove_leftover_temps
 from qwen_kvprep.errors import CacheError, KvprepError, StateError, os_failure
 from qwen_kvprep.findings import Finding, info, warn
@@ -119,6 +119,8 @@ def _preflight(source: Path, target: Path, options: FixOptions) -> _Early:
     early = _Early()
     facts, findings = validate.check(source)
     _check_cache_folder(options)
+    # the model code fix would edit: DIR's, or the one an earlier fix wrote in OUT
+    fastkv.check_markers(target if os.path.isfile(target / MODELING_FILE) else source)
     if target == source:
         early.facts, early.findings = facts, findings
     if not os.path.isdir(target):
