@@ -93,23 +93,67 @@ def spelling_problem(spelt: str, transformers_version: Optional[str]) -> Optiona
     return None
 
 
-# The GPTQ backend for Int4 checkpoints, as pyproject.toml's `gptq` extra pins it
-# (docs/reference.md, "Int4 GPTQ checkpoints"): gptqmodel 2.2.0 is its last release that
-# accepts transformers < 4.54, optimum 2.1 and later need a newer gptqmodel. gptqmodel
-# ships only a source archive whose setup.py imports torch, so pip must build it without
-# build isolation;
-# with no GPU visible (and no TORCH_CUDA_ARCH_LIST) it builds pure Python, which runs
-# on CPU and on CUDA (torch/Triton kernels), and FORCE_BUILD skips its attempt to fetch
-# a prebuilt wheel from GitHub.
-GPTQ_REQUIREMENTS = ("optimum>=1.24,<2.1", "gptqmodel==2.2.0")
-# The bounds of transformers and huggingface-hub are repeated because pip ignores what the
-# installed qwen-kvprep requires: alone, gptqmodel's requirements pull transformers 5.
-GPTQ_INSTALL = (
-    "pip install setuptools wheel && CUDA_VISIBLE_DEVICES= GPTQMODEL_FORCE_BUILD=1 "
-    "pip install --no-build-isolation "
-    + " ".join(f'"{r}"' for r in GPTQ_REQUIREMENTS)
-    + ' "transformers>=4.49,<4.54" "huggingface-hub<1.0"'
-)
+# The GPTQ backend for Int4 checkpoints (docs/reference.md, "Int4 GPTQ checkpoints"), by
+# the transformers it must serve:
+# - transformers >= 5.4: optimum >= 2.3 with gptqmodel >= 7 (pure Python; its kernels come
+#   from torch and Triton at run time). gptqmodel's newest release may ask for a newer torch
+#   or transformers than the user has: the command pins the installed ones, so pip picks the
+#   gptqmodel that fits the stack instead of replacing it (7.6.0 for torch 2.13).
+# - transformers < 4.54: gptqmodel 2.2.0 (its last release that accepts them) with
+#   optimum < 2.1. It ships only a source archive whose setup.py imports torch, so pip
+#   must build it without build isolation; with no GPU visible (and no
+#   TORCH_CUDA_ARCH_LIST) it builds pure Python, and FORCE_BUILD skips its attempt to fetch
+#   a prebuilt wheel from GitHub. The bounds of transformers and huggingface-hub are
+#   repeated because gptqmodel's own requirements would pull transformers 5.
+# - 4.54 to 5.3 has no measured backend: the current one, with transformers 5 (which runs
+#   Qwen v1 through qwen-kvprep's compatibility module).
+GPTQ_CURRENT = ("optimum>=2.3", "gptqmodel>=7")
+GPTQ_LEGACY = ("optimum>=1.24,<2.1", "gptqmodel==2.2.0")
+CURRENT_GPTQ_TRANSFORMERS = (5, 4)
+
+
+def _release(version: str) -> tuple[int, int]:
+    parts = [*version.split("."), "0"][:2]
+    try:
+        return int(parts[0]), int("".join(c for c in parts[1] if c.isdigit()) or 0)
+    except ValueError:
+        return 0, 0
+
+
+def _installed(dist: str) -> Optional[str]:
+    from importlib import metadata
+
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _quoted(requirements: tuple[str, ...]) -> str:
+    return " ".join(f'"{r}"' for r in requirements)
+
+
+def gptq_install(
+    transformers: Optional[str] = None, torch: Optional[str] = None, here: bool = True
+) -> str:
+    """The pip command that installs the GPTQ backend for this stack (transformers and torch
+    as given, or, with `here`, as installed) without changing either."""
+    if here:
+        transformers = transformers or _installed("transformers")
+        torch = torch or _installed("torch")
+    if transformers is not None and _release(transformers) < (4, 54):
+        return (
+            "pip install setuptools wheel && CUDA_VISIBLE_DEVICES= GPTQMODEL_FORCE_BUILD=1 "
+            "pip install --no-build-isolation " + _quoted(GPTQ_LEGACY)
+            + ' "transformers>=4.49,<4.54" "huggingface-hub<1.0"'
+        )
+    keep = [f"torch=={torch}"] if torch else []
+    if transformers is not None and _release(transformers) >= CURRENT_GPTQ_TRANSFORMERS:
+        keep.append(f"transformers=={transformers}")
+    else:
+        keep.append(f"transformers>={CURRENT_GPTQ_TRANSFORMERS[0]}.{CURRENT_GPTQ_TRANSFORMERS[1]}")
+    return "pip install " + _quoted((*GPTQ_CURRENT, *keep))
+
 
 ENV_CACHE = "QWEN_KVPREP_CACHE"  # the build cache
 ENV_LOCK_TIMEOUT = "QWEN_KVPREP_LOCK_TIMEOUT"  # waiting for another builder or fix

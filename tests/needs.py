@@ -91,7 +91,7 @@ def nvcc() -> Any:
 
 
 def gptq_backend() -> None:
-    """optimum and gptqmodel importable (`common.GPTQ_INSTALL` installs them)."""
+    """optimum and gptqmodel importable (`common.gptq_install()` names the command)."""
     import importlib.util
 
     missing = [m for m in ("optimum", "gptqmodel") if importlib.util.find_spec(m) is None]

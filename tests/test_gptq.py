@@ -27,6 +27,7 @@ from qwen_kvprep.tiny import generate_checkpoint
 from qwen_kvprep.tiny.gptq import GROUP_SIZE, QUANTIZED_LINEARS, quantize
 from tests import needs
 from tests.cli import kvprep
+from tests.remote_code import with_compat
 from tests.toolkit import matching_toolkit
 
 LAYERS = 2
@@ -184,7 +185,7 @@ def test_gptq_refusals_and_the_command_line(tmp_path: Path) -> None:
 
 
 def test_smoke_judges_the_gptq_linears() -> None:
-    from qwen_kvprep.common import GPTQ_INSTALL
+    from qwen_kvprep.common import gptq_install
     from qwen_kvprep.findings import Severity
     from qwen_kvprep.smoke.evaluate import _gptq, known_cause
 
@@ -207,7 +208,7 @@ def test_smoke_judges_the_gptq_linears() -> None:
         "PackageNotFoundError: No package metadata was found for auto-gptq",  # 4.37
     ):
         assert known_cause(said, "/m") == (
-            "this is a GPTQ Int4 checkpoint and its backend is missing: " + GPTQ_INSTALL
+            "this is a GPTQ Int4 checkpoint and its backend is missing: " + gptq_install()
         )
 
 
@@ -357,7 +358,9 @@ def test_server_load_runs_quantized_linears_kernel_and_chat(fixed: dict[str, Any
     assert isinstance(report["chat"], str)
     assert "chat_stream_error" not in report, report["chat_stream_error"]
     # greedy both times: the stream ends with the same answer, through the kernel again
-    assert report["chat_stream"] == report["chat"]
+    # (Qwen's chat decodes with errors="replace", its chat_stream with errors="ignore":
+    # random tiny weights can end on a token that is not whole UTF-8)
+    assert report["chat_stream"] == report["chat"].replace("\ufffd", "")
     assert all(s > c for s, c in zip(report["stream_calls"], report["chat_calls"])), report
 
 
@@ -369,7 +372,7 @@ def test_doctor_gptq_findings_ok_with_the_backend(fixed: dict[str, Any]) -> None
     )  # fmt: skip
     found = _findings(done.stdout)
     assert found["env.gptq"]["severity"] == "ok", found["env.gptq"]
-    assert "gptqmodel 2.2" in found["env.gptq"]["message"]
+    assert "gptqmodel " in found["env.gptq"]["message"]
     assert found["checkpoint.gptq"]["severity"] == "info"
 
 
@@ -399,6 +402,7 @@ def test_plan_predicts_gptq_weights_and_peak(tmp_path: Path) -> None:
     d = generate_checkpoint(
         tmp_path / "Qwen-tiny-Int4", gptq=True, heads=4, intermediate=2048
     )  # hidden 512, MLP width 1024
+    with_compat(d)  # what fix adds for transformers >= 4.54 (and nothing on older ones)
     shape = model_shape(d)
     # a decode-bound and a prefill-bound run, chunked: short, every dispatched op is tracked
     cases = [(16, 1, 31, None), (8, 256, 2, 64)]

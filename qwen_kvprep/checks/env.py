@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Optional
 
+from qwen_kvprep.checks.kernels import kernel_requested
 from qwen_kvprep.checks.registry import (
     CUDA_TORCH,
     ENV,
@@ -24,10 +25,10 @@ from qwen_kvprep.checks.registry import (
     skip,
     warn,
 )
-from qwen_kvprep.common import GPTQ_INSTALL
+from qwen_kvprep.common import gptq_install
 from qwen_kvprep.findings import Finding, FindingsLike
 from qwen_kvprep.probe.binary import parse_arch_label, runs_on
-from qwen_kvprep.probe.caches import usable_builds
+from qwen_kvprep.probe.caches import serving_builds
 from qwen_kvprep.probe.env import EnvFacts, version_tuple
 from qwen_kvprep.probe.facts import Facts
 
@@ -128,21 +129,37 @@ def max_gcc_for(nvcc: tuple[int, ...], build: Optional[str] = None) -> Optional[
 
 
 def _build_present(facts: Facts) -> Optional[str]:
-    """A build for this torch that the loader can use (then the toolchain is optional)."""
-    builds = usable_builds(facts.caches, facts.env)
+    """A build for this torch (and the checkpoint's kernel sources) that the loader can use."""
+    cp = facts.checkpoint
+    builds = serving_builds(facts.caches, facts.env, getattr(cp, "kernel_sources", None))
     return builds[0].dir if builds else None
+
+
+def _why_no_build_is_needed(facts: Facts) -> Optional[str]:
+    """Why a server started now compiles nothing, so that a toolchain problem is no failure
+    (doctor's exit code: docs/reference.md); None when it must compile: no cached build
+    serves it, or the checkpoint's config asks for the kernel through Qwen's original
+    cpp_kernels.py, which compiles at every load."""
+    cp = facts.checkpoint
+    if cp is not None and not kernel_requested(facts):
+        return (
+            "only a build needs this, and a server started now builds nothing: config.json "
+            "does not ask for the kernel"
+        )
+    if cp is not None and not getattr(cp, "loader_is_ours", False):
+        return None
+    present = _build_present(facts)
+    if present:
+        return f"only a rebuild needs this: a build for this torch exists in {present}"
+    return None
 
 
 def _toolchain_finding(
     facts: Facts, message: str, fix: Optional[str], details: Mapping[str, object]
 ) -> Finding:
-    present = _build_present(facts)
-    if present:
-        return warn(
-            f"{message} (only a rebuild needs this: a build for this torch exists in {present})",
-            fix,
-            details=details,
-        )
+    why = _why_no_build_is_needed(facts)
+    if why is not None:
+        return warn(f"{message} ({why})", fix, details=details)
     return fail(message, fix, details=details)
 
 
@@ -423,7 +440,7 @@ def cuda_home(facts: Facts) -> FindingsLike:
             # qwen-kvprep's builder steps over such a wrapper to a complete toolkit; torch's
             # own JIT builds (Qwen's original cpp_kernels.py) do not.
             cp = facts.checkpoint
-            if cp is not None and not getattr(cp, "loader_is_ours", False):
+            if _why_no_build_is_needed(facts) is None and not getattr(cp, "loader_is_ours", True):
                 return fail(
                     message + " (Qwen's original cpp_kernels.py builds this way)",
                     fix,
@@ -800,12 +817,13 @@ def flash_attn(facts: Facts) -> FindingsLike:
 def gptq(facts: Facts) -> FindingsLike:
     """What transformers' GPTQ loader (GptqHfQuantizer, through optimum) needs, by version.
 
-    Measured with transformers 4.53.3 and torch 2.13 (CPU): optimum 1.24.0, 1.27.0 and
-    2.0.0 with gptqmodel 2.2.0 load and run a GPTQ checkpoint on CPU; optimum 2.1.0 and
-    2.2.0 fail to import gptqmodel 2.2.0 (`cannot import name 'METHOD'`), 2.3.0 asks for
-    gptqmodel >= 7. gptqmodel 4.0 and later need transformers >= 4.55, which cannot run
-    Qwen v1. auto-gptq 0.7.1 (archived) works with peft 0.10 but fails to import with a
-    recent peft (`cannot import name 'PEFT_TYPE_TO_MODEL_MAPPING'`, peft 0.21).
+    Measured on CPU: with transformers 5.24, optimum 2.3.0 with gptqmodel 7.6.0 (torch
+    2.13) and 7.7.0 (torch 2.14.1) load and run a GPTQ checkpoint, `fix` with smoke included;
+    gptqmodel 7.0 needs transformers >= 5.4. With transformers 4.53.3 (torch 2.13): optimum
+    1.24.0, 1.27.0 and 2.0.0 with gptqmodel 2.2.0; optimum 2.1.0 and 2.2.0 fail to import
+    gptqmodel 2.2.0 (`cannot import name 'METHOD'`), 2.3.0 asks for gptqmodel >= 7. auto-gptq
+    0.7.1 (archived) works with peft 0.10 but fails to import with a recent peft (`cannot
+    import name 'PEFT_TYPE_TO_MODEL_MAPPING'`, peft 0.21).
     """
     env = env_of(facts)
     cp = facts.checkpoint
@@ -818,21 +836,22 @@ def gptq(facts: Facts) -> FindingsLike:
     details: dict[str, object] = {
         m: (p.version if p.found else None) for m, p in found.items()
     }
-    details["install"] = GPTQ_INSTALL
+    ver = {m: p.version for m, p in found.items()}
+    install = gptq_install(ver["transformers"], env.torch_version, here=False)
+    details["install"] = install
     v = {m: version_tuple(p.version) if p.found else None for m, p in found.items()}
     optimum, gptqmodel, auto_gptq = v["optimum"], v["gptqmodel"], v["auto_gptq"]
     transformers = v["transformers"]
-    ver = {m: p.version for m, p in found.items()}
     problems: list[str] = []
     if optimum is None:
         problems.append("optimum is not installed (transformers loads GPTQ through it)")
     if gptqmodel is not None:
         if gptqmodel < (1, 6):
             problems.append(f"gptqmodel {ver['gptqmodel']} is too old (optimum needs >= 1.6)")
-        elif gptqmodel >= (4,):
+        elif gptqmodel >= (4,) and transformers is not None and transformers < (4, 55):
             problems.append(
-                f"gptqmodel {ver['gptqmodel']} needs transformers >= 4.55, which cannot run "
-                "Qwen v1: use gptqmodel 2.2.0"
+                f"gptqmodel {ver['gptqmodel']} needs a newer transformers than "
+                f"{ver['transformers']}: gptqmodel 2.2.0 is the last for transformers < 4.54"
             )
         if optimum is not None and optimum < (1, 24):
             problems.append(
@@ -842,7 +861,12 @@ def gptq(facts: Facts) -> FindingsLike:
         elif optimum is not None and optimum >= (2, 1) and gptqmodel < (7,):
             problems.append(
                 f"optimum {ver['optimum']} cannot use gptqmodel {ver['gptqmodel']} (2.1 and 2.2 "
-                "fail to import it, 2.3 asks for gptqmodel >= 7): use optimum < 2.1"
+                "fail to import it, 2.3 asks for gptqmodel >= 7)"
+            )
+        elif optimum is not None and optimum < (2, 3) and gptqmodel >= (7,):
+            problems.append(
+                f"optimum {ver['optimum']} predates gptqmodel {ver['gptqmodel']} (use optimum "
+                ">= 2.3)"
             )
         if transformers is not None and transformers < (4, 49):
             problems.append(
@@ -860,7 +884,7 @@ def gptq(facts: Facts) -> FindingsLike:
         return fail(
             "this is a GPTQ Int4 checkpoint, and transformers cannot load it here: "
             + "; ".join(problems),
-            GPTQ_INSTALL,
+            install,
             details=details,
         )
     if gptqmodel is not None:
@@ -874,6 +898,6 @@ def gptq(facts: Facts) -> FindingsLike:
         f"GPTQ checkpoint: optimum {ver['optimum']} and auto-gptq {ver['auto_gptq']}{peft} "
         "installed; auto-gptq is archived and fails to import with recent peft releases "
         "(`PEFT_TYPE_TO_MODEL_MAPPING`): gptqmodel is the maintained backend",
-        GPTQ_INSTALL,
+        install,
         details=details,
     )

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from qwen_kvprep.common import GPTQ_INSTALL, GPTQ_REQUIREMENTS
+from qwen_kvprep.common import GPTQ_CURRENT, GPTQ_LEGACY, gptq_install
 from qwen_kvprep.findings import Severity
 from qwen_kvprep.probe.env import (
     CompilerInfo,
@@ -535,7 +535,10 @@ def test_gptq_packages() -> None:
     assert worst("env.gptq", f) is Severity.FAIL
     assert "optimum is not installed" in text("env.gptq", f)
     assert "no GPTQ backend" in text("env.gptq", f)
-    assert GPTQ_INSTALL in text("env.gptq", f)
+    # the command for the stack at hand: it keeps that torch and transformers
+    assert f.env is not None
+    tf = f.env.package("transformers").version
+    assert gptq_install(tf, f.env.torch_version, here=False) in text("env.gptq", f)
 
     def gptq(**versions: str) -> tuple[Severity, str]:
         pk = {"transformers": "4.53.3", **versions}
@@ -546,13 +549,20 @@ def test_gptq_packages() -> None:
     for optimum in ("1.24.0", "1.27.0", "2.0.0"):
         assert gptq(optimum=optimum, gptqmodel="2.2.0")[0] is Severity.OK
     sev, msg = gptq(optimum="2.1.0", gptqmodel="2.2.0")
-    assert sev is Severity.FAIL and "use optimum < 2.1" in msg and GPTQ_INSTALL in msg
+    assert sev is Severity.FAIL and "cannot use gptqmodel 2.2.0" in msg
+    assert '"gptqmodel==2.2.0"' in msg and "--no-build-isolation" in msg
     sev, msg = gptq(optimum="1.23.0", gptqmodel="2.2.0")
     assert sev is Severity.FAIL and "optimum 1.23.0 is too old" in msg
     sev, msg = gptq(optimum="1.27.0", gptqmodel="1.4.3")
     assert sev is Severity.FAIL and "gptqmodel 1.4.3 is too old" in msg
     sev, msg = gptq(optimum="1.27.0", gptqmodel="4.2.5")
-    assert sev is Severity.FAIL and "transformers >= 4.55" in msg
+    assert sev is Severity.FAIL and "needs a newer transformers than 4.53.3" in msg
+    # today's stack: the current backend, and the command keeps torch and transformers
+    assert gptq(optimum="2.3.0", gptqmodel="7.6.0", transformers="5.24.0")[0] is Severity.OK
+    sev, msg = gptq(optimum="2.0.0", gptqmodel="7.6.0", transformers="5.24.0")
+    assert sev is Severity.FAIL and "use optimum >= 2.3" in msg
+    assert '"transformers==5.24.0"' in msg and f'"torch=={f.env.torch_version}"' in msg
+    assert '"gptqmodel>=7"' in msg and "--no-build-isolation" not in msg
     sev, msg = gptq(optimum="1.27.0", gptqmodel="2.2.0", transformers="4.37.2")
     assert sev is Severity.FAIL and "gptqmodel needs transformers >= 4.49" in msg
     sev, msg = gptq(gptqmodel="2.2.0")
@@ -571,7 +581,20 @@ def test_gptq_install_matches_the_extra() -> None:
     text_ = (REPO / "pyproject.toml").read_text()
     line = re.search(r"^gptq = (\[.*\])$", text_, re.M)
     assert line is not None
-    assert tuple(ast.literal_eval(line.group(1))) == GPTQ_REQUIREMENTS
+    extra = [r.split(";") for r in ast.literal_eval(line.group(1))]
+    assert [req for req, marker in extra if ">= '3.10'" in marker] == list(GPTQ_CURRENT)
+    assert [req for req, marker in extra if "< '3.10'" in marker] == list(GPTQ_LEGACY)
+
+
+def test_gptq_install_keeps_the_stack() -> None:
+    legacy = gptq_install("4.53.3", "2.13.0", here=False)
+    assert '"transformers>=4.49,<4.54"' in legacy and '"gptqmodel==2.2.0"' in legacy
+    current = gptq_install("5.24.0", "2.13.0+cpu", here=False)
+    assert current == (
+        'pip install "optimum>=2.3" "gptqmodel>=7" "torch==2.13.0+cpu" "transformers==5.24.0"'
+    )
+    # 4.54 to 5.3: no backend fits them; transformers 5 runs Qwen v1 here too
+    assert '"transformers>=5.4"' in gptq_install("4.57.6", "2.13.0", here=False)
 
 
 # ---------------------------------------------------------------------------------------
