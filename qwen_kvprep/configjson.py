@@ -20,6 +20,7 @@ from qwen_kvprep.errors import ConfigError, current_user
 from qwen_kvprep.untrusted import (
     DuplicateKey,
     NotRegularFile,
+    TooLarge,
     json_error_at,
     load_json,
     read_regular,
@@ -105,6 +106,12 @@ def read_config_bytes(path: Path) -> bytes:
     except NotRegularFile as exc:
         raise ConfigError(
             f"{path} {exc.strerror}", fix=f"replace it with the real file: {_redownload(path)}"
+        ) from exc
+    except TooLarge as exc:
+        raise ConfigError(
+            f"{path} is too large to be a model config ({exc.size:,} bytes, limit "
+            f"{exc.limit:,})",
+            fix=_redownload(path),
         ) from exc
     except PermissionError as exc:
         raise ConfigError(

@@ -55,6 +55,8 @@ class TooLarge(OSError):
         super().__init__(
             errno.EFBIG, f"is {size:,} bytes, more than the {limit:,} allowed", os.fspath(path)
         )
+        self.size = size
+        self.limit = limit
 
     def __str__(self) -> str:
         return f"{self.filename} {self.strerror}"

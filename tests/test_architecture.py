@@ -37,6 +37,7 @@ LAYERS: dict[str, int] = {
     "qwen_kvprep.redact": BASE,
     "qwen_kvprep.resources": BASE,
     "qwen_kvprep.configjson": BASE,
+    "qwen_kvprep.gptqconfig": BASE,  # the GPTQ config's grammar (probe, checks and plan)
     "qwen_kvprep.catalogue": BASE,
     "qwen_kvprep.state.reader": BASE,
     "qwen_kvprep.journal.reader": BASE,

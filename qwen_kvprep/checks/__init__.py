@@ -30,7 +30,15 @@ __all__ = [
 
 def load_all() -> dict[str, Check]:
     """Import every area module (each registers its checks) and return the registry."""
-    from qwen_kvprep.checks import caches, checkpoint, config, env, kernels, records  # noqa: F401
+    from qwen_kvprep.checks import (  # noqa: F401
+        caches,
+        checkpoint,
+        config,
+        env,
+        gptq,
+        kernels,
+        records,
+    )
 
     return REGISTRY
 

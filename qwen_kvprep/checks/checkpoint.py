@@ -30,7 +30,6 @@ from qwen_kvprep.checks.registry import (
 from qwen_kvprep.common import (
     COMPAT_FILE,
     FAST_FILE,
-    GPTQ_INSTALL,
     KERNEL_FILES,
     spelling_problem,
 )
@@ -516,6 +515,7 @@ _CONTENT_WORDS: dict[str, tuple[str, Optional[str]]] = {
     "html": ("HTML pages", None),  # the detail already says "a login or error page"
     "empty": ("empty", "an interrupted copy or download"),
     "invalid-json": ("not valid JSON", None),
+    "too-large": ("too large", None),
     "unreadable": ("unreadable", None),
 }
 
@@ -568,6 +568,9 @@ def content(facts: Facts) -> CheckResult:
         # One file: its own detail ("is a Git LFS pointer of 134 bytes (the real file ...)").
         what = problems[0].detail if len(problems) == 1 else f"are {many}"
         because = f": {cause}, so" if cause else ", so"
+        outcome = f"{because} loading fails with {_symptom(kind, suffix)}"
+        if kind == "too-large":  # a reader might take it whole; qwen-kvprep judges none
+            outcome = ": qwen-kvprep does not read a file that large, so it cannot vouch for it"
         if kind == "unreadable":
             # a permission problem, not a bad download: re-downloading would not help
             quoted = " ".join(shlex.quote(str(cp.path / n)) for n in names)
@@ -578,7 +581,7 @@ def content(facts: Facts) -> CheckResult:
         else:
             fix = refetch(cp, names, lfs=kind == "lfs-pointer")
         out.append(fail(
-            f"{', '.join(names)} {what}{because} loading fails with {_symptom(kind, suffix)}",
+            f"{', '.join(names)} {what}{outcome}",
             fix,
             paths=[cp.path / n for n in names], kind=kind,
             files={p.name: p.detail for p in problems},
@@ -741,23 +744,6 @@ def dirname(facts: Facts) -> CheckResult:
         f"`ln -s {shlex.quote(str(cp.path.absolute()))} {shlex.quote(str(alias))}` (use the "
         "dot-free path with every qwen-kvprep command too)",
         paths=[cp.path],
-    )
-
-
-@check(
-    "checkpoint.gptq",
-    "GPTQ Int4 checkpoints are recognised",
-    needs=(CHECKPOINT, LISTED, QWEN_V1),
-)
-def gptq(facts: Facts) -> CheckResult:
-    cp = checkpoint_of(facts)
-    if not cp.gptq:
-        return ok("not a GPTQ checkpoint")
-    return info(
-        f"GPTQ Int4 checkpoint (from {cp.gptq_source}): loading it needs a GPTQ backend "
-        "(optimum and gptqmodel, see env.gptq) besides torch and transformers; the Int8 KV "
-        "cache works with it",
-        GPTQ_INSTALL, source=cp.gptq_source,
     )
 
 

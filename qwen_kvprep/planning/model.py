@@ -19,6 +19,7 @@ from typing import Optional
 from qwen_kvprep import hubcli
 from qwen_kvprep.configjson import CONFIG, parse_config, read_config_bytes
 from qwen_kvprep.errors import CheckpointError, ConfigError, UsageError
+from qwen_kvprep.gptqconfig import IN_CONFIG, is_gptq, parse, read_quantize_config
 from qwen_kvprep.jsontypes import JSON, JSONObject
 from qwen_kvprep.planning.peak import ModelShape
 from qwen_kvprep.probe.checkpoint import (
@@ -30,7 +31,6 @@ from qwen_kvprep.probe.checkpoint import (
     IndexFacts,
     ShardFacts,
     hub_snapshot,
-    load_json,
     probe_index,
     probe_shard,
     sniff,
@@ -88,11 +88,11 @@ class ModelFacts:
         }
 
 
-def _fix_config(path: Path) -> str:
+def _fix_config(path: Path, name: str = CONFIG) -> str:
     repo, _, _ = hub_snapshot(path)
     where = shlex.quote(str(path))
     repo = repo or "<repo, e.g. Qwen/Qwen-7B-Chat>"
-    return f"{hubcli.download()} {repo} {CONFIG} --local-dir {where}"
+    return f"{hubcli.download()} {repo} {name} --local-dir {where}"
 
 
 def _doctor(path: Path) -> str:
@@ -158,25 +158,23 @@ def resolve_dtype(
 
 
 def read_gptq(path: Path, config: Mapping[str, JSON]) -> Optional[Gptq]:
-    """The GPTQ parameters from config.json's quantization_config or quantize_config.json."""
+    """The GPTQ parameters from config.json's quantization_config (what transformers reads)
+    or else quantize_config.json, judged by the grammar doctor and fix use."""
     qc: JSON = config.get("quantization_config")
-    if not (isinstance(qc, Mapping) and str(qc.get("quant_method", "")).lower() == "gptq"):
-        qc = None
-        if (path / QUANTIZE_CONFIG).is_file():
-            loaded: JSON
-            try:
-                loaded, _, _ = load_json((path / QUANTIZE_CONFIG).read_text(encoding="utf-8"))
-            except OSError:
-                loaded = None
-            qc = loaded if isinstance(loaded, Mapping) else None
-    if qc is None:
-        return None
-    bits, group = qc.get("bits", 4), qc.get("group_size", 128)
-    if not isinstance(bits, int) or bits not in (2, 3, 4, 8):
-        raise ConfigError(f"GPTQ bits {bits!r} is not one of 2, 3, 4, 8", fix=_fix_config(path))
-    if not isinstance(group, int) or not (group == -1 or group > 0):
-        raise ConfigError(f"GPTQ group_size {group!r} is not -1 or positive", fix=_fix_config(path))
-    return Gptq(bits=bits, group_size=group)
+    where, name = IN_CONFIG, CONFIG
+    if not (isinstance(qc, dict) and is_gptq(qc)):
+        if not (path / QUANTIZE_CONFIG).is_file():
+            return None
+        qfile = read_quantize_config(path / QUANTIZE_CONFIG)
+        if qfile.data is None:
+            raise ConfigError(
+                f"{path / QUANTIZE_CONFIG} {qfile.error}", fix=_fix_config(path, QUANTIZE_CONFIG)
+            )
+        qc, where, name = qfile.data, QUANTIZE_CONFIG, QUANTIZE_CONFIG
+    parsed, problems = parse(qc, where)
+    if parsed is None:
+        raise ConfigError("; ".join(problems), fix=_fix_config(path, name))
+    return Gptq(bits=parsed.bits, group_size=parsed.group_size)
 
 
 # -- weights -------------------------------------------------------------------------------

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import TYPE_CHECKING, NamedTuple, Optional, TypedDict, Union
 
-from qwen_kvprep import compat
+from qwen_kvprep import compat, gptqconfig
 from qwen_kvprep.common import (
     COMPAT_FILE,
     FAST_FILE,
@@ -38,6 +38,7 @@ from qwen_kvprep.common import LOADER_FILE as LOADER
 from qwen_kvprep.configjson import CONFIG, parse_config_bytes, read_config_bytes
 from qwen_kvprep.errors import ConfigError, current_user
 from qwen_kvprep.fastkv import is_patched, recognise, render_module
+from qwen_kvprep.gptqconfig import PACKED, QuantizeFile, read_quantize_config
 from qwen_kvprep.hubcache import repo_folder
 from qwen_kvprep.probe.caches import folder_access
 from qwen_kvprep.resources import templates_dir
@@ -60,7 +61,7 @@ TIKTOKEN = "qwen.tiktoken"
 TOKENIZER_CONFIG = "tokenizer_config.json"
 TOKENIZER_FILES = (TIKTOKEN, TOKENIZER_CONFIG)
 GENERATION_CONFIG = "generation_config.json"
-QUANTIZE_CONFIG = "quantize_config.json"
+QUANTIZE_CONFIG = gptqconfig.QUANTIZE_CONFIG
 ST_SINGLE = "model.safetensors"
 ST_INDEX = "model.safetensors.index.json"
 BIN_SINGLE = "pytorch_model.bin"
@@ -105,7 +106,7 @@ class ContentProblem:
     """A file that is not what its name promises."""
 
     name: str  # relative to the checkpoint
-    kind: str  # "lfs-pointer" | "html" | "empty" | "invalid-json" | "unreadable"
+    kind: str  # "lfs-pointer" | "html" | "empty" | "invalid-json" | "too-large" | "unreadable"
     detail: str  # completes "<name> ..." as a sentence fragment
 
 
@@ -123,6 +124,8 @@ class ShardFacts:
     dtype_numel: Mapping[str, int] = field(default_factory=dict)
     error: Optional[str] = None  # completes "<name> ..."
     truncated: bool = False  # the file ends before its header says it does
+    # the shapes of GPTQ's packed tensors (`*.qweight`, `*.qzeros`, `*.scales`, `*.g_idx`)
+    gptq_shapes: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -171,6 +174,7 @@ class CheckpointFacts:
     remote_code: dict[str, Optional[str]] = field(default_factory=dict)  # name -> sha256
     gptq: bool = False
     gptq_source: Optional[str] = None
+    quantize_config: Optional[QuantizeFile] = None  # None: there is no quantize_config.json
     weights_layout: str = "none"
     weight_files: tuple[str, ...] = ()
     index: Optional[IndexFacts] = None
@@ -345,6 +349,7 @@ def probe_shard(path: Path, name: str) -> ShardFacts:
     if not isinstance(header, dict):
         return _shard_error(name, size, "has a header that is not a JSON object", header_len=n)
     spans: list[tuple[int, int, str]] = []
+    packed: dict[str, tuple[int, ...]] = {}
     total = 0
     numel_by_dtype: dict[str, int] = {}
     for key, meta in header.items():
@@ -356,6 +361,8 @@ def probe_shard(path: Path, name: str) -> ShardFacts:
         begin, end = tensor.begin, tensor.end
         spans.append((begin, end, key))
         total += end - begin
+        if key.rsplit(".", 1)[-1] in PACKED:
+            packed[key] = tensor.shape
         dtype = tensor.dtype
         numel_by_dtype[dtype] = numel_by_dtype.get(dtype, 0) + (end - begin) // DTYPE_SIZES[dtype]
     # safetensors requires the tensors to tile the data area exactly: no gap, no overlap.
@@ -386,7 +393,7 @@ def probe_shard(path: Path, name: str) -> ShardFacts:
         )
     return ShardFacts(
         name, size=size, header_len=n, tensor_names=frozenset(k for _, _, k in spans),
-        tensor_bytes=total, dtype_numel=numel_by_dtype,
+        tensor_bytes=total, dtype_numel=numel_by_dtype, gptq_shapes=packed,
     )
 
 
@@ -396,6 +403,7 @@ class _Tensor(NamedTuple):
     dtype: str
     begin: int
     end: int
+    shape: tuple[int, ...]
 
 
 def _integer(value: JSON) -> TypeGuard[int]:
@@ -433,7 +441,7 @@ def _tensor(key: str, meta: JSON) -> Union[_Tensor, str]:
             f"gives tensor {key!r} ({dtype} {shape}) {offsets[1] - offsets[0]:,} bytes of data "
             f"where it needs {need:,}"
         )
-    return _Tensor(dtype, offsets[0], offsets[1])
+    return _Tensor(dtype, offsets[0], offsets[1], tuple(shape))
 
 
 # -- the weight index ----------------------------------------------------------------------
@@ -668,10 +676,16 @@ def _sniff_file(root: Path, name: str) -> Optional[ContentProblem]:
 
 
 def _json_problem(root: Path, name: str) -> Optional[ContentProblem]:
-    text = _read_text(root / name)
-    if text is None:
+    try:
+        raw, size = read_prefix(root / name, TEXT_LIMIT)
+    except OSError:
         return ContentProblem(name, "unreadable", "cannot be read")
-    _, error, _ = load_json(text)
+    if size > len(raw):  # judged whole or not at all: a cut-off text is never valid JSON
+        return ContentProblem(
+            name, "too-large",
+            f"is too large to be a configuration file ({size:,} bytes, limit {TEXT_LIMIT:,})",
+        )
+    _, error, _ = load_json(raw.decode("utf-8", errors="replace"))
     if error is not None:
         return ContentProblem(name, "invalid-json", f"is not valid JSON ({error})")
     return None
@@ -830,11 +844,19 @@ def probe_checkpoint(path: Path, spelt: Optional[str] = None) -> CheckpointFacts
             if p is not None:
                 problems[fname] = p
     # JSON files without a check of their own: a parse error is a content problem.
-    for fname in (TOKENIZER_CONFIG, GENERATION_CONFIG, QUANTIZE_CONFIG):
+    for fname in (TOKENIZER_CONFIG, GENERATION_CONFIG):
         if fname in files and fname not in problems:
             p = _json_problem(path, fname)
             if p is not None:
                 problems[fname] = p
+    # quantize_config.json: read by the GPTQ grammar (checkpoint.gptq judges its fields)
+    quantize_config: Optional[QuantizeFile] = None
+    if QUANTIZE_CONFIG in files and QUANTIZE_CONFIG not in problems:
+        quantize_config = read_quantize_config(path / QUANTIZE_CONFIG)
+        if quantize_config.error is not None and quantize_config.kind is not None:
+            problems[QUANTIZE_CONFIG] = ContentProblem(
+                QUANTIZE_CONFIG, quantize_config.kind, quantize_config.error
+            )
 
     config: Optional[dict[str, JSON]] = None
     config_error: Optional[str] = None
@@ -924,6 +946,7 @@ def probe_checkpoint(path: Path, spelt: Optional[str] = None) -> CheckpointFacts
         remote_code={f: _sha256(path / f) if f in files else None for f in REMOTE_CODE_FILES},
         gptq=gptq_source is not None,
         gptq_source=gptq_source,
+        quantize_config=quantize_config,
         weights_layout=layout,
         weight_files=weight_files,
         index=index,
