@@ -6,8 +6,11 @@ cannot take the CLI with it, and so that one run's memory peak cannot leak into 
 
 Parent side (`run_events_child`): the child runs in its own session (process group), so a
 timeout or Ctrl-C kills it and everything it started (ninja, nvcc, a hung CUDA context) in
-one signal. Its stdout and stderr go to a log file (a pipe could fill up and stall it; a
-file cannot), of which the last lines are quoted when it fails.
+one signal. A parent killed outright (SIGKILL) sends nothing, so the child arranges its own
+end: on Linux the kernel kills it when the parent dies (`die_with_parent`), and a child
+whose parent is already gone when it starts exits at once. Its stdout and stderr go to a
+log file (a pipe could fill up and stall it; a file cannot), of which the last lines are
+quoted when it fails.
 
 Child side (`Events`, `child_main`): one JSON object per line on a dedicated file
 descriptor, never on stdout or stderr, where model code and compilers print whatever they
@@ -42,6 +45,9 @@ from qwen_kvprep.jsontypes import JSON
 
 PHASE_START = "start"
 PHASE_DONE = "done"
+# The parent's pid, for the child to check that it is still there (`die_with_parent`).
+ENV_PARENT = "QWEN_KVPREP_PARENT_PID"
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 class PhaseEvent(TypedDict):
@@ -123,6 +129,7 @@ def child_env(extra: Optional[dict[str, str]] = None) -> dict[str, str]:
     env.setdefault("HF_HUB_OFFLINE", "1")
     env.setdefault("TRANSFORMERS_OFFLINE", "1")
     env.update(extra or {})
+    env[ENV_PARENT] = str(os.getpid())
     return env
 
 
@@ -231,7 +238,7 @@ def run_events_child(
                     # a neutral working directory: a server's is arbitrary, and the
                     # original cpp_kernels.py only works from one particular folder
                     cwd=tmp,
-                    env=env if env is not None else child_env(),
+                    env={**(env if env is not None else child_env()), ENV_PARENT: str(os.getpid())},
                     start_new_session=True,
                 )
         except BaseException:
@@ -283,9 +290,29 @@ class Events:
         self.send({"event": "phase", "phase": phase, "t": time.time()})
 
 
+def die_with_parent(environ: Optional[dict[str, str]] = None) -> None:
+    """In a child: be killed (SIGKILL) when the parent that started it dies, so a model
+    load (minutes on a 72B) never goes on with nobody to stop it. Linux only (prctl);
+    the parent's pid from ENV_PARENT closes the race of a parent that died before."""
+    env = os.environ if environ is None else environ
+    try:
+        parent = int(env.get(ENV_PARENT, ""))
+    except ValueError:
+        return  # not started by run_events_child (a child run by hand)
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        with contextlib.suppress(OSError, AttributeError):
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent:
+        os._exit(1)  # the parent died before the line above: nobody waits for us
+
+
 def child_main(fd: Optional[int], work: Callable[[Events], object]) -> int:
     """Run `work` in a child: its result, or the exception it raised, as events on `fd`
     (stdout when None, for running a child by hand)."""
+    die_with_parent()
     stream = os.fdopen(fd, "w", encoding="utf-8") if fd is not None else sys.stdout
     if fd is not None:
         # model code, transformers and compilers print freely: send their stdout to our

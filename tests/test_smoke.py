@@ -4,6 +4,7 @@ they need the CPU build of the extension, shared by the session)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shlex
@@ -645,3 +646,54 @@ def test_hang_is_cut_at_the_timeout(isolated_hf: Path, tmp_path: Path) -> None:
     assert f"{timeout:g} s" in f["message"]
     # CLI start-up and the SIGTERM grace come on top of the timeout
     assert elapsed < timeout + 10, elapsed
+
+
+def _gone(pid: int) -> bool:
+    """Dead: no such process, or a zombie nobody reaped yet."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return not _alive(pid)
+    return stat.rsplit(")", 1)[1].split()[0] == "Z"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl is Linux's")
+def test_a_child_dies_with_its_parent_killed_outright(tmp_path: Path) -> None:
+    """SIGKILL the process running the child (as a killed fix): the child, in its own
+    session, must not go on loading a model with nobody to stop it."""
+    pidfile = tmp_path / "child.pid"
+    child = (
+        "import os, sys, time\n"
+        "from qwen_kvprep.childproc import child_main\n"
+        f"open({str(pidfile)!r}, 'w').write(str(os.getpid()))\n"
+        "child_main(int(sys.argv[1]), lambda ev: time.sleep(600))\n"
+    )
+    parent = (
+        "import sys\n"
+        "from qwen_kvprep.childproc import run_events_child\n"
+        f"run_events_child(lambda fd: [sys.executable, '-c', {child!r}, str(fd)], 600)\n"
+    )
+    import subprocess
+
+    from qwen_kvprep.childproc import child_env
+
+    proc = subprocess.Popen([sys.executable, "-c", parent], env=child_env())
+    try:
+        for _ in range(600):  # the child started and is past child_main's first line
+            if pidfile.exists() and pidfile.read_text():
+                break
+            assert proc.poll() is None, "the parent ended on its own"
+            time.sleep(0.1)
+        pid = int(pidfile.read_text())
+        assert not _gone(pid)
+    finally:
+        proc.kill()
+        proc.wait()
+    for _ in range(300):
+        if _gone(pid):
+            break
+        time.sleep(0.1)
+    else:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)  # leave nothing behind
+        pytest.fail("the child outlived its killed parent")
