@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -619,3 +620,91 @@ def test_a_build_s_files_are_read_as_untrusted(tmp_path: Path) -> None:
     for bad in ("abc", "9", "sm_90", "9.x", "", "9.0+ptx "):
         assert parse_manifest({**cuda, "inputs": {**inputs, "arch_list": [bad]}}) is None, bad
         assert parse_manifest({**cuda, "covers": [bad]}) is None, bad
+
+
+# -------------------------------------------------------------------- torch's CUDA home
+# A machine where torch is a CUDA build, there is no GPU, and `nvcc` on PATH is a link in
+# <root>/usr/local/bin (not inside the toolkit): torch.utils.cpp_extension then settles on
+# CUDA_HOME=<root>/usr/local at import and logs "No CUDA runtime is found, using
+# CUDA_HOME='<root>/usr/local'", while qwen-kvprep builds with the toolkit <root>/cuda.
+_AS_CUDA_TORCH = (
+    "import runpy, sys, torch\n"
+    "torch.cuda._is_compiled = lambda: True\n"
+    "torch.version.cuda = '12.4'\n"
+    "torch.cuda.is_available = lambda: False\n"
+    "sys.argv = sys.argv[1:]\n"
+    "runpy.run_path(sys.argv[0], run_name='__main__')\n"
+)
+
+
+def _cuda_machine(tmp_path: Path) -> tuple[dict[str, str], Path, Path]:
+    toolkit = tmp_path / "cuda"
+    (toolkit / "bin").mkdir(parents=True)
+    (toolkit / "include").mkdir()
+    (toolkit / "include" / "cuda_runtime.h").write_text("")
+    nvcc = toolkit / "bin" / "nvcc"
+    nvcc.write_text("#!/bin/sh\nexit 1\n")
+    nvcc.chmod(0o755)
+    wrapper = tmp_path / "usr" / "local" / "bin"
+    wrapper.mkdir(parents=True)
+    (wrapper / "nvcc").symlink_to(nvcc)
+    env = {k: v for k, v in os.environ.items() if k not in ("CUDA_HOME", "CUDA_PATH")}
+    env["PATH"] = f"{wrapper}{os.pathsep}{env.get('PATH', '')}"
+    return env, toolkit, tmp_path / "usr" / "local"
+
+
+def _as_cuda_torch(script: Path, *args: str, env: dict[str, str]) -> str:
+    done = subprocess.run([sys.executable, "-c", _AS_CUDA_TORCH, str(script), *args],
+                          capture_output=True, text=True, env=env, timeout=300)
+    return done.stdout + done.stderr
+
+
+def test_the_build_s_torch_facts_leave_torch_s_cuda_home_unresolved(tmp_path: Path) -> None:
+    """Planning a build reads torch's extension builder without importing it, so torch
+    never announces a CUDA home of its own guessing beside the one the build names."""
+    env, _, guessed = _cuda_machine(tmp_path)
+    script = tmp_path / "plan.py"
+    script.write_text(
+        "import sys\n"
+        "from qwen_kvprep.probe.toolchain import torch_info\n"
+        "print(torch_info().cxx_std)\n"
+        "print('imported' if 'torch.utils.cpp_extension' in sys.modules else 'not imported')\n"
+    )
+    out = _as_cuda_torch(script, env=env)
+    assert "not imported" in out and "c++" in out, out
+    assert "No CUDA runtime is found" not in out and str(guessed) not in out, out
+
+
+@pytest.mark.parametrize("cuda", [True, False])
+def test_the_build_log_names_no_other_cuda_home_than_the_build_s(
+    tmp_path: Path, cuda: bool
+) -> None:
+    """The build worker gives torch the toolkit the build uses (a CUDA build), and keeps
+    torch's guess at one out of a CPU-only build's log."""
+    from qwen_kvprep.buildcache import _worker
+
+    env, toolkit, guessed = _cuda_machine(tmp_path)
+    check = tmp_path / "check.py"
+    check.write_text(
+        "import sys; sys.path.insert(0, sys.argv[1])\n"
+        "import _worker\n"
+        "m = _worker._import_cpp_extension(sys.argv[2] or None)\n"
+        "print('torch CUDA_HOME:', m.CUDA_HOME)\n"
+    )
+    home = str(toolkit) if cuda else ""
+    out = _as_cuda_torch(check, str(Path(_worker.__file__).parent), home, env=env)
+    named = {str(toolkit)} if cuda else set()
+    assert set(re.findall(r"CUDA_HOME='([^']*)'", out)) <= named, out
+    if cuda:
+        assert f"torch CUDA_HOME: {toolkit}" in out, out
+    # the worker itself, as the builder runs it: its output is the build log
+    spec = {"parent": os.getpid(), "name": "nothing", "sources": [str(tmp_path / "none.cpp")],
+            "extra_cflags": [], "extra_cuda_cflags": [], "with_cuda": cuda,
+            "cuda_home": home or None, "build_directory": str(tmp_path / "build"),
+            "require": [], "result": str(tmp_path / "result.json")}
+    (tmp_path / "build").mkdir()
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    log = _as_cuda_torch(Path(_worker.__file__), str(tmp_path / "spec.json"), env=env)
+    assert "qwen-kvprep: building nothing" in log, log
+    assert set(re.findall(r"CUDA_HOME='([^']*)'", log)) <= named, log
+    assert str(guessed) + "'" not in log, log

@@ -23,7 +23,7 @@ import traceback
 from typing import TYPE_CHECKING, NoReturn, Optional, TypedDict
 
 if TYPE_CHECKING:
-    from types import FrameType
+    from types import FrameType, ModuleType
 
 
 class WorkerSpec(TypedDict):
@@ -35,6 +35,9 @@ class WorkerSpec(TypedDict):
     extra_cflags: list[str]
     extra_cuda_cflags: list[str]
     with_cuda: bool
+    # the CUDA toolkit the build uses (None: a CPU-only build); torch is given it as its
+    # CUDA_HOME before torch.utils.cpp_extension reads it at import
+    cuda_home: Optional[str]
     build_directory: str
     require: list[str]  # functions the built module must have
     result: str  # where to write the WorkerResult
@@ -105,6 +108,24 @@ def _die_with_parent(parent: int) -> None:
         _kill_tree(signal.SIGTERM, None)
 
 
+def _import_cpp_extension(cuda_home: Optional[str]) -> ModuleType:
+    """torch.utils.cpp_extension with the CUDA home the build uses. The module settles its
+    CUDA_HOME when it is imported (from $CUDA_HOME, else `which nvcc`, else
+    /usr/local/cuda) and, without a GPU, logs the one it took: its answer must be ours."""
+    import logging
+
+    if cuda_home:
+        os.environ["CUDA_HOME"] = cuda_home
+    else:
+        # a CPU-only build uses no CUDA home: torch's guess at one would only mislead
+        logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
+    from torch.utils import cpp_extension
+
+    if cuda_home:
+        cpp_extension.CUDA_HOME = cuda_home
+    return cpp_extension
+
+
 def main() -> int:
     with open(sys.argv[1], encoding="utf-8") as fh:
         spec: WorkerSpec = json.load(fh)
@@ -112,8 +133,7 @@ def main() -> int:
     result: WorkerResult = {"ok": False, "stage": "build"}
     start = time.time()
     try:
-        from torch.utils import cpp_extension
-
+        cpp_extension = _import_cpp_extension(spec.get("cuda_home"))
         print(
             f"qwen-kvprep: building {spec['name']} with MAX_JOBS={os.environ.get('MAX_JOBS')}"
             f" CUDA_HOME={os.environ.get('CUDA_HOME')}",

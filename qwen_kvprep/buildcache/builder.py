@@ -357,6 +357,7 @@ def _compile(plan: BuildPlan, layout: CacheLayout, waited: float, notify: Notify
             "extra_cflags": plan.inputs["flags"]["cflags"],
             "extra_cuda_cflags": plan.inputs["flags"]["cuda_cflags"] + _nvcc_threads(plan, jobs),
             "with_cuda": plan.cuda,
+            "cuda_home": str(plan.nvcc.cuda_home) if plan.nvcc is not None else None,
             "build_directory": str(build),
             "require": list(REQUIRED_FUNCTIONS),
             "result": str(staging / "result.json"),

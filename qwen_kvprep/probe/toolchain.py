@@ -53,15 +53,19 @@ def cxx_standard(torch_version: str, cpp_extension_source: Optional[str] = None)
 
 
 def _cpp_extension_source() -> Optional[str]:
-    try:
-        import torch.utils.cpp_extension as cpp_extension
+    """The text of torch.utils.cpp_extension, found without importing it: its import
+    resolves a CUDA home of its own (and logs "No CUDA runtime is found, using
+    CUDA_HOME=..." without a GPU), which need not be the toolkit the build uses."""
+    import importlib.util
 
-        source = cpp_extension.__file__
+    try:
+        spec = importlib.util.find_spec("torch.utils.cpp_extension")
+        source = spec.origin if spec is not None else None
         if not source:
             return None
         with open(source, encoding="utf-8") as fh:
             return fh.read(1 << 20)
-    except (ImportError, OSError, UnicodeDecodeError):
+    except (ImportError, ValueError, OSError, UnicodeDecodeError):
         return None
 
 
