@@ -227,6 +227,71 @@ def test_kernel_that_is_never_called_fails() -> None:
     assert f.severity is Severity.FAIL and "never called" in f.message
 
 
+def _fast(own_tokens: Optional[list[int]] = None, fast_steps: int = 0, **over: Any) -> Any:
+    """A result whose quantized run went through the fast path in both layers, and the
+    same generation by the model's own Int8 code (`own_tokens`, None: not run)."""
+    layers = [dict(_layer(i), fast_path_installed=True, fast_steps=16) for i in range(2)]
+    res = _result(layers=layers, **over)
+    if own_tokens is not None:
+        tokens = res["quantized"]["tokens"]
+        diverged = next((i for i, (a, b) in enumerate(zip(tokens, own_tokens)) if a != b), None)
+        res["own_code"] = {
+            "tokens": own_tokens,
+            "fast_steps": fast_steps,
+            "comparison": dict(res["comparison"], first_divergence=diverged),
+        }
+    return _judge(res)["smoke.fast_path"]
+
+
+def test_the_fast_path_passes_where_it_gives_the_model_s_own_tokens() -> None:
+    f = _fast(list(range(10, 26)))
+    assert f.severity is Severity.OK
+    assert "the same 16 greedy tokens as the model's own Int8 code" in f.message
+
+
+def test_the_fast_path_fails_where_the_model_s_own_int8_code_gives_other_tokens() -> None:
+    """The unquantized run may agree within its tolerance; the fast path stands in for the
+    model's own Int8 code and must give its tokens exactly."""
+    own = list(range(10, 26))
+    own[5] = 999
+    f = _fast(own)
+    assert f.severity is Severity.FAIL
+    assert "does not reproduce this model's own Int8 code" in f.message
+    assert "from token 6 of 16" in f.message
+    assert "qwen-kvprep fix /ckpt" in str(f.fix) and "--no-fast-path" in str(f.fix)
+    assert f.details["own_code"]["tokens"] == own
+
+
+def test_a_fast_path_that_cannot_be_set_aside_fails() -> None:
+    f = _fast(list(range(10, 26)), fast_steps=32)
+    assert f.severity is Severity.FAIL and "could not be set aside" in f.message
+
+
+def test_per_token_prefill_is_not_compared_with_the_model_s_own_code() -> None:
+    f = _fast(None, per_token_prefill=True)
+    assert f.severity is Severity.OK and "not compared" in f.message
+
+
+def test_the_child_reads_per_token_prefill_from_the_planted_fast_path(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """fix --per-token-prefill plants a fast path that quantizes prompts with other numbers
+    than the model's own: the child then leaves the comparison out, and says so."""
+    import types
+
+    from qwen_kvprep.smoke.child import per_token_prefill
+
+    package = "transformers_modules.tiny.0123abcd"
+    layer = type("QWenAttention", (), {"__module__": f"{package}.modeling_qwen"})()
+    layers: Any = [("transformer.h.0.attn", layer)]
+    assert per_token_prefill(layers) is False  # no fast path imported
+    planted = types.SimpleNamespace(PER_TOKEN_PREFILL=False)
+    monkeypatch.setitem(sys.modules, f"{package}.qwen_kvprep_kv", planted)
+    assert per_token_prefill(layers) is False
+    planted.PER_TOKEN_PREFILL = True
+    assert per_token_prefill(layers) is True
+
+
 def test_quantization_off_fails_and_skips_the_rest() -> None:
     layers = [dict(_layer(i), use_cache_quantization=False) for i in range(2)]
     q = dict(_result()["quantized"], enabled=False, cache=_ucache())
@@ -562,6 +627,9 @@ def test_fixed_checkpoint_passes_with_the_kernel_in_every_layer(
     assert kv["unquantized"] == 2 * 2 * 2 * 256
     assert kv["ratio"] == pytest.approx(132 / 256) and round(kv["ratio"], 3) == 0.516
     assert smoke["agreement"]["identical_tokens"] == smoke["agreement"]["tokens"] == 16
+    # the fast path ran, and gave the tokens of the model's own Int8 code
+    fast = by["smoke.fast_path"]
+    assert fast["severity"] == "ok" and "the same 16 greedy tokens" in fast["message"], fast
     assert smoke["tokens_per_s"]["quantized"] > 0 and smoke["peak_memory"]["bytes"] > 0
     # the verdict is in the state
     state = json.loads((ckpt / ".qwen-kvprep" / "state.json").read_text())
@@ -614,6 +682,29 @@ def test_missing_sources_in_modules_cache_fail_with_the_fallback_named(
     assert "all 2 layers fell back" in f["message"]
     assert "qwen-kvprep fix" in f["fix"]
     assert doc["smoke"]["kernel_layers"] == 0
+
+
+@pytest.mark.slow
+def test_a_fast_path_that_gives_other_numbers_than_the_model_s_code_fails(
+    isolated_hf: Path, tmp_path: Path
+) -> None:
+    """The fast path planted beside the model's code made to give other numbers (as it
+    would, run in place of attention code it does not reproduce): the model's own Int8
+    code, run with the fast path set aside, gives other tokens, and the smoke fails."""
+    ckpt = tmp_path / "tiny"
+    doc = _fixed(ckpt, dtype="fp32")
+    planted = _module_folder(doc) / "qwen_kvprep_kv.py"
+    text = planted.read_text(encoding="utf-8")
+    output = "return layer.c_proj(context),"
+    assert text.count(output) == 1
+    planted.write_text(text.replace(output, "return layer.c_proj(-4 * context),"),
+                       encoding="utf-8")
+    rc, doc, err = cli("smoke", str(ckpt), "--json")
+    f = _by_id(doc)["smoke.fast_path"]
+    assert f["severity"] == "fail", (f, err)
+    assert "does not reproduce this model's own Int8 code" in f["message"]
+    assert f["details"]["own_code"]["fast_steps"] == 0
+    assert rc == 1
 
 
 @pytest.mark.slow

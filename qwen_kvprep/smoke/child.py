@@ -23,9 +23,11 @@ import time
 from typing import TYPE_CHECKING, Callable, Optional, TypedDict
 
 from qwen_kvprep.childproc import Events, child_main
+from qwen_kvprep.common import FAST_FILE
 from qwen_kvprep.runtime import (
     COMPAT_MARK,
     FAST_MARK,
+    FAST_OFF,
     FAST_STEPS,
     FLAG,
     KERNELS,
@@ -56,6 +58,7 @@ from qwen_kvprep.smoke.protocol import (
     DEVICES,
     PHASE_INSPECT,
     PHASE_LOAD,
+    PHASE_OWN_CODE,
     PHASE_QUANTIZED,
     PHASE_UNQUANTIZED,
     PHASE_WARMUP,
@@ -67,6 +70,7 @@ from qwen_kvprep.smoke.protocol import (
     GptqModules,
     LayerRow,
     ModeRun,
+    OwnCode,
     PeakMemory,
     SmokeResult,
 )
@@ -309,6 +313,38 @@ def compare_runs(q: Generated, u: Generated) -> tuple[FirstStep, Comparison]:
     return first, comparison
 
 
+def own_code(
+    model: PreTrainedModel,
+    layers: list[tuple[str, torch.nn.Module]],
+    input_ids: torch.Tensor,
+    fast: Generated,
+    device: str,
+) -> OwnCode:
+    """The fast path's greedy run again with the fast path set aside in every layer (its
+    off switch: the model's own Int8 code runs), compared with it."""
+    saved = set_cache_quantization(model, True)
+    for _, mod in layers:
+        setattr(mod, FAST_OFF, True)
+        setattr(mod, FAST_STEPS, 0)
+    try:
+        run = greedy(model, input_ids, len(fast["tokens"]), lambda past: None, device)
+        fast_steps = sum(int(getattr(mod, FAST_STEPS, 0) or 0) for _, mod in layers)
+    finally:
+        for _, mod in layers:
+            setattr(mod, FAST_OFF, False)
+        restore(saved)
+    _, comparison = compare_runs(fast, run)
+    return {"tokens": run["tokens"], "fast_steps": fast_steps, "comparison": comparison}
+
+
+def per_token_prefill(layers: list[tuple[str, torch.nn.Module]]) -> bool:
+    """Whether the fast path beside the model's code quantizes prompts per token (fix
+    --per-token-prefill): other numbers than the model's own, by design."""
+    package = type(layers[0][1]).__module__.rpartition(".")[0] if layers else ""
+    module = sys.modules.get(f"{package}.{FAST_FILE[: -len('.py')]}")
+    return bool(getattr(module, "PER_TOKEN_PREFILL", False))
+
+
 def smoke(
     directory: str, device_req: str, prompt: str, new_tokens: int, ev: Events
 ) -> SmokeResult:
@@ -377,6 +413,13 @@ def smoke(
         row["fast_steps"] = int(getattr(mod, FAST_STEPS, 0) or 0)
         if counter is not None:
             setattr(mod, KERNELS, counter._inner)  # the model as it was
+    # The fast path stands in for the model's own Int8 code: where it ran, that code runs
+    # the same generation, and the tokens must be the same.
+    own: Optional[OwnCode] = None
+    per_token = per_token_prefill(layers)
+    if quantized_on and any(row["fast_steps"] for row in layer_rows) and not per_token:
+        ev.start(PHASE_OWN_CODE)
+        own = own_code(model, layers, input_ids, q, device)
     ev.start(PHASE_UNQUANTIZED)
     u = run_mode(model, input_ids, new_tokens, device, quantized=False)
 
@@ -412,6 +455,10 @@ def smoke(
     }
     if linear_calls is not None:
         result["gptq"] = _gptq_modules(model, quant_linears, linear_calls, len(layers))
+    if own is not None:
+        result["own_code"] = own
+    if per_token:
+        result["per_token_prefill"] = True
     return result
 
 

@@ -38,6 +38,7 @@ from qwen_kvprep.smoke.protocol import (
     CacheLayer,
     CacheSummary,
     GptqModules,
+    OwnCode,
     PeakMemory,
     SmokeResult,
 )
@@ -462,12 +463,58 @@ def _fast_path(result: SmokeResult, directory: str) -> Finding:
             paths=[directory],
             slow_layers=slow,
         )
+    own = result.get("own_code")
+    if own is not None:
+        problem = _own_code(own, directory)
+        if problem is not None:
+            return problem
+        compared = (
+            f"; the same {own['comparison']['tokens']} greedy tokens as the model's own Int8 "
+            "code"
+        )
+    elif result.get("per_token_prefill"):
+        compared = (
+            "; not compared with the model's own Int8 code: --per-token-prefill quantizes "
+            "prompts with other numbers by design"
+        )
+    else:
+        compared = ""
     steps = sum(int(row.get("fast_steps") or 0) for row in layers)
     return ok(
         "smoke.fast_path",
         f"the quantized cache ran through qwen-kvprep's fast path in all {len(layers)} layers "
-        f"({steps} attention steps, no per-step copy of the cache)",
+        f"({steps} attention steps, no per-step copy of the cache){compared}",
         steps=steps,
+    )
+
+
+def _own_code(own: OwnCode, directory: str) -> Optional[Finding]:
+    """A failure when the fast path's run and the model's own Int8 code's differ, or when
+    the fast path could not be set aside to compare them."""
+    if own["fast_steps"]:
+        return fail(
+            "smoke.fast_path",
+            f"the fast path could not be set aside to run the model's own Int8 code "
+            f"({own['fast_steps']} attention steps still went through it), so nothing shows "
+            "that it gives this model's numbers: qwen_kvprep_kv.py is not the one this "
+            "qwen-kvprep writes",
+            fix=f"run `qwen-kvprep fix {_q(directory)}`",
+            paths=[directory],
+            own_code=own,
+        )
+    comparison = own["comparison"]
+    diverged = comparison["first_divergence"]
+    if diverged is None:
+        return None
+    return fail(
+        "smoke.fast_path",
+        f"the fast path does not reproduce this model's own Int8 code: their greedy tokens "
+        f"differ from token {diverged + 1} of {comparison['tokens']} on (the fast path stands "
+        "in only for attention code it reproduces exactly)",
+        fix=f"run `qwen-kvprep fix {_q(directory)}`: it takes the fast path out of code it does "
+        f"not reproduce (or `qwen-kvprep fix {_q(directory)} --no-fast-path`)",
+        paths=[directory],
+        own_code=own,
     )
 
 

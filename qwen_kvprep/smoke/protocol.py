@@ -36,6 +36,7 @@ PHASE_LOAD = "load"
 PHASE_INSPECT = "inspect"
 PHASE_WARMUP = "warm-up"
 PHASE_QUANTIZED = "generate-quantized"
+PHASE_OWN_CODE = "generate-own-code"
 PHASE_UNQUANTIZED = "generate-unquantized"
 PHASE_DONE = "done"
 LOAD_PHASES = (PHASE_START, PHASE_LOAD)
@@ -45,6 +46,7 @@ PHASE_WORDS = {
     PHASE_INSPECT: "inspecting the layers",
     PHASE_WARMUP: "warming up (a few untimed tokens with each cache)",
     PHASE_QUANTIZED: "generating with the quantized cache",
+    PHASE_OWN_CODE: "generating with the model's own Int8 code (the fast path set aside)",
     PHASE_UNQUANTIZED: "generating with the unquantized cache",
     PHASE_DONE: "done",
 }
@@ -147,6 +149,16 @@ class Comparison(TypedDict):
     divergence_rel_margin: Optional[float]
 
 
+class OwnCode(TypedDict):
+    """Where the quantized run went through qwen-kvprep's fast path: the same generation
+    with the fast path set aside in every layer (the model's own Int8 code), compared with
+    it. The fast path stands in only for code it reproduces: the tokens must be the same."""
+
+    tokens: list[int]
+    fast_steps: int  # attention steps that went through the fast path all the same
+    comparison: Comparison  # the fast path's run against this one
+
+
 class GptqModules(TypedDict):
     """How the linear layers ran, for a GPTQ checkpoint (config.json's quantization_config)."""
 
@@ -199,6 +211,11 @@ class _SmokeResultBase(TypedDict):
 
 
 class SmokeResult(_SmokeResultBase, total=False):
-    """Everything the child measured (the "result" event); `gptq` for GPTQ checkpoints."""
+    """Everything the child measured (the "result" event); `gptq` for GPTQ checkpoints;
+    `own_code` where the quantized run went through the fast path, unless
+    `per_token_prefill` (fix --per-token-prefill: other numbers than the model's by
+    design) left the comparison out."""
 
     gptq: GptqModules
+    own_code: OwnCode
+    per_token_prefill: bool
