@@ -468,9 +468,11 @@ def _fast_path(result: SmokeResult, directory: str) -> Finding:
         problem = _own_code(own, directory)
         if problem is not None:
             return problem
+        # the same numbers, in the tests; a difference too small to change a token is said
+        worst = own["comparison"]["max_abs_logit_diff"]
         compared = (
             f"; the same {own['comparison']['tokens']} greedy tokens as the model's own Int8 "
-            "code"
+            "code, " + (f"logits within {worst:.3g}" if worst else "logits bit for bit")
         )
     elif result.get("per_token_prefill"):
         compared = (
