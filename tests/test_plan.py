@@ -15,7 +15,14 @@ import pytest
 
 from qwen_kvprep import hubcli
 from qwen_kvprep.errors import CheckpointError, ConfigError, UsageError
-from qwen_kvprep.planning.capacity import Scenario, make_plan, max_batch, max_tokens, peak
+from qwen_kvprep.planning.capacity import (
+    Scenario,
+    card_peaks,
+    make_plan,
+    max_batch,
+    max_tokens,
+    peak,
+)
 from qwen_kvprep.planning.model import Gptq, model_shape, read_model, weights_from_config
 from qwen_kvprep.planning.peak import (
     CUBLAS_WORKSPACE_BYTES,
@@ -821,7 +828,6 @@ def test_split_agrees_with_transformers() -> None:
 def test_card_peaks_follow_the_split() -> None:
     """Each card's peak is its weights, its blocks' part of the past and of the new cache,
     and transients; one card holding the whole model is the single-GPU prediction."""
-    from qwen_kvprep.planning.capacity import card_peaks
     from qwen_kvprep.planning.peak import whole
     from qwen_kvprep.planning.split import split_model
 
@@ -902,8 +908,6 @@ def test_gpus_2_plans_72b_on_80g_cards() -> None:
     for mode in MODES:
         most = plan["max_batch"][mode]
         assert max_batch(shape, scenario, mode, 512) == most
-        from qwen_kvprep.planning.capacity import card_peaks
-
         over = card_peaks(shape, scenario, mode, most + 1, 512)
         short = [i for i, b in enumerate(over) if b + 512 * MIB > A100_80G]
         assert short and short[0] == plan["max_batch_card"][mode]
