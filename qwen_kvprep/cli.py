@@ -34,8 +34,29 @@ from qwen_kvprep.render import report_error
 __all__ = ["cli", "main"]
 
 
+def _version(ctx: click.Context, _param: click.Parameter, value: bool) -> None:
+    """--version: qwen-kvprep's and what a bug report needs beside it, read from the
+    installed packages' metadata (importing torch would take seconds)."""
+    if not value or ctx.resilient_parsing:
+        return
+    import importlib.metadata
+    import platform
+
+    def installed(name: str) -> str:
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            return "not installed"
+
+    others = ", ".join(f"{n} {installed(n)}" for n in ("torch", "transformers", "huggingface-hub"))
+    click.echo(f"qwen-kvprep {__version__} ({others}, Python {platform.python_version()})")
+    ctx.exit()
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
-@click.version_option(__version__, "--version", prog_name="qwen-kvprep")
+@click.option("--version", is_flag=True, expose_value=False, is_eager=True, callback=_version,
+              help="Show the versions of qwen-kvprep, torch, transformers, huggingface-hub "
+              "and Python, and exit.")
 @debug_option
 @json_option
 def cli() -> None:

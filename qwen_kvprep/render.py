@@ -114,6 +114,21 @@ def render_human(findings: Sequence[Finding], colour: bool = False, verbose: boo
     return "\n".join(lines)
 
 
+def render_quiet(findings: Sequence[Finding], result: bool = False) -> str:
+    """-q/--quiet: only what needs attention (warnings and failures, each with its fix) and,
+    with `result`, the last finding (what the command made, and where) as its result."""
+    lines: list[str] = []
+    for f in _area_order(findings):
+        if f.severity in (Severity.WARN, Severity.FAIL):
+            lines.append(f"{f.severity.value}: {f.id}: {f.message}")
+            if f.fix:
+                lines.append(f"  fix: {f.fix}")
+    if result and findings:
+        last = findings[-1]
+        lines.append(f"Result: {last.message}" + (f" ({last.paths[0]})" if last.paths else ""))
+    return "\n".join(lines)
+
+
 def summary_line(findings: Sequence[Finding]) -> str:
     counts = {s: 0 for s in Severity}
     for f in findings:
@@ -305,15 +320,21 @@ def print_fix(
     result: FixResult,
     as_json: bool,
     rerun: Optional[str] = None,
+    quiet: bool = False,
 ) -> None:
     """fix's output: the planned writes (--dry-run), the findings, the verdict and what to
     run next, as text or as the --json document. `spelt`: the folder to serve, as written;
-    `rerun`: the command that applies a dry run."""
+    `rerun`: the command that applies a dry run; `quiet`: of the findings only those that
+    need attention."""
     if dry_run and not as_json:
         emit(render_planned(result.planned) or "nothing would change")
     verdict = fix_verdict(spelt, result.findings, result.extra, dry_run, rerun)
     fields = fix_fields(directory, dry_run, result.extra, result.planned)
     fields.update(verdict=verdict.verdict, next=verdict.next)
+    if quiet and not as_json:
+        problems = render_quiet(result.findings)  # emit removes secrets
+        emit(f"{problems}\n{verdict.render()}" if problems else verdict.render())
+        return
     print_findings(result.findings, as_json, **fields)
     if not as_json:
         emit(verdict.render())

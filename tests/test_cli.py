@@ -18,6 +18,29 @@ def test_version() -> None:
     assert __version__ in res.stdout
 
 
+def test_version_names_the_stack_without_importing_torch() -> None:
+    """What a bug report needs, from the packages' metadata: torch is never imported."""
+    import importlib.metadata
+    import platform
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from qwen_kvprep.entry import main\n"
+        "try:\n    main(['--version'])\nexcept SystemExit as exc:\n    code = exc.code\n"
+        "print('torch imported' if 'torch' in sys.modules else 'torch not imported', code)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120).stdout
+    versions = [f"qwen-kvprep {__version__} ("] + [
+        f"{name} {importlib.metadata.version(name)}"
+        for name in ("torch", "transformers", "huggingface-hub")
+    ] + [f"Python {platform.python_version()})"]
+    assert all(v in out for v in versions), out
+    assert out.splitlines()[-1] == "torch not imported 0", out
+
+
 def test_unknown_option_is_usage_error() -> None:
     res = kvprep("doctor", "--no-such-option")
     assert res.returncode == 2
@@ -162,7 +185,7 @@ def test_bad_json_is_reported_at_the_line_to_fix(
     assert f"at line {line}," in finding["message"], finding
 
 
-@pytest.mark.parametrize("arch", ["abc", "8", "ampere", ";;"])
+@pytest.mark.parametrize("arch", ["abc", "8", "amperes", ";;"])
 @pytest.mark.parametrize("command", [["build"], ["fix", "DIR"], ["prestart", "DIR", "--", "true"]])
 def test_an_unreadable_arch_is_a_usage_error_on_any_torch(
     tmp_path: Path, command: list[str], arch: str

@@ -16,7 +16,7 @@ from click.core import ParameterSource
 from qwen_kvprep.errors import EXIT_FAILED, EXIT_OK, UsageError
 from qwen_kvprep.findings import Finding, failed
 from qwen_kvprep.hubcache import resolve
-from qwen_kvprep.render import print_findings
+from qwen_kvprep.render import emit, print_findings, render_quiet
 
 F = TypeVar("F", bound=Callable[..., object])
 
@@ -56,9 +56,7 @@ debug_option = _flag("debug", "--debug", "Show Python tracebacks for failures.")
 
 
 def checkpoint_dir(
-    value: str,
-    revision: Optional[str] = None,
-    revision_of_folder: bool = False,
+    value: str, revision: Optional[str] = None, revision_of_folder: bool = False,
     quiet: bool = False,
 ) -> tuple[Path, str]:
     """(the checkpoint folder, its spelling for checkpoint.dirname) that DIRECTORY names: a
@@ -66,7 +64,7 @@ def checkpoint_dir(
     usage error (exit 2) otherwise. Says on stderr which snapshot a repo led to.
     `revision_of_folder`: --revision means something for a plain folder too (fix's
     --source hub); otherwise it is refused there rather than ignored. `quiet`: say nothing
-    on stderr (prestart --quiet)."""
+    on stderr (prestart and fix --quiet)."""
     found = resolve(value, revision)
     if found.repo_id is None:
         if revision is not None and not revision_of_folder:
@@ -92,10 +90,13 @@ def exit_code(findings: Sequence[Finding]) -> int:
     return EXIT_FAILED if failed(findings, output_options().strict) else EXIT_OK
 
 
-def finish(findings: Sequence[Finding], **fields: object) -> NoReturn:
-    """Print the findings as text, or as the --json document with `fields` added, and exit
-    with the code they imply."""
-    print_findings(findings, output_options().as_json, **fields)
+def finish(findings: Sequence[Finding], quiet: bool = False, **fields: object) -> NoReturn:
+    """Print the findings as text (`quiet`: render.render_quiet's), or as the --json
+    document with `fields` added, and exit with the code they imply."""
+    if quiet and not output_options().as_json:
+        emit(render_quiet(findings, result=True))  # emit removes secrets
+    else:
+        print_findings(findings, output_options().as_json, **fields)
     sys.exit(exit_code(findings))
 
 

@@ -53,6 +53,13 @@ class NonEmptyPath(click.Path):
 NONEMPTY = _NonEmpty()
 
 
+quiet_option = click.option(
+    "-q", "--quiet", is_flag=True,
+    help="Print only the result: what needs attention (warnings and failures, with their "
+    "fixes) and the outcome; no progress on stderr.",
+)
+
+
 def cache_dir_option(
     *, envvar: Optional[str] = None, image_default: Optional[str] = None
 ) -> Callable[[F], F]:

@@ -7,7 +7,13 @@ from typing import Optional
 import click
 
 from qwen_kvprep.commands._common import finish, json_option, output_options
-from qwen_kvprep.commands._options import NONEMPTY, NonEmptyPath, arch_option, cache_dir_option
+from qwen_kvprep.commands._options import (
+    NONEMPTY,
+    NonEmptyPath,
+    arch_option,
+    cache_dir_option,
+    quiet_option,
+)
 from qwen_kvprep.errors import UsageError
 from qwen_kvprep.smoke.progress import step_log
 
@@ -18,19 +24,12 @@ from qwen_kvprep.smoke.progress import step_log
     "else the visible GPUs, else every architecture the installed nvcc supports).",
 )
 @cache_dir_option()
-@click.option(
-    "--source-dir",
-    type=click.Path(exists=True, file_okay=False, path_type=Path),
-    help="Build the kernel sources in this folder (default: qwen-kvprep's own).",
-)
+@click.option("--source-dir", type=click.Path(exists=True, file_okay=False, path_type=Path),
+              help="Build the kernel sources in this folder (default: qwen-kvprep's own).")
 @click.option("--force", is_flag=True, help="Rebuild even if the cache has this build.")
-@click.option(
-    "--lock-timeout",
-    type=float,
-    metavar="SECONDS",
-    help="Longest wait for another build of the same key (default: "
-    "$QWEN_KVPREP_LOCK_TIMEOUT, else 600).",
-)
+@click.option("--lock-timeout", type=float, metavar="SECONDS",
+              help="Longest wait for another build of the same key (default: "
+              "$QWEN_KVPREP_LOCK_TIMEOUT, else 600).")
 @click.option(
     "--export",
     "export_dir",
@@ -62,6 +61,7 @@ from qwen_kvprep.smoke.progress import step_log
     "the huggingface_hub cache and verify them, for images that run with HF_HUB_OFFLINE=1.",
 )
 @json_option
+@quiet_option
 def build(
     arch: Optional[str],
     cache_dir: Optional[str],
@@ -72,6 +72,7 @@ def build(
     lock_source: Optional[str],
     lock_file: Path,
     fetch_source: Optional[str],
+    quiet: bool,
 ) -> None:
     """Compile the KV-cache extension for this torch into the build cache.
 
@@ -95,14 +96,14 @@ def build(
         done = (
             prebuilt.write_lock(lock_source, lock_file.absolute())
             if lock_source
-            else prebuilt.fetch_all(str(fetch_source), progress=False if output_options().as_json
-                                    else None)
+            else prebuilt.fetch_all(str(fetch_source), progress=False
+                                    if output_options().as_json or quiet else None)
         )
-        finish(done.findings, **done.fields)
+        finish(done.findings, quiet, **done.fields)
     # a log (docker build, CI) gets a line a notice and a heartbeat while compiling
-    with step_log("build") or nullcontext() as log:
-        built = build_into_cache(
-            source_dir, arch, Path(cache_dir) if cache_dir else None, force, lock_timeout, log)
+    with (None if quiet else step_log("build")) or nullcontext() as log:
+        built = build_into_cache(source_dir, arch, Path(cache_dir) if cache_dir else None,
+                                 force, lock_timeout, log, quiet)
     if export_dir is not None:
         done = prebuilt.export_build(
             export_dir.absolute(),
@@ -110,8 +111,8 @@ def build(
             built.result,
             source_dir,
         )
-        finish(done.findings, **done.fields)
-    finish(built.findings, **built.to_json())
+        finish(done.findings, quiet, **done.fields)
+    finish(built.findings, quiet, **built.to_json())
 
 
 def register(group: click.Group) -> None:

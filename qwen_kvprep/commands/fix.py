@@ -13,7 +13,7 @@ from qwen_kvprep.commands._common import (
     json_option,
     output_options,
 )
-from qwen_kvprep.commands._options import NONEMPTY, arch_option, cache_dir_option
+from qwen_kvprep.commands._options import NONEMPTY, arch_option, cache_dir_option, quiet_option
 from qwen_kvprep.errors import UsageError
 from qwen_kvprep.render import print_fix
 from qwen_kvprep.smoke.progress import step_log
@@ -38,6 +38,7 @@ from qwen_kvprep.smoke.progress import step_log
               help="Seconds the smoke child process may take before it is killed (default "
               "900).")
 @json_option
+@quiet_option
 @click.option("--source", type=click.Choice(["auto", "vendored", "hub"]), default="auto",
               show_default=True,
               help="Kernel sources: auto keeps a correct pair already in DIRECTORY, else uses "
@@ -79,6 +80,7 @@ def fix(
     output: Optional[str],
     cache_dir: Optional[str],
     arch: Optional[str],
+    quiet: bool,
 ) -> None:
     """Make DIRECTORY's Int8 KV cache work: validate, provide the kernel sources, patch
     config.json, build the extension, install the loader and prove it.
@@ -92,26 +94,25 @@ def fix(
     if force_smoke and no_smoke:
         raise UsageError("--smoke and --no-smoke contradict each other: give one")
     as_json = output_options().as_json
-    path, spelt = checkpoint_dir(directory, revision, revision_of_folder=True)
+    path, spelt = checkpoint_dir(directory, revision, revision_of_folder=True, quiet=quiet)
     options = FixOptions(
         dry_run=dry_run, build=not no_build, smoke=not no_smoke, force_smoke=force_smoke,
         fast_path=not no_fast_path, per_token_prefill=per_token_prefill,
         smoke_timeout=smoke_timeout, source=source, repo_id=repo_id, revision=revision,
         output=Path(output).absolute() if output else None,
-        progress=False if as_json else None,  # download bars: --json wants none at all
+        progress=False if as_json or quiet else None,  # download bars: --json/-q want none
         cache_dir=Path(cache_dir).absolute() if cache_dir else None,
-        arch=arch, spelling=spelt, prebuilt=prebuilt,
+        arch=arch, spelling=spelt, prebuilt=prebuilt, quiet=quiet,
         rerun=command_line_without("--smoke-timeout", "--dry-run", "--json"),
     )
-    # a log (CI, docker build) gets a line a step and a heartbeat; a terminal keeps its own
-    log = step_log()
+    log = None if quiet else step_log()  # a log (CI): a line a step and a heartbeat
     try:
         result = run_fix(path, options, log=log)
     finally:
         if log is not None:
             log.close()
     rerun = command_line_without("--dry-run", "--json")
-    print_fix(path, output or spelt, dry_run, result, as_json, rerun=rerun)
+    print_fix(path, output or spelt, dry_run, result, as_json, rerun=rerun, quiet=quiet)
     sys.exit(exit_code(result.findings))
 
 

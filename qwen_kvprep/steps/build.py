@@ -91,9 +91,11 @@ def _no_kernel_for_gpus(plan: BuildPlan) -> bool:
     return not plan.cuda and plan.torch.cuda is not None
 
 
-def log_notify(log: Optional[StepLog]) -> Callable[[str], None]:
+def log_notify(log: Optional[StepLog], quiet: bool = False) -> Callable[[str], None]:
     """Where the build's notices go: the log (whose heartbeat then says "still compiling"
-    while the compiler runs), else stderr as they are."""
+    while the compiler runs), else stderr as they are; nowhere with -q."""
+    if quiet:
+        return lambda _message: None
     if log is None:
         return stderr_notify
 
@@ -167,7 +169,7 @@ def run(ctx: FixContext) -> None:
             )
         return
     try:
-        result = ensure_build(plan, layout, notify=log_notify(ctx.log))
+        result = ensure_build(plan, layout, notify=log_notify(ctx.log, ctx.options.quiet))
     except KvprepError as exc:
         # the CLI prints the error's findings (ctx's are lost with the exception)
         exc.findings = (*exc.findings, *_degrade_gracefully(ctx))
@@ -205,11 +207,13 @@ def build_into_cache(
     force: bool = False,
     lock_timeout: Optional[float] = None,
     log: Optional[StepLog] = None,
+    quiet: bool = False,
 ) -> CacheBuild:
     """The extension for this torch in the build cache, compiled (under the key's lock) only
     when the cache has no build of these sources for this ABI, or with `force`. No
     checkpoint is involved: the sources are qwen-kvprep's own, or those in `source_dir`.
-    `log`: a line a notice and a heartbeat while compiling (a log that is not a terminal)."""
+    `log`: a line a notice and a heartbeat while compiling (a log that is not a terminal);
+    `quiet`: no notice at all."""
     layout = CacheLayout(resolve_cache_dir(cache_dir))
     sources = read_sources(source_dir, required=KERNEL_FILES[:1]) if source_dir else vendored()
     plan = plan_build(sources, arch)
@@ -217,7 +221,7 @@ def build_into_cache(
     if log is not None:
         log.phase("looking up the extension in the build cache")
     result = ensure_build(plan, layout, force=force, timeout=lock_timeout,
-                          notify=log_notify(log))
+                          notify=log_notify(log, quiet))
     if result.compiled:
         message = f"compiled in {result.manifest['build_seconds']:.0f} s ({result.jobs})"
         findings.append(info("build.build", message, paths=[result.dir], details=result.to_json()))

@@ -52,6 +52,7 @@ class FixOptions:
     spelling: Optional[str] = None
     # huggingface_hub's download bars: None = only when stderr is a terminal; False for --json
     progress: Optional[bool] = None
+    quiet: bool = False  # -q: no notices on stderr either (the build's)
     # --prebuilt SOURCE: install a prebuilt variant instead of compiling (steps/prebuilt.py)
     prebuilt: Optional[str] = None
 
