@@ -29,7 +29,7 @@ import shlex
 import signal
 from typing import Optional, TypedDict
 
-from qwen_kvprep.common import GPTQ_INSTALL, fix_command
+from qwen_kvprep.common import fix_command, gptq_install
 from qwen_kvprep.findings import Finding, Severity, fail, info, ok, skip, warn
 from qwen_kvprep.smoke.protocol import (
     FALLBACK_WARNINGS,
@@ -197,13 +197,13 @@ _HINTS = (
     (
         "Loading a GPTQ quantized model requires",
         "this is a GPTQ Int4 checkpoint and its backend is missing: "
-        + GPTQ_INSTALL.replace("{", "{{").replace("}", "}}"),
+        + gptq_install().replace("{", "{{").replace("}", "}}"),
     ),
     (
         # what older transformers (4.37) say without any GPTQ package
         "No package metadata was found for auto-gptq",
         "this is a GPTQ Int4 checkpoint and its backend is missing: "
-        + GPTQ_INSTALL.replace("{", "{{").replace("}", "}}"),
+        + gptq_install().replace("{", "{{").replace("}", "}}"),
     ),
     (
         "out of memory",
