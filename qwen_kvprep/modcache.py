@@ -12,19 +12,23 @@ would leave it.
 
 from __future__ import annotations
 
-import os
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
-from types import ModuleType
 from typing import Optional
 
 from qwen_kvprep.common import modules_cache_root
 from qwen_kvprep.errors import CacheError, CheckpointError
-from qwen_kvprep.untrusted import read_regular
+from qwen_kvprep.probe import codefolders
+from qwen_kvprep.probe.codefolders import MODULE_FILE
 
-MODULE_FILE = "modeling_qwen.py"
-DYNAMIC_MODULE_NAME = "transformers_modules"
+__all__ = [
+    "MODULE_FILE",
+    "code_hash",
+    "hub_module_folder",
+    "module_folder",
+    "spelling_folders",
+    "transformers_root",
+]
 
 
 def transformers_root() -> Path:
@@ -35,44 +39,14 @@ def transformers_root() -> Path:
     return Path(getattr(dmu, "HF_MODULES_CACHE", None) or modules_cache_root()[0])
 
 
-CODE_LIMIT = 4 << 20  # a .py file of the checkpoint's code (modeling_qwen.py: ~60 KB)
-
-
 def code_hash(
     checkpoint_dir: Path, planned: Optional[Mapping[str, bytes]] = None
 ) -> Optional[str]:
-    """The `<hash>` part of the folder transformers 5 runs a local checkpoint's code from,
-    for the code as it will be once `planned` (file name -> bytes) is written; None for a
-    release that names the folder after the checkpoint alone.
-
-    transformers hashes modeling_qwen.py and the files it imports relatively; its own
-    function runs on a scratch copy of the folder's .py files, so nothing is written to
-    the checkpoint (a dry run) and the hash is exactly the one a load computes."""
+    """The `<hash>` part of the folder transformers 5 runs a local checkpoint's code from
+    (probe/codefolders.py), for the code as it will be once `planned` is written."""
     from transformers import dynamic_module_utils as dmu
 
-    return _code_hash(dmu, Path(checkpoint_dir), planned or {})
-
-
-def _code_hash(
-    dmu: ModuleType, checkpoint_dir: Path, planned: Mapping[str, bytes]
-) -> Optional[str]:
-    compute = getattr(dmu, "_compute_local_source_files_hash", None)
-    if not callable(compute):
-        return None
-    with tempfile.TemporaryDirectory(prefix="qwen-kvprep-code-") as tmp:
-        scratch = Path(tmp) / "code"
-        scratch.mkdir()
-        for path in sorted(Path(checkpoint_dir).glob("*.py")):
-            try:
-                (scratch / path.name).write_bytes(read_regular(path, CODE_LIMIT))
-            except (OSError, ValueError):
-                continue  # not a file transformers could copy either
-        for name, data in planned.items():
-            (scratch / name).write_bytes(data)
-        try:
-            return str(compute(str(scratch), str(scratch / MODULE_FILE)))
-        except (OSError, ValueError):
-            return None
+    return codefolders.code_hash(dmu, Path(checkpoint_dir), planned)
 
 
 def module_folder(
@@ -89,16 +63,10 @@ def module_folder(
     """
     from transformers import dynamic_module_utils as dmu
 
-    root = Path(getattr(dmu, "HF_MODULES_CACHE", None) or modules_cache_root()[0])
-    package = getattr(dmu, "TRANSFORMERS_DYNAMIC_MODULE_NAME", DYNAMIC_MODULE_NAME)
+    root = transformers_root()
     source = str(Path(checkpoint_dir).absolute())
     if not materialize:
-        name = os.path.basename(source)
-        sanitize = getattr(dmu, "_sanitize_module_name", None)
-        if callable(sanitize):  # newer transformers rename folders it cannot import
-            name = sanitize(name)
-        digest = _code_hash(dmu, Path(source), planned or {})
-        return root / package / name / digest if digest else root / package / name
+        return codefolders.local_folder(dmu, root, Path(source), planned)
     try:
         rel = dmu.get_cached_module_file(source, MODULE_FILE, local_files_only=True)
     except ImportError as exc:
@@ -120,36 +88,12 @@ def spelling_folders(
     checkpoint_dir: Path, planned: Optional[Mapping[str, bytes]] = None
 ) -> list[tuple[Path, str]]:
     """Other modules-cache folders a load of this checkpoint by path runs from, besides
-    `module_folder` (the folder of its absolute path's basename), with how it is spelt.
-
-    transformers 4.32 to 4.53 name the folder after `os.path.basename` of the path exactly
-    as the caller wrote it (docs/qwen-v1.md has the measured table): `DIR/` (what shell
-    completion writes) and `DIR/.` give an empty name or `.`, so the model code runs from
-    `transformers_modules/` itself; a symlink gives the link's name, and the real folder's
-    name when the server loads it by its real path. fix plants into each of these, so every
-    spelling runs the kernel. A spelling ending in `..` is left out: transformers cannot
-    import the code from there at all. transformers 5 names the folder after the
-    normalised path (`DIR/` and `DIR/.` are DIR) and adds the code's hash below it, so
-    there only a symlink's real path is another spelling.
-    """
+    `module_folder` (the folder of its absolute path's basename), with how it is spelt
+    (probe/codefolders.py says which): fix plants into each of these, so every spelling
+    runs the kernel."""
     from transformers import dynamic_module_utils as dmu
 
-    root = Path(getattr(dmu, "HF_MODULES_CACHE", None) or modules_cache_root()[0])
-    package = getattr(dmu, "TRANSFORMERS_DYNAMIC_MODULE_NAME", DYNAMIC_MODULE_NAME)
-    digest = _code_hash(dmu, Path(checkpoint_dir), planned or {})
-    base = root / package
-    out: list[tuple[Path, str]] = []
-    sanitize = getattr(dmu, "_sanitize_module_name", None)
-    if digest is None and (not callable(sanitize) or sanitize("") == ""):
-        # newer transformers may rename an empty name; then the slash spelling has its own.
-        # transformers 5 names the folder after the normalised path: `DIR/` is DIR's.
-        out.append((base, "a path ending in / or /."))
-    real = os.path.basename(os.path.realpath(checkpoint_dir))
-    if real != os.path.basename(os.path.abspath(checkpoint_dir)):
-        name = sanitize(real) if callable(sanitize) else real
-        folder = base / name
-        out.append((folder / digest if digest else folder, "its real path, not the symlink"))
-    return out
+    return codefolders.spelling_folders(dmu, transformers_root(), Path(checkpoint_dir), planned)
 
 
 def hub_module_folder(repo_id: str, commit: str) -> Path:
@@ -159,10 +103,4 @@ def hub_module_folder(repo_id: str, commit: str) -> Path:
     cpp_kernels.py would stay forever; fix plants into this folder too."""
     from transformers import dynamic_module_utils as dmu
 
-    root = Path(getattr(dmu, "HF_MODULES_CACHE", None) or modules_cache_root()[0])
-    package = getattr(dmu, "TRANSFORMERS_DYNAMIC_MODULE_NAME", DYNAMIC_MODULE_NAME)
-    parts = repo_id.split("/")
-    sanitize = getattr(dmu, "_sanitize_module_name", None)
-    if callable(sanitize):
-        parts = [sanitize(p) for p in parts]
-    return root.joinpath(package, *parts, commit)
+    return codefolders.hub_folder(dmu, transformers_root(), repo_id, commit)

@@ -20,7 +20,7 @@ import pytest
 from tests import needs
 from tests.advice import check_advice
 from tests.checks.facts import ENV_AND_CACHE_CHECKS
-from tests.cli import ENTRY, kvprep
+from tests.cli import ENTRY, invoke, kvprep
 from tests.treesnap import snapshot
 
 REPO = Path(__file__).resolve().parent.parent
@@ -181,10 +181,7 @@ def test_json_on_a_generated_checkpoint_changes_nothing(tiny: Path, tmp_path: Pa
     # before the first load transformers has not created the module folder yet
     folder = ids["modules.folder"][0]
     assert folder["severity"] == "info"
-    assert (
-        str(tmp_path / "hf-home" / "modules" / "transformers_modules" / "Qwen-tiny")
-        in folder["message"]
-    )
+    assert str(_modules_folder(env, tiny)) in folder["message"]  # the running transformers'
 
 
 def test_secrets_never_printed(tiny: Path, tmp_path: Path) -> None:
@@ -376,3 +373,244 @@ def test_doctor_on_a_read_only_file_system(tiny: Path, tmp_path: Path) -> None:
         for command in check_advice(text, models=[copy], read_only=[root]):
             if " fix " in command:
                 assert f"-o {tmp_path / 'home' / 'qwen-kvprep-views' / 'Qwen-tiny'}" in command
+
+
+# ---------------------------------------------------------------------------------------
+# The exit code on folders fix prepared, row by row of the rule (docs/reference.md, doctor):
+# 0 when a server started now runs the cache through the kernel or the cache is simply off,
+# a toolchain problem a warning unless a build is needed, 1 for a fix cut short, 130 when
+# doctor itself is interrupted.
+
+# `qwen-kvprep ARGS`, cut short by Ctrl-C where fix is about to plant qwen_kvprep_kv.py in
+# the modules cache: "before" its journal names the file, or "after" (intent recorded, the
+# write not done).
+CUT_SHORT = r"""
+import sys
+from pathlib import Path
+
+from qwen_kvprep.journal import writer
+
+when, modules, args = sys.argv[1], sys.argv[2], sys.argv[3:]
+
+
+def cut(path):
+    if Path(path).name == "qwen_kvprep_kv.py" and str(path).startswith(modules):
+        raise KeyboardInterrupt
+
+
+if when == "before":
+    plant = writer.Journal.plant
+
+    def plant_or_stop(self, path, *rest, **kw):
+        cut(path)
+        return plant(self, path, *rest, **kw)
+
+    writer.Journal.plant = plant_or_stop
+else:
+    write = writer.atomic_write_bytes
+
+    def write_or_stop(path, *rest, **kw):
+        cut(path)
+        return write(path, *rest, **kw)
+
+    writer.atomic_write_bytes = write_or_stop
+
+from qwen_kvprep.cli import main
+
+main(args)
+"""
+
+
+def fix_env(tmp: Path, cache: Path, **extra: str) -> dict[str, str]:
+    """doctor's environment, with the session's build cache and the CPU-only build."""
+    from tests.toolkit import NO_TOOLKIT
+
+    return base_env(tmp, QWEN_KVPREP_CACHE=str(cache), **{**NO_TOOLKIT, **extra})
+
+
+def run_fix(ckpt: Path, env: dict[str, str], cwd: Path) -> None:
+    done = kvprep("fix", str(ckpt), "--no-smoke", "--json", env=env, cwd=cwd, timeout=900)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+@pytest.fixture(scope="module")
+def fixed(
+    tmp_path_factory: pytest.TempPathFactory, shared_build_cache: Path
+) -> tuple[Path, dict[str, str]]:
+    """A tiny checkpoint `fix` prepared (no smoke), and the environment it was prepared in."""
+    from qwen_kvprep.tiny import generate_checkpoint
+
+    tmp = tmp_path_factory.mktemp("fixed")
+    ckpt = generate_checkpoint(tmp / "Qwen-tiny")
+    env = fix_env(tmp, shared_build_cache)
+    run_fix(ckpt, env, tmp)
+    return ckpt, env
+
+
+def _modules_folder(env: dict[str, str], ckpt: Path) -> Path:
+    from tests.remote_code import code_folder
+
+    return code_folder(Path(env["HF_MODULES_CACHE"]), ckpt)
+
+
+def _cache_off(ckpt: Path) -> bytes:
+    """Turn the Int8 cache off by hand in config.json (not the original's bytes: a file
+    changed since fix wrote it is the user's); returns config.json as fix left it."""
+    path = ckpt / "config.json"
+    before = path.read_bytes()
+    config = json.loads(before)
+    config.update(use_cache_quantization=False, use_cache_kernel=False)
+    path.write_text(json.dumps(config, indent=3) + "\n")
+    originals = ckpt / ".qwen-kvprep" / "originals"
+    assert path.read_bytes() not in {p.read_bytes() for p in originals.iterdir()}
+    return before
+
+
+def test_a_prepared_folder_exits_0_judging_the_folder_transformers_runs_from(
+    fixed: tuple[Path, dict[str, str]], tmp_path: Path
+) -> None:
+    ckpt, env = fixed
+    res = doctor("--json", str(ckpt), env=env, cwd=tmp_path)
+    ids = by_id(parse(res))
+    assert res.returncode == 0, [f for f in parse(res)["findings"] if f["severity"] == "fail"]
+    folder = _modules_folder(env, ckpt)  # transformers 5: <name>/<hash of the code>/
+    assert [f["paths"] for f in ids["modules.folder"]] == [[str(folder)]]
+    assert ids["modules.folder"][0]["severity"] == "ok"
+    assert [f["severity"] for f in ids["modules.complete"]] == ["ok"]
+
+
+def test_a_planted_file_removed_from_the_modules_cache_fails(
+    fixed: tuple[Path, dict[str, str]], tmp_path: Path
+) -> None:
+    ckpt, env = fixed
+    planted = _modules_folder(env, ckpt) / "qwen_kvprep_kv.py"
+    data = planted.read_bytes()
+    planted.unlink()
+    try:
+        res = doctor("--json", str(ckpt), env=env, cwd=tmp_path)
+    finally:
+        planted.write_bytes(data)
+    assert res.returncode == 1
+    (complete,) = by_id(parse(res))["modules.complete"]
+    assert complete["severity"] == "fail" and complete["paths"] == [str(planted)]
+    assert "fast path is not loaded" in complete["message"]
+    assert f"qwen-kvprep fix {ckpt}" in complete["fix"]
+    assert f"qwen-kvprep revert {ckpt}" in complete["fix"]
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_a_fix_cut_short_while_planting_fails_until_fix_finishes_it(
+    when: str, tmp_path: Path, shared_build_cache: Path
+) -> None:
+    """A real fix, interrupted where it plants qwen_kvprep_kv.py: before its journal names
+    the file (the folder holds the sources and the loader, so only the model code's import
+    tells it is missing), or after (the journal names what never reached the disk)."""
+    from qwen_kvprep.tiny import generate_checkpoint
+
+    ckpt = generate_checkpoint(tmp_path / "Qwen-tiny")
+    env = fix_env(tmp_path, shared_build_cache)
+    script = tmp_path / "cut_short.py"
+    script.write_text(CUT_SHORT)
+    modules = env["HF_MODULES_CACHE"]
+    cut = kvprep(
+        "fix", str(ckpt), "--no-smoke",
+        entry=(sys.executable, str(script), when, modules), env=env, cwd=tmp_path, timeout=900,
+    )
+    assert cut.returncode == 130, cut.stdout + cut.stderr
+    planted = _modules_folder(env, ckpt) / "qwen_kvprep_kv.py"
+    assert not planted.exists() and (planted.parent / "cpp_kernels.py").is_file()
+    res = doctor("--json", str(ckpt), env=env, cwd=tmp_path)
+    assert res.returncode == 1
+    ids = by_id(parse(res))
+    assert ids["modules.folder"][0]["severity"] == "ok"  # sources and loader are there
+    (complete,) = ids["modules.complete"]
+    assert complete["severity"] == "fail" and complete["paths"] == [str(planted)]
+    journal = json.loads((ckpt / ".qwen-kvprep" / "journal.json").read_text())
+    named = any(rel.endswith("qwen_kvprep_kv.py") for g in journal["planted"] for rel in g["files"])
+    assert named is (when == "after")
+    run_fix(ckpt, env, tmp_path)  # what the finding advises
+    parse(doctor("--json", str(ckpt), env=env, cwd=tmp_path))  # exits 0: no failure left
+
+
+def test_the_journal_of_a_write_that_never_happened_fails(
+    fixed: tuple[Path, dict[str, str]], tmp_path: Path
+) -> None:
+    """The journal records a version before writing it: one that names a newer version of
+    a planted source than the disk holds is a fix cut short between the two."""
+    ckpt, env = fixed
+    path = ckpt / ".qwen-kvprep" / "journal.json"
+    saved = path.read_bytes()
+    journal = json.loads(saved)
+    (rel,) = [r for g in journal["planted"] for r in g["files"] if r.endswith(".cpp")]
+    entry = next(g["files"][rel] for g in journal["planted"] if rel in g["files"])
+    entry["written"].append("0" * 64)
+    path.write_text(json.dumps(journal))
+    try:
+        res = doctor("--json", str(ckpt), env=env, cwd=tmp_path)
+    finally:
+        path.write_bytes(saved)
+    assert res.returncode == 1
+    (complete,) = by_id(parse(res))["modules.complete"]
+    assert complete["severity"] == "fail"
+    assert "before fix wrote it" in complete["message"]
+    assert "KV cache kernel source files" in complete["message"]
+
+
+def _no_toolchain(tmp: Path) -> str:
+    empty = tmp / "no-tools"
+    empty.mkdir()
+    return str(empty)  # PATH without c++ or ninja: env.host_compiler and env.ninja
+
+
+@pytest.mark.parametrize("cached", [True, False])
+def test_a_toolchain_problem_with_the_cache_off_is_a_warning(
+    cached: bool, fixed: tuple[Path, dict[str, str]], tmp_path: Path
+) -> None:
+    """The cache off (turned off by hand after fix, as before fix): a server started now
+    builds nothing, whether or not a build is cached; doctor exits 0, and 1 with --strict."""
+    ckpt, env = fixed
+    env = dict(env, PATH=_no_toolchain(tmp_path))
+    if not cached:
+        env["QWEN_KVPREP_CACHE"] = str(tmp_path / "empty-cache")
+    before = _cache_off(ckpt)
+    try:
+        res = doctor("--json", str(ckpt), env=env, cwd=tmp_path)
+        strict = doctor("--strict", str(ckpt), env=env, cwd=tmp_path)
+    finally:
+        (ckpt / "config.json").write_bytes(before)
+    ids = by_id(parse(res))
+    assert res.returncode == 0
+    assert [f["severity"] for f in ids["config.kv_cache"]] == ["warn"]
+    for tool in ("env.ninja", "env.host_compiler"):
+        assert [f["severity"] for f in ids[tool]] == ["warn"], ids[tool]
+    assert strict.returncode == 1
+
+
+@pytest.mark.parametrize("cached", [True, False])
+def test_a_toolchain_problem_fails_only_when_a_build_is_needed(
+    cached: bool, fixed: tuple[Path, dict[str, str]], tmp_path: Path
+) -> None:
+    """The cache on: a cached build for this torch serves the folder (a warning, exit 0),
+    or none does, so the loader compiles at the first load (a failure, exit 1)."""
+    ckpt, env = fixed
+    env = dict(env, PATH=_no_toolchain(tmp_path))
+    if not cached:
+        env["QWEN_KVPREP_CACHE"] = str(tmp_path / "empty-cache")
+    res = doctor("--json", str(ckpt), env=env, cwd=tmp_path)
+    ids = by_id(parse(res))
+    assert res.returncode == (0 if cached else 1)
+    for tool in ("env.ninja", "env.host_compiler"):
+        expected = "warn" if cached else "fail"
+        assert [f["severity"] for f in ids[tool]] == [expected], ids[tool]
+
+
+def test_an_interrupted_doctor_exits_130(monkeypatch: pytest.MonkeyPatch) -> None:
+    from qwen_kvprep import doctor as engine
+
+    def interrupted(*_args: object, **_kw: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(engine, "run_doctor", interrupted)
+    res = invoke("doctor", "--json")
+    assert res.returncode == 130
+    assert "interrupted" in res.stderr and "Traceback" not in res.stderr

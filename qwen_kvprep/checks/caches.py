@@ -3,6 +3,7 @@ transformers' modules cache, where the model code really runs from (`modules.`).
 
 from __future__ import annotations
 
+import os
 import shlex
 from typing import Optional
 
@@ -23,7 +24,7 @@ from qwen_kvprep.checks.registry import (
     skip,
     warn,
 )
-from qwen_kvprep.common import KERNEL_FILES
+from qwen_kvprep.common import FAST_FILE, KERNEL_FILES
 from qwen_kvprep.common import LOADER_FILE as LOADER
 from qwen_kvprep.findings import Finding, FindingsLike
 from qwen_kvprep.probe.binary import BinaryArchs, runs_on
@@ -34,10 +35,12 @@ from qwen_kvprep.probe.caches import (
     CacheFacts,
     LockFile,
     ModuleFolder,
+    serving_builds,
     usable_builds,
 )
 from qwen_kvprep.probe.env import GpuInfo
 from qwen_kvprep.probe.facts import Facts
+from qwen_kvprep.probe.planned import PlannedFile
 
 FALLBACK_WARNING = "KV cache kernel source files (.cpp and .cu) not found."
 CACHE_FIX = "use another folder: `--cache-dir DIR` or `export QWEN_KVPREP_CACHE=DIR`"
@@ -104,15 +107,6 @@ def _claims(b: BuildRecord, capability: tuple[int, int]) -> bool:
         return covers([str(a) for a in arch_list], capability)
     except ValueError:  # a malformed entry covers nothing
         return False
-
-
-def _for_sources(builds: list[BuildRecord], facts: Facts) -> list[BuildRecord]:
-    """The builds of the kernel sources the checkpoint holds (the loader matches them)."""
-    sources = getattr(facts.checkpoint, "kernel_sources", None) or {}
-    wanted = {n: sources.get(n) for n in KERNEL_FILES}
-    if not all(wanted.values()):
-        return builds
-    return [b for b in builds if b.input("sources") in (None, wanted)]
 
 
 def _binary_on_gpu(b: BuildRecord, gpu: GpuInfo, label: str, rebuild: str) -> Finding:
@@ -204,7 +198,7 @@ def build_arch(facts: Facts) -> FindingsLike:
     caches = caches_of(facts)
     env = env_of(facts)
     rebuild = 'qwen-kvprep build --arch "ARCH", then ' + _fix_cmd(facts)
-    builds = _for_sources(usable_builds(caches, env), facts)
+    builds = serving_builds(caches, env, getattr(facts.checkpoint, "kernel_sources", None))
     jit = [a for mf in caches.module_folders for a in mf.jit_builds]
     if not env.gpus:
         parts = [f"build {b.key[:12]}: {_describe(b.archs)}" for b in builds]
@@ -403,6 +397,87 @@ def modules_folder(facts: Facts) -> FindingsLike:
             details=details,
         )
     return [_judge_folder(facts, mf, requested) for mf in existing]
+
+
+# What a load does when a modules-cache folder lacks one of fix's files.
+_WITHOUT = {
+    FAST_FILE: "every load warns `qwen-kvprep's fast path is not loaded` and runs the "
+    "model's own, slower code",
+    **{
+        n: f"the model warns `{FALLBACK_WARNING}` and silently runs the slow path"
+        for n in KERNEL_FILES
+    },
+}
+
+
+def _unfinished(caches: CacheFacts) -> dict[str, PlannedFile]:
+    """The files the journal says fix wrote, in the checkpoint and in the existing
+    modules-cache folders its code runs from, that are not there as it wrote them (files
+    planted in other folders, such as those of the code before an upgrade, serve no load)."""
+    existing = {os.path.abspath(mf.path) for mf in caches.module_folders if mf.exists}
+    refreshed = {os.path.abspath(mf.path) for mf in caches.module_folders if mf.how != HUB}
+    out: dict[str, PlannedFile] = {}
+    for p in caches.planned_files:
+        if p.found == p.planned or (p.folder is not None and p.folder not in existing):
+            continue
+        if p.folder is None and p.found is not None and not p.earlier:
+            continue  # changed since fix wrote it: the user's file (state.journal says so)
+        if p.folder in refreshed and p.name == LOADER:
+            # transformers copies the checkpoint's cpp_kernels.py, which the model code
+            # imports, into a folder loaded by path at every load: the checkpoint's counts
+            continue
+        out[p.path] = p
+    return out
+
+
+def _state_of(p: PlannedFile) -> str:
+    if p.found is None:
+        return "is missing" if p.what == "nothing" else f"is {p.what}"
+    if p.earlier:
+        return "still holds what was there before fix wrote it"
+    return "holds another version than fix wrote"
+
+
+@check(
+    "modules.complete",
+    "Everything fix planned for the checkpoint and its modules-cache folders is in place",
+    needs=(CACHES, GIVEN_CHECKPOINT, QWEN_V1),
+)
+def modules_complete(facts: Facts) -> FindingsLike:
+    caches = caches_of(facts)
+    cp = checkpoint_of(facts)
+    if caches.revert_undone:
+        return skip("a revert was cut short, not a fix (see state.record)")
+    unfinished = _unfinished(caches)
+    problems = {path: _state_of(p) for path, p in unfinished.items()}
+    effects = {_WITHOUT[p.name] for p in unfinished.values() if p.folder and p.name in _WITHOUT}
+    # The fast path's module is imported from the modules-cache folder by a hidden import,
+    # so transformers never copies it there: fix and prestart plant it, and a fix cut short
+    # before its journal named the file leaves no other trace of it.
+    if cp.fast_path_imported and cp.fast_module_sha256:
+        for mf in caches.module_folders:
+            path = os.path.join(mf.path, FAST_FILE)
+            have = mf.files.get(FAST_FILE)
+            if mf.exists and have != cp.fast_module_sha256 and path not in problems:
+                problems[path] = (
+                    "is missing" if have is None else "is not the checkpoint's version"
+                )
+                effects.add(_WITHOUT[FAST_FILE])
+    if not problems:
+        return ok(
+            f"nothing fix planned is left undone ({len(caches.planned_files)} file(s) it wrote "
+            "in the checkpoint and its modules-cache folders checked against its journal)"
+        )
+    listing = "; ".join(f"{path} {state}" for path, state in problems.items())
+    effect = f"; so {'; '.join(sorted(effects))}" if effects else ""
+    revert = f"qwen-kvprep revert {shlex.quote(str(cp.path))}"
+    return fail(
+        f"fix did not finish what it planned, as a fix cut short (Ctrl-C, a kill, a full "
+        f"disk) leaves it: {listing}{effect}",
+        f"`{_fix_cmd(facts)}` finishes it (or `{revert}` undoes it)",
+        paths=list(problems),
+        details={"unfinished": problems},
+    )
 
 
 def _age(lock: LockFile) -> str:

@@ -2,9 +2,10 @@
 checkpoint's module folder in it, and torch JIT lock files left in that cache.
 
 Reads only: writability is judged with os.access/statvfs, never by writing, so doctor
-also works (and says what would fail) on a read-only file system. transformers is not
-imported: the modules-cache folder is computed from the environment the same way
-transformers < 4.54 names it (the versions that run Qwen v1).
+also works (and says what would fail) on a read-only file system. The checkpoint's
+modules-cache folders are named by the running transformers' own helpers
+(probe/codefolders.py: `<name>/<hash>/` on transformers 5), or, when transformers cannot be
+imported, as transformers 4.32 to 4.53 name them.
 """
 
 from __future__ import annotations
@@ -17,12 +18,14 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import ModuleType
 from typing import TYPE_CHECKING, Optional, TypedDict
 
 from qwen_kvprep.common import (
     JOURNAL_FILE,
     KERNEL_FILES,
     LOADER_MARKER,
+    MODULE_FILES,
     STATE_DIRNAME,
     STATE_FILE,
     TRACKED_FILES,
@@ -37,7 +40,9 @@ from qwen_kvprep.common import modules_cache_root as _modules_cache_root
 from qwen_kvprep.errors import KvprepError
 from qwen_kvprep.fsutil import TEMP_NAME, leftover_temps
 from qwen_kvprep.journal.reader import folder_identity, read_journal
+from qwen_kvprep.probe import codefolders
 from qwen_kvprep.probe.binary import BinaryArchs, read_archs
+from qwen_kvprep.probe.planned import PlannedFile, planned_files
 from qwen_kvprep.probe.revertplan import plan_revert, prepared
 from qwen_kvprep.state.reader import foreign_item, read_state, removal_command
 from qwen_kvprep.untrusted import read_record, read_regular
@@ -128,6 +133,9 @@ class CacheFacts:
     revert_notes: tuple[str, ...] = ()  # what revert would leave alone
     # the journal's every file is back as it was before fix: a revert cut short
     revert_undone: bool = False
+    # what the journal says fix wrote (or was about to write) in the checkpoint and in the
+    # modules cache, and what is there now (probe/planned.py)
+    planned_files: tuple[PlannedFile, ...] = ()
     debris: tuple[str, ...] = ()  # what killed commands of ours left (probe.caches.debris)
     python_tag: str = ""
     machine: str = ""
@@ -207,17 +215,28 @@ def modules_cache_root(environ: Mapping[str, str]) -> tuple[Path, str]:
     return Path(path), source
 
 
-def module_folder_candidates(directory: Path, root: Path) -> list[tuple[Path, str]]:
-    """transformers_modules/<basename> (loaded by path, as transformers < 4.54 names it);
-    for a huggingface_hub snapshot also <org>/<repo>/<commit> (loaded by repo id)."""
+def module_folder_candidates(
+    directory: Path, root: Path, dmu: Optional[ModuleType] = None
+) -> list[tuple[Path, str]]:
+    """The modules-cache folders a load of the checkpoint runs its code from: by its path
+    first, by repo id for a huggingface_hub snapshot (<org>/<repo>/<commit>), then by the
+    other spellings of its path. `dmu`: the running transformers' dynamic_module_utils,
+    whose own naming gives the folders (transformers 5: `<name>/<hash>/`); without it, the
+    folders transformers 4.32 to 4.53 use."""
+    m = _HUB_SNAPSHOT.search(str(directory))
+    if dmu is not None:
+        out = [(codefolders.local_folder(dmu, root, directory), LOCAL)]
+        if m:
+            repo_id = f"{m.group(1)}/{m.group(2)}"
+            out.append((codefolders.hub_folder(dmu, root, repo_id, m.group(3)), HUB))
+        return out + codefolders.spelling_folders(dmu, root, directory)
     base = root / "transformers_modules"
     out = [(base / Path(str(directory).rstrip("/")).name, LOCAL)]
-    m = _HUB_SNAPSHOT.search(str(directory))
     if m:
         out.append((base / m.group(1) / m.group(2) / m.group(3), HUB))
     # transformers names the folder after the path as spelt (docs/qwen-v1.md): `DIR/` and
     # `DIR/.` run the code from transformers_modules/ itself, a symlink's real path from
-    # the real folder's name (modcache.spelling_folders, which fix plants into)
+    # the real folder's name (codefolders.spelling_folders, which fix plants into)
     out.append((base, SLASH_SPELLING))
     real = os.path.basename(os.path.realpath(directory))
     if real != Path(str(directory).rstrip("/")).name:
@@ -227,8 +246,8 @@ def module_folder_candidates(directory: Path, root: Path) -> list[tuple[Path, st
 
 LOCAL = "local path"
 HUB = "hub repo id"
-SLASH_SPELLING = "a path ending in / or /."
-REAL_SPELLING = "its real path, not the symlink"
+SLASH_SPELLING = codefolders.SLASH
+REAL_SPELLING = codefolders.REAL
 
 
 def debris(directory: Path, folders: Sequence[Path]) -> tuple[str, ...]:
@@ -265,7 +284,7 @@ def _probe_module_folder(path: Path, how: str) -> ModuleFolder:
     if not path.is_dir():
         return ModuleFolder(str(path), how, False)
     files: dict[str, Optional[str]] = {}
-    for name in (*KERNEL_FILES, LOADER, MODELING):
+    for name in (*MODULE_FILES, MODELING):
         try:
             files[name] = sha256_file(path / name) if (path / name).is_file() else None
         except OSError:
@@ -333,11 +352,12 @@ class _JournalFacts(TypedDict, total=False):
     revert_problems: tuple[str, ...]
     revert_notes: tuple[str, ...]
     revert_undone: bool
+    planned_files: tuple[PlannedFile, ...]
 
 
 def _read_journal(directory: Path, modules_root: Path) -> _JournalFacts:
-    """Whether DIR has a journal, whether it is sound, and whether revert would succeed:
-    revert's own checks, run read-only."""
+    """Whether DIR has a journal, whether it is sound, whether revert would succeed
+    (revert's own checks, run read-only), and what fix wrote or was about to write."""
     out: _JournalFacts = {"state_dir": str(directory / STATE_DIRNAME)}
     out["journal_present"] = os.path.lexists(directory / STATE_DIRNAME / JOURNAL_FILE)
     if not out["journal_present"]:
@@ -354,6 +374,7 @@ def _read_journal(directory: Path, modules_root: Path) -> _JournalFacts:
     out["revert_problems"] = tuple(plan.problems)
     out["revert_notes"] = tuple(plan.notes)
     out["revert_undone"] = plan.undone
+    out["planned_files"] = planned_files(journal, directory)
     return out
 
 
@@ -461,14 +482,17 @@ def probe_caches(
     journal: _JournalFacts = {}
     left: tuple[str, ...] = ()
     if directory is not None:
-        folders = tuple(
-            _probe_module_folder(p, how) for p, how in module_folder_candidates(directory, root)
-        )
+        candidates = module_folder_candidates(directory, root, codefolders.dynamic_module_utils())
+        folders = tuple(_probe_module_folder(p, how) for p, how in candidates)
         state, state_error = _read_state(Path(directory))
         found = foreign_item(str(directory))
         foreign = removal_command(found) if found is not None else None
         journal = _read_journal(Path(directory), root)
-        left = debris(Path(directory), [Path(mf.path) for mf in folders if mf.exists])
+        # the folders the model code runs from, and those fix planted into (revert cleans them)
+        wrote = journal.get("planned_files", ())
+        planted = [p.folder for p in wrote if p.folder and os.path.isdir(p.folder)]
+        used = [mf.path for mf in folders if mf.exists] + planted
+        left = debris(Path(directory), [Path(f) for f in dict.fromkeys(used)])
     return CacheFacts(
         build_cache=folder_access(cache, cache_source),
         builds=_read_builds(cache),
@@ -508,3 +532,17 @@ def usable_builds(caches: Optional[CacheFacts], env: Optional[EnvFacts]) -> list
     key = build.get("key") if isinstance(build, Mapping) else None
     out.sort(key=lambda b: (b.key != key, not b.cuda))
     return out
+
+
+def serving_builds(
+    caches: Optional[CacheFacts],
+    env: Optional[EnvFacts],
+    sources: Optional[Mapping[str, Optional[str]]] = None,
+) -> list[BuildRecord]:
+    """usable_builds of these kernel sources (name -> sha256), the ones a checkpoint's
+    loader matches; all usable builds when the pair is not known."""
+    builds = usable_builds(caches, env)
+    wanted = {n: (sources or {}).get(n) for n in KERNEL_FILES}
+    if not all(wanted.values()):
+        return builds
+    return [b for b in builds if b.input("sources") in (None, wanted)]
