@@ -34,7 +34,7 @@ _PROSE = re.compile(r"\s\(|;|, then\b|, or\b|\.\s|\.$|\s+again\b")
 
 def commands_in(text: str) -> list[str]:
     quoted = [part.strip() for part in text.split("`")[1::2]]
-    found = [part for part in quoted if part.startswith("qwen-kvprep ")]
+    found = [part for part in quoted if part.split(" ", 1)[0] == "qwen-kvprep"]
     if found or "`" in text:
         return found
     start = text.find("qwen-kvprep ")
@@ -55,7 +55,7 @@ def check_command(
     line: str, models: Iterable[PathLike] = (), read_only: Iterable[PathLike] = ()
 ) -> None:
     words = shlex.split(line)
-    assert words[0] == "qwen-kvprep" and len(words) > 1, line
+    assert words[0] == "qwen-kvprep" and len(words) > 1, f"{line!r}: no command"
     name = words[1]
     command = cli.commands.get(name)
     assert command is not None, f"{line!r}: no command {name!r}"
@@ -66,8 +66,9 @@ def check_command(
     except click.UsageError as exc:
         raise AssertionError(f"{line!r}: {exc.format_message()}") from None
     assert not extra, f"{line!r}: arguments {name} does not take: {extra}"
-    missing = [p.name for p in command.params
-               if isinstance(p, click.Argument) and p.required and p.name not in values]
+    # click's parser gives an argument that is not there a sentinel, not a string
+    missing = [p.name for p in command.params if isinstance(p, click.Argument)
+               and p.required and not isinstance(values.get(p.name or ""), (str, tuple))]
     assert not missing, f"{line!r}: {name} needs {missing}"
     models, read_only = list(models), list(read_only)
     for key in _WRITES & set(values):
