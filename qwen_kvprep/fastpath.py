@@ -51,6 +51,9 @@ ENV_SOURCE = "QWEN_KVPREP_SOURCE"
 ENV_QUIET = "QWEN_KVPREP_QUIET"
 # Test/bench hook: where to write the names of the imported modules just before exec.
 ENV_DEBUG_IMPORTS = "QWEN_KVPREP_DEBUG_IMPORTS"
+# The prebuilt SOURCE (a folder, ORG/NAME[@REV] or a lock) the folder must be prepared from;
+# it wins over the one fix recorded.
+ENV_PREBUILT = "QWEN_KVPREP_PREBUILT"
 
 PACKAGES = ("torch", "transformers")
 SOURCES = ("auto", "vendored", "hub")  # steps.sources.SOURCES
@@ -328,6 +331,19 @@ def _source_mismatch(source: Optional[str], state: Mapping[str, object]) -> Opti
     return None
 
 
+def _prebuilt_mismatch(wanted: Optional[str], state: Mapping[str, object]) -> Optional[str]:
+    """$QWEN_KVPREP_PREBUILT names the source of the library this folder may load: a folder
+    prepared from anything else (a compile, another source, another lock) is prepared again
+    from it (the lock then decides which library is installed and loaded)."""
+    if not wanted:
+        return None
+    sources = _object(state.get("sources"))
+    if sources.get("origin") == "prebuilt" and sources.get("prebuilt") == wanted:
+        return None
+    had = sources.get("prebuilt") if sources.get("origin") == "prebuilt" else sources.get("origin")
+    return f"{ENV_PREBUILT} names {wanted}; the folder was prepared from {had}"
+
+
 def _modules_mismatch(
     state: Mapping[str, object], target: str, planting: Planting
 ) -> Optional[str]:
@@ -528,6 +544,10 @@ def state_mismatch(request: Request, planting: Optional[Planting] = None) -> Opt
         return reason
 
     reason = _source_mismatch(request.source, state)
+    if reason:
+        return reason
+
+    reason = _prebuilt_mismatch(os.environ.get(ENV_PREBUILT), state)
     if reason:
         return reason
 

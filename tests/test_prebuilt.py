@@ -6,6 +6,7 @@ fresh cache."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -94,13 +95,24 @@ def the_variant(folder: Path) -> Path:
     return variant.folder
 
 
+def prebuilt_key(metadata: dict[str, Any]) -> str:
+    text = f"prebuilt\0{metadata['key']}\0{metadata['manifest']['so_sha256']}"
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
 def assert_prebuilt_ok(doc: dict[str, Any], variant: Path, cache: Path, layers: int) -> None:
     build = finding(doc, "build.build")
     assert build["severity"] == "ok" and "nothing compiled" in build["message"]
     assert doc["build"]["compiled"] is False
     metadata = json.loads((variant / METADATA).read_text())
-    assert doc["build"]["key"] == metadata["key"]
-    assert (cache / "builds" / metadata["key"] / SO_FILE).is_file()
+    # installed under a key of its own (the ABI key and the library's sha256), never the
+    # key a local compile of the same inputs uses
+    key = prebuilt_key(metadata)
+    assert doc["build"]["key"] == key != metadata["key"]
+    assert (cache / "builds" / key / SO_FILE).is_file()
+    manifest = json.loads((cache / "builds" / key / "manifest.json").read_text())
+    assert manifest["origin"] == "prebuilt" and manifest["abi_key"] == metadata["key"]
+    assert not (cache / "builds" / metadata["key"]).exists()
     assert not list(cache.glob("logs/*"))  # no failed compile either
     if layers:
         kernel = finding(doc, "smoke.kernel")
@@ -161,7 +173,7 @@ def test_fix_from_folder_without_a_compiler_then_prestart_on_fresh_caches(
     assert res.returncode == 0, res.stderr
     assert "served" in res.stdout
     metadata = json.loads((variant / METADATA).read_text())
-    assert (Path(env["QWEN_KVPREP_CACHE"]) / "builds" / metadata["key"] / SO_FILE).is_file()
+    assert (Path(env["QWEN_KVPREP_CACHE"]) / "builds" / prebuilt_key(metadata) / SO_FILE).is_file()
 
 
 def test_tampered_so_is_refused_with_its_sha256(

@@ -34,6 +34,7 @@ from qwen_kvprep.buildcache.jobs import compile_jobs
 from qwen_kvprep.buildcache.lock import build_lock, lock_timeout
 from qwen_kvprep.buildcache.manifest import (
     BUILD_LOG,
+    COMPILED,
     EXTENSION_NAME,
     MANIFEST,
     MANIFEST_VERSION,
@@ -260,11 +261,14 @@ def _check_cuda_majors(tinfo: TorchInfo, nvcc: NvccInfo) -> None:
         raise BuildError.failing("build.cuda_mismatch", message, fix)
 
 
-def find_build(layout: CacheLayout, key: str, verify: bool = True) -> Optional[BuildResult]:
-    """The published build for `key` if it is complete and intact."""
+def find_build(
+    layout: CacheLayout, key: str, verify: bool = True, origin: str = COMPILED
+) -> Optional[BuildResult]:
+    """The published build for `key` if it is complete and intact and of `origin`: a
+    library someone else compiled (a prebuilt variant) never stands in for our compile."""
     folder = layout.build_dir(key)
     manifest = read_manifest(folder)
-    if manifest is None or manifest.get("key") != key:
+    if manifest is None or manifest.get("key") != key or manifest.get("origin") != origin:
         return None
     if problem(folder, manifest, check_hash=verify) is not None:
         return None
@@ -404,6 +408,7 @@ def _compile(plan: BuildPlan, layout: CacheLayout, waited: float, notify: Notify
             "covers": list(plan.covers),
             "mode": plan.mode,
             "builder": {"pid": os.getpid(), "host": socket.gethostname(), "jobs": jobs},
+            "origin": COMPILED,
         }
         (out / MANIFEST).write_text(dumps(manifest), encoding="utf-8")
         final = _publish(out, layout, plan.key)

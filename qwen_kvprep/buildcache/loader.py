@@ -28,9 +28,12 @@ def render_loader(
     cache_dirs: Sequence[Path],
     sources: Mapping[str, str],
     build_key: Optional[str],
+    pinned_sha256: Optional[str] = None,
 ) -> bytes:
     """The loader's text. Values are Python literals (repr), so paths with quotes or
-    non-ASCII characters survive."""
+    non-ASCII characters survive. With `pinned_sha256` (a prebuilt library) it loads that
+    library from `build_key`'s folder and nothing else; without, only builds qwen-kvprep
+    compiled."""
     text = (templates_dir() / LOADER_TEMPLATE).read_text(encoding="utf-8")
     values = {
         "TOOL_VERSION": __version__,
@@ -38,6 +41,7 @@ def render_loader(
         "CHECKPOINT": repr(str(checkpoint)),
         "CACHE_DIRS": repr([str(d) for d in cache_dirs]),
         "BUILD_KEY": repr(build_key),
+        "PINNED_SHA256": repr(pinned_sha256),
         "SOURCES": repr(dict(sorted(sources.items()))),
     }
     for name, value in values.items():

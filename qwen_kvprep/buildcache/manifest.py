@@ -17,6 +17,7 @@ from qwen_kvprep.untrusted import read_record
 _ARCH = re.compile(r"[0-9]{1,2}\.[0-9][af]?(\+PTX)?")
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
     from typing import TypeGuard
 
     from qwen_kvprep.jsontypes import JSON
@@ -75,6 +76,20 @@ class Manifest(_ManifestKeys, total=False):
     covers: list[str]  # nvcc's architectures the arch list runs on
     mode: str  # the plan's sentence: what kind of build and why
     builder: BuilderInfo
+    # Who made the library (see ORIGINS): a build serves only what asked for its origin.
+    origin: str
+    # For a prebuilt one: the SOURCE it was installed from, and the key of the ABI inputs
+    # its variant was built for (its own key also covers the library's sha256).
+    source: str
+    abi_key: str
+
+
+# `origin` of a build: compiled here by qwen-kvprep from verified sources, or a prebuilt
+# variant installed by `fix --prebuilt` (a library someone else compiled). A manifest
+# without it predates the distinction and serves nobody: it is compiled again.
+COMPILED = "compiled"
+PREBUILT = "prebuilt"
+ORIGINS = (COMPILED, PREBUILT)
 
 
 # The keys every manifest carries (extra ones are allowed and ignored by readers).
@@ -151,16 +166,23 @@ def _is_manifest(data: JSON) -> TypeGuard[Manifest]:
         return False
     if not _plain_name(data["so"]):
         return False  # the extension lies in its build's own folder, by a plain name
-    optional = {
+    optional: dict[str, Callable[[JSON], bool]] = {
         "build_seconds": _number,
-        "created": lambda v: isinstance(v, str),
+        "created": _is_str,
         "covers": _arch_entries,
-        "mode": lambda v: isinstance(v, str),
+        "mode": _is_str,
         "builder": _valid_builder,
+        "origin": lambda v: v in ORIGINS,
+        "source": _is_str,
+        "abi_key": _is_str,
     }
     return isinstance(data["cuda"], bool) and all(
         check(data[k]) for k, check in optional.items() if k in data
     )
+
+
+def _is_str(value: JSON) -> bool:
+    return isinstance(value, str)
 
 
 def _plain_name(name: JSON) -> bool:

@@ -30,6 +30,7 @@ from qwen_kvprep.buildcache.lock import build_lock, lock_timeout
 from qwen_kvprep.buildcache.manifest import (
     EXTENSION_NAME,
     MANIFEST,
+    PREBUILT,
     BuildInputs,
     Manifest,
     dumps,
@@ -245,17 +246,36 @@ def verified_sources(variant: Variant) -> dict[str, bytes]:
     return out
 
 
-def install(variant: Variant, layout: CacheLayout, notify: Notify) -> BuildResult:
-    """Put the variant into the build cache as `builds/<key>/` (its manifest and extension),
-    under the key's lock, with one rename. The extension is hashed again after it was
-    copied, so what is published is what was verified. An intact entry is kept as it is."""
-    key = variant.key
-    found = find_build(layout, key)
+def installed_key(variant: Variant) -> str:
+    """The build-cache key a prebuilt variant is installed under: its ABI key and its
+    library's sha256, in a namespace of its own. A local compile's key (the ABI inputs
+    alone) can never name it, so a library someone else compiled never serves a plain
+    `fix`, and two variants with equal inputs but other libraries never share a folder."""
+    text = f"{PREBUILT}\0{variant.key}\0{variant.manifest['so_sha256']}"
+    return sha256_bytes(text.encode("utf-8"))
+
+
+def install(variant: Variant, layout: CacheLayout, notify: Notify, source: str) -> BuildResult:
+    """Put the variant into the build cache as `builds/<installed key>/` (its manifest and
+    extension), under the key's lock, with one rename. The extension is hashed again after
+    it was copied, so what is published is what was verified. An entry already there is
+    kept only when it is this very library (its sha256 checked again): anything else there
+    is replaced, whatever its manifest says."""
+    key = installed_key(variant)
+    expected = variant.manifest["so_sha256"]
+
+    def intact() -> Optional[BuildResult]:
+        found = find_build(layout, key, origin=PREBUILT)
+        if found is not None and found.manifest["so_sha256"] == expected:
+            return found
+        return None
+
+    found = intact()
     if found is not None:
         return found
     layout.ensure_writable()
     with build_lock(layout, key, lock_timeout(), notify):
-        found = find_build(layout, key)
+        found = intact()
         if found is not None:
             return found
         staging = Path(tempfile.mkdtemp(prefix=f"{key}.{os.getpid()}.", dir=layout.tmp))
@@ -264,7 +284,7 @@ def install(variant: Variant, layout: CacheLayout, notify: Notify) -> BuildResul
             out.mkdir()
             shutil.copyfile(variant.folder / SO_FILE, out / SO_FILE)
             got = sha256_file(out / SO_FILE)
-            if got != variant.manifest["so_sha256"]:
+            if got != expected:
                 raise SourceError.failing(
                     "prebuilt.verify",
                     f"{variant.folder / SO_FILE} changed while it was being installed "
@@ -274,11 +294,13 @@ def install(variant: Variant, layout: CacheLayout, notify: Notify) -> BuildResul
                     file=SO_FILE,
                     sha256=got,
                 )
-            (out / MANIFEST).write_text(dumps(variant.manifest), encoding="utf-8")
+            manifest: Manifest = {**variant.manifest, "key": key, "origin": PREBUILT,
+                                  "source": source, "abi_key": variant.key}
+            (out / MANIFEST).write_text(dumps(manifest), encoding="utf-8")
             _publish(out, layout, key)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
-    found = find_build(layout, key)
+    found = intact()
     if found is None:
         message = f"the installed build {layout.build_dir(key)} does not verify"
         raise CacheError.failing("prebuilt.install", message, paths=[layout.build_dir(key)])

@@ -20,6 +20,7 @@ def loader_bytes(ctx: FixContext) -> bytes:
         [root],
         source_hashes(sources_of(ctx.sources)),
         build.key if build is not None else ctx.planned_key,
+        ctx.prebuilt.variant.manifest["so_sha256"] if ctx.prebuilt is not None else None,
     )
 
 

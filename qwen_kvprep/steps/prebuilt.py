@@ -34,6 +34,7 @@ from qwen_kvprep.buildcache.builder import (
     stderr_notify,
 )
 from qwen_kvprep.buildcache.loader import source_hashes
+from qwen_kvprep.buildcache.manifest import PREBUILT
 from qwen_kvprep.buildcache.variant import (
     BUILD_DIRNAME,
     METADATA,
@@ -43,12 +44,14 @@ from qwen_kvprep.buildcache.variant import (
     describe,
     export,
     install,
+    installed_key,
     list_variants,
     variant_name,
     verified_sources,
 )
 from qwen_kvprep.common import KERNEL_FILES
 from qwen_kvprep.errors import KvprepError, SourceError, UsageError, os_failure
+from qwen_kvprep.fastpath import ENV_PREBUILT
 from qwen_kvprep.findings import Finding, fail, info, ok, warn
 from qwen_kvprep.fsutil import atomic_write_text, check_output_file
 from qwen_kvprep.probe.toolchain import torch_info
@@ -64,7 +67,6 @@ if TYPE_CHECKING:
     from qwen_kvprep.probe.toolchain import TorchInfo
     from qwen_kvprep.steps.context import FixContext
 
-ENV_PREBUILT = "QWEN_KVPREP_PREBUILT"  # prestart: the SOURCE a fresh checkpoint is fixed with
 LOCK_FILE = "kvprep.lock.json"
 LOCK_VERSION = 1
 _REPO = re.compile(r"^(?P<repo>[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*)(?:@(?P<rev>[^\s@]+))?$")
@@ -524,17 +526,19 @@ def install_for_fix(ctx: FixContext) -> None:
     assert chosen is not None
     layout = CacheLayout(resolve_cache_dir(ctx.options.cache_dir))
     variant = chosen.variant
+    key = installed_key(variant)
     if ctx.options.dry_run:
+        ctx.planned_key = key
         ctx.add(
             info(
                 "build.build",
                 f"would install the prebuilt variant {variant.name} from {chosen.where} as "
-                f"build {variant.key[:12]} in {layout.build_dir(variant.key)}",
-                key=variant.key,
+                f"build {key[:12]} in {layout.build_dir(key)}",
+                key=key,
             )
         )
         return
-    result = install(variant, layout, stderr_notify)
+    result = install(variant, layout, stderr_notify, chosen.record["prebuilt"] or chosen.where)
     ctx.use_build(
         result, ok,
         f"installed the prebuilt variant {variant.name} from {chosen.where} as build "
@@ -683,16 +687,26 @@ def _download_anew(source: Source, listing: Listing, variant: Variant) -> bool:
 
 
 # -- doctor ------------------------------------------------------------------------------
-def configured(directory: Optional[Path]) -> tuple[Optional[str], str]:
-    """(SOURCE, where it was set): what DIRECTORY's fix recorded, else $QWEN_KVPREP_PREBUILT."""
+def recorded(directory: Optional[Path]) -> Optional[str]:
+    """The SOURCE DIRECTORY's fix recorded (`fix --prebuilt SOURCE`), or None."""
     state = load_state(directory) if directory is not None else None
     sources = state.get("sources") if state is not None else None
     if isinstance(sources, dict) and sources.get("origin") == "prebuilt":
         spec = sources.get("prebuilt")
         if isinstance(spec, str) and spec:
-            return spec, f"recorded by fix in {directory}"
+            return spec
+    return None
+
+
+def configured(directory: Optional[Path]) -> tuple[Optional[str], str]:
+    """(SOURCE, where it was set): $QWEN_KVPREP_PREBUILT, which wins (the container's own
+    word, a lock most of all, must not lose to what an earlier fix recorded), else what
+    DIRECTORY's fix recorded."""
     env = os.environ.get(ENV_PREBUILT)
-    return (env, ENV_PREBUILT) if env else (None, "")
+    if env:
+        return env, ENV_PREBUILT
+    spec = recorded(directory)
+    return (spec, f"recorded by fix in {directory}") if spec else (None, "")
 
 
 def doctor_findings(directory: Optional[Path]) -> list[Finding]:
@@ -702,7 +716,13 @@ def doctor_findings(directory: Optional[Path]) -> list[Finding]:
     spec, origin = configured(directory)
     if spec is None:
         return []
-    findings = [info("prebuilt.source", f"prebuilt source {spec} ({origin})")]
+    earlier = recorded(directory)
+    overrides = (
+        f"; it overrides {earlier}, which fix recorded: prestart installs from {spec}"
+        if earlier is not None and earlier != spec
+        else ""
+    )
+    findings = [info("prebuilt.source", f"prebuilt source in force: {spec} ({origin}{overrides})")]
     try:
         source = parse_source(spec)
         need = needed(torch_info(), _gpus(), source)
@@ -714,9 +734,11 @@ def doctor_findings(directory: Optional[Path]) -> list[Finding]:
             return [*findings, warn(found.id, found.message, found.fix)]
         return [*findings, warn("prebuilt.variant", exc.message, exc.fix)]
     layout = CacheLayout(resolve_cache_dir(None))
-    installed = find_build(layout, variant.key) is not None
+    key = installed_key(variant)
+    build = find_build(layout, key, origin=PREBUILT)
+    installed = build is not None and build.manifest["so_sha256"] == variant.manifest["so_sha256"]
     state = (
-        f"installed in the build cache as {variant.key[:12]}"
+        f"installed in the build cache as {key[:12]}"
         if installed
         else "not installed yet (fix or prestart installs it)"
     )

@@ -41,7 +41,7 @@ def prepare(request: Request, planting: Planting) -> list[Finding]:
     assert request.directory is not None
     directory = Path(os.path.abspath(request.directory))
     options = FixOptions(
-        prebuilt=recorded_prebuilt(request.target),
+        prebuilt=prebuilt_in_force(request.target),
         smoke=request.smoke,
         source=request.source or "auto",
         cache_dir=Path(request.cache_dir) if request.cache_dir else None,
@@ -62,9 +62,9 @@ def prepare(request: Request, planting: Planting) -> list[Finding]:
     return list(result.findings)
 
 
-def recorded_prebuilt(target: str) -> Optional[str]:
-    """The SOURCE a checkpoint fixed with --prebuilt was prepared from (so a fresh build
-    cache gets the variant again, not a compile), else $QWEN_KVPREP_PREBUILT, else None."""
+def prebuilt_in_force(target: str) -> Optional[str]:
+    """$QWEN_KVPREP_PREBUILT, else the SOURCE a checkpoint fixed with --prebuilt was prepared
+    from (so a fresh build cache gets the variant again, not a compile), else None."""
     try:
         return configured(Path(target))[0]
     except (KvprepError, OSError):
