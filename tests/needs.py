@@ -31,6 +31,8 @@ KINDS = {
     "env": "an environment variable left unset",
     "gptq": "the GPTQ backend of the `gptq` extra (optimum and gptqmodel; docs/reference.md)",
     "qwen-code": "Qwen's own remote code (not in this repository; tests/remote_code.py)",
+    "transformers-5": "transformers 5 (a test of what its releases do)",
+    "accelerate": "accelerate, which device_map='auto' needs (the GPTQ backend brings it)",
 }
 ENV_ALLOWED = "QWEN_KVPREP_TEST_ALLOWED_SKIPS"
 PREFIX = "needs "
