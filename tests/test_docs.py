@@ -156,7 +156,9 @@ def test_every_option_of_every_command_is_in_its_section(reference: str) -> None
     for path, command in walked:
         name = " ".join(path)
         # said in a table or prose, not only in the synopsis
-        body = _strip_code_blocks(_section(reference, rf"`qwen-kvprep {re.escape(name)}\b.*`"))
+        # a group's own heading is its name alone (`qwen-kvprep cache`): its commands' start so
+        tail = "" if isinstance(command, click.Group) else r"\b.*"
+        body = _strip_code_blocks(_section(reference, rf"`qwen-kvprep {re.escape(name)}{tail}`"))
         for param in command.params:
             if not isinstance(param, click.Option):
                 continue

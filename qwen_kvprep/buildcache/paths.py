@@ -4,6 +4,8 @@
     <cache>/locks/<key>.lock, <key>.owner   one lock per key; who holds it
     <cache>/tmp/<key>.<pid>.<rand>/         builds in progress (renamed into builds/)
     <cache>/logs/<key>-<time>.log           logs of failed builds
+    <cache>/users/<key>/<id>.json           one per prepared folder fix pointed at the build
+                                            ({"path": DIR}; buildcache/inventory.py)
 
 Everything a build writes goes under tmp/ first, on the same file system as builds/, so
 publishing is one rename: a reader sees a complete build or none.
@@ -47,6 +49,13 @@ class CacheLayout:
     @property
     def logs(self) -> Path:
         return self.root / "logs"
+
+    @property
+    def users(self) -> Path:
+        return self.root / "users"
+
+    def users_dir(self, key: str) -> Path:
+        return self.users / key
 
     def build_dir(self, key: str) -> Path:
         return self.builds / key

@@ -393,7 +393,12 @@ def read_user_records(folder: Path) -> list[tuple[Path, str]]:
     """(record, the prepared folder it names) for each record in a modules-cache folder's
     USERS_DIRNAME, in name order; unreadable records, and records not named after the
     folder they name, are skipped (bounded reads: the folder is shared)."""
-    users = Path(folder) / USERS_DIRNAME
+    return read_records(Path(folder) / USERS_DIRNAME)
+
+
+def read_records(users: Path) -> list[tuple[Path, str]]:
+    """(record, the prepared folder it names) for each `{"path": DIR}` record in the folder
+    `users` (a modules-cache folder's, or the build cache's users/<key>/), as above."""
     try:
         names = sorted(os.listdir(users))
     except OSError:

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional, TypedDict
 
+from qwen_kvprep.buildcache.inventory import register_user
+from qwen_kvprep.buildcache.paths import CacheLayout
 from qwen_kvprep.common import sha256_bytes
 from qwen_kvprep.findings import Finding, MakeFinding
 from qwen_kvprep.journal.writer import Journal
@@ -125,7 +127,11 @@ class FixContext:
         self.findings.extend(findings)
 
     def use_build(self, result: BuildResult, make: MakeFinding, message: str) -> None:
-        """Make `result` the build this run uses (in --json too) and say so as build.build."""
+        """Make `result` the build this run uses (in --json too) and say so as build.build,
+        and record in the cache that this folder uses it (`cache list`, `cache prune`)."""
+        if not self.options.dry_run and result.dir.parent.name == "builds":
+            layout = CacheLayout(result.dir.parent.parent)
+            register_user(layout, result.key, self.journal.identity["path"])
         self.build = result
         self.extra["build"] = result.to_json()
         self.add(make("build.build", message, paths=[result.dir], details=result.to_json()))
