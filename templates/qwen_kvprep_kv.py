@@ -147,6 +147,11 @@ def _buffers_for(layer, state, layer_past, batch, new_tokens, device):
     `state` is the layer's __dict__."""
     buffers = state.get(BUFFERS)
     if layer_past is None:
+        # A new sequence: let go of the last one's buffers before taking new ones, so that
+        # a server's successive requests never hold two caches at once (whoever still holds
+        # the old cache's views keeps its memory alive, as before).
+        state.pop(BUFFERS, None)
+        buffers = None
         past_length = 0
     else:
         past_length = layer_past[0][0].shape[2]

@@ -213,3 +213,33 @@ def test_per_token_prefill_gives_each_prompt_token_its_own_scale(model: Any) -> 
             assert (distinct > prompt.size(1) // 2) if flag else (distinct == 1), (flag, distinct)
     finally:
         module.PER_TOKEN_PREFILL = False
+
+
+def test_a_new_sequence_lets_go_of_the_last_one_s_buffers_first(model: Any) -> None:
+    """A server's next request must not hold two caches at once: when a prefill takes new
+    buffers, no layer still holds the buffers of the sequence before (their memory is
+    freed as soon as nobody else holds the old cache's views)."""
+    import weakref
+
+    _fast(model, True)
+    layers = _layers(model)
+    with torch.inference_mode():
+        model(torch.tensor(PROMPT), use_cache=True)  # the first request, its cache dropped
+    old = [weakref.ref(layer._qwen_kvprep_buffers.k) for layer in layers]
+    buffers_class = type(layers[0]._qwen_kvprep_buffers)
+    alive_at_allocation: list[int] = []
+    original_init = buffers_class.__init__
+
+    def counting_init(self: Any, *args: Any, **kwargs: Any) -> None:
+        alive_at_allocation.append(sum(ref() is not None for ref in old))
+        original_init(self, *args, **kwargs)
+
+    buffers_class.__init__ = counting_init
+    try:
+        with torch.inference_mode():
+            model(torch.tensor(PROMPT), use_cache=True)
+    finally:
+        buffers_class.__init__ = original_init
+    # layer i allocates while layers after it still hold theirs (they have not run yet):
+    # what matters is that its own old buffers are gone by then
+    assert alive_at_allocation == [len(layers) - 1 - i for i in range(len(layers))]
