@@ -131,6 +131,12 @@ def main(argv: Optional[list[str]] = None) -> int:
             model = model_from_config(config, torch_dtype=dtype).eval()
         layers = [m for _, m in attention_layers(model)]
         rates: dict[int, dict[str, list[float]]] = {b: {m: [] for m in modes} for b in batches}
+        # Per round, what the caching allocator held and how often it had to free and retry
+        # (a speed that falls round after round on one loaded model is a memory question
+        # first): reserved and allocated bytes after the round, and the retries it cost.
+        memory: dict[int, dict[str, list[dict[str, int]]]] = {
+            b: {m: [] for m in modes} for b in batches
+        }
         fast_layers: dict[int, int] = {}
         for batch in batches:
             for _ in range(args.rounds):
@@ -144,6 +150,13 @@ def main(argv: Optional[list[str]] = None) -> int:
                     if mode == "int8-fast":
                         fast_layers[batch] = sum(1 for m in layers if getattr(m, FAST_STEPS, 0))
                     if args.device == "cuda":
+                        stats = torch.cuda.memory_stats()
+                        memory[batch][mode].append({
+                            "reserved": int(torch.cuda.memory_reserved()),
+                            "allocated": int(torch.cuda.memory_allocated()),
+                            "alloc_retries": int(stats.get("num_alloc_retries", 0)),
+                            "device_allocs": int(stats.get("num_device_alloc", 0)),
+                        })
                         torch.cuda.empty_cache()
         name = torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu"
     timer = "one thread's CPU time" if thread_clock else "wall clock"
@@ -165,6 +178,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"| {batch} | " + " | ".join(cells)
               + f" | {fast_layers.get(batch, 0)}/{len(layers)} |")
         doc["rows"].append({"batch": batch, "median": med, "samples": rates[batch],
+                            "memory": memory[batch],
                             "fast_layers": fast_layers.get(batch, 0), "layers": len(layers)})
     if args.json:
         args.json.write_text(json.dumps(doc, indent=1))
