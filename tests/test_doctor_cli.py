@@ -5,15 +5,16 @@ stale torch JIT lock. doctor must change nothing in any of them."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import shutil
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import pytest
 
@@ -453,17 +454,30 @@ def _modules_folder(env: dict[str, str], ckpt: Path) -> Path:
     return code_folder(Path(env["HF_MODULES_CACHE"]), ckpt)
 
 
-def _cache_off(ckpt: Path) -> bytes:
-    """Turn the Int8 cache off by hand in config.json (not the original's bytes: a file
-    changed since fix wrote it is the user's); returns config.json as fix left it."""
-    path = ckpt / "config.json"
+@contextlib.contextmanager
+def changed(path: Path, data: Optional[bytes]) -> Iterator[None]:
+    """`path` holds `data` (None: it is removed) for the time of the block, then what it
+    held before: the tests of one fixed folder change it one at a time."""
     before = path.read_bytes()
-    config = json.loads(before)
+    if data is None:
+        path.unlink()
+    else:
+        path.write_bytes(data)
+    try:
+        yield
+    finally:
+        path.write_bytes(before)
+
+
+def _cache_off(ckpt: Path) -> bytes:
+    """config.json with the Int8 cache turned off by hand (not the original's bytes: a file
+    changed since fix wrote it is the user's)."""
+    config = json.loads((ckpt / "config.json").read_bytes())
     config.update(use_cache_quantization=False, use_cache_kernel=False)
-    path.write_text(json.dumps(config, indent=3) + "\n")
+    data = (json.dumps(config, indent=3) + "\n").encode()
     originals = ckpt / ".qwen-kvprep" / "originals"
-    assert path.read_bytes() not in {p.read_bytes() for p in originals.iterdir()}
-    return before
+    assert data not in {p.read_bytes() for p in originals.iterdir()}
+    return data
 
 
 def test_a_prepared_folder_exits_0_judging_the_folder_transformers_runs_from(
@@ -484,12 +498,8 @@ def test_a_planted_file_removed_from_the_modules_cache_fails(
 ) -> None:
     ckpt, env = fixed
     planted = _modules_folder(env, ckpt) / "qwen_kvprep_kv.py"
-    data = planted.read_bytes()
-    planted.unlink()
-    try:
+    with changed(planted, None):
         res = doctor("--json", str(ckpt), env=env, cwd=tmp_path)
-    finally:
-        planted.write_bytes(data)
     assert res.returncode == 1
     (complete,) = by_id(parse(res))["modules.complete"]
     assert complete["severity"] == "fail" and complete["paths"] == [str(planted)]
@@ -539,16 +549,12 @@ def test_the_journal_of_a_write_that_never_happened_fails(
     a planted source than the disk holds is a fix cut short between the two."""
     ckpt, env = fixed
     path = ckpt / ".qwen-kvprep" / "journal.json"
-    saved = path.read_bytes()
-    journal = json.loads(saved)
+    journal = json.loads(path.read_bytes())
     (rel,) = [r for g in journal["planted"] for r in g["files"] if r.endswith(".cpp")]
     entry = next(g["files"][rel] for g in journal["planted"] if rel in g["files"])
     entry["written"].append("0" * 64)
-    path.write_text(json.dumps(journal))
-    try:
+    with changed(path, json.dumps(journal).encode()):
         res = doctor("--json", str(ckpt), env=env, cwd=tmp_path)
-    finally:
-        path.write_bytes(saved)
     assert res.returncode == 1
     (complete,) = by_id(parse(res))["modules.complete"]
     assert complete["severity"] == "fail"
@@ -572,12 +578,9 @@ def test_a_toolchain_problem_with_the_cache_off_is_a_warning(
     env = dict(env, PATH=_no_toolchain(tmp_path))
     if not cached:
         env["QWEN_KVPREP_CACHE"] = str(tmp_path / "empty-cache")
-    before = _cache_off(ckpt)
-    try:
+    with changed(ckpt / "config.json", _cache_off(ckpt)):
         res = doctor("--json", str(ckpt), env=env, cwd=tmp_path)
         strict = doctor("--strict", str(ckpt), env=env, cwd=tmp_path)
-    finally:
-        (ckpt / "config.json").write_bytes(before)
     ids = by_id(parse(res))
     assert res.returncode == 0
     assert [f["severity"] for f in ids["config.kv_cache"]] == ["warn"]

@@ -101,6 +101,21 @@ def cpu_env(**kw: Any) -> EnvFacts:
     return env_facts(**cpu)
 
 
+def usr_local(**kw: Any) -> EnvFacts:
+    """torch takes /usr/local for CUDA_HOME because `nvcc` sits in /usr/local/bin (a link
+    or wrapper), and /usr/local holds no libcudart: `cannot find -lcudart`."""
+    return env_facts(
+        cuda_home="/usr/local",
+        cuda_home_source="nvcc-on-path",
+        cuda_home_env=None,
+        nvcc_on_path="/usr/local/bin/nvcc",
+        nvcc_path="/usr/local/bin/nvcc",
+        cuda_lib_dir="/usr/local/lib",
+        cudart_found=False,
+        **kw,
+    )
+
+
 def ckpt(**kw: Any) -> CheckpointFacts:
     cfg = {
         "model_type": "qwen",

@@ -8,7 +8,6 @@ import dataclasses
 import re
 import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -16,7 +15,6 @@ from qwen_kvprep.common import GPTQ_CURRENT, GPTQ_LEGACY, gptq_install
 from qwen_kvprep.findings import Severity
 from qwen_kvprep.probe.env import (
     CompilerInfo,
-    EnvFacts,
     parse_compiler_version,
     parse_host_config,
     parse_nvcc_version,
@@ -38,6 +36,7 @@ from tests.checks.facts import (
     packages,
     run,
     text,
+    usr_local,
     worst,
 )
 
@@ -234,28 +233,15 @@ def test_cuda_home_without_nvcc() -> None:
     assert "nvcc not found at '/opt/cuda-runtime/bin/nvcc'" in text("env.cuda_home", f)
 
 
-def _usr_local(**kw: Any) -> EnvFacts:
-    return env_facts(
-        cuda_home="/usr/local",
-        cuda_home_source="nvcc-on-path",
-        cuda_home_env=None,
-        nvcc_on_path="/usr/local/bin/nvcc",
-        nvcc_path="/usr/local/bin/nvcc",
-        cuda_lib_dir="/usr/local/lib",
-        cudart_found=False,
-        **kw,
-    )
-
-
 def test_cuda_home_usr_local_trap() -> None:
-    f = facts(_usr_local(), checkpoint=ckpt(loader_is_ours=False))
+    f = facts(usr_local(), checkpoint=ckpt(loader_is_ours=False))
     assert worst("env.cuda_home", f) is Severity.FAIL
     t = text("env.cuda_home", f)
     assert "-lcudart" in t and "/usr/local/bin/nvcc" in t
     assert "export CUDA_HOME=/usr/local/cuda-12.1" in t
     # qwen-kvprep's own builder steps over the wrapper: only torch's JIT path is broken
-    assert worst("env.cuda_home", facts(_usr_local(), checkpoint=ckpt())) is Severity.WARN
-    assert worst("env.cuda_home", facts(_usr_local(cuda_candidates=()))) is Severity.FAIL
+    assert worst("env.cuda_home", facts(usr_local(), checkpoint=ckpt())) is Severity.WARN
+    assert worst("env.cuda_home", facts(usr_local(cuda_candidates=()))) is Severity.FAIL
 
 
 def test_cuda_home_not_needed_for_cpu_torch() -> None:

@@ -13,7 +13,18 @@ from qwen_kvprep.findings import Severity
 from qwen_kvprep.jsontypes import JSON
 from qwen_kvprep.probe.caches import HUB, CacheFacts
 from qwen_kvprep.probe.planned import PlannedFile
-from tests.checks.facts import CKPT, build, caches, ckpt, env_facts, facts, folder, text, worst
+from tests.checks.facts import (
+    CKPT,
+    build,
+    caches,
+    ckpt,
+    env_facts,
+    facts,
+    folder,
+    text,
+    usr_local,
+    worst,
+)
 
 FOLDER = "/hf/modules/transformers_modules/Qwen_hyphen_7B_hyphen_Chat/0123456789abcdef"
 KV = "qwen_kvprep_kv.py"
@@ -150,21 +161,12 @@ def test_with_the_cache_off_a_toolchain_problem_is_a_warning() -> None:
 def test_usr_local_without_cudart_before_and_after_fix() -> None:
     """`cannot find -lcudart` through /usr/local/bin/nvcc: the failure is the original
     cpp_kernels.py's JIT build, so only where the config asks it to run."""
-    usr_local = env_facts(
-        cuda_home="/usr/local",
-        cuda_home_source="nvcc-on-path",
-        cuda_home_env=None,
-        nvcc_on_path="/usr/local/bin/nvcc",
-        nvcc_path="/usr/local/bin/nvcc",
-        cuda_lib_dir="/usr/local/lib",
-        cudart_found=False,
-    )
     built = caches(builds=(build(),))
-    before_fix = facts(usr_local, checkpoint=cache_off(loader_is_ours=False), cache=built)
-    after_fix = facts(usr_local, checkpoint=ckpt(), cache=built)
+    before_fix = facts(usr_local(), checkpoint=cache_off(loader_is_ours=False), cache=built)
+    after_fix = facts(usr_local(), checkpoint=ckpt(), cache=built)
     assert worst("env.cuda_home", before_fix) is Severity.WARN
     assert worst("env.cuda_home", after_fix) is Severity.WARN
-    asked = facts(usr_local, checkpoint=ckpt(loader_is_ours=False), cache=built)
+    asked = facts(usr_local(), checkpoint=ckpt(loader_is_ours=False), cache=built)
     assert worst("env.cuda_home", asked) is Severity.FAIL
 
 
