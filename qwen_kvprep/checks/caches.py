@@ -463,10 +463,12 @@ def modules_complete(facts: Facts) -> FindingsLike:
                     "is missing" if have is None else "is not the checkpoint's version"
                 )
                 effects.add(_WITHOUT[FAST_FILE])
+    if not problems and not caches.planned_files:
+        return ok("nothing fix planned is left undone (it has journaled no write here)")
     if not problems:
         return ok(
             f"nothing fix planned is left undone ({len(caches.planned_files)} file(s) it wrote "
-            "in the checkpoint and its modules-cache folders checked against its journal)"
+            "in the checkpoint and the modules cache checked against its journal)"
         )
     listing = "; ".join(f"{path} {state}" for path, state in problems.items())
     effect = f"; so {'; '.join(sorted(effects))}" if effects else ""
