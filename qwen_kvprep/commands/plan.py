@@ -95,9 +95,8 @@ def plan(
     --gpu-memory. `plan --gpu list` lists the cards --gpu knows."""
     # here, not at the top: planning's tables and the GPU list cost every start of the CLI,
     # --help included, ~35 ms
-    from qwen_kvprep.planning import plan_checkpoint, plan_inputs
+    from qwen_kvprep.planning import plan_checkpoint, plan_inputs, render_plan
     from qwen_kvprep.planning.gpu import cards_json, render_cards
-    from qwen_kvprep.planning.tables import payload, render_text
 
     as_json = output_options().as_json
     if gpu_name is not None and gpu_name.strip().lower() == "list":
@@ -113,14 +112,7 @@ def plan(
     planned = plan_checkpoint(
         path, batches, tokens, memory, dtype, prompt_tokens, prefill_chunk, plot, gpus
     )
-    facts, result, gpu_source = planned.facts, planned.result, planned.gpu_source
-    extra = {} if planned.plot is None else {"plot": str(planned.plot)}
-    if as_json:
-        emit(render_json(planned.findings, plan={**payload(facts, result, gpu_source), **extra}))
-    else:
-        emit(render_text(facts, result, gpu_source, shown=directory, findings=planned.findings))
-        if planned.plot is not None:
-            emit(f"\nPlot: {planned.plot}")
+    emit(render_plan(planned, as_json, shown=directory))
 
 
 def register(group: click.Group) -> None:

@@ -36,6 +36,19 @@ class CheckpointPlan:
     findings: tuple[Finding, ...] = ()  # plan.weights when the weights fit no card
 
 
+def render_plan(planned: CheckpointPlan, as_json: bool, shown: str) -> str:
+    """plan's output: the JSON document, or the text (and where the plot went)."""
+    from qwen_kvprep.planning.tables import payload, render_text
+    from qwen_kvprep.render import render_json
+
+    facts, result, source = planned.facts, planned.result, planned.gpu_source
+    extra = {} if planned.plot is None else {"plot": str(planned.plot)}
+    if as_json:
+        return render_json(planned.findings, plan={**payload(facts, result, source), **extra})
+    text = render_text(facts, result, source, shown=shown, findings=planned.findings)
+    return text if planned.plot is None else f"{text}\n\nPlot: {planned.plot}"
+
+
 def fast_path_installed(directory: Path) -> bool:
     """Whether DIR's model code runs the Int8 cache through qwen-kvprep's fast path:
     modeling_qwen.py carries fix's block and the module it imports is there."""

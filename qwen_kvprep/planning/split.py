@@ -43,7 +43,7 @@ class Module:
 
 
 @dataclass(frozen=True)
-class Card:
+class CardLoad:
     """What one card holds after the split."""
 
     index: int
@@ -78,7 +78,7 @@ class Card:
 
 @dataclass(frozen=True)
 class Split:
-    cards: tuple[Card, ...]
+    cards: tuple[CardLoad, ...]
     offloaded: tuple[Module, ...]  # what fits no card (accelerate would put it on the CPU)
 
     @property
@@ -151,7 +151,7 @@ def place(parts: Sequence[Module], budgets: Sequence[int]) -> Split:
         else:
             break
     placed = sum(len(h) for h in held)
-    cards = tuple(Card(i, budgets[i], tuple(h)) for i, h in enumerate(held))
+    cards = tuple(CardLoad(i, budgets[i], tuple(h)) for i, h in enumerate(held))
     return Split(cards, tuple(parts[placed:]))
 
 
@@ -165,7 +165,7 @@ def split_model(shape: ModelShape, gpu_memory_bytes: int, gpus: int) -> Split:
     free = usable_bytes(gpu_memory_bytes)
     parts = modules(shape)
     if gpus == 1:
-        return Split((Card(0, free, tuple(parts)),), ())
+        return Split((CardLoad(0, free, tuple(parts)),), ())
     return place(parts, balanced_budgets(parts, [free] * gpus))
 
 

@@ -16,7 +16,7 @@ from qwen_kvprep.planning.peak import (
     kv_bytes_per_token,
 )
 from qwen_kvprep.planning.sizes import gib, human
-from qwen_kvprep.planning.split import Card
+from qwen_kvprep.planning.split import CardLoad
 
 MODE_LABEL = {"unquantized": "unquantized cache", "int8": "Int8 cache"}
 SPLIT = 'transformers\' device_map="auto"'
@@ -111,7 +111,7 @@ def assumptions(facts: ModelFacts, plan: PlanResult) -> list[str]:
     ]
 
 
-def _kv_of(shape_layers: int, card: Card, per_token: int) -> int:
+def _kv_of(shape_layers: int, card: CardLoad, per_token: int) -> int:
     # every layer's cache is the same size
     return per_token * len(card.layers) // shape_layers
 
