@@ -427,6 +427,92 @@ def test_cp_a_of_a_fixed_tiny_checkpoint(tmp_path: Path, shared_build_cache: Pat
     assert {n: sha(d) for n, d in planted.items()} == state["modules"]["files"]
 
 
+LOAD = (
+    "import sys; sys.dont_write_bytecode = False\n"
+    "from transformers import AutoModelForCausalLM\n"
+    "AutoModelForCausalLM.from_pretrained(sys.argv[1], trust_remote_code=True)\n"
+)
+MARKER = b"# >>> qwen-kvprep"
+
+
+def _fixed_and_loaded(tmp_path: Path, build_cache: Path, *dirs: Path) -> dict[str, str]:
+    """Each of `dirs` a tiny checkpoint, fixed and then loaded by transformers (which copies
+    modeling_qwen.py with fix's lines and qwen_kvprep_compat.py into the modules cache)."""
+    from qwen_kvprep.tiny import generate_checkpoint
+
+    env = {**os.environ, "HF_HOME": str(tmp_path / "hf"),
+           "HF_MODULES_CACHE": str(tmp_path / "hf" / "modules"),
+           "QWEN_KVPREP_CACHE": str(build_cache), "HF_HUB_OFFLINE": "1"}
+    for ckpt in dirs:
+        generate_checkpoint(ckpt)
+        res = kvprep("fix", str(ckpt), "--no-build", "--no-smoke", env=env, timeout=600)
+        assert res.returncode == 0, res.stderr
+        load = subprocess.run([sys.executable, "-c", LOAD, str(ckpt)], env=env,
+                              capture_output=True, text=True, timeout=600)
+        assert load.returncode == 0, load.stderr[-4000:]
+    return env
+
+
+def _marked(modules: Path) -> list[Path]:
+    return [p for p in modules.rglob("*")
+            if p.is_file() and not p.is_symlink() and MARKER in p.read_bytes()]
+
+
+@pytest.mark.slow
+def test_revert_takes_out_the_copies_a_load_made(tmp_path: Path, shared_build_cache: Path) -> None:
+    """transformers copies the changed modeling_qwen.py and qwen_kvprep_compat.py beside the
+    planted files; revert (and its --dry-run list) takes them and their bytecode out, and
+    leaves the user's other files there."""
+    ckpt = tmp_path / "models" / "Tiny-Chat"
+    env = _fixed_and_loaded(tmp_path, shared_build_cache, ckpt)
+    modules = tmp_path / "hf" / "modules"
+    folder = json.loads((ckpt / ".qwen-kvprep" / "state.json").read_text())["modules"]["folder"]
+    copied = [Path(folder) / common.MODELING_FILE, Path(folder) / common.COMPAT_FILE]
+    assert all(p.is_file() for p in copied) and _marked(modules)
+    assert list(Path(folder).glob("__pycache__/modeling_qwen.*.pyc"))
+    dry = kvprep("revert", str(ckpt), "--dry-run", env=env)
+    assert dry.returncode == 0, dry.stderr
+    assert all(str(p) in dry.stdout for p in copied)
+    res = kvprep("revert", str(ckpt), env=env)
+    assert res.returncode == 0, res.stderr
+    assert _marked(modules) == []
+    assert not any(p.exists() for p in copied)
+    assert not list(modules.rglob("qwen_kvprep_*")) and not list(modules.rglob("modeling_qwen.*"))
+    assert (Path(folder) / "configuration_qwen.py").is_file()  # the user's: stays
+
+
+@pytest.mark.slow
+def test_twin_folders_leave_no_copy_once_both_are_reverted(
+    tmp_path: Path, shared_build_cache: Path
+) -> None:
+    a, b = tmp_path / "a" / "Tiny-Chat", tmp_path / "b" / "Tiny-Chat"
+    env = _fixed_and_loaded(tmp_path, shared_build_cache, a, b)
+    modules = tmp_path / "hf" / "modules"
+    assert kvprep("revert", str(a), env=env).returncode == 0
+    folder = json.loads((b / ".qwen-kvprep" / "state.json").read_text())["modules"]["folder"]
+    assert (Path(folder) / common.COMPAT_FILE).is_file()  # b still uses its folder
+    assert kvprep("revert", str(b), env=env).returncode == 0
+    assert _marked(modules) == [] and not list(modules.rglob("qwen_kvprep_*"))
+
+
+@pytest.mark.slow
+def test_copies_not_ours_or_behind_a_link_stay(tmp_path: Path, shared_build_cache: Path) -> None:
+    ckpt = tmp_path / "models" / "Tiny-Chat"
+    env = _fixed_and_loaded(tmp_path, shared_build_cache, ckpt)
+    folder = Path(json.loads((ckpt / ".qwen-kvprep" / "state.json").read_text())
+                  ["modules"]["folder"])
+    compat_copy = folder / common.COMPAT_FILE
+    compat_copy.write_bytes(compat_copy.read_bytes() + b"# edited\n")
+    outside = tmp_path / "outside.py"
+    outside.write_bytes((folder / common.MODELING_FILE).read_bytes())
+    (folder / common.MODELING_FILE).unlink()
+    (folder / common.MODELING_FILE).symlink_to(outside)
+    res = kvprep("revert", str(ckpt), env=env)
+    assert res.returncode == 0, res.stderr
+    assert compat_copy.read_bytes().endswith(b"# edited\n")
+    assert (folder / common.MODELING_FILE).is_symlink() and MARKER in outside.read_bytes()
+
+
 # ------------------------------------------------------------------ 5. the user's own changes
 
 

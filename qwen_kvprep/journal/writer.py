@@ -60,6 +60,7 @@ from qwen_kvprep.journal.reader import (
 from qwen_kvprep.probe.revertplan import (
     Link,
     Remove,
+    RemoveDir,
     Restore,
     RevertAction,
     RevertPlan,
@@ -380,13 +381,17 @@ class Journal:
             )
         done: list[str] = []
         for description, action in plan.actions:
-            _carry_out(action)
-            done.append(description)
+            if not isinstance(action, RemoveDir):
+                _carry_out(action)
+                done.append(description)
         for me, _folder in plan.users:
             with contextlib.suppress(OSError):
                 os.unlink(me)
             with contextlib.suppress(OSError):
                 os.rmdir(me.parent)
+        for description, action in plan.actions:  # folders emptied by all of the above
+            if isinstance(action, RemoveDir) and _remove_dir(action):
+                done.append(description)
         remove_state_dir(self.state_dir)
         self._data = empty_journal()
         return done
@@ -434,8 +439,10 @@ def _carry_out(action: RevertAction) -> None:
         _remove(action)
     elif isinstance(action, Link):
         _link(action)
-    else:
+    elif isinstance(action, Restore):
         _restore(action)
+    else:
+        _remove_dir(action)
 
 
 def _remove(action: Remove) -> None:
@@ -449,6 +456,22 @@ def _remove(action: Remove) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _remove_dir(action: RemoveDir) -> bool:
+    """rmdir, which removes only an empty folder and never follows a symlink; False when
+    something came in since the plan was made (it stays)."""
+    try:
+        fd = open_dir_under(action.base, action.parts[:-1])
+    except OSError:
+        return False
+    try:
+        os.rmdir(action.parts[-1], dir_fd=fd)
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+    return True
 
 
 def _link(action: Link) -> None:

@@ -27,6 +27,7 @@ from qwen_kvprep.common import (
 )
 from qwen_kvprep.common import sha256_bytes as sha256
 from qwen_kvprep.errors import StateError
+from qwen_kvprep.probe import modcopies
 from qwen_kvprep.untrusted import (
     NotRegularFile,
     lstat_at,
@@ -100,7 +101,15 @@ class Restore:
     mode: int
 
 
-RevertAction = Union[Remove, Link, Restore]
+@dataclass(frozen=True)
+class RemoveDir:
+    """Remove the folder `base/parts` once it is empty (after the records are removed)."""
+
+    base: Path
+    parts: list[str]
+
+
+RevertAction = Union[Remove, Link, Restore, RemoveDir]
 
 
 @dataclass
@@ -192,11 +201,62 @@ class _Planner:
                     for rel in sorted(rels):
                         self._give_back(plan, Path(here), rel, others)
                 else:
+                    start = len(plan.actions)
                     for rel in sorted(rels):
                         self.entry(plan, Path(here), rel, files[rel], str(Path(here) / rel))
+                    self._copies(plan, Path(here), folder_rel, rels, start)
                 me = folder / USERS_DIRNAME / user_record_name(self.identity["path"])
                 for record in {me, *user_records(folder, self.identity, self.root)[0]}:
                     plan.users.append((record, str(folder)))
+
+    def _copies(
+        self, plan: RevertPlan, here: Path, folder_rel: str, rels: list[str], start: int
+    ) -> None:
+        """A modules-cache folder no other prepared folder uses: also what a load copied
+        there because of fix (probe/modcopies.py), their bytecode, and on transformers 5.x
+        the hash folder once nothing else is left in it."""
+        parts = folder_rel.split("/") if folder_rel else []
+        folder = here.joinpath(*parts)
+        removed = {
+            a.parts[-1]
+            for _d, a in plan.actions[start:]
+            if isinstance(a, Remove) and a.base == here and a.parts[:-1] == parts
+        }
+        for name in modcopies.copies(here, parts, {os.path.basename(r) for r in rels}):
+            plan.actions.append(
+                (
+                    f"{folder / name} (removed: the copy a load made of what fix changed)",
+                    Remove(here, [*parts, name]),
+                )
+            )
+            removed.add(name)
+        cached = modcopies.bytecode(here, parts, removed)
+        pycache = [*parts, modcopies.PYCACHE]
+        for name in cached:
+            path = [*pycache, name]
+            shown = f"{here.joinpath(*path)} (removed: its bytecode)"
+            plan.actions.append((shown, Remove(here, path)))
+        gone: set[str] = set()
+        if cached and modcopies.left_empty(here, pycache, set(cached), set()):
+            shown = f"{here.joinpath(*pycache)} (removed: empty)"
+            plan.actions.append((shown, RemoveDir(here, pycache)))
+            gone.add(modcopies.PYCACHE)
+        records = {r for r, _f in plan.users} | {
+            folder / USERS_DIRNAME / user_record_name(self.identity["path"]),
+            *user_records(folder, self.identity, self.root)[0],
+        }
+        names = {r.name for r in records if r.parent == folder / USERS_DIRNAME}
+        if modcopies.left_empty(here, [*parts, USERS_DIRNAME], names, set()):
+            gone.add(USERS_DIRNAME)
+        if (
+            removed
+            and modcopies.HASH_FOLDER.fullmatch(folder_rel)
+            and modcopies.left_empty(here, parts, removed, gone)
+        ):
+            plan.actions.append(
+                (f"{folder} (removed: empty, named after the code with fix's lines)",
+                 RemoveDir(here, parts))
+            )
 
     def _other_users(self, folder: Path) -> list[str]:
         """Prepared folders other than this one registered in a modules-cache folder."""
