@@ -24,7 +24,9 @@ import re
 from typing import Optional
 
 from qwen_kvprep import fastkv
+from qwen_kvprep.common import COMPAT_FILE
 from qwen_kvprep.fastkv import END, append_block, remove_block
+from qwen_kvprep.resources import templates_dir
 
 BEGIN = "# >>> qwen-kvprep: Qwen's code on this transformers (qwen_kvprep_compat.py)"
 # A relative import, unlike the fast path's block (fastkv.py): transformers then copies
@@ -132,3 +134,8 @@ def recognise(text: str) -> Optional[str]:
     if missing:
         return f"it defines no {', '.join(missing)}"
     return None
+
+
+def compat_bytes() -> bytes:
+    """The compatibility module as fix writes it."""
+    return (templates_dir() / COMPAT_FILE).read_bytes()

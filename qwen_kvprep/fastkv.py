@@ -18,6 +18,9 @@ import ast
 import hashlib
 from typing import Optional
 
+from qwen_kvprep.common import FAST_FILE
+from qwen_kvprep.resources import templates_dir
+
 BEGIN = "# >>> qwen-kvprep: the Int8 KV cache's fast path (qwen_kvprep_kv.py)"
 END = "# <<< qwen-kvprep"
 # Imported by name at run time, not by a relative import: transformers copies relative
@@ -124,6 +127,11 @@ def render_module(template: bytes, per_token_prefill: bool) -> bytes:
     if template.count(PER_TOKEN_LINE) != 1:
         raise ValueError("templates/qwen_kvprep_kv.py lacks its PER_TOKEN_PREFILL line")
     return template.replace(PER_TOKEN_LINE, b"PER_TOKEN_PREFILL = True\n")
+
+
+def module_bytes(per_token_prefill: bool = False) -> bytes:
+    """The fast path's module as planted (also into the modules cache)."""
+    return render_module((templates_dir() / FAST_FILE).read_bytes(), per_token_prefill)
 
 
 def is_patched(text: str) -> bool:

@@ -95,7 +95,7 @@ def plan(
     --gpu-memory. `plan --gpu list` lists the cards --gpu knows."""
     # here, not at the top: planning's tables and the GPU list cost every start of the CLI,
     # --help included, ~35 ms
-    from qwen_kvprep.planning import plan_checkpoint, plan_inputs, render_plan
+    from qwen_kvprep.planning import plan_checkpoint, plan_document, plan_inputs, plan_text
     from qwen_kvprep.planning.gpu import cards_json, render_cards
 
     as_json = output_options().as_json
@@ -106,13 +106,13 @@ def plan(
         raise UsageError("plan needs the model directory",
                          fix="qwen-kvprep plan DIR --gpu a100-80g (or --gpu-memory 80Gi)")
     path, _ = checkpoint_dir(directory, revision)
-    batches, tokens, memory = plan_inputs(
-        gpu_name, gpu_memory, batch_list, tokens_list, prompt_tokens, plot
-    )
+    batches, tokens, memory = plan_inputs(gpu_name, gpu_memory, batch_list, tokens_list,
+                                          prompt_tokens, plot)
     planned = plan_checkpoint(
         path, batches, tokens, memory, dtype, prompt_tokens, prefill_chunk, plot, gpus
     )
-    emit(render_plan(planned, as_json, shown=directory))
+    emit(render_json(planned.findings, plan=plan_document(planned)) if as_json
+         else plan_text(planned, shown=directory))
 
 
 def register(group: click.Group) -> None:

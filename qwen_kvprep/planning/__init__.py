@@ -20,6 +20,7 @@ from qwen_kvprep.planning.peak import CUDA_CONTEXT_BYTES
 from qwen_kvprep.planning.plot import write_plan_plot
 from qwen_kvprep.planning.sizes import gib, parse_int_list, parse_size
 from qwen_kvprep.planning.split import MAX_GPUS, fewest_gpus, usable_bytes
+from qwen_kvprep.planning.tables import payload, render_text
 from qwen_kvprep.untrusted import read_prefix
 
 if TYPE_CHECKING:
@@ -36,16 +37,16 @@ class CheckpointPlan:
     findings: tuple[Finding, ...] = ()  # plan.weights when the weights fit no card
 
 
-def render_plan(planned: CheckpointPlan, as_json: bool, shown: str) -> str:
-    """plan's output: the JSON document, or the text (and where the plot went)."""
-    from qwen_kvprep.planning.tables import payload, render_text
-    from qwen_kvprep.render import render_json
-
-    facts, result, source = planned.facts, planned.result, planned.gpu_source
+def plan_document(planned: CheckpointPlan) -> dict[str, object]:
+    """plan's JSON member: the predictions (and where the plot went)."""
     extra = {} if planned.plot is None else {"plot": str(planned.plot)}
-    if as_json:
-        return render_json(planned.findings, plan={**payload(facts, result, source), **extra})
-    text = render_text(facts, result, source, shown=shown, findings=planned.findings)
+    return {**payload(planned.facts, planned.result, planned.gpu_source), **extra}
+
+
+def plan_text(planned: CheckpointPlan, shown: str) -> str:
+    """plan's text: the tables and findings (and where the plot went)."""
+    text = render_text(planned.facts, planned.result, planned.gpu_source, shown=shown,
+                       findings=planned.findings)
     return text if planned.plot is None else f"{text}\n\nPlot: {planned.plot}"
 
 

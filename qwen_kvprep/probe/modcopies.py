@@ -17,7 +17,7 @@ import re
 import stat
 from pathlib import Path
 
-from qwen_kvprep import compat
+from qwen_kvprep import compat, fastkv
 from qwen_kvprep.common import COMPAT_FILE, FAST_FILE, MODELING_FILE
 from qwen_kvprep.journal.reader import present_at
 from qwen_kvprep.untrusted import lstat_at, open_dir_under
@@ -29,15 +29,13 @@ HASH_FOLDER = re.compile(r"transformers_modules/[^/]+/[0-9a-f]{16}")
 
 def ours(name: str, data: bytes) -> bool:
     """Whether `data` at `name` is a copy of what fix wrote (or changed) in the folder."""
-    from qwen_kvprep.steps.fastkv import compat_bytes, module_bytes
-
     if name == MODELING_FILE:
         text = data.decode("utf-8", errors="replace")
         return compat.START_MARK in text or compat.END_MARK in text
     if name == COMPAT_FILE:
-        return data == compat_bytes()
+        return data == compat.compat_bytes()
     if name == FAST_FILE:
-        return any(data == module_bytes(per_token) for per_token in (False, True))
+        return any(data == fastkv.module_bytes(per_token) for per_token in (False, True))
     return False
 
 

@@ -19,21 +19,10 @@ from qwen_kvprep import compat, fastkv, hubcli
 from qwen_kvprep.common import COMPAT_FILE, FAST_FILE, MODELING_FILE
 from qwen_kvprep.errors import CheckpointError
 from qwen_kvprep.findings import info, ok, warn
-from qwen_kvprep.resources import templates_dir
 from qwen_kvprep.steps.context import FixContext
 from qwen_kvprep.untrusted import read_regular
 
 MODEL_CODE_LIMIT = 4 << 20  # modeling_qwen.py is about 60 KB
-
-
-def module_bytes(per_token_prefill: bool = False) -> bytes:
-    """The fast path's module as planted (also into the modules cache)."""
-    return fastkv.render_module((templates_dir() / FAST_FILE).read_bytes(), per_token_prefill)
-
-
-def compat_bytes() -> bytes:
-    """The compatibility module as fix writes it."""
-    return (templates_dir() / COMPAT_FILE).read_bytes()
 
 
 def check_markers(directory: Path) -> None:
@@ -76,7 +65,7 @@ def _compat(ctx: FixContext, text: str) -> str:
         )
         ctx.extra["compat"] = False
         return base
-    written = ctx.journal.write(COMPAT_FILE, compat_bytes())
+    written = ctx.journal.write(COMPAT_FILE, compat.compat_bytes())
     result = compat.patched(base)
     ctx.extra["compat"] = True
     if written or result != fastkv.unpatched(text):
@@ -149,7 +138,7 @@ def run(ctx: FixContext) -> None:
         ctx.journal.write(MODELING_FILE, base.encode("utf-8"))
         ctx.extra["fast_path"] = False
         return
-    planted = ctx.journal.write(FAST_FILE, module_bytes(ctx.options.per_token_prefill))
+    planted = ctx.journal.write(FAST_FILE, fastkv.module_bytes(ctx.options.per_token_prefill))
     changed = ctx.journal.write(MODELING_FILE, fastkv.patched(base).encode("utf-8"))
     ctx.extra["fast_path"] = True
     if planted or changed:

@@ -25,6 +25,7 @@ from qwen_kvprep.common import (
 )
 from qwen_kvprep.dirlock import TEMP_GRACE_S, remove_leftover_temps
 from qwen_kvprep.errors import CacheError
+from qwen_kvprep.fastkv import module_bytes
 from qwen_kvprep.findings import info, ok, warn
 from qwen_kvprep.modcache import (
     hub_module_folder,
@@ -33,7 +34,6 @@ from qwen_kvprep.modcache import (
     transformers_root,
 )
 from qwen_kvprep.steps.context import FixContext
-from qwen_kvprep.steps.fastkv import module_bytes
 from qwen_kvprep.steps.loader import loader_bytes
 
 
