@@ -13,6 +13,7 @@ planted into.
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 import tempfile
 from collections.abc import Mapping
@@ -20,6 +21,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Optional
 
+from qwen_kvprep.probe.env import version_tuple
 from qwen_kvprep.untrusted import read_regular
 
 MODULE_FILE = "modeling_qwen.py"
@@ -27,14 +29,24 @@ DYNAMIC_MODULE_NAME = "transformers_modules"
 CODE_LIMIT = 4 << 20  # a .py file of the checkpoint's code (modeling_qwen.py: ~60 KB)
 SLASH = "a path ending in / or /."
 REAL = "its real path, not the symlink"
+# the first release whose folder names doctor asks transformers for (probe/caches.py)
+NAMED_BY_HELPERS = (4, 54)
 
 
 def dynamic_module_utils() -> Optional[ModuleType]:
-    """transformers' dynamic_module_utils, None when transformers cannot be imported (doctor
-    then names the folders as transformers 4.32 to 4.53 do)."""
+    """transformers' dynamic_module_utils from 4.54 on, else None: doctor then names the
+    folders as transformers 4.32 to 4.53 do (after the path's last part, nothing renamed,
+    no hash), without importing a release that writes at import (4.37 creates
+    `$HF_HOME/hub/version.txt`, and may move an old cache into it: doctor writes nothing)."""
+    try:
+        release = version_tuple(importlib.metadata.version("transformers"))
+    except (importlib.metadata.PackageNotFoundError, ValueError):
+        return None
+    if release is None or release[:2] < NAMED_BY_HELPERS:
+        return None
     try:
         from transformers import dynamic_module_utils as dmu
-    except Exception:  # missing or broken: env.transformers says which
+    except Exception:  # broken: env.transformers says why
         return None
     return dmu
 
