@@ -102,7 +102,7 @@ def test_list_json_shape(tmp_path: Path, layout: CacheLayout) -> None:
     assert build["key"] == "a" * 64 and build["origin"] == "compiled"
     assert build["users"] == [user] and build["locked"] is False
     assert build["torch"] == "2.10.0+cu130" and build["python_tag"] == "cp311"
-    assert isinstance(build["last_used"], str) and build["size"] > 0
+    assert isinstance(build["last_chosen"], str) and build["size"] > 0
     assert [x["kind"] for x in doc["leftovers"]] == ["log"]
     assert doc["total_size"] == build["size"] + 6
 

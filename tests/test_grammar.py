@@ -168,14 +168,20 @@ def test_ctrl_c_in_a_write_exits_130_and_leaves_nothing_half_written(
     assert snapshot(p.directory) == p.pristine
 
 
+# Ctrl-C at the command's Nth durable write, counted in the main thread only: the command's
+# own threads (a progress heartbeat, a lock's waiting notice) also write, earlier or later
+# with the machine's load, and a signal raised from one of them lands wherever the main
+# thread happens to be. Raised by the main thread itself, Python delivers it before the
+# write returns: the same point of the command on every run.
 _SIGINT_CHILD = """
-import os, signal, sys
+import os, signal, sys, threading
 real = os.fsync
 calls = [0]
 def fsync(fd):
-    calls[0] += 1
-    if calls[0] == 2:
-        os.kill(os.getpid(), signal.SIGINT)  # as a terminal's Ctrl-C would
+    if threading.current_thread() is threading.main_thread():
+        calls[0] += 1
+        if calls[0] == 2:
+            signal.raise_signal(signal.SIGINT)  # as a terminal's Ctrl-C would
     real(fd)
 os.fsync = fsync
 from qwen_kvprep.entry import main

@@ -89,7 +89,7 @@ def test_parse_fast_leaves_an_unreadable_arch_to_click(monkeypatch: pytest.Monke
     monkeypatch.delenv("QWEN_KVPREP_ARCH", raising=False)
     assert parse_fast(["/m", "--arch", "abc", "--", "x"]) is None
     assert parse_fast(["/m", "--arch", "Ampere;sm_90", "--", "x"]) is not None
-    monkeypatch.setenv("QWEN_KVPREP_ARCH", "8.0;ampere")
+    monkeypatch.setenv("QWEN_KVPREP_ARCH", "8.0;amperes")
     assert parse_fast(["/m", "--", "x"]) is None
     monkeypatch.setenv("QWEN_KVPREP_ARCH", "")  # unset, as click reads it too
     assert parse_fast(["/m", "--", "x"]) is not None

@@ -4,16 +4,19 @@ the outcome), nothing on stderr; --json still prints the whole document."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
-from tests.cli import invoke
+from tests.cli import invoke, kvprep
 
 
 def test_fix_quiet_prints_the_verdict_alone(isolated_hf: Path, tmp_path: Path) -> None:
     from qwen_kvprep.tiny import generate_checkpoint
 
     ckpt = generate_checkpoint(tmp_path / "tiny")
-    res = invoke("fix", str(ckpt), "--no-build", "--no-smoke", "-q")
+    # a process of its own: transformers fixes its modules cache's place at its first import,
+    # which in this process may have been another test's
+    res = kvprep("fix", str(ckpt), "--no-build", "--no-smoke", "-q", env=dict(os.environ))
     assert res.returncode == 0, res.stdout + res.stderr
     lines = res.stdout.splitlines()
     assert [line.split(":")[0] for line in lines] == ["Result", "Next"], res.stdout

@@ -36,6 +36,7 @@ from qwen_kvprep.errors import LockTimeout
 from qwen_kvprep.fsutil import atomic_write_text
 from qwen_kvprep.probe.revertplan import read_records
 from qwen_kvprep.state.reader import read_state
+from qwen_kvprep.untrusted import read_regular
 
 if TYPE_CHECKING:
     from qwen_kvprep.buildcache.manifest import Manifest
@@ -55,14 +56,19 @@ def layout_for(option: Optional[str]) -> CacheLayout:
 
 
 def register_user(layout: CacheLayout, key: str, prepared: str) -> None:
-    """Record that the prepared folder `prepared` (absolute) uses build `key`; written again
-    on every fix, so its time is when the build was last chosen. A cache this process
-    cannot write (a shared read-only one) keeps no record: the build is then never pruned
-    by this user anyway."""
+    """Record that the prepared folder `prepared` (absolute) uses build `key`, once: a fix
+    that changes nothing writes nothing, so the record's time is when the folder first
+    chose the build. A cache this process cannot write (a shared read-only one) keeps no
+    record: the build is then never pruned by this user anyway."""
     folder = layout.users_dir(key)
+    record = folder / user_record_name(prepared)
+    text = json.dumps({"path": prepared})
+    with contextlib.suppress(OSError, ValueError):
+        if read_regular(record, 1 << 16).decode("utf-8") == text:
+            return
     with contextlib.suppress(OSError):
         folder.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(folder / user_record_name(prepared), json.dumps({"path": prepared}))
+        atomic_write_text(record, text)
 
 
 def _points_at(prepared: str, build_dir: Path, key: str) -> bool:
@@ -126,7 +132,7 @@ class Build:
     users: list[str] = field(default_factory=list)  # verified prepared folders
     being_prepared: list[str] = field(default_factory=list)  # recorded, folder lock held
     stale: list[Path] = field(default_factory=list)  # records that no longer hold
-    last_used: Optional[float] = None  # newest record's time
+    last_chosen: Optional[float] = None  # newest record's time: a folder first chose it then
     locked: bool = False
 
     @property
@@ -145,7 +151,7 @@ class Build:
             "python_tag": inputs["python_tag"] if inputs else None,
             "size": self.size,
             "created": self.manifest.get("created") if self.manifest else None,
-            "last_used": _iso(self.last_used),
+            "last_chosen": _iso(self.last_chosen),
             "users": list(self.users),
             "being_prepared": list(self.being_prepared),
             "locked": self.locked,
@@ -214,7 +220,7 @@ def read_users(layout: CacheLayout, build: Build) -> None:
     for record, prepared in read_records(layout.users_dir(build.key)):
         with contextlib.suppress(OSError):
             when = os.lstat(record).st_mtime
-            build.last_used = max(build.last_used or when, when)
+            build.last_chosen = max(build.last_chosen or when, when)
         if _points_at(prepared, build.dir, build.key):
             build.users.append(prepared)
         elif _being_prepared(prepared):
@@ -411,10 +417,10 @@ def inventory_text(inventory: Inventory) -> str:
     lines = [f"build cache {root}"]
     for b in inventory.builds:
         created = (b.manifest.get("created") or "?")[:10] if b.manifest else "?"
-        used = _iso(b.last_used)
+        used = _iso(b.last_chosen)
         lines.append(
             f"  {b.key[:12]}  {_origin_text(b)}  {_abi_text(b)}  {human_size(b.size)}  "
-            f"created {created}" + (f", last used {used[:10]}" if used else "")
+            f"created {created}" + (f", last chosen {used[:10]}" if used else "")
             + ("  [locked: being built or installed]" if b.locked else "")
         )
         users = [*b.users, *(f"{p} (being prepared)" for p in b.being_prepared)]
