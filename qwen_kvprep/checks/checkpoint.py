@@ -408,7 +408,6 @@ def _imported_module_problem(
             f"{MODELING} imports qwen-kvprep's {what} but {name} is missing: {if_missing}",
             f"run `{fix}` (or `qwen-kvprep revert {shlex.quote(str(path))}` to take the "
             "import out)",
-
             paths=[path / name],
         )
     if not current:

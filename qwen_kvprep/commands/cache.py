@@ -23,7 +23,7 @@ def cache() -> None:
 @json_option
 @debug_option
 def list_builds(cache_dir: Optional[str]) -> None:
-    """One row per build: key, origin, torch/CUDA/Python, size, created, last used and
+    """One row per build: key, origin, torch/CUDA/Python, size, created, last chosen and
     the prepared folders that use it (each checked against the folder's own state);
     then the leftovers in tmp/ and logs/ and the total. Changes nothing."""
     inventory = lib.take_inventory(lib.layout_for(cache_dir))
