@@ -1,10 +1,10 @@
-"""What prestart's fast path and the rest of qwen-kvprep share: the names of the files and
+"""What prestart's quick start and the rest of qwen-kvprep share: the names of the files and
 folders qwen-kvprep writes, sha256, the Python tag, where the build cache and transformers'
 modules cache are, the GPU architecture lists torch reads, and the CUDA toolkit as torch
 resolves it.
 
-The fast path imports this module on every container start: standard library only (and
-qwen_kvprep.untrusted, which the fast path reads with anyway and which is standard library
+prestart's quick start imports this module on every container start: standard library only (and
+qwen_kvprep.untrusted, which the quick start reads with anyway and which is standard library
 only itself), and nothing that costs milliseconds at import (no pathlib, typing,
 dataclasses, hashlib; those that are needed by a function are imported inside it).
 """
@@ -158,7 +158,7 @@ def gptq_install(
 ENV_CACHE = "QWEN_KVPREP_CACHE"  # the build cache
 ENV_LOCK_TIMEOUT = "QWEN_KVPREP_LOCK_TIMEOUT"  # waiting for another builder or fix
 
-# The files the state tracks are a few KiB; never hash anything big (weights) on the fast path.
+# The files the state tracks are a few KiB; never hash anything big (weights) on the quick start.
 SMALL_FILE_LIMIT = 16 << 20
 
 # ------------------------------------------------------------------ sha256
@@ -166,7 +166,7 @@ SMALL_FILE_LIMIT = 16 << 20
 
 def _sha256_constructor() -> Callable[[bytes], _Hash]:
     # The interpreter's builtin sha256 (_sha2 from 3.12, _sha256 before): hashlib would
-    # first load OpenSSL's libcrypto, several milliseconds of the fast path. Same digest.
+    # first load OpenSSL's libcrypto, several milliseconds of the quick start. Same digest.
     for name in ("_sha2", "_sha256"):
         try:
             builtin: Callable[[bytes], _Hash] = __import__(name).sha256
@@ -202,7 +202,7 @@ def fix_command(directory: object, read_only: bool = False) -> str:
     """The command that runs fix on the checkpoint folder `directory`, quoted for a shell:
     the advice wherever fix puts a problem right. A folder fix cannot write (`read_only`)
     is fixed as a view in a folder of its own (view_folder), which the server then loads."""
-    import shlex  # only advice needs it; the fast path never gives any
+    import shlex  # only advice needs it; the quick start never gives any
 
     if read_only:
         out = shlex.quote(view_folder(directory))
@@ -307,7 +307,7 @@ def modules_cache_root(environ: Optional[Mapping[str, str]] = None) -> tuple[str
 # cpp_extension takes for TORCH_CUDA_ARCH_LIST (compute capabilities such as 8.0, 9.0a,
 # 8.6+PTX, separated by `;` or spaces, and the family names below), and the spellings
 # qwen-kvprep has always taken besides (commas; sm_80, compute_90a, 80, a lower-case +ptx).
-# Here, not in buildcache/arch.py: prestart's fast path checks QWEN_KVPREP_ARCH, and the
+# Here, not in buildcache/arch.py: prestart's quick start checks QWEN_KVPREP_ARCH, and the
 # CLI checks --arch as it parses it, neither of which may import the build cache.
 
 # TORCH_CUDA_ARCH_LIST's family names, expanded as torch 2.13's cpp_extension expands them

@@ -1,7 +1,7 @@
 """The `qwen-kvprep` console entry point.
 
 `prestart` runs on every container start, and importing click and the command tree costs
-several times what the whole fast path does. So `prestart` is answered here, before click
+several times what the whole quick start does. So `prestart` is answered here, before click
 is imported, when its recorded state still matches; every other case (other commands,
 --help, a slow path, a usage error) goes to the click CLI in qwen_kvprep.cli.
 """
@@ -19,13 +19,13 @@ if TYPE_CHECKING:
 def main(argv: Optional[Sequence[str]] = None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
     # the global options may come first (`qwen-kvprep --json prestart ...`); prestart's
-    # fast path reads them among its own
+    # quick start reads them among its own
     lead = 0
     while lead < len(args) and args[lead] in ("--json", "--debug"):
         lead += 1
     if lead < len(args) and args[lead] == "prestart":
-        # only prestart takes the fast path; every other command goes on to click
-        from qwen_kvprep.fastpath import fast
+        # only prestart takes the quick start; every other command goes on to click
+        from qwen_kvprep.quickstart import fast
 
         try:
             # execs CMD or exits when the state matches; returns otherwise
@@ -33,7 +33,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         except KeyboardInterrupt:  # as cli.main answers Ctrl-C, without importing it
             sys.stderr.write("qwen-kvprep: interrupted\n")
             raise SystemExit(130) from None
-    # here, not at the top: prestart's fast path never imports click and the commands
+    # here, not at the top: prestart's quick start never imports click and the commands
     from qwen_kvprep.cli import main as cli_main
 
     cli_main(args)

@@ -105,7 +105,7 @@ def atomic_symlink(target: str, link: PathLike) -> None:
 
 
 # Temporary files our atomic writes create: `.<name>.<8 random>.tmp` (atomic_write_bytes,
-# the journal, prestart's fast path), `.<name>.<pid>.lnk` (atomic_symlink),
+# the journal, prestart's quick start), `.<name>.<pid>.lnk` (atomic_symlink),
 # `.<name>.revert` (revert before 0.2).
 TEMP_NAME = re.compile(r"^\.(.+)\.(?:[a-z0-9_]{8}\.tmp|\d+\.lnk|revert)$")
 

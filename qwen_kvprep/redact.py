@@ -17,7 +17,7 @@ messages go through `scrub`. What never appears:
 Values shorter than 4 characters and plain booleans are not treated as secrets: redacting
 "1" from every version number would make the output useless and protect nothing.
 
-prestart's fast path imports this module to print its two lines: standard library only at
+prestart's quick start imports this module to print its two lines: standard library only at
 run time (`findings` is named for the types of `scrub_findings` alone), and cheap to import.
 """
 
@@ -43,7 +43,7 @@ _PATTERNS = {
     r"((?:bearer|basic|token|digest)\s+)?[^\s'\",;}]+",
     "bearer": r"(?i)\b(bearer\s+)[A-Za-z0-9._~+/=-]{8,}",
 }
-# Compiled on first use: prestart's fast path prints through scrub and must stay cheap.
+# Compiled on first use: prestart's quick start prints through scrub and must stay cheap.
 _COMPILED: dict[str, re.Pattern[str]] = {}
 
 

@@ -18,8 +18,8 @@ from typing import IO, TYPE_CHECKING, Optional
 from qwen_kvprep import __version__
 from qwen_kvprep.checks import AREAS
 from qwen_kvprep.errors import KvprepError
-from qwen_kvprep.fastpath import Planting, Request, json_document, say
 from qwen_kvprep.findings import Finding, Severity
+from qwen_kvprep.quickstart import Planting, Request, json_document, say
 from qwen_kvprep.redact import scrub, scrub_findings, scrub_mapping, sensitive_names
 
 if TYPE_CHECKING:

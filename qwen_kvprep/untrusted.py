@@ -10,7 +10,7 @@ journal whose paths climb out with `..`).
   its folder one component at a time without following a symlink, so what is done there
   (through `dir_fd`) stays inside the root.
 
-prestart's fast path imports this module: standard library only, and nothing that costs
+prestart's quick start imports this module: standard library only, and nothing that costs
 milliseconds at import (no pathlib, typing, hashlib).
 """
 

@@ -6,7 +6,7 @@ cpp_kernels.py, the kernel sources) with real files — fsutil never writes thro
 so DIR is never touched. OUT's own state (journal, state.json, the view marker) lives in
 OUT/.qwen-kvprep, which is never linked from DIR.
 
-`view_mismatch` is on prestart's fast path: standard library only (no pathlib either), and
+`view_mismatch` is on prestart's quick start: standard library only (no pathlib either), and
 it hashes only the few small files fix changes.
 """
 
@@ -23,7 +23,7 @@ from qwen_kvprep.fsutil import atomic_write_text
 from qwen_kvprep.untrusted import read_record
 
 TYPE_CHECKING = False
-if TYPE_CHECKING:  # typing costs milliseconds at import; the fast path does not need it
+if TYPE_CHECKING:  # typing costs milliseconds at import; the quick start does not need it
     from collections.abc import Mapping
     from pathlib import Path
     from typing import Optional

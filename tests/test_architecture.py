@@ -3,7 +3,7 @@
 Layers point one way: base → probe → checks → engines → orchestrators → render → commands →
 cli. A module
 may import modules of its own layer or below, never above, and no two modules may import
-each other (directly or through others). prestart's fast path imports only the standard
+each other (directly or through others). prestart's quick start imports only the standard
 library and the stdlib-only base modules. docs/architecture.md says what each layer is for.
 """
 
@@ -53,7 +53,7 @@ LAYERS: dict[str, int] = {
     "qwen_kvprep.view": ENGINES,
     "qwen_kvprep.modcache": ENGINES,
     "qwen_kvprep.dirlock": ENGINES,
-    "qwen_kvprep.fastpath": ENGINES,
+    "qwen_kvprep.quickstart": ENGINES,
     "qwen_kvprep.smoke": ENGINES,
     "qwen_kvprep.profile": ENGINES,
     "qwen_kvprep.planning": ENGINES,
@@ -251,7 +251,7 @@ def test_explicit_any_is_rare() -> None:
 
 
 # Imports of the package's own modules inside functions hide a link from the reader and from
-# this test's graph until the function runs. Those left keep prestart's fast path and the
+# this test's graph until the function runs. Those left keep prestart's quick start and the
 # CLI's start light, or order the smoke/profile children's imports; each says why.
 IN_FUNCTION_LIMIT = 38
 COMMAND_LINES_LIMIT = 120  # a command parses options, calls the library and renders

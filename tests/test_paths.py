@@ -390,7 +390,7 @@ def test_a_record_survives_another_fix_pruning_the_empty_records_folder(
 def test_a_fresh_container_gets_every_spelling_planted_by_the_fast_path(
     tmp_path: Path, modules_env: Any
 ) -> None:
-    from qwen_kvprep.fastpath import Planting, Request, state_mismatch
+    from qwen_kvprep.quickstart import Planting, Request, state_mismatch
     from tests.safety_kit import fake_build
 
     p = prepare(tmp_path)
@@ -417,7 +417,7 @@ def test_a_fresh_container_gets_every_spelling_planted_by_the_fast_path(
 def test_the_fast_path_records_its_use_though_another_fix_prunes_the_records_folder(
     tmp_path: Path, modules_env: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from qwen_kvprep import fastpath
+    from qwen_kvprep import quickstart
     from tests.safety_kit import fake_build
 
     p = prepare(tmp_path)
@@ -432,8 +432,8 @@ def test_the_fast_path_records_its_use_though_another_fix_prunes_the_records_fol
             os.rmdir(USERS_DIRNAME, dir_fd=kwargs["dir_fd"])
         return real_open(path, flags, *args, **kwargs)
 
-    monkeypatch.setattr(fastpath.os, "open", racing_open)
-    assert fastpath.state_mismatch(fastpath.Request(str(p.directory))) is None
+    monkeypatch.setattr(quickstart.os, "open", racing_open)
+    assert quickstart.state_mismatch(quickstart.Request(str(p.directory))) is None
     monkeypatch.undo()
     assert pruned
     assert len(os.listdir(p.folder / USERS_DIRNAME)) == 1

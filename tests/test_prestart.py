@@ -17,8 +17,8 @@ from typing import Any, Optional
 
 import pytest
 
-from qwen_kvprep import __version__, common, fastpath
-from qwen_kvprep.fastpath import Request, parse_fast, state_mismatch
+from qwen_kvprep import __version__, common, quickstart
+from qwen_kvprep.quickstart import Request, parse_fast, state_mismatch
 from tests.cli import ENTRY, kvprep
 from tests.remote_code import code_folder, hashed_folders
 from tests.toolkit import NO_TOOLKIT
@@ -102,32 +102,14 @@ def test_dist_version_agrees_with_importlib_metadata() -> None:
     names = {d.metadata["Name"] for d in importlib.metadata.distributions()}
     assert {"torch", "transformers", "click"} <= names
     for name in sorted(names):
-        assert fastpath.dist_version(name) == importlib.metadata.version(name), name
-    assert fastpath.dist_version("no-such-distribution-qwen-kvprep") is None
+        assert quickstart.dist_version(name) == importlib.metadata.version(name), name
+    assert quickstart.dist_version("no-such-distribution-qwen-kvprep") is None
 
 
 def test_python_tag_agrees_with_the_build_cache() -> None:
     from qwen_kvprep.buildcache.builder import python_tag
 
-    assert fastpath.python_tag() == python_tag()
-
-
-@pytest.mark.parametrize(
-    "env",
-    [{"HF_MODULES_CACHE": "~/mods/"}, {"HF_HOME": "/h"},
-     {"HF_HOME": "/h", "HF_MODULES_CACHE": "/m"}, {"XDG_CACHE_HOME": "/x"}, {}],
-)
-def test_modules_root_agrees_with_modcache(
-    env: dict[str, str], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    from qwen_kvprep.probe.caches import modules_cache_root
-
-    for name in ("HF_MODULES_CACHE", "HF_HOME", "XDG_CACHE_HOME"):
-        monkeypatch.delenv(name, raising=False)
-    for name, value in env.items():
-        monkeypatch.setenv(name, value)
-    root = os.path.abspath(common.modules_cache_root()[0])  # where the fast path plants
-    assert root == os.path.abspath(modules_cache_root(os.environ)[0])
+    assert quickstart.python_tag() == python_tag()
 
 
 # ------------------------------------------------------------------ a recorded state, made by hand
@@ -366,7 +348,7 @@ def test_fast_path_execs_cmd_and_imports_nothing_heavy(
     assert res.stdout == "hi\n"  # prestart's own words go to stderr
     assert "is ready" in res.stderr
     modules = set(dump.read_text().split())
-    assert "qwen_kvprep.fastpath" in modules
+    assert "qwen_kvprep.quickstart" in modules
     interpreter = loaded_at_start(tmp_path, script)
     assert not [m for m in AVOIDED if m in modules and m not in interpreter]
 
@@ -382,7 +364,7 @@ def test_fast_path_imports_seen_by_importtime(fake: Path) -> None:
         for line in res.stderr.splitlines()
         if line.startswith("import time:") and "|" in line
     }
-    assert "qwen_kvprep.fastpath" in imported
+    assert "qwen_kvprep.quickstart" in imported
     assert not {m for m in imported if m.split(".")[0] in HEAVY or m == "click"}
 
 

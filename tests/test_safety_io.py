@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from qwen_kvprep import hubcli
-from qwen_kvprep.fastpath import Request, state_mismatch
+from qwen_kvprep.quickstart import Request, state_mismatch
 from qwen_kvprep.resources import KERNEL_FILES
 from tests import needs
 from tests.cli import ENTRY, invoke, kvprep

@@ -608,7 +608,7 @@ def test_damaged_records_are_findings_and_refusals_never_tracebacks(
 
 
 def test_prestart_treats_a_damaged_state_as_not_prepared(tmp_path: Path, modules_env: Any) -> None:
-    from qwen_kvprep.fastpath import Request, state_mismatch
+    from qwen_kvprep.quickstart import Request, state_mismatch
 
     p = prepare(tmp_path)
     for damage in ("truncated", "deep", "wrong-types", "fifo", "huge"):
@@ -705,9 +705,9 @@ def test_randomised_tampering_never_escapes_and_never_crashes(
     Nothing outside DIR and the modules cache changes, and nothing raises but the one
     expected-failure hierarchy (what the CLI prints as a message, never a traceback)."""
     from qwen_kvprep.checks import load_all, run_one
-    from qwen_kvprep.fastpath import Request, state_mismatch
     from qwen_kvprep.probe.caches import probe_caches
     from qwen_kvprep.probe.facts import Facts
+    from qwen_kvprep.quickstart import Request, state_mismatch
 
     state_checks = [c for c in load_all().values() if c.area == "state"]
     rng = random.Random(12)

@@ -7,7 +7,7 @@ from typing import Optional
 import click
 
 from qwen_kvprep.errors import UsageError
-from qwen_kvprep.fastpath import ENV_DIR
+from qwen_kvprep.quickstart import ENV_DIR
 
 COMMAND_KEY = "qwen_kvprep.prestart.command"
 DASHES_KEY = "qwen_kvprep.prestart.dashes"

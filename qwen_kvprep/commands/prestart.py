@@ -9,7 +9,7 @@ from qwen_kvprep.commands._common import checkpoint_dir, output_options
 from qwen_kvprep.commands._dashes import CommandAfterDashes, command_after_dashes
 from qwen_kvprep.commands._options import NONEMPTY, arch_option, cache_dir_option
 from qwen_kvprep.common import ENV_CACHE
-from qwen_kvprep.fastpath import (
+from qwen_kvprep.quickstart import (
     ENV_ALLOW_FALLBACK,
     ENV_ARCH,
     ENV_DIR,
@@ -96,7 +96,7 @@ def prestart(
 
 
 def run(request: Request) -> NoReturn:
-    """The fast path once more (click has parsed the options), else the slow path; then
+    """The quick start once more (click has parsed the options), else the slow path; then
     hand over to CMD."""
     planting = Planting()
     reason = state_mismatch(request, planting)

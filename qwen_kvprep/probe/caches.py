@@ -32,11 +32,11 @@ from qwen_kvprep.common import (
     USERS_DIRNAME,
     build_cache_root,
     machine,
+    modules_cache_root,
     python_tag,
     sha256_file,
 )
 from qwen_kvprep.common import LOADER_FILE as LOADER
-from qwen_kvprep.common import modules_cache_root as _modules_cache_root
 from qwen_kvprep.errors import KvprepError
 from qwen_kvprep.fsutil import TEMP_NAME, leftover_temps
 from qwen_kvprep.journal.reader import folder_identity, read_journal
@@ -206,12 +206,6 @@ def _why(path: str) -> str:
 def build_cache_dir(option: Optional[Path], environ: Mapping[str, str]) -> tuple[Path, str]:
     """The build cache (common.build_cache_root), with what chose it."""
     path, source = build_cache_root(option, environ)
-    return Path(path), source
-
-
-def modules_cache_root(environ: Mapping[str, str]) -> tuple[Path, str]:
-    """transformers' modules cache (common.modules_cache_root), with what chose it."""
-    path, source = _modules_cache_root(environ)
     return Path(path), source
 
 
@@ -474,7 +468,8 @@ def probe_caches(
     environ = os.environ if environ is None else environ
     tag, mach = python_tag(), machine()
     cache, cache_source = build_cache_dir(cache_dir, environ)
-    root, root_source = modules_cache_root(environ)
+    root_text, root_source = modules_cache_root(environ)
+    root = Path(root_text)
     folders: tuple[ModuleFolder, ...] = ()
     state: Optional[State] = None
     state_error: Optional[str] = None

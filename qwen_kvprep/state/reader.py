@@ -1,9 +1,9 @@
 """Reading `<checkpoint>/.qwen-kvprep/state.json` back: a file in a folder anyone with write
-access may have changed, read by prestart's fast path on every container start.
+access may have changed, read by prestart's quick start on every container start.
 
 `read_state` reads it as untrusted data (a regular file, at most 1 MiB, strict JSON, at
 most 16 levels deep) and checks it against its schema; prestart, fix and doctor all use
-it, so they agree on what a damaged state is. Standard library only (the fast path).
+it, so they agree on what a damaged state is. Standard library only (prestart's quick start).
 
     {"state_version": 1, "tool_version", "checkpoint": abs path,
      "files": {name: sha256 or null},      config.json, cpp_kernels.py, the kernel sources

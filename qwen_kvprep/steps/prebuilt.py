@@ -51,10 +51,10 @@ from qwen_kvprep.buildcache.variant import (
 )
 from qwen_kvprep.common import KERNEL_FILES
 from qwen_kvprep.errors import KvprepError, SourceError, UsageError, os_failure
-from qwen_kvprep.fastpath import ENV_PREBUILT
 from qwen_kvprep.findings import Finding, fail, info, ok, warn
 from qwen_kvprep.fsutil import atomic_write_text, check_output_file
 from qwen_kvprep.probe.toolchain import torch_info
+from qwen_kvprep.quickstart import ENV_PREBUILT
 from qwen_kvprep.redact import install_log_filter
 from qwen_kvprep.state.writer import load_state
 from qwen_kvprep.steps.download import _cause_summary, _progress_bars, hub_errors

@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Optional
 
 from qwen_kvprep.errors import KvprepError, UsageError
-from qwen_kvprep.fastpath import Planting, Request, state_mismatch
 from qwen_kvprep.findings import Finding, failed
+from qwen_kvprep.quickstart import Planting, Request, state_mismatch
 from qwen_kvprep.steps.fix import FixOptions, run_fix
 from qwen_kvprep.steps.prebuilt import configured
 from qwen_kvprep.view import prepare_view, read_marker

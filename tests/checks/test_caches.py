@@ -21,7 +21,6 @@ from qwen_kvprep.probe.caches import (
     LockFile,
     folder_access,
     module_folder_candidates,
-    modules_cache_root,
     open_file_holders,
     probe_caches,
     usable_builds,
@@ -399,10 +398,12 @@ def test_open_file_holders_without_proc(tmp_path: Path) -> None:
 
 
 def test_module_folder_naming(tmp_path: Path) -> None:
+    from qwen_kvprep.common import modules_cache_root
+
     root, source = modules_cache_root({"HF_HOME": "/hf"})
-    assert (root, source) == (Path("/hf/modules"), "HF_HOME")
-    assert modules_cache_root({"HF_MODULES_CACHE": "/m", "HF_HOME": "/hf"})[0] == Path("/m")
-    assert modules_cache_root({"XDG_CACHE_HOME": "/x"})[0] == Path("/x/huggingface/modules")
+    assert (root, source) == ("/hf/modules", "HF_HOME")
+    assert modules_cache_root({"HF_MODULES_CACHE": "/m", "HF_HOME": "/hf"})[0] == "/m"
+    assert modules_cache_root({"XDG_CACHE_HOME": "/x"})[0] == "/x/huggingface/modules"
     snap = Path("/hub/models--Qwen--Qwen-7B-Chat/snapshots/abc123")
     names = [str(p) for p, _ in module_folder_candidates(snap, Path("/m"))]
     assert names == [

@@ -1,4 +1,4 @@
-"""prestart's fast path: exec CMD when nothing changed since `fix`.
+"""prestart's quick start: exec CMD when nothing changed since `fix`.
 
 It runs on every container start. When the state `fix` recorded still matches the files,
 the installed torch/transformers, the build and the modules cache, it must cost a few
@@ -173,7 +173,7 @@ def parse_fast(args: Sequence[str]) -> Optional[Request]:
         if arg == "--json":
             as_json = True
         elif arg == "--debug":
-            pass  # tracebacks: the fast path reports nothing it could show one for
+            pass  # tracebacks: the quick start reports nothing it could show one for
         elif name in values:
             if not eq:
                 if i + 1 >= len(args):
@@ -258,7 +258,7 @@ def _header_version(path: str) -> Optional[str]:
 def dist_version(name: str) -> Optional[str]:
     """The installed version of distribution `name`, as importlib.metadata.version reports
     it, without importing the package. Importing importlib.metadata itself costs ~20 ms
-    (email, zipfile, csv...), a quarter of the fast path's budget, so the common layout —
+    (email, zipfile, csv...), a quarter of the quick start's budget, so the common layout —
     `<name>-<ver>.dist-info` folders in the sys.path entries, first entry wins — is read
     directly; anything else (zips, custom finders) goes to importlib.metadata."""
     want = _normalize(name)
