@@ -112,17 +112,21 @@ def _import_cpp_extension(cuda_home: Optional[str]) -> ModuleType:
     """torch.utils.cpp_extension with the CUDA home the build uses. The module settles its
     CUDA_HOME when it is imported (from $CUDA_HOME, else `which nvcc`, else
     /usr/local/cuda) and, without a GPU, logs the one it took: its answer must be ours."""
+    import contextlib
+    import io
     import logging
 
     if cuda_home:
         os.environ["CUDA_HOME"] = cuda_home
-    else:
-        # a CPU-only build uses no CUDA home: torch's guess at one would only mislead
-        logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
-    from torch.utils import cpp_extension
+        from torch.utils import cpp_extension
 
-    if cuda_home:
         cpp_extension.CUDA_HOME = cuda_home
+        return cpp_extension
+    # A CPU-only build uses no CUDA home: torch's guess at one would only mislead. torch
+    # >= 2.1 logs it, torch 2.0 prints it to stderr while the module is imported.
+    logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
+    with contextlib.redirect_stderr(io.StringIO()):
+        from torch.utils import cpp_extension
     return cpp_extension
 
 
