@@ -3,8 +3,9 @@ for it.
 
 The changes themselves are in our module `templates/qwen_kvprep_compat.py`, written as
 `qwen_kvprep_compat.py` beside modeling_qwen.py; it decides when the model's code is imported
-what the running transformers needs (nothing on 4.32 to 4.53), so a folder prepared once
-serves under every supported release. The user's file gets two changes, each between
+what the running transformers needs (on 4.32 to 4.53 nothing, unless
+transformers_stream_generator cannot be imported), so a folder prepared once serves under
+every supported release. The user's file gets two changes, each between
 marker lines, that `revert` undoes byte for byte from the journal and `unpatched` takes
 out exactly (`without_ours`: ours and the fast path's; every other line is the user's):
 
@@ -79,6 +80,16 @@ def patched(text: str) -> str:
     """The file with our changes (once); `text` must hold no fast-path block (the caller
     appends that one after ours)."""
     return append_block(_STREAM_IMPORT.sub(_hide, unpatched(text)), BLOCK)
+
+
+def as_fixed(text: str) -> str:
+    """The file's import lines as they will be once fix has run (the import of the stream
+    generator wrapped), for reading which packages transformers will then require; the text
+    itself where fix leaves the file alone (it defines none of Qwen's models)."""
+    base = without_ours(text)
+    if recognise(base) is not None:
+        return text
+    return _STREAM_IMPORT.sub(_hide, base)
 
 
 def without_ours(text: str) -> str:

@@ -72,10 +72,7 @@ def module_folder(
     except ImportError as exc:
         # transformers checks the remote code's imports (tiktoken, einops, ...) first
         message = f"transformers refuses the remote code of {source}: {exc}"
-        fix = (
-            "install the packages it names "
-            "(pip install tiktoken einops transformers_stream_generator)"
-        )
+        fix = "install the packages it names (Qwen's code needs tiktoken and einops)"
         raise CheckpointError.failing("modules.requirements", message, fix) from exc
     except OSError as exc:
         message = f"cannot copy the remote code of {source} into the modules cache {root}: {exc}"

@@ -26,8 +26,9 @@ untouched), and only where this release needs it:
   are left as uninitialized memory. `_init_weights` then runs the model's own init only
   for modules whose own parameters were all missing from the checkpoint, and computes
   the buffers as the model's `__init__` does.
-- `stream` (transformers >= 4.57, where `transformers_stream_generator` cannot be
-  imported): `chat_stream` streams through transformers' own streamer interface instead.
+- `stream` (wherever `transformers_stream_generator` cannot be imported: not installed,
+  or transformers >= 4.57, which it no longer imports on): `chat_stream` streams through
+  transformers' own streamer interface instead.
 
 `needs()` says which of these apply; `ACTIVE`, after `install`, which were installed.
 """
@@ -78,11 +79,10 @@ def needs(release=None, stream_ok=None, model_can_generate=None):
     if release >= (5, 0):
         out.append("head-mask")
         out.append("loaded-numbers")
-    if release >= (4, 54):
-        if stream_ok is None:
-            stream_ok = _stream_generator_imports()
-        if not stream_ok:
-            out.append("stream")
+    if stream_ok is None:
+        stream_ok = _stream_generator_imports()
+    if not stream_ok:
+        out.append("stream")
     return tuple(out)
 
 

@@ -456,10 +456,30 @@ def compat_module(facts: Facts) -> CheckResult:
             f"run `{fix}`",
             paths=[cp.path / MODELING],
         )
-    runs = f"on transformers {release}" if release else "on transformers 4.32 to 4.53"
+    spared = [
+        m for m in cp.missing_requirements
+        if m not in cp.fixed_missing and m not in cp.fixed_requirements
+    ]
+    if spared:
+        names = ", ".join(spared)
+        return fail(
+            f"transformers refuses to load Qwen's {MODELING} as shipped: it imports {names} "
+            f"(in chat_stream), which cannot be imported here; the folder lacks qwen-kvprep's "
+            f"compatibility module, with which the model loads without it (chat_stream then "
+            "streams through transformers' own streamer)",
+            f"run `{fix}`",
+            paths=[cp.path / MODELING],
+            missing=spared,
+        )
+    if release is None:
+        return info(
+            f"Qwen's code as shipped runs on transformers 4.32 to 4.53 only; `{fix}` adds "
+            "the compatibility module later releases need",
+            paths=[cp.path / MODELING],
+        )
     return info(
-        f"Qwen's code runs as shipped {runs}; `{fix}` adds the compatibility module newer "
-        "releases need (4.54 and later)",
+        f"Qwen's code runs as shipped on transformers {release}; `{fix}` adds the "
+        "compatibility module that 4.54 and later need",
         paths=[cp.path / MODELING],
     )
 
@@ -756,10 +776,20 @@ _PIP_NAME = {"transformers_stream_generator": "transformers-stream-generator", "
     needs=(CHECKPOINT, LISTED, QWEN_V1),
 )
 def requirements(facts: Facts) -> CheckResult:
+    # Judged on the code as fix leaves it: what only the code as shipped needs (chat_stream's
+    # transformers_stream_generator) is checkpoint.compat's, whose fix is `fix` itself.
     cp = checkpoint_of(facts)
-    missing = list(cp.missing_requirements)
+    missing = list(cp.fixed_missing)
     if not missing:
-        return ok(f"all {len(cp.requirements)} modules the remote code imports are installed")
+        spared = [m for m in cp.requirements if m not in cp.fixed_requirements]
+        also = (
+            f" ({', '.join(spared)}, which only the code as shipped requires: see "
+            "checkpoint.compat)" if spared and cp.missing_requirements else ""
+        )
+        return ok(
+            f"all {len(cp.fixed_requirements)} modules the remote code needs are "
+            f"importable{also}"
+        )
     return fail(
         "transformers refuses to load the remote code (`ImportError: This modeling file "
         "requires the following packages that were not found in your environment: "

@@ -43,7 +43,9 @@ TRANSFORMERS_5 = (5, 0)
 TRANSFORMERS_TOKENIZER_FIXED = (5, 23)  # measured: 5.0.0 fails; 5.23 and 5.24 work
 TRANSFORMERS_PIN_FIX = 'pip install -U "transformers>=4.32"'
 TRANSFORMERS_TOKENIZER_FIX = 'pip install -U "transformers>=5.23"'
-REMOTE_REQUIREMENTS = ("tiktoken", "einops", "transformers_stream_generator")
+# What Qwen's code needs once fix has run (transformers_stream_generator, which only
+# chat_stream imports, is not: the compatibility module streams without it).
+REMOTE_REQUIREMENTS = ("tiktoken", "einops")
 CUDA_TORCH_FIX = (
     "install a torch built for CUDA >= 11.8, e.g. "
     "`pip install torch --index-url https://download.pytorch.org/whl/cu121`"

@@ -41,6 +41,7 @@ from qwen_kvprep.fastkv import is_patched, recognise, render_module
 from qwen_kvprep.gptqconfig import PACKED, QuantizeFile, read_quantize_config
 from qwen_kvprep.hubcache import repo_folder
 from qwen_kvprep.probe.caches import folder_access
+from qwen_kvprep.probe.env import IMPORT_TO_KNOW, import_error
 from qwen_kvprep.resources import templates_dir
 from qwen_kvprep.untrusted import json_error_at, kind_of, open_regular, read_prefix
 
@@ -192,7 +193,11 @@ class CheckpointFacts:
     is_git_checkout: bool = False
     git_root: Optional[Path] = None  # the work tree holding it (its own .git or a parent's)
     requirements: tuple[str, ...] = ()  # top-level modules the remote code imports
-    missing_requirements: tuple[str, ...] = ()
+    missing_requirements: tuple[str, ...] = ()  # of those, the ones that cannot be imported
+    # the same once fix has run: its compatibility lines take chat_stream's import of
+    # transformers_stream_generator out of transformers' check (equal for a fixed folder)
+    fixed_requirements: tuple[str, ...] = ()
+    fixed_missing: tuple[str, ...] = ()
     # the folder is a huggingface_hub cache repo folder (models--ORG--NAME with snapshots/):
     # its repo id, the snapshot folders in it and what its refs/ name (ref, commit)
     cache_repo: Optional[str] = None
@@ -575,17 +580,20 @@ def _auto_map_modules(data: Optional[Mapping[str, JSON]]) -> set[str]:
 
 def _importable(module: str) -> bool:
     try:
-        return importlib.util.find_spec(module) is not None
+        found = importlib.util.find_spec(module) is not None
     except ValueError:  # in sys.modules without a spec (__main__): it is there
         return True
     except ImportError:
         return False
+    # transformers' own check imports each module: installed is not enough for these
+    return found and (module not in IMPORT_TO_KNOW or import_error(module) is None)
 
 
 def scan_requirements(
-    root: Path, entry_modules: Iterable[str], skip: Iterable[str] = ()
+    root: Path, entry_modules: Iterable[str], skip: Iterable[str] = (), as_fixed: bool = False
 ) -> tuple[str, ...]:
-    """Top-level modules imported by the remote code reachable from `entry_modules`."""
+    """Top-level modules imported by the remote code reachable from `entry_modules`
+    (as_fixed: with modeling_qwen.py's imports as they will be once fix has run)."""
     skipped = set(skip)
     seen: set[str] = set()
     todo = [m for m in entry_modules if unsafe_member(f"{m}.py") is None]
@@ -599,6 +607,8 @@ def scan_requirements(
         text = _read_text(root / fname) if os.path.isfile(root / fname) else None
         if text is None:
             continue
+        if as_fixed and fname == MODELING:
+            text = compat.as_fixed(text)
         absolute, relative = imports_of(text)
         required |= absolute
         todo.extend(r for r in relative if unsafe_member(f"{r}.py") is None)
@@ -920,6 +930,12 @@ def probe_checkpoint(path: Path, spelt: Optional[str] = None) -> CheckpointFacts
         path, sorted(entries), skip=[f for f in problems if f.endswith(".py")]
     )
     missing_requirements = tuple(m for m in requirements if not _importable(m))
+    fixed_requirements = scan_requirements(
+        path, sorted(entries), skip=[f for f in problems if f.endswith(".py")], as_fixed=True
+    )
+    fixed_missing = tuple(
+        m for m in fixed_requirements if m in missing_requirements or not _importable(m)
+    )
 
     loader_text = _read_text(path / LOADER) if LOADER in files else None
     fast_sha = _sha256(path / FAST_FILE) if FAST_FILE in files else None
@@ -961,4 +977,6 @@ def probe_checkpoint(path: Path, spelt: Optional[str] = None) -> CheckpointFacts
         and LOADER_MARKER in "\n".join(loader_text.splitlines()[:10]),
         requirements=requirements,
         missing_requirements=missing_requirements,
+        fixed_requirements=fixed_requirements,
+        fixed_missing=fixed_missing,
     )

@@ -4,15 +4,20 @@ Everything here must work without torch, transformers, a GPU, nvcc or a writable
 system: each missing piece becomes a fact (None, False or an error string) that a check
 turns into a finding. torch is the only heavy package imported (its CUDA build, ABI flag
 and GPUs cannot be read otherwise); every other package is looked up with
-`importlib.util.find_spec` and `importlib.metadata`, which do not run it.
+`importlib.util.find_spec` and `importlib.metadata`, which do not run it, except those of
+IMPORT_TO_KNOW: installed, they may still fail to import on the running transformers, and
+"installed" means importable.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
+import importlib
 import importlib.metadata
 import importlib.util
+import io
 import os
 import platform
 import re
@@ -72,6 +77,11 @@ PACKAGES: Mapping[str, tuple[str, ...]] = {
     "peft": ("peft",),  # auto-gptq imports it
 }
 
+# Packages found only when they import: transformers_stream_generator imports names that
+# transformers removed (BeamSearchScorer in 4.57, DisjunctiveConstraint in 5.0), so on
+# newer releases it is installed and yet `import transformers_stream_generator` fails.
+IMPORT_TO_KNOW = ("transformers_stream_generator",)
+
 
 @dataclass(frozen=True)
 class GpuInfo:
@@ -87,8 +97,9 @@ class GpuInfo:
 @dataclass(frozen=True)
 class PackageInfo:
     module: str
-    found: bool
-    version: Optional[str] = None
+    found: bool  # importable (for IMPORT_TO_KNOW: imported here without an error)
+    version: Optional[str] = None  # the installed distribution's, also when it cannot import
+    error: Optional[str] = None  # installed, but `import module` failed: how
 
 
 @dataclass(frozen=True)
@@ -479,12 +490,41 @@ def _dist_version(names: Sequence[str]) -> Optional[str]:
     return None
 
 
+@functools.cache
+def import_error(module: str) -> Optional[str]:
+    """How `import module` fails in this interpreter (one line), None when it imports.
+    Only for IMPORT_TO_KNOW modules that find_spec finds: they import transformers, so
+    this costs transformers' import once per process; what they print is dropped."""
+    sink = io.StringIO()
+    try:
+        with warnings.catch_warnings(), contextlib.redirect_stdout(sink), \
+                contextlib.redirect_stderr(sink):
+            warnings.simplefilter("ignore")
+            importlib.import_module(module)
+    except KeyboardInterrupt:
+        raise
+    except BaseException as exc:  # ImportError, AttributeError, SystemExit from its imports
+        text = str(exc).strip().splitlines()
+        return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
+    return None
+
+
 def _probe_package(module: str, dists: Sequence[str]) -> PackageInfo:
     try:
         found = importlib.util.find_spec(module) is not None
     except (ImportError, ValueError):
         found = False
-    return PackageInfo(module, found, _dist_version(dists) if found else None)
+    version = _dist_version(dists) if found else None
+    if found and module in IMPORT_TO_KNOW:
+        error = import_error(module)
+        if error is not None:
+            return PackageInfo(module, False, version, error)
+    return PackageInfo(module, found, version)
+
+
+def package_info(module: str) -> PackageInfo:
+    """What probe_env says of one package of PACKAGES, without probing the rest."""
+    return _probe_package(module, PACKAGES.get(module, (module,)))
 
 
 # ---------------------------------------------------------------------------------------
@@ -595,7 +635,10 @@ def summary(facts: EnvFacts) -> dict[str, Union[str, bool, None]]:
         "ninja": facts.ninja_path or "not on PATH",
         "transformers": facts.transformers_version or "not installed",
         "packages": ", ".join(
-            f"{p.module} {p.version or '?'}" for p in facts.packages.values() if p.found
+            f"{p.module} {p.version or '?'}"
+            + (" (installed, cannot be imported)" if p.error is not None else "")
+            for p in facts.packages.values()
+            if p.found or p.error is not None
         ),
     }
 

@@ -178,11 +178,13 @@ _HINTS = (
         "`qwen-kvprep fix {dir}` (it uses qwen-kvprep's own kernel sources)",
     ),
     (
-        # Qwen's code as shipped on transformers >= 4.54 (without qwen_kvprep_compat.py)
+        # Qwen's code as shipped (without qwen_kvprep_compat.py) where that package is not
+        # installed, or cannot be imported (transformers >= 4.57)
         "transformers_stream_generator",
-        "Qwen's code as shipped does not run on this transformers (its chat_stream imports "
+        "Qwen's code as shipped does not load here (its chat_stream imports "
         "transformers_stream_generator, which cannot be imported here): run "
-        "`qwen-kvprep fix {dir}`, which adds qwen_kvprep_compat.py",
+        "`qwen-kvprep fix {dir}`, which adds qwen_kvprep_compat.py (the model then needs "
+        "no such package)",
     ),
     (
         "get_head_mask",
@@ -191,8 +193,7 @@ _HINTS = (
     ),
     (
         "requires the following packages",
-        "install the packages the model code imports: pip install tiktoken einops "
-        "transformers_stream_generator",
+        "install the packages the error names (Qwen's code needs tiktoken and einops)",
     ),
     (
         "Loading a GPTQ quantized model requires",

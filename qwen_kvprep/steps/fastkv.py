@@ -73,9 +73,10 @@ def _compat(ctx: FixContext, text: str) -> str:
         ctx.add(
             info(
                 "compat.model_code",
-                f"{verb} {COMPAT_FILE}, imported by {MODELING_FILE}: it gives Qwen's code what "
-                "the running transformers lacks (nothing before 4.54), so the folder serves "
-                "under every supported release",
+                f"{verb} {COMPAT_FILE}, imported by {MODELING_FILE}: at each load it gives "
+                "Qwen's code what the running transformers lacks (before 4.54 nothing but "
+                "chat_stream's streaming where transformers_stream_generator cannot be "
+                "imported), so the folder serves under every supported release",
                 paths=[path, ctx.directory / COMPAT_FILE],
             )
         )

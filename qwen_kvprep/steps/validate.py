@@ -11,19 +11,27 @@ from qwen_kvprep.checks import load_all, run_one
 from qwen_kvprep.errors import CheckpointError, ConfigError
 from qwen_kvprep.findings import Finding, Severity
 from qwen_kvprep.probe.checkpoint import probe_checkpoint
+from qwen_kvprep.probe.env import EnvFacts, package_info
 from qwen_kvprep.probe.facts import Facts
 from qwen_kvprep.steps.context import FixContext
 
 _ALSO = ("config.parse",)
 IDENTITY = "checkpoint.identity"
 # What fix itself changes: its own step reports that (doctor's view of it, taken before the
-# step, would advise running the very fix under way, or refuse what fix repairs).
-_FIX_OWNS = ("checkpoint.fast_path",)
+# step, would advise running the very fix under way, or refuse what fix repairs: Qwen's code
+# as shipped on this transformers, and transformers_stream_generator, which only that code
+# needs).
+_FIX_OWNS = ("checkpoint.fast_path", "checkpoint.compat")
 
 
 def check(directory: Path) -> tuple[Facts, list[Finding]]:
     """(facts, findings that are not ok); raises CheckpointError/ConfigError on a failure."""
-    facts = Facts(checkpoint=probe_checkpoint(directory))
+    # the running transformers release, for the checks that depend on it (how it spells
+    # module names); the rest of the environment is doctor's and the later steps'
+    running = package_info("transformers").version
+    facts = Facts(
+        checkpoint=probe_checkpoint(directory), env=EnvFacts(transformers_version=running)
+    )
     findings: list[Finding] = []
     for chk in load_all().values():
         if (chk.area == "checkpoint" or chk.id in _ALSO) and chk.id not in _FIX_OWNS:
