@@ -224,9 +224,8 @@ def test_doctor_says_whether_the_code_runs_on_this_transformers(
     tmp_path: Path, release: str, prepared: bool, want: str
 ) -> None:
     from qwen_kvprep.probe.checkpoint import probe_checkpoint
-    from tests.checks.facts import env_facts, facts, text, worst
-
     from qwen_kvprep.probe.env import package_info
+    from tests.checks.facts import env_facts, facts, text, worst
 
     ckpt = generate_checkpoint(tmp_path / "Tiny-Chat", layers=1)
     if prepared:

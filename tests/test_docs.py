@@ -258,3 +258,21 @@ def test_readme_keeps_the_test_command_and_links_the_documentation() -> None:
     assert 'pip install -e ".[test]" && pytest' in _section(readme, "Development")
     for doc in ("reference.md", "development.md", "architecture.md", "qwen-v1.md"):
         assert f"(docs/{doc}" in readme, doc
+
+
+def test_the_measured_tokenizer_table_is_the_codes(reference: str) -> None:
+    """doctor's tokenizer warning (checks/measured.py) and the table the reference shows
+    say the same of every release."""
+    from qwen_kvprep.checks.measured import QWEN_TOKENIZER
+
+    body = _section(reference, r"Measured on each transformers 5\.x release")
+    rows = [
+        [cell.strip() for cell in line.strip().strip("|").split("|")]
+        for line in body.splitlines()
+        if re.match(r"^\|\s*\d+\.\d+\.\d+\s*\|", line)
+    ]
+    documented = {row[0]: row[2] for row in rows}
+    assert set(documented) == {release for release, _ in QWEN_TOKENIZER.values()}
+    for release, how in QWEN_TOKENIZER.values():
+        works = documented[release].startswith("works")
+        assert works is (how is None), (release, documented[release])

@@ -46,8 +46,16 @@ class _Refuse:
 
 
 def _forget(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Forget the package for this test: what it imports of it is forgotten afterwards too
+    (a stand-in left in sys.modules would import for the tests after it)."""
     for name in [m for m in sys.modules if m == NAME or m.startswith(NAME + ".")]:
         monkeypatch.delitem(sys.modules, name)
+    probe_env.import_error.cache_clear()
+
+
+def _drop_stand_ins() -> None:
+    for name in [m for m in sys.modules if m == NAME or m.startswith(NAME + ".")]:
+        del sys.modules[name]
     probe_env.import_error.cache_clear()
 
 
@@ -56,7 +64,7 @@ def absent(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     _forget(monkeypatch)
     monkeypatch.setattr(sys, "meta_path", [_Refuse(), *sys.meta_path])
     yield
-    probe_env.import_error.cache_clear()
+    _drop_stand_ins()
 
 
 @pytest.fixture()
@@ -73,7 +81,7 @@ def broken(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[None]:
     )
     monkeypatch.syspath_prepend(str(site))
     yield
-    probe_env.import_error.cache_clear()
+    _drop_stand_ins()
 
 
 @pytest.fixture()
@@ -85,7 +93,7 @@ def importable(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[None
     (site / NAME / "__init__.py").write_text("")
     monkeypatch.syspath_prepend(str(site))
     yield
-    probe_env.import_error.cache_clear()
+    _drop_stand_ins()
 
 
 @pytest.fixture(scope="module")

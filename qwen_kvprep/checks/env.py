@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Optional
 
+from qwen_kvprep.checks import measured
 from qwen_kvprep.checks.kernels import kernel_requested
 from qwen_kvprep.checks.registry import (
     CUDA_TORCH,
@@ -39,10 +40,7 @@ MIN_CUDA = (11, 4)
 TRANSFORMERS_MIN = (4, 32)
 TRANSFORMERS_FIRST_BROKEN = (4, 54)  # measured: 4.53.3 works, 4.54.1 does not
 TRANSFORMERS_QWEN_PIN = (4, 38)
-TRANSFORMERS_5 = (5, 0)
-TRANSFORMERS_TOKENIZER_FIXED = (5, 23)  # measured: 5.0.0 fails; 5.23 and 5.24 work
 TRANSFORMERS_PIN_FIX = 'pip install -U "transformers>=4.32"'
-TRANSFORMERS_TOKENIZER_FIX = 'pip install -U "transformers>=5.23"'
 # What Qwen's code needs once fix has run (transformers_stream_generator, which only
 # chat_stream imports, is not: the compatibility module streams without it).
 REMOTE_REQUIREMENTS = ("tiktoken", "einops")
@@ -703,12 +701,14 @@ def transformers_version(facts: Facts) -> FindingsLike:
             TRANSFORMERS_PIN_FIX,
             details=details,
         )
-    if TRANSFORMERS_5 <= v < TRANSFORMERS_TOKENIZER_FIXED:
+    broken = measured.tokenizer_failure(v)
+    if broken is not None:
+        measured_on, how = broken
+        upgrade = measured.FIRST_WORKING
         return warn(
-            f"transformers {ver}: Qwen's tokenizer fails on 5.0 (`QWenTokenizer has no attribute "
-            "mergeable_ranks`: the base class asks for the vocabulary before the tokenizer has "
-            "read it), which transformers fixed by 5.23; releases in between are not measured",
-            TRANSFORMERS_TOKENIZER_FIX,
+            f"transformers {ver}: Qwen's tokenizer fails on {v[0]}.{v[1]} (measured on "
+            f"{measured_on}: {how})",
+            f'pip install -U "transformers>={_vs(upgrade)}"' if upgrade else None,
             details=details,
         )
     if v >= TRANSFORMERS_FIRST_BROKEN:

@@ -460,10 +460,15 @@ def test_python_headers() -> None:
         ("4.55.4", Severity.OK, "compatibility module"),
         ("4.54.0.dev0", Severity.OK, "compatibility module"),
         ("4.57.1", Severity.OK, "compatibility module"),
-        ("5.0.0", Severity.WARN, "mergeable_ranks"),
-        ("5.22.2", Severity.WARN, "not measured"),
+        # Qwen's tokenizer, measured on every 5.x minor release (checks/measured.py)
+        ("5.0.0", Severity.WARN, "measured on 5.0.0"),
+        ("5.1.0", Severity.WARN, "measured on 5.1.0"),
+        ("5.2.0", Severity.OK, "compatibility module"),
+        ("5.17.0", Severity.OK, "compatibility module"),
+        ("5.22.2", Severity.OK, "compatibility module"),
         ("5.23.0", Severity.OK, "compatibility module"),
         ("5.24.0", Severity.OK, "other weights than the checkpoint's"),
+        ("5.99.0", Severity.OK, "compatibility module"),  # newer than measured: not judged
     ],
 )
 def test_transformers_matrix(version: str, expected: Severity, symptom: str) -> None:
@@ -473,7 +478,17 @@ def test_transformers_matrix(version: str, expected: Severity, symptom: str) -> 
     if expected is Severity.FAIL:
         assert 'pip install -U "transformers>=4.32"' in text("env.transformers", f)
     if expected is Severity.WARN:
-        assert 'pip install -U "transformers>=5.23"' in text("env.transformers", f)
+        assert 'pip install -U "transformers>=5.2"' in text("env.transformers", f)
+
+
+def test_the_tokenizer_warning_follows_the_measured_table() -> None:
+    from qwen_kvprep.checks.measured import QWEN_TOKENIZER
+
+    assert QWEN_TOKENIZER, "nothing measured"
+    for (major, minor), (release, how) in QWEN_TOKENIZER.items():
+        assert release.startswith(f"{major}.{minor}.")
+        f = facts(env_facts(transformers_version=release))
+        assert worst("env.transformers", f) is (Severity.OK if how is None else Severity.WARN)
 
 
 def test_transformers_missing() -> None:
