@@ -782,9 +782,10 @@ def requirements(facts: Facts) -> CheckResult:
     missing = list(cp.fixed_missing)
     if not missing:
         spared = [m for m in cp.requirements if m not in cp.fixed_requirements]
+        absent = [m for m in spared if m in cp.missing_requirements]
         also = (
-            f" ({', '.join(spared)}, which only the code as shipped requires: see "
-            "checkpoint.compat)" if spared and cp.missing_requirements else ""
+            f" ({', '.join(absent)}, which only the code as shipped imports, cannot be "
+            "imported here: the folder does without it once fixed)" if absent else ""
         )
         return ok(
             f"all {len(cp.fixed_requirements)} modules the remote code needs are "
