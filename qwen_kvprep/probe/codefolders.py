@@ -14,9 +14,10 @@ planted into.
 from __future__ import annotations
 
 import importlib.metadata
+import inspect
 import os
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import ModuleType
 from typing import Optional
@@ -87,9 +88,25 @@ def code_hash(
                     continue  # not a file transformers could copy either
             for name, data in (planned or {}).items():
                 (scratch / name).write_bytes(data)
-            return str(compute(str(scratch), str(scratch / MODULE_FILE)))
+            return str(_call_hash(dmu, compute, scratch))
     except (OSError, ValueError):  # no modeling_qwen.py, or no temporary folder
         return None
+
+
+def _call_hash(dmu: ModuleType, compute: Callable[..., object], scratch: Path) -> object:
+    """transformers' hash of the code in `scratch`, called as the running release defines it:
+    (folder, resolved file) on 5.10 and later; 5.8 and 5.9 also take the module file's name
+    and the modules it imports relatively (what their loader passes: check_imports' answer,
+    without its check of the packages, which the folder as shipped may not pass)."""
+    resolved = str(scratch / MODULE_FILE)
+    try:
+        takes = len(inspect.signature(compute).parameters)
+    except (TypeError, ValueError):
+        takes = 2
+    if takes >= 4:
+        relative = dmu.get_relative_imports(resolved)
+        return compute(str(scratch), MODULE_FILE, resolved, relative)
+    return compute(str(scratch), resolved)
 
 
 def local_folder(
