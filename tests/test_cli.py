@@ -180,7 +180,8 @@ def test_bad_json_is_reported_at_the_line_to_fix(
     res = invoke("plan", str(d), "--gpu", "h100")
     assert res.returncode == 1 and said in res.stderr, res.stderr
     assert f"at line {line}," in res.stderr and f"repair line {line} " in res.stderr
-    res = kvprep("doctor", str(d), "--check", "config.parse", "--json")
+    # in this process: a child would import torch (doctor probes it) for a parse message
+    res = invoke("doctor", str(d), "--check", "config.parse", "--json")
     (finding,) = json.loads(res.stdout)["findings"]
     assert f"at line {line}," in finding["message"], finding
 

@@ -621,3 +621,43 @@ def test_an_interrupted_doctor_exits_130(monkeypatch: pytest.MonkeyPatch) -> Non
     res = invoke("doctor", "--json")
     assert res.returncode == 130
     assert "interrupted" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_transformers_own_warnings_stay_out_of_doctor(
+    tmp_path: Path, isolated_hf: Path
+) -> None:
+    """doctor asks transformers' helpers how it names module folders; they warn as if a
+    model were being imported ("The module name  (originally ) is not a valid Python
+    identifier", for the empty name of the `DIR/` spelling). None of that reaches doctor's
+    output, on an empty folder, another family's folder or one named like a keyword."""
+    import logging
+
+    heard: list[str] = []
+
+    class Ear(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            heard.append(record.getMessage())
+
+    import transformers  # noqa: F401  (it sets its loggers' level when first imported)
+
+    lib = logging.getLogger("transformers")  # its loggers do not propagate to the root
+    level = lib.level
+    ear = Ear(logging.WARNING)
+    lib.addHandler(ear)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "config.json").write_text('{"model_type": "llama"}', encoding="utf-8")
+    keyword = tmp_path / "class"
+    keyword.mkdir()
+    (keyword / "config.json").write_text('{"model_type": "llama"}', encoding="utf-8")
+    try:
+        for folder in (str(empty), str(other), f"{other}/", str(keyword)):
+            res = invoke("doctor", folder)
+            assert res.returncode == 1, res.stdout + res.stderr  # not a Qwen checkpoint
+            assert "[transformers]" not in res.stderr, res.stderr
+    finally:
+        lib.removeHandler(ear)
+    assert heard == []
+    assert lib.level == level  # held back only while doctor asked

@@ -557,6 +557,30 @@ def test_fp32_fast_path_per_token_bytes_are_the_table_s(tmp_path: Path) -> None:
     assert "320 B with Int8" in out and "384" not in out, out
 
 
+def test_fp32_fast_path_cards_share_the_header_s_bytes_a_token(tmp_path: Path) -> None:
+    """Split over cards, each card's part of the Int8 cache is counted as the header's figure
+    (the fast path's fp16 scales), not the model's own code's fp32 ones: one figure."""
+    from qwen_kvprep.fastkv import patched
+    from qwen_kvprep.resources import templates_dir
+
+    d = generate_checkpoint(tmp_path / "tiny", layers=2, heads=4, head_dim=16, dtype="fp32")
+    modeling = d / "modeling_qwen.py"
+    modeling.write_text(patched(modeling.read_text(encoding="utf-8")), encoding="utf-8")
+    (d / "qwen_kvprep_kv.py").write_bytes((templates_dir() / "qwen_kvprep_kv.py").read_bytes())
+    args = ("plan", str(d), "--gpu-memory", "80GiB", "--gpus", "2", "--batch", "4",
+            "--tokens", "200")
+    plan = document(invoke(*args, "--json"))["plan"]
+    assert plan["fast_path"] is True
+    total = plan["kv_bytes_per_token"]
+    assert total["int8"] == 2 * 2 * 4 * (16 + 2 * 2)  # fp16 scales: 320
+    cards = plan["cards"]
+    for mode in ("unquantized", "int8"):
+        assert sum(c["kv_bytes_per_token"][mode] for c in cards) == total[mode], cards
+    out = invoke(*args).stdout
+    assert "320 B with Int8" in out and "160 B" in out, out
+    assert "384 B" not in out and "192 B" not in out, out
+
+
 def test_cli_text_tables() -> None:
     res = kvprep("plan", str(QWEN_7B), "--gpu-memory", "80GiB", "--tokens", "1024,512,8192")
     assert res.returncode == 0, res.stderr

@@ -235,6 +235,43 @@ def test_table_and_text() -> None:
     assert "neither ran out of memory" in render_text(profile)
 
 
+def test_on_a_cpu_the_peak_and_the_prediction_are_labelled_as_different_measures() -> None:
+    """On a CPU the measured peak is the process's resident memory and plan's figure the
+    CUDA allocator's peak on a GPU: the text names each and says they do not compare; on a
+    GPU both are the allocator's peak and keep their plain names."""
+    from qwen_kvprep.profile.document import peak_measure
+
+    assert (peak_measure("cpu"), peak_measure("cuda")) == ("process_rss", "cuda_allocator")
+    rows = [_record(mode, 1).row for mode in ("unquantized", "int8")]
+    for r in rows:
+        r["predicted_bytes"] = 3 << 20
+    base = {"directory": "/ckpt", "random_weights": False, "dtype": "bf16",
+            "prompt_tokens": 8, "new_tokens": 4, "prefill_chunk": None, "rows": rows,
+            "model": {"layers": 2}, "max_batch": max_batch(rows), "batches": [1],
+            "quality": None}
+    cpu = render_text({**base, "device": {"kind": "cpu", "name": "x86_64"},  # type: ignore[typeddict-item]
+                       "peak_measure": "process_rss"})
+    heads = cpu.splitlines()[2]
+    assert "peak RSS" in heads and "plan (GPU)" in heads and "predicted" not in heads, cpu
+    assert "Different measures: the two columns do not compare" in cpu
+    gpu = render_text({**base, "device": {"kind": "cuda", "name": "H100"},  # type: ignore[typeddict-item]
+                       "peak_measure": "cuda_allocator"})
+    assert "peak RSS" not in gpu and "predicted" in gpu.splitlines()[2]
+    assert "Different measures" not in gpu
+
+
+def test_a_cpu_plot_names_what_its_points_and_lines_measure(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from qwen_kvprep.profile.plot import write_plot
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    profile = {**_plot_profile(), "device": {"kind": "cpu", "name": "x86_64"},
+               "peak_measure": "process_rss"}
+    svg = write_plot(profile, tmp_path / "mem.svg").read_text()  # type: ignore[arg-type]
+    assert "int8 measured (process RSS)" in svg and "int8 predicted (GPU allocator)" in svg
+
+
 def test_progress_on_a_pipe_is_a_log_and_on_a_terminal_a_bar() -> None:
     display = progress_bar(as_json=True, total=3)  # pytest's stderr is no terminal
     assert isinstance(display, ProgressLog)
@@ -496,6 +533,7 @@ def test_tiny_checkpoint_both_modes_kernel_and_quality(fixed: dict[str, Any]) ->
             "prefill_chunk", "dtype", "random_weights", "timeout", "model",
             "max_batch"} <= set(p)
     assert p["device"]["kind"] == "cpu" and p["versions"]["torch"]
+    assert p["peak_measure"] == "process_rss"  # not the allocator peak plan predicts
     assert p["dtype"] == "bf16" and p["model"]["layers"] == 2
     # bf16: the fast path's fp16 scales take the same bytes as the model's own bf16 ones
     assert p["model"]["kv_bytes_per_token"] == {"unquantized": TINY_UNQUANTIZED,

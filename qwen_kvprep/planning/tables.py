@@ -116,9 +116,19 @@ def _kv_of(shape_layers: int, card: CardLoad, per_token: int) -> int:
     return per_token * len(card.layers) // shape_layers
 
 
+def _kv_per_token(plan: PlanResult) -> KvBytesJSON:
+    """The cache bytes of a token, all layers, as the plan's tables count them: the Int8
+    figure is the fast path's (fp16 scales) where the plan runs it, so that the header, each
+    card's part and the peaks agree (they differ for fp32 models only)."""
+    return {
+        "unquantized": kv_bytes_per_token(plan.shape, "unquantized"),
+        "int8": kv_bytes_per_token(plan.shape, "int8", plan.scenario.fast_path),
+    }
+
+
 def split_json(plan: PlanResult) -> list[CardJSON]:
     shape = plan.shape
-    kv = {m: kv_bytes_per_token(shape, m) for m in ("unquantized", "int8")}
+    kv = _kv_per_token(plan)
     out: list[CardJSON] = []
     for card in plan.split.cards:
         layers = card.layers
@@ -145,10 +155,7 @@ def payload(facts: ModelFacts, plan: PlanResult, gpu_source: str) -> PlanJSON:
         "model": facts.to_json(),
         "weights_bytes": shape.weights_bytes,
         "weights_source": facts.weights_source,
-        "kv_bytes_per_token": {
-            "unquantized": kv_bytes_per_token(shape, "unquantized"),
-            "int8": kv_bytes_per_token(shape, "int8", plan.scenario.fast_path),
-        },
+        "kv_bytes_per_token": _kv_per_token(plan),
         "gpu_memory_bytes": plan.scenario.gpu_memory_bytes,
         "gpu_memory_source": gpu_source,
         "cuda_context_bytes": CUDA_CONTEXT_BYTES,
@@ -207,7 +214,7 @@ def _context_note(facts: ModelFacts) -> str:
 def _cards_table(plan: PlanResult) -> list[str]:
     """What each card holds, its weights and its part of the cache per token."""
     shape = plan.shape
-    kv = {m: kv_bytes_per_token(shape, m) for m in ("unquantized", "int8")}
+    kv = _kv_per_token(plan)
     head = ("card", "holds", "weights (GiB)", "KV cache per token", "with Int8")
     rows = [
         (str(c.index), c.holds(), gib(c.weights_bytes, 2),
@@ -261,8 +268,8 @@ def render_text(
 ) -> str:
     """The text output; `shown` is the directory as the user wrote it."""
     shape, s = plan.shape, plan.scenario
-    kv_u = kv_bytes_per_token(shape, "unquantized")
-    kv_q = kv_bytes_per_token(shape, "int8", s.fast_path)  # the table's Int8 cache
+    kv = _kv_per_token(plan)  # the figures the tables use
+    kv_u, kv_q = kv["unquantized"], kv["int8"]
     gptq = "" if facts.gptq is None else f", GPTQ {facts.gptq.bits}-bit"
     chunk = "in one forward" if s.prefill_chunk is None else f"in chunks of {s.prefill_chunk}"
     lines = [

@@ -13,11 +13,13 @@ planted into.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import inspect
+import logging
 import os
 import tempfile
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from types import ModuleType
 from typing import Optional
@@ -57,11 +59,30 @@ def package_dir(dmu: ModuleType, root: Path) -> Path:
     return Path(root) / str(getattr(dmu, "TRANSFORMERS_DYNAMIC_MODULE_NAME", DYNAMIC_MODULE_NAME))
 
 
+@contextlib.contextmanager
+def _transformers_quiet() -> Iterator[None]:
+    """transformers' own logging held back while its helpers answer a question of ours:
+    they warn as if a model were being imported ("The module name  (originally ) is not a
+    valid Python identifier" for the empty name the slash spelling probes, or a checkpoint
+    folder named `class`), which is noise in doctor's and fix's output: what matters there
+    is said by our own findings."""
+    lib = logging.getLogger("transformers")
+    level = lib.level
+    lib.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        lib.setLevel(level)
+
+
 def sanitized(dmu: ModuleType, name: str) -> str:
     """A folder name as the running transformers writes it (newer releases rename names
     that cannot be imported: `Qwen-7B` -> `Qwen_hyphen_7B`)."""
     sanitize = getattr(dmu, "_sanitize_module_name", None)
-    return str(sanitize(name)) if callable(sanitize) else name
+    if not callable(sanitize):
+        return name
+    with _transformers_quiet():
+        return str(sanitize(name))
 
 
 def code_hash(
@@ -88,7 +109,8 @@ def code_hash(
                     continue  # not a file transformers could copy either
             for name, data in (planned or {}).items():
                 (scratch / name).write_bytes(data)
-            return str(_call_hash(dmu, compute, scratch))
+            with _transformers_quiet():
+                return str(_call_hash(dmu, compute, scratch))
     except (OSError, ValueError):  # no modeling_qwen.py, or no temporary folder
         return None
 

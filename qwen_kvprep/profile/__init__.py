@@ -19,7 +19,7 @@ from typing import Optional
 
 from qwen_kvprep.errors import UsageError
 from qwen_kvprep.findings import Finding, info
-from qwen_kvprep.profile.document import ProfileDocument
+from qwen_kvprep.profile.document import ProfileDocument, peak_measure
 from qwen_kvprep.profile.progress import Progress
 from qwen_kvprep.profile.protocol import RANDOM_SEED
 from qwen_kvprep.profile.runner import (
@@ -128,6 +128,7 @@ def run_profile(
             "gptq_bits": shape.gptq_bits if shape else None,
             "kv_bytes_per_token": units,
         },
+        "peak_measure": peak_measure(found.device.get("kind")),
         "rows": rows,
         "max_batch": max_batch(rows),
         "quality": found.quality.quality if found.quality is not None else None,

@@ -12,6 +12,14 @@ if TYPE_CHECKING:
     from qwen_kvprep.profile.source import SourceInfo
 
 
+def peak_measure(device_kind: Optional[str]) -> str:
+    """What a row's `peak_bytes` measures on that device: on a GPU the CUDA allocator's
+    peak (torch.cuda.max_memory_allocated), the measure plan predicts; on a CPU the
+    process's peak resident memory (the interpreter, torch and the weights included), which
+    plan does not predict."""
+    return "cuda_allocator" if device_kind == "cuda" else "process_rss"
+
+
 class ModelSummary(TypedDict):
     """The model's shape as plan reads it (None where plan could not) and the attention
     layers the runs found."""
@@ -39,6 +47,7 @@ class ProfileDocument(TypedDict):
     timeout: float
     use_flash_attn: bool
     model: ModelSummary
+    peak_measure: str  # peak_measure(device kind): what each row's peak_bytes measures
     rows: list[ProfileRow]
     max_batch: dict[str, Optional[int]]  # per mode; None: no batch ran to the end
     quality: Optional[QualityResult]

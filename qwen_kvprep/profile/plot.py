@@ -28,16 +28,22 @@ def write_plot(profile: ProfileDocument, path: Path) -> Path:
     rows = profile["rows"]
     capacity = profile["device"].get("total_bytes")
     series: list[Series] = []
+    # on a CPU the points are the process's resident memory, the lines plan's GPU allocator
+    # prediction: the legend says which is which
+    rss = profile.get("peak_measure", "cuda_allocator") != "cuda_allocator"
+    predicted_name, measured_name = (
+        ("predicted (GPU allocator)", "measured (process RSS)") if rss
+        else ("predicted", "measured"))
     for mode, colour in _COLOURS.items():
         mine = sorted((r for r in rows if r["mode"] == mode), key=lambda r: r["batch"])
         predicted = [(r["batch"], r["predicted_bytes"] / _GIB) for r in mine
                      if r["predicted_bytes"] is not None]
         if predicted:
-            series.append(Series(f"{mode} predicted", predicted, colour, marker="none"))
+            series.append(Series(f"{mode} {predicted_name}", predicted, colour, marker="none"))
         measured = [(r["batch"], r["peak_bytes"] / _GIB) for r in mine
                     if r["peak_bytes"] is not None and not r["oom"] and not r["error"]]
         if measured:
-            series.append(Series(f"{mode} measured", measured, colour, line=False))
+            series.append(Series(f"{mode} {measured_name}", measured, colour, line=False))
         oom = [r["batch"] for r in mine if r["oom"]]
         if oom and capacity:
             series.append(Series(f"{mode} out of memory", [(b, capacity / _GIB) for b in oom],

@@ -53,9 +53,24 @@ def _cells(row: ProfileRow, layers: Optional[int]) -> list[str]:
     ]
 
 
-def table(rows: list[ProfileRow], layers: Optional[int]) -> str:
+# The peak and predicted columns where the two are not the same measure (profile on a CPU):
+# each named by what it is, and a note under the table saying so.
+_RSS_HEADS = {"peak": "peak RSS", "predicted": "plan (GPU)"}
+RSS_NOTE = (
+    "peak RSS: the process's peak resident memory on this CPU (the interpreter, torch and\n"
+    "the weights included); plan (GPU): plan's prediction of the CUDA allocator's peak on a\n"
+    "GPU. Different measures: the two columns do not compare."
+)
+
+
+def table(rows: list[ProfileRow], layers: Optional[int],
+          measure: str = "cuda_allocator") -> str:
+    """The rows as a table; `measure` is the document's peak_measure: unless the measured
+    peak is the CUDA allocator's (what plan predicts), the two columns say what each is."""
     body = [_cells(r, layers) for r in rows]
     heads = [c for c, _ in _COLUMNS]
+    if measure != "cuda_allocator":
+        heads = [_RSS_HEADS.get(h, h) for h in heads]
     widths = [max(len(h), *(len(b[i]) for b in body)) if body else len(h)
               for i, h in enumerate(heads)]
 
@@ -134,8 +149,11 @@ def render_text(profile: ProfileDocument) -> str:
         + (f", prefill chunks of {profile['prefill_chunk']}" if profile["prefill_chunk"] else "")
         + _weights(profile)
     )
-    out = [head, "", table(profile["rows"], profile["model"]["layers"]), "",
-           summary(profile)]
+    measure = profile.get("peak_measure", "cuda_allocator")
+    out = [head, "", table(profile["rows"], profile["model"]["layers"], measure)]
+    if measure != "cuda_allocator":
+        out.append(RSS_NOTE)
+    out += ["", summary(profile)]
     quality = quality_block(profile.get("quality"))
     if quality:
         out += ["", quality]
