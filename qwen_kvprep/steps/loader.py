@@ -24,8 +24,12 @@ def loader_bytes(ctx: FixContext) -> bytes:
         ctx.prebuilt.variant.manifest["so_sha256"] if ctx.prebuilt is not None else None,
         # the fast path's module as the fastkv step writes it (it runs after this one); a
         # folder whose code it declines never imports the module, so the hash goes unused
-        sha256_bytes(module_bytes(ctx.options.per_token_prefill)) if ctx.options.fast_path else None,
+        fast_sha256(ctx.options.per_token_prefill) if ctx.options.fast_path else None,
     )
+
+
+def fast_sha256(per_token_prefill: bool) -> str:
+    return sha256_bytes(module_bytes(per_token_prefill))
 
 
 def run(ctx: FixContext) -> None:
