@@ -35,20 +35,9 @@ never prepared (`_supply`, at the end of this file).
 `needs()` says which of these apply; `ACTIVE`, after `install`, which were installed.
 """
 
-import ast
 import copy
-import functools
-import hashlib
-import importlib
-import os
 import queue
-import re
-import stat
-import sys
 import threading
-import types
-import warnings
-from pathlib import Path
 
 import torch
 import transformers
@@ -358,6 +347,18 @@ _INSTALLERS = {
 # the loader itself, which needs no sources while the build cache holds its build. Where
 # either cannot be, the load warns, naming the prepared folder and the command that
 # prepares this environment; QWEN_KVPREP_STRICT=1 makes the load fail instead.
+
+import ast  # noqa: E402  (this part's own imports, kept with it)
+import functools  # noqa: E402
+import hashlib  # noqa: E402
+import importlib  # noqa: E402
+import os  # noqa: E402
+import re  # noqa: E402
+import stat  # noqa: E402
+import sys  # noqa: E402
+import types  # noqa: E402
+import warnings  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 STRICT_ENV = "QWEN_KVPREP_STRICT"
 LOADER_FILE = "cpp_kernels.py"

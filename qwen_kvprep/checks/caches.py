@@ -505,14 +505,15 @@ def modules_complete(facts: Facts) -> FindingsLike:
     # The fast path's module is imported from the modules-cache folder by a hidden import,
     # so transformers never copies it there: fix and prestart plant it, and a fix cut short
     # before its journal named the file leaves no other trace of it.
-    # A folder neither names is a modules cache this fix never prepared (a fresh HF_HOME),
-    # not one it left half done: modules.folder judges it, and never advises revert.
+    # A folder without the module that neither the journal nor the state names is a
+    # modules cache this fix never prepared (a fresh HF_HOME), not one it left half done:
+    # modules.folder judges it, and never advises revert.
     planted = _planted_folders(facts)
     if cp.fast_path_imported and cp.fast_module_sha256:
         for mf in caches.module_folders:
             path = os.path.join(mf.path, FAST_FILE)
             have = mf.files.get(FAST_FILE)
-            if os.path.abspath(mf.path) not in planted:
+            if have is None and os.path.abspath(mf.path) not in planted:
                 continue
             if mf.exists and have != cp.fast_module_sha256 and path not in problems:
                 problems[path] = (
