@@ -29,10 +29,10 @@ untouched), and only where this release needs it:
 - `stream` (transformers >= 4.57, where `transformers_stream_generator` cannot be
   imported): `chat_stream` streams through transformers' own streamer interface instead.
 
+`needs()` says which of these apply; `ACTIVE`, after `install`, which were installed.
+
 Whatever the release, `install` also lets the folder serve from a modules cache that fix
 never prepared (`_supply`, at the end of this file).
-
-`needs()` says which of these apply; `ACTIVE`, after `install`, which were installed.
 """
 
 import copy
@@ -467,8 +467,10 @@ class _Unavailable(types.ModuleType):
 
     def install(self, namespace):
         if strict():
-            raise KvprepFallbackError(self.message + " (%s=1: the load fails instead)" % STRICT_ENV)
-        raise ImportError(self.message)
+            raise KvprepFallbackError(
+                "qwen-kvprep: %s (%s=1: the load fails instead)" % (self.message, STRICT_ENV)
+            )
+        raise ImportError(self.message)  # modeling_qwen.py warns "fast path is not loaded"
 
 
 def _supply_fast_path(package, here, values):
@@ -498,9 +500,9 @@ def _supply_fast_path(package, here, values):
         else:
             why = "%s is not the version fix wrote (its sha256 differs)" % source
     message = (
-        "qwen-kvprep: the Int8 KV cache's fast path of %s is not in this modules cache (%s),"
-        " and %s, so the model runs its own, slower Int8 code. %s"
-        % (values["_CHECKPOINT"], here, why, _advice(values))
+        "the fast path's module %s of the prepared folder %s is neither in this modules"
+        " cache (%s) nor usable from the folder: %s; so the model runs its own, slower Int8"
+        " code. %s" % (FAST_FILE, values["_CHECKPOINT"], here, why, _advice(values))
     )
     sys.modules[name] = _Unavailable(name, message)
 

@@ -265,9 +265,12 @@ def modules_cache(facts: Facts) -> FindingsLike:
     )
     fix = "export HF_MODULES_CACHE=DIR (a writable folder), then " + _fix_cmd(facts) + " again"
     mf = caches.module_folder
-    complete = (
-        mf is not None and mf.exists and all(mf.files.get(n) for n in (*KERNEL_FILES, LOADER))
+    # a folder that serves any modules cache needs only the copy of its code there
+    needed = (LOADER,) if getattr(facts.checkpoint, "serves_any_modules_cache", False) else (
+        *KERNEL_FILES,
+        LOADER,
     )
+    complete = mf is not None and mf.exists and all(mf.files.get(n) for n in needed)
     if complete:
         return warn(
             message + ", which works only while the copy there is already current",
