@@ -273,3 +273,35 @@ def test_serves_any_modules_cache_needs_this_release_s_files() -> None:
     assert serves_any_modules_cache("_CHECKPOINT = '/m'\n_FAST_SHA256 = None\n",
                                     True, True, False, None)
     assert not serves_any_modules_cache(None, True, True, False, None)
+
+
+def test_the_compatibility_module_reads_the_loader_as_doctor_does(tmp_path: Path) -> None:
+    """templates/qwen_kvprep_compat.py parses the loader itself (it runs where qwen-kvprep
+    may not be installed); it must read what probe/supply.py reads, and nothing from a
+    file that is not our loader or is a link."""
+    import importlib.util
+
+    from qwen_kvprep.buildcache.loader import render_loader
+    from qwen_kvprep.resources import templates_dir
+
+    spec = importlib.util.spec_from_file_location(
+        "_compat_under_test", templates_dir() / "qwen_kvprep_compat.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    folder = tmp_path / "code"
+    folder.mkdir()
+    text = render_loader(Path("/models/it's Qwen"), [tmp_path], {}, None, None, "ab" * 32)
+    (folder / "cpp_kernels.py").write_bytes(text)
+    read = module.loader_values(folder)
+    assert read == loader_values(text.decode("utf-8"))
+    assert read["_CHECKPOINT"] == "/models/it's Qwen" and read["_FAST_SHA256"] == "ab" * 32
+    assert read["_PRESTART"] == prestart_command("/models/it's Qwen")
+    (folder / "cpp_kernels.py").unlink()
+    (folder / "cpp_kernels.py").symlink_to(tmp_path / "elsewhere.py")
+    (tmp_path / "elsewhere.py").write_bytes(text)
+    assert module.loader_values(folder) is None  # never read through a link
+    (folder / "cpp_kernels.py").unlink()
+    (folder / "cpp_kernels.py").write_text("_CHECKPOINT = '/m'\n")  # not our loader
+    assert module.loader_values(folder) is None
