@@ -210,6 +210,15 @@ def fix_command(directory: object, read_only: bool = False) -> str:
     return f"qwen-kvprep fix {shlex.quote(str(directory))}"
 
 
+def prestart_command(directory: object) -> str:
+    """The command a server started through prepares its environment with (the modules
+    cache, a build for its torch): the advice where a load cannot serve the prepared folder
+    by itself. CMD stands for the server's own command."""
+    import shlex
+
+    return f"qwen-kvprep prestart {shlex.quote(str(directory))} -- CMD"
+
+
 def view_folder(directory: object) -> str:
     """Where advice prepares the view of a read-only checkpoint folder: under the home
     folder (the model's mount is read-only, and so may be the working directory), named

@@ -31,6 +31,9 @@ untouched), and only where this release needs it:
   transformers' own streamer interface instead.
 
 `needs()` says which of these apply; `ACTIVE`, after `install`, which were installed.
+
+Whatever the release, `install` also lets the folder serve from a modules cache that fix
+never prepared (`_supply`, at the end of this file).
 """
 
 import copy
@@ -94,6 +97,7 @@ def install(namespace):
     if base is None or lm_head is None or getattr(base, MARK, None) is not None:
         ACTIVE = tuple(getattr(base, MARK, ()) or ())
         return
+    _supply(namespace)
     done = []
     for need in needs():
         if _INSTALLERS[need](namespace):
@@ -325,3 +329,215 @@ _INSTALLERS = {
     "loaded-numbers": _loaded_numbers,
     "stream": _stream,
 }
+
+
+# ---------------------------------------------------------------------------------------
+# A prepared folder serves from any modules cache.
+#
+# transformers copies into its modules cache only modeling_qwen.py and the .py files it
+# imports relatively (this module, and cpp_kernels.py: qwen-kvprep's loader), never the
+# kernel sources the model looks for beside that copy, nor the fast path's module, which
+# modeling_qwen.py imports by name. fix and prestart plant both into the modules cache of
+# the environment they run in; a server started with another (a fresh HF_HOME, an emptyDir
+# volume, another user, a read-only cache) would run the slow path. `_supply` writes
+# nothing there: it registers the fast path's module from the prepared folder (the
+# checkpoint the loader was rendered for), checked against the sha256 fix wrote into the
+# loader, under its name in this package, where modeling_qwen.py's import then finds it;
+# and it gives an attention layer whose kernel sources are absent here the extension from
+# the loader itself, which needs no sources while the build cache holds its build. Where
+# either cannot be, the load warns, naming the prepared folder and the command that
+# prepares this environment; QWEN_KVPREP_STRICT=1 makes the load fail instead.
+
+import ast  # noqa: E402  (this part's own imports, kept with it)
+import functools  # noqa: E402
+import hashlib  # noqa: E402
+import importlib  # noqa: E402
+import os  # noqa: E402
+import re  # noqa: E402
+import stat  # noqa: E402
+import sys  # noqa: E402
+import types  # noqa: E402
+import warnings  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+STRICT_ENV = "QWEN_KVPREP_STRICT"
+LOADER_FILE = "cpp_kernels.py"
+FAST_FILE = "qwen_kvprep_kv.py"
+KERNEL_SOURCES = ("cache_autogptq_cuda_256.cpp", "cache_autogptq_cuda_kernel_256.cu")
+SOURCES_MISSING = "KV cache kernel source files (.cpp and .cu) not found."  # the model's warning
+SUPPLIED = "_qwen_kvprep_supplied"  # set on QWenAttention once its __init__ is wrapped
+_LOADER_MARK = "# qwen-kvprep loader"
+_LOADER_VALUES = ("_CHECKPOINT", "_FIX", "_PRESTART", "_FAST_SHA256")
+_READ_LIMIT = 4 << 20  # the loader and the fast path's module are a few tens of KB
+
+
+class KvprepFallbackError(RuntimeError):
+    """The load would fall back to the slow path, and QWEN_KVPREP_STRICT=1 forbids it."""
+
+
+def strict():
+    return os.environ.get(STRICT_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _read_regular(path):
+    """A regular file's bytes (not through a link, not a FIFO that would block), bounded."""
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOFOLLOW", 0)
+    fd = os.open(str(path), flags)
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise OSError("%s is not a regular file" % path)
+        if info.st_size > _READ_LIMIT:
+            raise OSError("%s is larger than %d bytes" % (path, _READ_LIMIT))
+        chunks, left = [], _READ_LIMIT + 1
+        while left > 0:
+            chunk = os.read(fd, min(left, 1 << 20))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            left -= len(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def _sha256_or_none(path):
+    try:
+        return hashlib.sha256(_read_regular(path)).hexdigest()
+    except OSError:
+        return None
+
+
+def loader_values(folder):
+    """What the loader beside this copy of the model's code says of the prepared folder
+    (its literal assignments `_CHECKPOINT`, `_FIX`, `_PRESTART`, `_FAST_SHA256`), read
+    without importing it (an import builds or loads the extension); None when the file
+    there is not qwen-kvprep's loader."""
+    try:
+        text = _read_regular(Path(folder) / LOADER_FILE).decode("utf-8")
+        if not any(line.startswith(_LOADER_MARK) for line in text.splitlines()[:5]):
+            return None
+        tree = ast.parse(text)
+    except (OSError, UnicodeDecodeError, SyntaxError, ValueError):
+        return None
+    values = {}
+    for node in tree.body:
+        if (
+            isinstance(node, ast.Assign)
+            and len(node.targets) == 1
+            and isinstance(node.targets[0], ast.Name)
+            and node.targets[0].id in _LOADER_VALUES
+        ):
+            try:
+                values[node.targets[0].id] = ast.literal_eval(node.value)
+            except ValueError:
+                continue
+    if not isinstance(values.get("_CHECKPOINT"), str):
+        return None
+    return values
+
+
+def _advice(values):
+    checkpoint = values["_CHECKPOINT"]
+    prestart = values.get("_PRESTART") or "qwen-kvprep prestart %s -- CMD" % checkpoint
+    fix = values.get("_FIX") or "qwen-kvprep fix %s" % checkpoint
+    return "Run `%s` (CMD: your server command) or `%s` in this environment." % (prestart, fix)
+
+
+def _supply(namespace):
+    path = namespace.get("__file__")
+    package = namespace.get("__package__")
+    if not path or not package:
+        return
+    here = Path(path).parent
+    values = loader_values(here)
+    if values is None:  # not a folder fix prepared with its loader: nothing to supply from
+        return
+    _supply_fast_path(package, here, values)
+    _supply_kernel(namespace, package, here)
+
+
+class _Unavailable(types.ModuleType):
+    """Stands in for the fast path's module that cannot be supplied: modeling_qwen.py's
+    import of it then warns with the reason and the advice (or fails the load, strict)."""
+
+    def __init__(self, name, message):
+        super().__init__(name)
+        self.message = message
+
+    def install(self, namespace):
+        if strict():
+            raise KvprepFallbackError(
+                "qwen-kvprep: %s (%s=1: the load fails instead)" % (self.message, STRICT_ENV)
+            )
+        raise ImportError(self.message)  # modeling_qwen.py warns "fast path is not loaded"
+
+
+def _supply_fast_path(package, here, values):
+    want = values.get("_FAST_SHA256")
+    name = package + "." + FAST_FILE[:-3]
+    if not isinstance(want, str) or name in sys.modules:
+        return  # fix installed no fast path, or this process imported it already
+    if _sha256_or_none(here / FAST_FILE) == want:
+        return  # fix or prestart planted it here: the model's import finds it
+    source = Path(values["_CHECKPOINT"]) / FAST_FILE
+    try:
+        data = _read_regular(source)
+    except OSError as exc:
+        why = "%s cannot be read (%s)" % (source, exc.strerror or exc)
+    else:
+        if hashlib.sha256(data).hexdigest() == want:
+            module = types.ModuleType(name)
+            module.__file__ = str(source)
+            module.__package__ = package
+            try:
+                exec(compile(data, str(source), "exec"), module.__dict__)
+            except ImportError as exc:
+                why = "%s does not import here (%s)" % (source, exc)
+            else:
+                sys.modules[name] = module
+                return
+        else:
+            why = "%s is not the version fix wrote (its sha256 differs)" % source
+    message = (
+        "the fast path's module %s of the prepared folder %s is neither in this modules"
+        " cache (%s) nor usable from the folder: %s; so the model runs its own, slower Int8"
+        " code. %s" % (FAST_FILE, values["_CHECKPOINT"], here, why, _advice(values))
+    )
+    sys.modules[name] = _Unavailable(name, message)
+
+
+def _sources_here(here):
+    return all((here / name).is_file() for name in KERNEL_SOURCES)
+
+
+def _supply_kernel(namespace, package, here):
+    attention = namespace.get("QWenAttention")
+    if attention is None or getattr(attention, SUPPLIED, False):
+        return
+    own_init = attention.__init__
+
+    @functools.wraps(own_init)
+    def __init__(self, config, *args, **kwargs):
+        wanted = getattr(config, "use_cache_quantization", False) and getattr(
+            config, "use_cache_kernel", False
+        )
+        if not wanted or _sources_here(here):
+            own_init(self, config, *args, **kwargs)
+            return
+        # The model finds no sources beside this copy and would warn that they are missing
+        # (its warning names nothing to do); the loader serves without them, and warns
+        # itself, naming the prepared folder, where it cannot. (Models are built in one
+        # thread: the filter is this call's alone.)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=re.escape(SOURCES_MISSING))
+            own_init(self, config, *args, **kwargs)
+        if getattr(self, "cache_kernels", None) is None:
+            try:
+                loader = importlib.import_module("." + LOADER_FILE[:-3], package)
+                self.cache_kernels = loader.cache_autogptq_cuda_256
+            except ImportError:
+                pass  # the loader warned (once per process), naming prestart and the folder
+
+    attention.__init__ = __init__
+    setattr(attention, SUPPLIED, True)

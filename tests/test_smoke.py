@@ -5,6 +5,7 @@ they need the CPU build of the extension, shared by the session)."""
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import shlex
@@ -675,6 +676,13 @@ def test_missing_sources_in_modules_cache_fail_with_the_fallback_named(
     folder = _module_folder(doc)
     for name in ("cache_autogptq_cuda_256.cpp", "cache_autogptq_cuda_kernel_256.cu"):
         (folder / name).unlink()
+    # the folder's compatibility module gives the layers the extension without them
+    rc, doc, _ = cli("smoke", str(ckpt), "--json", "--max-new-tokens", "4")
+    assert rc == 0 and _by_id(doc)["smoke.kernel"]["severity"] == "ok", doc
+    # a loader it does not recognise as qwen-kvprep's (an older one, edited) cannot
+    loader = ckpt / "cpp_kernels.py"
+    text = loader.read_text(encoding="utf-8")
+    loader.write_text(text.replace("# qwen-kvprep loader", "# a loader", 1), encoding="utf-8")
     rc, doc, _ = cli("smoke", str(ckpt), "--json", "--max-new-tokens", "4")
     assert rc == 1
     f = _by_id(doc)["smoke.kernel"]
@@ -700,6 +708,15 @@ def test_a_fast_path_that_gives_other_numbers_than_the_model_s_code_fails(
     assert text.count(output) == 1
     planted.write_text(text.replace(output, "return layer.c_proj(-4 * context),"),
                        encoding="utf-8")
+    # in the checkpoint too, and recorded in the loader as fix records it (else a load
+    # takes the checkpoint's own module in place of one that is not the version fix wrote)
+    (ckpt / "qwen_kvprep_kv.py").write_bytes(planted.read_bytes())
+    loader = ckpt / "cpp_kernels.py"
+    recorded = hashlib.sha256(text.encode("utf-8")).hexdigest()
+    changed = hashlib.sha256(planted.read_bytes()).hexdigest()
+    loader_text = loader.read_text(encoding="utf-8")
+    assert loader_text.count(recorded) == 1
+    loader.write_text(loader_text.replace(recorded, changed), encoding="utf-8")
     rc, doc, err = cli("smoke", str(ckpt), "--json")
     f = _by_id(doc)["smoke.fast_path"]
     assert f["severity"] == "fail", (f, err)

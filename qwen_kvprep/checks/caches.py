@@ -24,7 +24,7 @@ from qwen_kvprep.checks.registry import (
     skip,
     warn,
 )
-from qwen_kvprep.common import FAST_FILE, KERNEL_FILES
+from qwen_kvprep.common import FAST_FILE, KERNEL_FILES, prestart_command
 from qwen_kvprep.common import LOADER_FILE as LOADER
 from qwen_kvprep.findings import Finding, FindingsLike
 from qwen_kvprep.probe.binary import BinaryArchs, runs_on
@@ -265,9 +265,12 @@ def modules_cache(facts: Facts) -> FindingsLike:
     )
     fix = "export HF_MODULES_CACHE=DIR (a writable folder), then " + _fix_cmd(facts) + " again"
     mf = caches.module_folder
-    complete = (
-        mf is not None and mf.exists and all(mf.files.get(n) for n in (*KERNEL_FILES, LOADER))
+    # a folder that serves any modules cache needs only the copy of its code there
+    needed = (LOADER,) if getattr(facts.checkpoint, "serves_any_modules_cache", False) else (
+        *KERNEL_FILES,
+        LOADER,
     )
+    complete = mf is not None and mf.exists and all(mf.files.get(n) for n in needed)
     if complete:
         return warn(
             message + ", which works only while the copy there is already current",
@@ -303,12 +306,30 @@ def _judge_folder(facts: Facts, mf: ModuleFolder, requested: bool) -> Finding:
         f"{mf.path} (the folder a load by {mf.how} runs the model code from)"
     )
     missing = [n for n in KERNEL_FILES if not mf.files.get(n)]
+    if missing and getattr(cp, "serves_any_modules_cache", False):
+        return ok(
+            f"{where} lacks {' and '.join(missing)}, which no load needs there: the "
+            "checkpoint's compatibility module gives every attention layer the extension "
+            "from the loader without them, and the fast path from the checkpoint",
+            paths=[mf.path],
+            details=details,
+        )
     if missing:
         message = (
             f"{where} lacks {' and '.join(missing)}: the model looks for the kernel sources "
             f"beside this copy of its code, warns `{FALLBACK_WARNING}` and silently runs the "
             "slow pure-torch path"
         )
+        if getattr(cp, "loader_is_ours", False) and (
+            os.path.abspath(mf.path) not in _planted_folders(facts)
+        ):
+            # a fix the modules cache of this environment never saw: not a fix cut short
+            fix = _prepare_cmd(facts)
+            message += (
+                " (a modules cache this folder's fix never prepared: a fresh HF_HOME or "
+                "HF_MODULES_CACHE; the folder was fixed by an earlier qwen-kvprep, whose "
+                "files do not serve such a cache by themselves)"
+            )
         if requested:
             return fail(message, fix, paths=[mf.path], details=details)
         return info(
@@ -377,14 +398,21 @@ def modules_folder(facts: Facts) -> FindingsLike:
         # A server started now creates the folder without the kernel sources and falls
         # back: when the config asks for the kernel, that is the failure doctor exits 1 for.
         details = {"folder": primary.path, "state_folder": planted}
+        if getattr(cp, "loader_is_ours", False) and getattr(cp, "serves_any_modules_cache", False):
+            return ok(
+                f"{primary.path} does not exist yet: transformers creates it at the first load "
+                "with the model's code alone, and the checkpoint's compatibility module gives "
+                "that load the kernel and the fast path from the checkpoint",
+                paths=[primary.path],
+                details=details,
+            )
         if planted and planted != primary.path:
             return (fail if requested else warn)(
                 f"`fix` planted the kernel sources in {planted}, but this environment's "
                 f"modules cache points at {primary.path} (HF_HOME/HF_MODULES_CACHE differ): the "
                 f"first load creates it without them, warns `{FALLBACK_WARNING}` and silently "
                 "falls back to the slow path",
-                f"run `qwen-kvprep prestart {shlex.quote(str(cp.path))} -- CMD` or "
-                f"{_fix_cmd(facts)} with this environment",
+                _prepare_cmd(facts),
                 paths=[primary.path],
                 details=details,
             )
@@ -397,6 +425,32 @@ def modules_folder(facts: Facts) -> FindingsLike:
             details=details,
         )
     return [_judge_folder(facts, mf, requested) for mf in existing]
+
+
+def _prepare_cmd(facts: Facts) -> str:
+    """The advice for a modules cache a correct fix never prepared (never revert: the
+    folder's own files are right)."""
+    cp = checkpoint_of(facts)
+    return (
+        f"run `{prestart_command(cp.path)}` (CMD: your server command) or "
+        f"`{_fix_cmd(facts)}` with this environment; `{_fix_cmd(facts)}` also makes the "
+        "folder serve any modules cache by itself"
+    )
+
+
+def _planted_folders(facts: Facts) -> set[str]:
+    """The modules-cache folders fix's journal or state says it planted files in."""
+    caches = caches_of(facts)
+    out = {os.path.abspath(p.folder) for p in caches.planned_files if p.folder is not None}
+    modules = caches.state.get("modules") if caches.state else None
+    if isinstance(modules, dict):
+        for key in ("folder", "hub_folder"):
+            if isinstance(modules.get(key), str):
+                out.add(os.path.abspath(str(modules[key])))
+        also = modules.get("also")
+        if isinstance(also, list):
+            out |= {os.path.abspath(a) for a in also if isinstance(a, str)}
+    return out
 
 
 # What a load does when a modules-cache folder lacks one of fix's files.
@@ -454,10 +508,16 @@ def modules_complete(facts: Facts) -> FindingsLike:
     # The fast path's module is imported from the modules-cache folder by a hidden import,
     # so transformers never copies it there: fix and prestart plant it, and a fix cut short
     # before its journal named the file leaves no other trace of it.
+    # A folder without the module that neither the journal nor the state names is a
+    # modules cache this fix never prepared (a fresh HF_HOME), not one it left half done:
+    # modules.folder judges it, and never advises revert.
+    planted = _planted_folders(facts)
     if cp.fast_path_imported and cp.fast_module_sha256:
         for mf in caches.module_folders:
             path = os.path.join(mf.path, FAST_FILE)
             have = mf.files.get(FAST_FILE)
+            if have is None and os.path.abspath(mf.path) not in planted:
+                continue
             if mf.exists and have != cp.fast_module_sha256 and path not in problems:
                 problems[path] = (
                     "is missing" if have is None else "is not the checkpoint's version"

@@ -19,6 +19,7 @@ from qwen_kvprep.checks.registry import (
     skip,
     warn,
 )
+from qwen_kvprep.common import KERNEL_FILES
 from qwen_kvprep.findings import Finding, FindingsLike
 from qwen_kvprep.probe.facts import Facts
 
@@ -109,6 +110,18 @@ def kernel_sources(facts: Facts) -> FindingsLike:
     # says why): that copy matters as much as the checkpoint's own. A folder that does not
     # exist yet is created by transformers (or fix) later, so there is nothing to judge.
     for folder in _module_folders(facts):
+        if not any(folder.files.get(n) for n in KERNEL_FILES) and getattr(
+            cp, "serves_any_modules_cache", False
+        ):
+            out.append(
+                ok(
+                    f"modules cache {folder.path}: no kernel sources, and none needed there "
+                    "(the checkpoint's compatibility module gives the layers the extension "
+                    "without them)",
+                    details={"where": f"modules cache {folder.path}", "kind": catalogue.MISSING},
+                )
+            )
+            continue
         out.append(
             _judge(f"modules cache {folder.path}", folder.files, ours, fix_cmd, requested)
         )

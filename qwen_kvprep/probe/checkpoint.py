@@ -42,6 +42,7 @@ from qwen_kvprep.gptqconfig import PACKED, QuantizeFile, read_quantize_config
 from qwen_kvprep.hubcache import repo_folder
 from qwen_kvprep.probe.caches import folder_access
 from qwen_kvprep.probe.env import IMPORT_TO_KNOW, import_error
+from qwen_kvprep.probe.supply import serves_any_modules_cache
 from qwen_kvprep.resources import templates_dir
 from qwen_kvprep.untrusted import json_error_at, kind_of, open_regular, read_prefix
 
@@ -172,6 +173,9 @@ class CheckpointFacts:
     compat_imported: bool = False  # modeling_qwen.py imports qwen_kvprep_compat.py
     compat_module_sha256: Optional[str] = None
     compat_module_current: bool = False  # the one this qwen-kvprep writes
+    # a load from a modules cache fix never prepared gets the kernel and the fast path
+    # from the folder itself (probe/supply.py)
+    serves_any_modules_cache: bool = False
     remote_code: dict[str, Optional[str]] = field(default_factory=dict)  # name -> sha256
     gptq: bool = False
     gptq_source: Optional[str] = None
@@ -940,6 +944,12 @@ def probe_checkpoint(path: Path, spelt: Optional[str] = None) -> CheckpointFacts
     loader_text = _read_text(path / LOADER) if LOADER in files else None
     fast_sha = _sha256(path / FAST_FILE) if FAST_FILE in files else None
     compat_sha = _sha256(path / COMPAT_FILE) if COMPAT_FILE in files else None
+    compat_imported = modeling is not None and compat.is_patched(modeling)
+    compat_current = compat_sha is not None and compat_sha == _compat_module_hash()
+    fast_imported = modeling is not None and is_patched(modeling)
+    loader_ours = loader_text is not None and LOADER_MARKER in "\n".join(
+        loader_text.splitlines()[:10]
+    )
     return CheckpointFacts(
         **base,
         files=tuple(listing),
@@ -953,12 +963,19 @@ def probe_checkpoint(path: Path, spelt: Optional[str] = None) -> CheckpointFacts
         modeling_text_supports_kv=_mentions(modeling, "use_cache_quantization"),
         modeling_mentions_kernel=_mentions(modeling, "cache_autogptq_cuda_256"),
         fast_path_problem=recognise(modeling) if modeling is not None else "it is missing",
-        fast_path_imported=modeling is not None and is_patched(modeling),
+        fast_path_imported=fast_imported,
         fast_module_sha256=fast_sha,
         fast_module_current=fast_sha is not None and fast_sha in _fast_module_hashes(),
-        compat_imported=modeling is not None and compat.is_patched(modeling),
+        compat_imported=compat_imported,
         compat_module_sha256=compat_sha,
-        compat_module_current=compat_sha is not None and compat_sha == _compat_module_hash(),
+        compat_module_current=compat_current,
+        serves_any_modules_cache=serves_any_modules_cache(
+            loader_text if loader_ours else None,
+            compat_imported,
+            compat_current,
+            fast_imported,
+            fast_sha,
+        ),
         remote_code={f: _sha256(path / f) if f in files else None for f in REMOTE_CODE_FILES},
         gptq=gptq_source is not None,
         gptq_source=gptq_source,
@@ -973,8 +990,7 @@ def probe_checkpoint(path: Path, spelt: Optional[str] = None) -> CheckpointFacts
         tiktoken_bad_line=tiktoken_bad,
         kernel_sources={k: _sha256(path / k) if k in files else None for k in KERNEL_FILES},
         loader_sha256=_sha256(path / LOADER) if LOADER in files else None,
-        loader_is_ours=loader_text is not None
-        and LOADER_MARKER in "\n".join(loader_text.splitlines()[:10]),
+        loader_is_ours=loader_ours,
         requirements=requirements,
         missing_requirements=missing_requirements,
         fixed_requirements=fixed_requirements,

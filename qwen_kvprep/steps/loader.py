@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from qwen_kvprep.buildcache import CacheLayout, resolve_cache_dir, sources_of
 from qwen_kvprep.buildcache.loader import render_loader, source_hashes
-from qwen_kvprep.common import LOADER_FILE
+from qwen_kvprep.common import LOADER_FILE, sha256_bytes
+from qwen_kvprep.fastkv import module_bytes
 from qwen_kvprep.findings import info, ok
 from qwen_kvprep.steps.context import FixContext
 
@@ -21,7 +22,14 @@ def loader_bytes(ctx: FixContext) -> bytes:
         source_hashes(sources_of(ctx.sources)),
         build.key if build is not None else ctx.planned_key,
         ctx.prebuilt.variant.manifest["so_sha256"] if ctx.prebuilt is not None else None,
+        # the fast path's module as the fastkv step writes it (it runs after this one); a
+        # folder whose code it declines never imports the module, so the hash goes unused
+        fast_sha256(ctx.options.per_token_prefill) if ctx.options.fast_path else None,
     )
+
+
+def fast_sha256(per_token_prefill: bool) -> str:
+    return sha256_bytes(module_bytes(per_token_prefill))
 
 
 def run(ctx: FixContext) -> None:

@@ -288,6 +288,12 @@ def test_modules_cache() -> None:
     assert worst("modules.cache", f) is Severity.FAIL
     assert "HF_MODULES_CACHE" in text("modules.cache", f)
     assert worst("modules.cache", facts(cache=caches(modules_root=ro))) is Severity.WARN
+    # a folder that serves any modules cache needs no sources there: the copy of its code
+    # being current is enough, as with them
+    served = ckpt(serves_any_modules_cache=True)
+    lacking = caches(modules_root=ro, module_folders=(folder(sources=False),))
+    f = facts(checkpoint=served, cache=lacking)
+    assert worst("modules.cache", f) is Severity.WARN
 
 
 def test_modules_folder_ok() -> None:

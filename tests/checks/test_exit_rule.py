@@ -101,6 +101,30 @@ def test_the_fast_path_module_missing_beside_code_that_imports_it_fails() -> Non
     )
 
 
+def test_a_modules_cache_fix_never_prepared_is_not_a_fix_cut_short() -> None:
+    """A fresh HF_HOME: the folder transformers made lacks fix's files, and neither the
+    journal nor the state names it. Never revert: the folder's own files are right."""
+    fresh = caches(module_folders=(folder(sources=False),))
+    # this release's fix: the folder serves it by itself, nothing to do
+    served = facts(checkpoint=fast_ckpt(serves_any_modules_cache=True), cache=fresh)
+    for check_id in ("modules.complete", "modules.folder"):
+        assert worst(check_id, served) is Severity.OK, text(check_id, served)
+        assert "revert" not in text(check_id, served)
+    assert "no kernel sources, and none needed there" in text("kernels.sources", served)
+    # an earlier release's: the load falls back until prestart prepares this cache
+    earlier = facts(checkpoint=fast_ckpt(), cache=fresh)
+    assert worst("modules.complete", earlier) is Severity.OK
+    assert worst("modules.folder", earlier) is Severity.FAIL
+    t = text("modules.folder", earlier)
+    assert f"`qwen-kvprep prestart {CKPT} -- CMD`" in t and "never prepared" in t
+    assert "revert" not in t
+    # a folder fix planted in that lost a file is a fix cut short, whatever the release
+    cut = prepared(planted("cpp_kernels.py"), planted(KV, None, what="nothing"), fast=None)
+    cut_short = facts(checkpoint=fast_ckpt(serves_any_modules_cache=True), cache=cut)
+    assert worst("modules.complete", cut_short) is Severity.FAIL
+    assert "cut short" in text("modules.complete", cut_short)
+
+
 def test_in_the_checkpoint_only_what_fix_did_not_finish_fails() -> None:
     missing = prepared(in_checkpoint("qwen_kvprep_compat.py", None, what="nothing"))
     assert worst("modules.complete", facts(checkpoint=fast_ckpt(), cache=missing)) is (
