@@ -133,7 +133,8 @@ def fake_prepared(root: Path) -> Path:
     build.mkdir(parents=True)
     (build / "cache_autogptq_cuda_256.so").write_bytes(b"\x7fELF")
     (build / "manifest.json").write_text(json.dumps(
-        {"manifest_version": 1, "key": "k1", "inputs": {"python_tag": common.python_tag()}}))
+        {"manifest_version": 1, "key": "k1", "inputs": {"python_tag": common.python_tag()},
+         "so_sha256": sha(build / "cache_autogptq_cuda_256.so")}))
     modules_root = Path(os.environ["HF_MODULES_CACHE"])
     folder = modules_root / "transformers_modules" / "Fake-Chat"
     folder.mkdir(parents=True)
@@ -209,6 +210,7 @@ def test_modules_copies_are_planted_without_torch(
         ("manifest", "manifest"),
         ("python", "this Python"),
         ("so-damaged", "changed size"),
+        ("rebuilt", "not the one fix recorded"),
         ("planted-foreign", "modules cache"),
         ("modules-readonly", "cannot plant"),
         ("no-state", "no state"),
@@ -240,8 +242,16 @@ def test_each_change_is_noticed(
         (build / "manifest.json").unlink()
     elif change == "so-damaged":  # truncated by a full disk, say: the loader would rebuild
         (build / "cache_autogptq_cuda_256.so").write_bytes(b"\x7f")
+    elif change == "rebuilt":
+        # pruned and compiled again by the loader: same size, another library
+        (build / "cache_autogptq_cuda_256.so").write_bytes(b"\x7fELG")
+        manifest = json.loads((build / "manifest.json").read_text())
+        manifest["so_sha256"] = sha(build / "cache_autogptq_cuda_256.so")
+        (build / "manifest.json").write_text(json.dumps(manifest))
     elif change == "python":
-        (build / "manifest.json").write_text(json.dumps({"inputs": {"python_tag": "cp27"}}))
+        manifest = json.loads((build / "manifest.json").read_text())
+        manifest["inputs"] = {"python_tag": "cp27"}
+        (build / "manifest.json").write_text(json.dumps(manifest))
     elif change == "planted-foreign":
         # a different copy in the modules cache, and the recorded one is not at hand in
         # the checkpoint either: nothing trustworthy to plant from
