@@ -260,3 +260,24 @@ def test_a_held_build_records_the_cache_id_for_the_state(
     ctx.build = SimpleNamespace(key=KEY, dir=build, so=build / "cache_autogptq_cuda_256.so",
                                 cuda=True, arch_list=["9.0"], manifest=chosen(build).manifest)
     assert _build(ctx)["cache_id"] == identify(layout).cache_id  # type: ignore[index]
+
+
+@pytest.mark.parametrize("raw", ["nan", "inf", "-inf", "-1", "abc", "1e999"])
+def test_an_unreadable_lock_timeout_is_refused_naming_the_variable(
+    raw: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from qwen_kvprep.buildcache.lock import lock_timeout
+    from qwen_kvprep.errors import UsageError
+
+    monkeypatch.setenv("QWEN_KVPREP_LOCK_TIMEOUT", raw)
+    with pytest.raises(UsageError, match=f"QWEN_KVPREP_LOCK_TIMEOUT='{raw}' is not a number"):
+        lock_timeout()
+    monkeypatch.setenv("QWEN_KVPREP_LOCK_TIMEOUT", " 2.5 ")
+    assert lock_timeout() == 2.5
+
+
+def test_an_unreadable_lock_timeout_option_is_refused(tmp_path: Path) -> None:
+    result = run("build", "--cache-dir", str(tmp_path / "c"), "--lock-timeout", "nan")
+    assert result.exit_code == 2, result.output
+    assert "--lock-timeout='nan' is not a number of seconds" in result.output
+    assert not (tmp_path / "c").exists()
