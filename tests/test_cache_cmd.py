@@ -68,7 +68,7 @@ def run(*args: str) -> Any:
 @pytest.fixture()
 def layout(tmp_path: Path) -> CacheLayout:
     cache = CacheLayout(tmp_path / "cache")
-    claim(cache)  # as qwen-kvprep makes one: marked
+    claim(cache.root)  # as qwen-kvprep makes one: marked
     return cache
 
 

@@ -26,7 +26,7 @@ KEY = "b" * 64
 @pytest.fixture()
 def layout(tmp_path: Path) -> CacheLayout:
     cache = CacheLayout(tmp_path / "cache")
-    claim(cache)
+    claim(cache.root)
     return cache
 
 
@@ -94,7 +94,7 @@ def test_a_new_or_empty_folder_becomes_a_marked_cache(tmp_path: Path) -> None:
         if root.name == "empty":
             root.mkdir()
         cache_id = CacheLayout(root).ensure_writable()
-        assert identify(CacheLayout(root)).cache_id == cache_id
+        assert identify(root).cache_id == cache_id
         assert CacheLayout(root).ensure_writable() == cache_id  # one id for good
 
 
@@ -114,7 +114,7 @@ def test_a_cache_of_a_version_before_the_marker_is_adopted(tmp_path: Path) -> No
     assert not (old.root / MARKER).exists()  # a dry run writes nothing
     result = run("cache", "prune", "--cache-dir", str(old.root))
     assert result.exit_code == 0, result.output
-    assert identify(old).cache_id is not None
+    assert identify(old.root).cache_id is not None
     assert old.build_dir("a" * 64).is_dir() and not old.build_dir(KEY).exists()
     # one file an older version does not write and it is no longer taken for a cache
     (old.root / MARKER).unlink()
@@ -186,7 +186,7 @@ def test_a_cache_reached_by_another_path_keeps_the_builds_in_use(tmp_path: Path)
     """The prepared folder recorded the cache as /pod/cache (a bind mount in a pod);
     prune runs on the host, where the same disk is /host/cache."""
     pod = CacheLayout(tmp_path / "pod" / "cache")
-    cache_id = claim(pod)
+    cache_id = claim(pod.root)
     publish(pod, KEY)
     user = prepared(tmp_path, "model", pod, KEY)
     state_with_cache_id(user, cache_id)
@@ -259,7 +259,7 @@ def test_a_held_build_records_the_cache_id_for_the_state(
     ctx.use_build(chosen(build), ok, "using it")
     ctx.build = SimpleNamespace(key=KEY, dir=build, so=build / "cache_autogptq_cuda_256.so",
                                 cuda=True, arch_list=["9.0"], manifest=chosen(build).manifest)
-    assert _build(ctx)["cache_id"] == identify(layout).cache_id  # type: ignore[index]
+    assert _build(ctx)["cache_id"] == identify(layout.root).cache_id  # type: ignore[index]
 
 
 @pytest.mark.parametrize("raw", ["nan", "inf", "-inf", "-1", "abc", "1e999"])

@@ -66,10 +66,10 @@ def register_user(layout: CacheLayout, key: str, prepared: str) -> Optional[str]
     cannot write (a shared read-only one) keeps no record: `cache prune --keep KEY` is how
     its users are counted."""
     try:
-        cache_id = claim(layout)
+        cache_id = claim(layout.root)
     except (OSError, CacheError):
         with contextlib.suppress(CacheError):
-            return identify(layout).cache_id
+            return identify(layout.root).cache_id
         return None
     folder = layout.users_dir(key)
     record = folder / user_record_name(prepared)
@@ -282,7 +282,7 @@ def take_inventory(layout: CacheLayout) -> Inventory:
     """Every entry of builds/ (a link or a file there is not a build and is not listed),
     and what tmp/ and logs/ hold. Reads only; creates nothing. NotACache when the folder
     is not a build cache (marker.py)."""
-    found = identify(layout)
+    found = identify(layout.root)
     if not found.exists:
         return Inventory(layout, False, None, [], [])
     builds: list[Build] = []
@@ -459,7 +459,7 @@ def prune(layout: CacheLayout, dry_run: bool = False, keep: Sequence[str] = ()) 
         try:
             # a cache of a version before the marker gets one (take_inventory checked
             # that it holds nothing but a cache's own files)
-            inventory.cache_id = claim(layout)
+            inventory.cache_id = claim(layout.root)
         except OSError as exc:
             raise not_writable(layout.root, exc) from exc
         _check_writable(layout)

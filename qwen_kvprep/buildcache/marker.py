@@ -26,12 +26,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from qwen_kvprep.buildcache.paths import CACHE_OPTION, CacheLayout
 from qwen_kvprep.common import ENV_CACHE
 from qwen_kvprep.errors import CacheError
 from qwen_kvprep.fsutil import fsync_dir
 from qwen_kvprep.untrusted import kind_of, read_record
 
+CACHE_OPTION = "--cache-dir"
 MARKER = ".qwen-kvprep-cache.json"
 MARKER_VERSION = 1
 FOLDERS = ("builds", "locks", "tmp", "logs", "users")
@@ -70,7 +70,7 @@ def _kind(mode: int) -> str:
 
 
 @dataclass(frozen=True)
-class Identity:
+class CacheIdentity:
     exists: bool  # the root is a folder
     cache_id: Optional[str]  # its marker's id; None: no marker (none yet, or an older cache)
 
@@ -89,25 +89,25 @@ def _entries(folder: Path) -> Iterator[tuple[str, os.stat_result]]:
             yield name, os.lstat(folder / name)
 
 
-def _check_folders(layout: CacheLayout) -> None:
+def _check_folders(root: Path) -> None:
     """Each of the cache's own folders is absent or a real folder: never a link."""
     for name in FOLDERS:
-        path = layout.root / name
+        path = root / name
         try:
             st = os.lstat(path)
         except FileNotFoundError:
             continue
         except OSError as exc:
-            raise refuse(layout.root, f"{path} cannot be read ({exc.strerror})", path) from exc
+            raise refuse(root, f"{path} cannot be read ({exc.strerror})", path) from exc
         if stat.S_ISLNK(st.st_mode):
             raise refuse(
-                layout.root,
+                root,
                 f"{path} is a symbolic link (to {os.readlink(path)}); qwen-kvprep follows no "
                 "link it did not make, so it neither writes nor removes anything through it",
                 path,
             )
         if not stat.S_ISDIR(st.st_mode):
-                raise refuse(layout.root, f"{path} is {_kind(st.st_mode)}, not a folder", path)
+                raise refuse(root, f"{path} is {_kind(st.st_mode)}, not a folder", path)
 
 
 def _read_id(root: Path) -> Optional[str]:
@@ -132,16 +132,15 @@ def _read_id(root: Path) -> Optional[str]:
     return str(data["id"])
 
 
-def _foreign(layout: CacheLayout) -> Optional[Path]:
+def _foreign(root: Path) -> Optional[Path]:
     """The first entry of an unmarked folder that qwen-kvprep does not write, or None when
     it holds nothing else (empty, or a cache of a version before the marker)."""
-    root = layout.root
     for name, _ in _entries(root):
         if name in FOLDERS or _ROOT_EXTRA.fullmatch(name):
             continue
         return root / name
-    for name, st in _entries(layout.builds) if layout.builds.is_dir() else ():
-        folder = layout.builds / name
+    for name, st in _entries(root / "builds") if (root / "builds").is_dir() else ():
+        folder = root / "builds" / name
         if not (stat.S_ISDIR(st.st_mode) and re.fullmatch(_KEY, name)):
             return folder
         try:
@@ -157,8 +156,8 @@ def _foreign(layout: CacheLayout) -> Optional[Path]:
                 return folder / name
             if not (pattern.fullmatch(name) or _temp_of(name, pattern)):
                 return folder / name
-    for name, st in _entries(layout.users) if layout.users.is_dir() else ():
-        folder = layout.users / name
+    for name, st in _entries(root / "users") if (root / "users").is_dir() else ():
+        folder = root / "users" / name
         if not (stat.S_ISDIR(st.st_mode) and re.fullmatch(_KEY, name)):
             return folder
         for record, rst in _entries(folder):
@@ -169,14 +168,13 @@ def _foreign(layout: CacheLayout) -> Optional[Path]:
     return None
 
 
-def identify(layout: CacheLayout) -> Identity:
+def identify(root: Path) -> CacheIdentity:
     """What the folder is: absent, or a build cache (marked, or one an older version made);
     raise NotACache for anything else. Reads only."""
-    root = layout.root
     try:
         st = os.stat(root)  # the root may be a link: the user named it
     except FileNotFoundError:
-        return Identity(False, None)
+        return CacheIdentity(False, None)
     except OSError as exc:
         raise refuse(root, f"it cannot be read ({exc.strerror})") from exc
     if not stat.S_ISDIR(st.st_mode):
@@ -186,11 +184,11 @@ def identify(layout: CacheLayout) -> Identity:
             _next_step(root),
             [root],
         )
-    _check_folders(layout)
+    _check_folders(root)
     cache_id = _read_id(root)
     if cache_id is None:
         try:
-            foreign = _foreign(layout)
+            foreign = _foreign(root)
         except OSError as exc:
             raise refuse(root, f"it cannot be read ({exc.strerror})") from exc
         if foreign is not None:
@@ -199,16 +197,15 @@ def identify(layout: CacheLayout) -> Identity:
                 f"it has no {MARKER} and holds {foreign}, which qwen-kvprep does not write",
                 foreign,
             )
-    return Identity(True, cache_id)
+    return CacheIdentity(True, cache_id)
 
 
-def claim(layout: CacheLayout) -> str:
+def claim(root: Path) -> str:
     """The cache's id: the folder is created and marked when it is not yet (NotACache for a
     folder that is not a cache; OSError when it cannot be written)."""
-    found = identify(layout)
+    found = identify(root)
     if found.cache_id is not None:
         return found.cache_id
-    root = layout.root
     root.mkdir(parents=True, exist_ok=True)
     cache_id = uuid.uuid4().hex
     text = f'{{"qwen_kvprep_cache": {MARKER_VERSION}, "id": "{cache_id}"}}\n'
@@ -223,7 +220,7 @@ def claim(layout: CacheLayout) -> str:
             # a link, not a rename: of two processes marking one folder, the first wins
             os.link(temp, root / MARKER)
         except FileExistsError:
-            return identify(layout).cache_id or cache_id
+            return identify(root).cache_id or cache_id
         except OSError:
             # a file system without hard links: a rename (two first writers: the last wins)
             os.rename(temp, root / MARKER)

@@ -21,10 +21,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from qwen_kvprep.buildcache.marker import CACHE_OPTION, claim
 from qwen_kvprep.common import ENV_CACHE, build_cache_root
 from qwen_kvprep.errors import CacheError
 
-CACHE_OPTION = "--cache-dir"
+__all__ = ["CACHE_OPTION", "CacheLayout", "not_writable", "resolve_cache_dir"]
 
 
 def resolve_cache_dir(option: Optional[Path] = None) -> Path:
@@ -72,10 +73,8 @@ class CacheLayout:
         """Create the folders and prove a file can be written, or raise a CacheError that
         names the folder and how to use another one; NotACache (buildcache/marker.py) for a
         folder that is not a build cache. Returns the cache's id."""
-        from qwen_kvprep.buildcache.marker import claim  # marker.py builds on this module
-
         try:
-            cache_id = claim(self)
+            cache_id = claim(self.root)
             for folder in (self.builds, self.locks, self.tmp, self.logs):
                 folder.mkdir(parents=True, exist_ok=True)
             # os.access lies for root and on some network file systems: really write.

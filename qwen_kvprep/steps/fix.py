@@ -14,7 +14,6 @@ from qwen_kvprep.buildcache import resolve_cache_dir
 from qwen_kvprep.buildcache.builder import stderr_notify
 from qwen_kvprep.buildcache.lock import lock_timeout
 from qwen_kvprep.buildcache.marker import identify
-from qwen_kvprep.buildcache.paths import CacheLayout
 from qwen_kvprep.common import JOURNAL_FILE, MODELING_FILE, STATE_DIRNAME, STATE_FILE
 from qwen_kvprep.dirlock import OUR_FILES, folder_lock, release_if_unused, remove_leftover_temps
 from qwen_kvprep.errors import KvprepError, StateError, os_failure
@@ -175,7 +174,7 @@ def _check_cache_folder(options: FixOptions) -> None:
     elsewhere), fails every build and every load: say so before the first write, not after
     the config and the loader were changed (buildcache/marker.py). (An unwritable folder
     may still hold the build: the build step judges that.)"""
-    identify(CacheLayout(resolve_cache_dir(options.cache_dir)))
+    identify(resolve_cache_dir(options.cache_dir))
 
 
 def _run_locked(
