@@ -3,6 +3,7 @@ state → smoke. Each step reads and extends one FixContext (steps/context.py)."
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
 import shutil
@@ -194,11 +195,30 @@ def _run_locked(
     with folder_lock(target, what, lock_timeout(), stderr_notify):
         if skip_if is not None and skip_if():
             return FixResult([], [], FixExtra())  # another replica prepared it meanwhile
+        had_journal = os.path.lexists(target / STATE_DIRNAME / JOURNAL_FILE)
         try:
             return _run_steps(source, target, options, early)
         except BaseException:
+            if not had_journal:
+                _drop_journal_of_nothing(target)
             _undo_creation(target, new_top)
             raise
+
+
+def _drop_journal_of_nothing(target: Path) -> None:
+    """After a failure, the journal this run began when it recorded only what it was
+    about to do (a full disk refused its first write): every file it names is still the
+    original and nothing was planted. Left there, it would read as a revert cut short
+    once it had restored everything (doctor's state.record); there is nothing to revert."""
+    try:
+        journal = Journal(target, dry_run=True)
+        unchanged = journal.exists and not journal.planted_files and journal.plan_revert().undone
+    except (KvprepError, OSError):
+        return
+    if unchanged:
+        with contextlib.suppress(OSError):
+            os.unlink(target / STATE_DIRNAME / JOURNAL_FILE)
+        shutil.rmtree(target / STATE_DIRNAME / "originals", ignore_errors=True)
 
 
 def _undo_creation(target: Path, new_top: Optional[Path]) -> None:
