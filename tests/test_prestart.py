@@ -684,3 +684,15 @@ def test_the_fast_sha256_is_sha256(tmp_path: Path) -> None:
     (tmp_path / "f").write_bytes(data)
     assert common.sha256_small(str(tmp_path / "f")) == hashlib.sha256(data).hexdigest()
     assert common.sha256_small(str(tmp_path / "missing")) is None
+
+
+@pytest.mark.parametrize("name", ["QWEN_KVPREP_SMOKE", "QWEN_KVPREP_QUIET",
+                                  "QWEN_KVPREP_ALLOW_FALLBACK"])
+def test_a_flag_variable_that_is_not_a_boolean_is_refused_by_its_name(
+    fake: Path, name: str
+) -> None:
+    done = kvprep("prestart", str(fake), "--", "true", env={**os.environ, name: "maybe"})
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert f"{name}='maybe' is not true or false" in done.stderr
+    done = kvprep("prestart", str(fake), "--", "true", env={**os.environ, name: "0"})
+    assert done.returncode == 0, done.stdout + done.stderr
