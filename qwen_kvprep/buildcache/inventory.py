@@ -94,9 +94,10 @@ def hold_build(
     pruned by this user either: the build counts as held."""
     cache_id = register_user(layout, key, prepared)
     try:
+        identify(layout.root)  # no lock file is made through a linked locks/
         # a lock file that cannot be made: a read-only cache (filelock would wait it out)
         os.close(os.open(layout.lock_path(key), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644))
-    except OSError:
+    except (OSError, CacheError):
         return True, cache_id
     try:
         with build_lock(layout, key, timeout, lambda _: None):
