@@ -531,7 +531,12 @@ def state_mismatch(request: Request, planting: Optional[Planting] = None) -> Opt
         manifest = read_record(os.path.join(build_dir, "manifest.json"))
     except (OSError, ValueError):
         return f"the build manifest in {build_dir} is missing or unreadable"
-    inputs = (manifest.get("inputs") if isinstance(manifest, dict) else None) or {}
+    if not isinstance(manifest, dict) or manifest.get("key") != build.get("key"):
+        return f"the build manifest in {build_dir} is not that of build {build.get('key')}"
+    if "so_sha256" in build and manifest.get("so_sha256") != build["so_sha256"]:
+        # removed (`cache prune`) and compiled again since: another library, not yet smoked
+        return f"the library in {build_dir} is not the one fix recorded (built again since)"
+    inputs = manifest.get("inputs") or {}
     if not isinstance(inputs, dict):
         inputs = {}
     if inputs.get("python_tag") not in (None, python_tag()):

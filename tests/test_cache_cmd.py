@@ -16,6 +16,7 @@ from typing import Any, Optional
 import pytest
 
 from qwen_kvprep.buildcache.inventory import prune, register_user, take_inventory
+from qwen_kvprep.buildcache.marker import claim
 from qwen_kvprep.buildcache.paths import CacheLayout
 from tests.cli import invoke
 
@@ -66,7 +67,9 @@ def run(*args: str) -> Any:
 
 @pytest.fixture()
 def layout(tmp_path: Path) -> CacheLayout:
-    return CacheLayout(tmp_path / "cache")
+    cache = CacheLayout(tmp_path / "cache")
+    claim(cache.root)  # as qwen-kvprep makes one: marked
+    return cache
 
 
 def test_list_shows_builds_their_origin_and_verified_users(
@@ -215,7 +218,8 @@ def test_fix_registers_the_folder_as_a_user_of_its_build(
 
     build = publish(layout, "a" * 64)
     folder = str(tmp_path / "model")
-    result: Any = SimpleNamespace(key="a" * 64, dir=build, to_json=dict)
+    manifest = json.loads((build / "manifest.json").read_text())
+    result: Any = SimpleNamespace(key="a" * 64, dir=build, to_json=dict, manifest=manifest)
     for dry_run in (True, False):
         ctx = FixContext(
             Path(folder),

@@ -796,3 +796,20 @@ def test_lfs_pointers_of_one_kind_are_one_finding_with_one_fix(ckpt: Path) -> No
     assert shards.paths == tuple(str(ckpt / n) for n in names)
     assert shards.fix is not None and " ".join(names) in shards.fix
     assert "HeaderTooLarge" in shards.message
+
+
+@pytest.mark.parametrize("dry_run", [True, False])
+def test_model_code_that_is_not_utf8_is_refused_before_the_first_write(
+    ckpt: Path, work: Path, dry_run: bool
+) -> None:
+    """transformers reads modeling_qwen.py as UTF-8: fix refuses it before writing
+    anything (config.json and cpp_kernels.py stay as they were), naming the file."""
+    path = ckpt / "modeling_qwen.py"
+    path.write_bytes(path.read_bytes().replace(b"import", b"imp\xffort", 1))
+    before = snapshot(work)
+    code, doc = run_cli(["fix", str(ckpt), "--json", "--no-build", "--no-smoke",
+                         *(["--dry-run"] if dry_run else [])])
+    assert code == 1, doc
+    (refusal,) = [f for f in doc["findings"] if f["severity"] == "fail"]
+    assert f"{path} is not UTF-8 (byte 0xff at line" in refusal["message"]
+    assert snapshot(work) == before

@@ -984,3 +984,13 @@ def test_the_cli_s_limit_is_split_s() -> None:
     from qwen_kvprep.planning import split
 
     assert command.MAX_GPUS == split.MAX_GPUS
+
+
+def test_a_config_that_is_not_utf8_is_named_not_shown_as_mojibake(tmp_path: Path) -> None:
+    d = generate_checkpoint(tmp_path / "tiny", layers=2, heads=4, head_dim=128)
+    config = d / "config.json"
+    config.write_bytes(config.read_bytes().replace(b'"qwen"', b'"qw\xff\xfeen"', 1))
+    done = invoke("plan", str(d), "--gpu-memory", "80GiB")
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert f"{config} is not UTF-8 text" in done.stderr
+    assert "\ufffd" not in done.stdout + done.stderr and "model_type" not in done.stderr

@@ -133,7 +133,8 @@ def fake_prepared(root: Path) -> Path:
     build.mkdir(parents=True)
     (build / "cache_autogptq_cuda_256.so").write_bytes(b"\x7fELF")
     (build / "manifest.json").write_text(json.dumps(
-        {"manifest_version": 1, "key": "k1", "inputs": {"python_tag": common.python_tag()}}))
+        {"manifest_version": 1, "key": "k1", "inputs": {"python_tag": common.python_tag()},
+         "so_sha256": sha(build / "cache_autogptq_cuda_256.so")}))
     modules_root = Path(os.environ["HF_MODULES_CACHE"])
     folder = modules_root / "transformers_modules" / "Fake-Chat"
     folder.mkdir(parents=True)
@@ -209,6 +210,7 @@ def test_modules_copies_are_planted_without_torch(
         ("manifest", "manifest"),
         ("python", "this Python"),
         ("so-damaged", "changed size"),
+        ("rebuilt", "not the one fix recorded"),
         ("planted-foreign", "modules cache"),
         ("modules-readonly", "cannot plant"),
         ("no-state", "no state"),
@@ -240,8 +242,16 @@ def test_each_change_is_noticed(
         (build / "manifest.json").unlink()
     elif change == "so-damaged":  # truncated by a full disk, say: the loader would rebuild
         (build / "cache_autogptq_cuda_256.so").write_bytes(b"\x7f")
+    elif change == "rebuilt":
+        # pruned and compiled again by the loader: same size, another library
+        (build / "cache_autogptq_cuda_256.so").write_bytes(b"\x7fELG")
+        manifest = json.loads((build / "manifest.json").read_text())
+        manifest["so_sha256"] = sha(build / "cache_autogptq_cuda_256.so")
+        (build / "manifest.json").write_text(json.dumps(manifest))
     elif change == "python":
-        (build / "manifest.json").write_text(json.dumps({"inputs": {"python_tag": "cp27"}}))
+        manifest = json.loads((build / "manifest.json").read_text())
+        manifest["inputs"] = {"python_tag": "cp27"}
+        (build / "manifest.json").write_text(json.dumps(manifest))
     elif change == "planted-foreign":
         # a different copy in the modules cache, and the recorded one is not at hand in
         # the checkpoint either: nothing trustworthy to plant from
@@ -674,3 +684,15 @@ def test_the_fast_sha256_is_sha256(tmp_path: Path) -> None:
     (tmp_path / "f").write_bytes(data)
     assert common.sha256_small(str(tmp_path / "f")) == hashlib.sha256(data).hexdigest()
     assert common.sha256_small(str(tmp_path / "missing")) is None
+
+
+@pytest.mark.parametrize("name", ["QWEN_KVPREP_SMOKE", "QWEN_KVPREP_QUIET",
+                                  "QWEN_KVPREP_ALLOW_FALLBACK"])
+def test_a_flag_variable_that_is_not_a_boolean_is_refused_by_its_name(
+    fake: Path, name: str
+) -> None:
+    done = kvprep("prestart", str(fake), "--", "true", env={**os.environ, name: "maybe"})
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert f"{name}='maybe' is not true or false" in done.stderr
+    done = kvprep("prestart", str(fake), "--", "true", env={**os.environ, name: "0"})
+    assert done.returncode == 0, done.stdout + done.stderr

@@ -700,3 +700,32 @@ def test_a_file_system_refusal_names_the_file_written_and_the_folder_to_act_on(
     ro = OSError(errno.EROFS, "Read-only file system", str(cache / "x.so"))
     assert "--output" not in str(os_failure(ro, model).fix)
     assert "--output" in str(os_failure(OSError(errno.EROFS, "x", str(model / "c")), model).fix)
+
+
+def test_a_fix_stopped_by_a_full_disk_before_any_change_is_not_taken_for_a_revert(
+    tiny: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The journal (small) was saved, the first file was refused: nothing changed, so
+    nothing is left that doctor would read as a revert cut short."""
+    import errno
+
+    import qwen_kvprep.journal.writer as writer
+
+    ckpt = copy_of(tiny, tmp_path / "disk")
+    monkeypatch.setenv("HF_MODULES_CACHE", str(tmp_path / "modules"))
+    monkeypatch.setenv("QWEN_KVPREP_CACHE", str(tmp_path / "cache"))
+    before = snapshot(ckpt)
+
+    def full(path: Any, data: bytes, mode: Any = None) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+
+    monkeypatch.setattr(writer, "atomic_write_bytes", full)
+    res = invoke("fix", str(ckpt), "--no-build", "--no-smoke")
+    assert res.returncode == 1 and "no space left" in res.stderr, res.stderr
+    monkeypatch.undo()
+    monkeypatch.setenv("HF_MODULES_CACHE", str(tmp_path / "modules"))
+    doc = json.loads(invoke("doctor", str(ckpt), "--json").stdout)
+    record = [f for f in doc["findings"] if f["id"] == "state.record"]
+    assert record and record[0]["severity"] == "skip", record
+    assert "cut short" not in json.dumps(doc["findings"])
+    assert snapshot(ckpt) == before

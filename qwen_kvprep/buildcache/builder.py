@@ -325,13 +325,13 @@ def ensure_build(
     notify: Notify = stderr_notify,
 ) -> BuildResult:
     """Return the build for `plan`, compiling it under the key's lock if needed."""
+    wait_limit = lock_timeout(timeout)  # an unreadable limit is refused before any write
     if not force:
         found = find_build(layout, plan.key)
         if found is not None:
             return found
     # Only compiling needs a writable cache: a read-only cache with the build is fine.
     layout.ensure_writable()
-    wait_limit = lock_timeout(timeout)
     with build_lock(layout, plan.key, wait_limit, notify) as waited:
         if not force or waited > 0:
             # Whoever held the lock has probably just published it (a forced rebuild that

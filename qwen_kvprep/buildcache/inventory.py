@@ -5,12 +5,15 @@ The cache does not know by itself which prepared folders load a build, so fix re
 modules-cache folder's `.qwen-kvprep-users/`). A record is only a claim: a folder counts
 as a user only while its own `DIR/.qwen-kvprep/state.json` names this very build (or while
 its folder lock is held: a fix is preparing it right now), so records of folders since
-deleted, reverted or prepared with another build keep nothing alive.
+deleted, reverted or prepared with another build keep nothing alive. "This very build" is
+its key in this cache, the cache named by its marker's id (buildcache/marker.py), not by
+a path: a cache reached by a bind mount or moved elsewhere is still the same cache.
 
-Pruning never follows a link, never leaves the cache root, and removes a build only while
-holding its build lock (taken without waiting): a build being compiled or installed is
-left alone. A build leaves builds/ by one rename into tmp/, so a reader sees it whole or
-not at all.
+Pruning works only in a folder that is a build cache (marker.py), never follows a link,
+never leaves the cache root, and removes a build only while holding its build lock (taken
+without waiting): a build being compiled or installed is left alone. A build leaves
+builds/ by one rename into tmp/, so a reader sees it whole or not at all; one that another
+prune removed first is taken as gone.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import os
 import shutil
 import stat
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
@@ -30,9 +33,10 @@ import filelock
 
 from qwen_kvprep.buildcache.lock import build_lock
 from qwen_kvprep.buildcache.manifest import MANIFEST, read_manifest
+from qwen_kvprep.buildcache.marker import claim, identify, refuse
 from qwen_kvprep.buildcache.paths import CacheLayout, not_writable, resolve_cache_dir
 from qwen_kvprep.common import LOCK_FILE, STATE_DIRNAME, user_record_name
-from qwen_kvprep.errors import LockTimeout
+from qwen_kvprep.errors import CacheError, LockTimeout, UsageError
 from qwen_kvprep.fsutil import atomic_write_text
 from qwen_kvprep.probe.revertplan import read_records
 from qwen_kvprep.state.reader import read_state
@@ -55,27 +59,70 @@ def layout_for(option: Optional[str]) -> CacheLayout:
     return CacheLayout(resolve_cache_dir(Path(option) if option else None))
 
 
-def register_user(layout: CacheLayout, key: str, prepared: str) -> None:
+def register_user(layout: CacheLayout, key: str, prepared: str) -> Optional[str]:
     """Record that the prepared folder `prepared` (absolute) uses build `key`, once: a fix
     that changes nothing writes nothing, so the record's time is when the folder first
-    chose the build. A cache this process cannot write (a shared read-only one) keeps no
-    record: the build is then never pruned by this user anyway."""
+    chose the build. Returns the cache's id (None when it has none). A cache this process
+    cannot write (a shared read-only one) keeps no record: `cache prune --keep KEY` is how
+    its users are counted."""
+    try:
+        cache_id = claim(layout.root)
+    except (OSError, CacheError):
+        with contextlib.suppress(CacheError):
+            return identify(layout.root).cache_id
+        return None
     folder = layout.users_dir(key)
     record = folder / user_record_name(prepared)
     text = json.dumps({"path": prepared})
     with contextlib.suppress(OSError, ValueError):
         if read_regular(record, 1 << 16).decode("utf-8") == text:
-            return
+            return cache_id
     with contextlib.suppress(OSError):
         folder.mkdir(parents=True, exist_ok=True)
         atomic_write_text(record, text)
+    return cache_id
 
 
-def _points_at(prepared: str, build_dir: Path, key: str) -> bool:
+def hold_build(
+    layout: CacheLayout, key: str, so_sha256: str, prepared: str, timeout: float
+) -> tuple[bool, Optional[str]]:
+    """Record that `prepared` uses build `key`, then check under the build's lock that the
+    build is still there with this library: (whether it is, the cache's id). Once this
+    says yes, a prune sees the record under that same lock (the folder's lock being held
+    by the caller, or its state naming the build), so the build cannot go between a fix
+    choosing it and recording it. A cache whose lock cannot be taken (read only) cannot be
+    pruned by this user either: the build counts as held."""
+    cache_id = register_user(layout, key, prepared)
+    try:
+        identify(layout.root)  # no lock file is made through a linked locks/
+        # a lock file that cannot be made: a read-only cache (filelock would wait it out)
+        os.close(os.open(layout.lock_path(key), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644))
+    except (OSError, CacheError):
+        return True, cache_id
+    try:
+        with build_lock(layout, key, timeout, lambda _: None):
+            manifest = read_manifest(layout.build_dir(key))
+    except OSError:
+        return True, cache_id
+    ok = (
+        manifest is not None
+        and manifest.get("so_sha256") == so_sha256
+        and (layout.build_dir(key) / manifest["so"]).is_file()
+    )
+    return ok, cache_id
+
+
+def _points_at(prepared: str, build_dir: Path, key: str, cache_id: Optional[str]) -> bool:
+    """Whether the folder's state names build `key` of this cache: by the cache's id when
+    both record one (any path may reach the cache), else by the build's real path (a
+    state written before the cache had an id)."""
     state, _ = read_state(prepared)
     build = state.get("build") if state else None
     if not build or build["key"] != key:
         return False
+    recorded = build.get("cache_id")
+    if recorded is not None and cache_id is not None:
+        return recorded == cache_id
     return os.path.realpath(build["dir"]) == os.path.realpath(build_dir)
 
 
@@ -132,6 +179,7 @@ class Build:
     users: list[str] = field(default_factory=list)  # verified prepared folders
     being_prepared: list[str] = field(default_factory=list)  # recorded, folder lock held
     stale: list[Path] = field(default_factory=list)  # records that no longer hold
+    kept_by_option: bool = False  # named by `cache prune --keep`
     last_chosen: Optional[float] = None  # newest record's time: a folder first chose it then
     locked: bool = False
 
@@ -175,6 +223,7 @@ class Leftover:
 class Inventory:
     layout: CacheLayout
     exists: bool
+    cache_id: Optional[str]
     builds: list[Build]
     leftovers: list[Leftover]
 
@@ -186,6 +235,7 @@ class Inventory:
         return {
             "root": str(self.layout.root),
             "exists": self.exists,
+            "id": self.cache_id,
             "builds": [b.to_json() for b in self.builds],
             "leftovers": [x.to_json() for x in self.leftovers],
             "total_size": self.total,
@@ -214,14 +264,14 @@ def _origin(manifest: Optional[Manifest]) -> str:
     return manifest.get("origin", OLD)
 
 
-def read_users(layout: CacheLayout, build: Build) -> None:
+def read_users(layout: CacheLayout, build: Build, cache_id: Optional[str]) -> None:
     """Fill in who uses `build`, checking each record against the folder's own state."""
     build.users, build.being_prepared, build.stale = [], [], []
     for record, prepared in read_records(layout.users_dir(build.key)):
         with contextlib.suppress(OSError):
             when = os.lstat(record).st_mtime
             build.last_chosen = max(build.last_chosen or when, when)
-        if _points_at(prepared, build.dir, build.key):
+        if _points_at(prepared, build.dir, build.key, cache_id):
             build.users.append(prepared)
         elif _being_prepared(prepared):
             build.being_prepared.append(prepared)
@@ -231,7 +281,11 @@ def read_users(layout: CacheLayout, build: Build) -> None:
 
 def take_inventory(layout: CacheLayout) -> Inventory:
     """Every entry of builds/ (a link or a file there is not a build and is not listed),
-    and what tmp/ and logs/ hold. Reads only; creates nothing."""
+    and what tmp/ and logs/ hold. Reads only; creates nothing. NotACache when the folder
+    is not a build cache (marker.py)."""
+    found = identify(layout.root)
+    if not found.exists:
+        return Inventory(layout, False, None, [], [])
     builds: list[Build] = []
     for name, st in _entries(layout.builds):
         if not stat.S_ISDIR(st.st_mode):
@@ -240,7 +294,7 @@ def take_inventory(layout: CacheLayout) -> Inventory:
         manifest = read_manifest(folder)
         build = Build(name, folder, _origin(manifest), tree_size(folder), manifest)
         build.locked = _held(layout.lock_path(name))
-        read_users(layout, build)
+        read_users(layout, build, found.cache_id)
         builds.append(build)
     now = time.time()
     leftovers: list[Leftover] = []
@@ -250,7 +304,7 @@ def take_inventory(layout: CacheLayout) -> Inventory:
             if kind == "tmp":
                 item.locked = _held(layout.lock_path(name.split(".")[0]))
             leftovers.append(item)
-    return Inventory(layout, layout.root.is_dir(), builds, leftovers)
+    return Inventory(layout, True, found.cache_id, builds, leftovers)
 
 
 @dataclass
@@ -286,6 +340,8 @@ def _why_unused(build: Build) -> str:
 
 
 def _why_kept(build: Build) -> Optional[str]:
+    if build.kept_by_option:
+        return "named by --keep"
     if build.locked:
         return "its build lock is held (being built or installed)"
     if build.users:
@@ -295,32 +351,61 @@ def _why_kept(build: Build) -> Optional[str]:
     return None
 
 
+def _gone_already(function: object, path: str, exc_info: object) -> None:
+    """rmtree's error handler: what another prune removed first is gone, as wanted."""
+    exc = exc_info[1] if isinstance(exc_info, tuple) else exc_info
+    if not isinstance(exc, FileNotFoundError):
+        raise exc if isinstance(exc, BaseException) else OSError(path)
+
+
 def _remove_tree(layout: CacheLayout, path: Path) -> None:
     """Remove `path` (inside the cache root; a link itself, never what it points to)."""
     root = os.path.realpath(layout.root)
     parent = os.path.realpath(path.parent)
     if os.path.commonpath([root, parent]) != root:
-        raise ValueError(f"{path} is not inside the build cache {layout.root}")
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path)  # rmtree removes links inside, never their targets
+        # the cache's folders were checked before: one was swapped for a link since
+        raise refuse(layout.root, f"{path.parent} now leads outside it", path.parent)
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if stat.S_ISDIR(st.st_mode):
+        shutil.rmtree(path, onerror=_gone_already)  # links inside: removed, never followed
     else:
-        os.unlink(path)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
 
 
-def _remove_build(layout: CacheLayout, build: Build) -> Optional[str]:
-    """Remove an unused build under its lock; why not, when it turned out in use."""
+GONE = "removed by another prune meanwhile"
+
+
+class BuildVanished(CacheError):
+    """The build a fix chose was removed (by `cache prune`) before its use was recorded."""
+
+
+def vanished(build_dir: Path) -> BuildVanished:
+    message = f"the build {build_dir} was removed (by `qwen-kvprep cache prune`?) as it was chosen"
+    return BuildVanished.failing("build.build", message, "run the same command again", [build_dir])
+
+
+def _remove_build(layout: CacheLayout, build: Build, cache_id: Optional[str]) -> Optional[str]:
+    """Remove an unused build under its lock; why not, when it turned out in use (GONE:
+    another prune removed it first)."""
     try:
         with build_lock(layout, build.key, 0, lambda _: None):
-            read_users(layout, build)  # a fix may have registered since the inventory
+            # a fix may have registered since the inventory
+            read_users(layout, build, cache_id)
             if build.used:
                 return _why_kept(build)
             # one rename takes it out of builds/: no reader ever sees half of it
             gone = layout.tmp / f"{build.key}.pruned.{os.getpid()}"
             layout.tmp.mkdir(exist_ok=True)
-            os.rename(build.dir, gone)
+            try:
+                os.rename(build.dir, gone)
+            except FileNotFoundError:
+                return GONE
             _remove_tree(layout, gone)
-            if layout.users_dir(build.key).is_dir():
-                _remove_tree(layout, layout.users_dir(build.key))
+            _remove_tree(layout, layout.users_dir(build.key))
     except LockTimeout:
         build.locked = True
         return _why_kept(build)
@@ -341,19 +426,50 @@ def _check_writable(layout: CacheLayout) -> None:
             raise not_writable(layout.root, exc) from exc
 
 
-def prune(layout: CacheLayout, dry_run: bool = False) -> PruneResult:
+def matching_keys(keys: Sequence[str], builds: Sequence[Build]) -> set[str]:
+    """The builds `cache prune --keep` names: a whole key, or a prefix of one of at least
+    12 characters (as `cache list` shows them). A name that matches no build, or several,
+    is a usage error: a typo must not let prune remove what it was meant to keep."""
+    out: set[str] = set()
+    for wanted in keys:
+        found = [b.key for b in builds if len(wanted) >= 12 and b.key.startswith(wanted)]
+        if len(found) != 1:
+            what = "no build" if not found else f"{len(found)} builds"
+            raise UsageError(
+                f"--keep {wanted}: matches {what} in the cache (a key, or its first 12 or "
+                "more characters, as `qwen-kvprep cache list` shows them)",
+                fix="qwen-kvprep cache list",
+            )
+        out.update(found)
+    return out
+
+
+def prune(layout: CacheLayout, dry_run: bool = False, keep: Sequence[str] = ()) -> PruneResult:
     """Remove the builds no prepared folder uses, stale user records, leftovers of killed
-    runs in tmp/ and logs older than LOG_AGE. `dry_run`: only say what would go."""
+    runs in tmp/ and logs older than LOG_AGE. `dry_run`: only say what would go. `keep`:
+    keys (or 12+ character prefixes) of builds kept whoever uses them (users whose use
+    leaves no record: a read-only cache, a folder not visible from here)."""
     inventory = take_inventory(layout)
     result = PruneResult(inventory, dry_run)
     if not inventory.exists:
         return result
+    kept = matching_keys(keep, inventory.builds)
+    for build in inventory.builds:
+        build.kept_by_option = build.key in kept
     if not dry_run:
+        try:
+            # a cache of a version before the marker gets one (take_inventory checked
+            # that it holds nothing but a cache's own files)
+            inventory.cache_id = claim(layout.root)
+        except OSError as exc:
+            raise not_writable(layout.root, exc) from exc
         _check_writable(layout)
     for build in inventory.builds:
         why = _why_kept(build)
         if why is None and not dry_run:
-            why = _remove_build(layout, build)
+            why = _remove_build(layout, build, inventory.cache_id)
+            if why == GONE:
+                continue
         if why is not None:
             result.kept.append((build.key, why))
             for record in build.stale:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import socket
 import time
@@ -32,21 +33,32 @@ if TYPE_CHECKING:
 DEFAULT_LOCK_TIMEOUT = 600.0
 
 
-def lock_timeout(option: Optional[float] = None) -> float:
-    """Seconds to wait for another builder: option > $QWEN_KVPREP_LOCK_TIMEOUT > 600."""
-    if option is not None:
-        return float(option)
-    raw = os.environ.get(ENV_LOCK_TIMEOUT, "").strip()
-    if not raw:
-        return DEFAULT_LOCK_TIMEOUT
+def seconds(raw: str, name: str) -> float:
+    """`raw`, given as `name` (an option or an environment variable), as a number of
+    seconds: finite and not negative (nan, inf, -1 and words are refused, not taken as 0
+    or as forever)."""
     try:
         value = float(raw)
     except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value < 0:
         raise UsageError(
-            f"{ENV_LOCK_TIMEOUT}={raw!r} is not a number of seconds",
-            fix=f"export {ENV_LOCK_TIMEOUT}=600",
-        ) from None
-    return max(0.0, value)
+            f"{name}={raw!r} is not a number of seconds (a finite number, 0 or more)",
+            fix=f"export {name}={DEFAULT_LOCK_TIMEOUT:.0f}"
+            if name.startswith("QWEN_")
+            else f"{name} {DEFAULT_LOCK_TIMEOUT:.0f}",
+        )
+    return value
+
+
+def lock_timeout(option: Optional[float] = None) -> float:
+    """Seconds to wait for another builder: option > $QWEN_KVPREP_LOCK_TIMEOUT > 600."""
+    if option is not None:
+        return seconds(str(option), "--lock-timeout")
+    raw = os.environ.get(ENV_LOCK_TIMEOUT, "").strip()
+    if not raw:
+        return DEFAULT_LOCK_TIMEOUT
+    return seconds(raw, ENV_LOCK_TIMEOUT)
 
 
 def read_owner(layout: CacheLayout, key: str) -> Optional[JSONObject]:

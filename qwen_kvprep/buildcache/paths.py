@@ -1,5 +1,7 @@
 """Where the build cache lives and how it is laid out.
 
+    <cache>/.qwen-kvprep-cache.json         the marker: this is a build cache, and its id
+                                            (buildcache/marker.py)
     <cache>/builds/<key>/   published builds: manifest.json, the extension, build.log
     <cache>/locks/<key>.lock, <key>.owner   one lock per key; who holds it
     <cache>/tmp/<key>.<pid>.<rand>/         builds in progress (renamed into builds/)
@@ -19,10 +21,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from qwen_kvprep.buildcache.marker import CACHE_OPTION, claim
 from qwen_kvprep.common import ENV_CACHE, build_cache_root
 from qwen_kvprep.errors import CacheError
 
-CACHE_OPTION = "--cache-dir"
+__all__ = ["CACHE_OPTION", "CacheLayout", "not_writable", "resolve_cache_dir"]
 
 
 def resolve_cache_dir(option: Optional[Path] = None) -> Path:
@@ -66,10 +69,12 @@ class CacheLayout:
     def owner_path(self, key: str) -> Path:
         return self.locks / f"{key}.owner"
 
-    def ensure_writable(self) -> None:
+    def ensure_writable(self) -> str:
         """Create the folders and prove a file can be written, or raise a CacheError that
-        names the folder and how to use another one."""
+        names the folder and how to use another one; NotACache (buildcache/marker.py) for a
+        folder that is not a build cache. Returns the cache's id."""
         try:
+            cache_id = claim(self.root)
             for folder in (self.builds, self.locks, self.tmp, self.logs):
                 folder.mkdir(parents=True, exist_ok=True)
             # os.access lies for root and on some network file systems: really write.
@@ -78,6 +83,7 @@ class CacheLayout:
             os.unlink(probe)
         except OSError as exc:
             raise not_writable(self.root, exc) from exc
+        return cache_id
 
 
 def not_writable(root: Path, exc: OSError) -> CacheError:

@@ -37,14 +37,19 @@ def list_builds(cache_dir: Optional[str]) -> None:
 @cache_dir_option()
 @click.option("--dry-run", is_flag=True,
               help="List what would be removed and the bytes it would free; change nothing.")
+@click.option("--keep", "keep", multiple=True, metavar="KEY",
+              help="Keep this build whoever uses it (a key, or its first 12 or more "
+              "characters); repeatable. For users prune cannot see: a read-only cache's, "
+              "folders on another machine.")
 @json_option
 @debug_option
-def prune(cache_dir: Optional[str], dry_run: bool) -> None:
+def prune(cache_dir: Optional[str], dry_run: bool, keep: tuple[str, ...]) -> None:
     """Remove the builds no prepared folder uses (and those of older versions), the
     records of folders that no longer use a build, leftovers of killed runs in tmp/ and
     logs older than a week. A build whose lock is held (being built or installed) is kept.
-    Asks nothing: run it from scripts and images; see what would go with --dry-run."""
-    result = lib.prune(lib.layout_for(cache_dir), dry_run=dry_run)
+    Only a folder qwen-kvprep made a build cache is pruned; nothing is followed through a
+    link. Asks nothing: run it from scripts and images; see what would go with --dry-run."""
+    result = lib.prune(lib.layout_for(cache_dir), dry_run=dry_run, keep=keep)
     if output_options().as_json:
         emit(render_json([], prune=result.to_json()))
     else:

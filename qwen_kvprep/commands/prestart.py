@@ -7,7 +7,7 @@ import click
 
 from qwen_kvprep.commands._common import checkpoint_dir, output_options
 from qwen_kvprep.commands._dashes import CommandAfterDashes, command_after_dashes
-from qwen_kvprep.commands._options import NONEMPTY, arch_option, cache_dir_option
+from qwen_kvprep.commands._options import NONEMPTY, EnvFlag, arch_option, cache_dir_option
 from qwen_kvprep.common import ENV_CACHE
 from qwen_kvprep.quickstart import (
     ENV_ALLOW_FALLBACK,
@@ -36,11 +36,11 @@ from qwen_kvprep.render import prestart_json, report_prestart
     f"DIRECTORY untouched; point the server at OUT. [env: {ENV_OUTPUT}]",
 )
 @click.option(
-    "--smoke", is_flag=True, envvar=ENV_SMOKE,
+    "--smoke", is_flag=True, type=EnvFlag(), envvar=ENV_SMOKE,
     help=f"Also require (and run when missing) a passing smoke test. [env: {ENV_SMOKE}=1]",
 )
 @click.option(
-    "--allow-fallback", is_flag=True, envvar=ENV_ALLOW_FALLBACK,
+    "--allow-fallback", is_flag=True, type=EnvFlag(), envvar=ENV_ALLOW_FALLBACK,
     help="When preparing fails, print the problem and start CMD anyway (it will run "
     f"without the kernel). [env: {ENV_ALLOW_FALLBACK}=1]",
 )
@@ -61,7 +61,7 @@ from qwen_kvprep.render import prestart_json, report_prestart
     "tag or commit whose snapshot in the local Hub cache to prepare (default main).",
 )
 @click.option(
-    "--quiet", "-q", is_flag=True, envvar=ENV_QUIET,
+    "--quiet", "-q", is_flag=True, type=EnvFlag(), envvar=ENV_QUIET,
     help=f"Print nothing unless something fails. [env: {ENV_QUIET}=1]",
 )
 @click.pass_context

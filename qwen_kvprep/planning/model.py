@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Optional
 
 from qwen_kvprep import hubcli
-from qwen_kvprep.configjson import CONFIG, parse_config, read_config_bytes
+from qwen_kvprep.configjson import CONFIG, parse_config_bytes, read_config_bytes
 from qwen_kvprep.errors import CheckpointError, ConfigError, UsageError
 from qwen_kvprep.gptqconfig import IN_CONFIG, is_gptq, parse, read_quantize_config
 from qwen_kvprep.jsontypes import JSON, JSONObject
@@ -114,7 +114,8 @@ def read_config(path: Path) -> JSONObject:
     problem = sniff(CONFIG, raw[:1024], len(raw))
     if problem is not None:
         raise ConfigError(f"{config_path} {problem.detail}", fix=_fix_config(path))
-    return dict(parse_config(raw.decode("utf-8", errors="replace"), config_path))
+    # strict UTF-8, as fix and doctor read it: a stray byte is named, not shown as mojibake
+    return dict(parse_config_bytes(raw, config_path))
 
 
 def _positive_int(config: Mapping[str, JSON], key: str, path: Path) -> int:

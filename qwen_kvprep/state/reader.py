@@ -8,7 +8,8 @@ it, so they agree on what a damaged state is. Standard library only (prestart's 
     {"state_version": 1, "tool_version", "checkpoint": abs path,
      "files": {name: sha256 or null},      config.json, cpp_kernels.py, the kernel sources
      "sources": {...} | null, "packages": {name: version or null},
-     "build": {"key", "dir", "so", "cuda", "arch_list", "so_sha256", "so_size"} | null,
+     "build": {"key", "dir", "so", "cuda", "arch_list", "so_sha256", "so_size",
+               "cache_id"} | null,
      "modules": {"root", "folder", "files": {name: sha256}, "hub_folder", "also": [folder]}
                 | null,
      "smoke": {...} | null, "updated": iso time}
@@ -60,6 +61,7 @@ if TYPE_CHECKING:  # typing costs milliseconds at import; only mypy needs it
         arch_list: Optional[list[str]]  # the GPU architectures it was built for
         so_sha256: str  # the library's sha256, as its manifest records it
         so_size: int  # and its size: a stat at every start tells a damaged library
+        cache_id: str  # the build cache's marker id (buildcache/marker.py)
 
     class _StateModulesKeys(TypedDict):
         root: str  # absolute: the modules-cache root fix planted into
@@ -87,6 +89,7 @@ if TYPE_CHECKING:  # typing costs milliseconds at import; only mypy needs it
 
 STATE_VERSION = 1
 _HEX64 = re.compile(r"[0-9a-f]{64}")
+_HEX32 = re.compile(r"[0-9a-f]{32}")
 
 
 def state_file(target: str) -> str:
@@ -150,6 +153,9 @@ def schema_problem(data: JSON) -> Optional[str]:
             return "has a build with an invalid so_sha256"
         if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 0):
             return "has a build with an invalid so_size"
+        cache_id = build.get("cache_id")
+        if cache_id is not None and not (isinstance(cache_id, str) and _HEX32.fullmatch(cache_id)):
+            return "has a build with an invalid cache_id"
     modules = data.get("modules")
     if modules is not None:
         if not isinstance(modules, dict):

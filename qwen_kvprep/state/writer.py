@@ -7,7 +7,8 @@ changed; so this module must never import torch or transformers (nor anything th
      "files": {rel: sha256 or null},       config.json, cpp_kernels.py, the kernel sources
      "sources": {"origin": "vendored"|"hub"|"checkpoint", "repo_id", "revision"},
      "packages": {"torch": ver, "transformers": ver},   importlib.metadata versions
-     "build": {"key", "dir", "so", "cuda", "arch_list", "so_sha256", "so_size"} | null,
+     "build": {"key", "dir", "so", "cuda", "arch_list", "so_sha256", "so_size",
+               "cache_id"} | null,
      "modules": {"root", "folder", "files": {name: sha256}},
      "smoke": {...} | null, "updated": iso time}
 """

@@ -20,6 +20,7 @@ from qwen_kvprep.buildcache.builder import (
     plan_build,
     stderr_notify,
 )
+from qwen_kvprep.buildcache.inventory import BuildVanished
 from qwen_kvprep.buildcache.loader import is_loader
 from qwen_kvprep.buildcache.manifest import BUILD_LOG
 from qwen_kvprep.common import KERNEL_FILES, LOADER_FILE
@@ -170,6 +171,13 @@ def run(ctx: FixContext) -> None:
         return
     try:
         result = ensure_build(plan, layout, notify=log_notify(ctx.log, ctx.options.quiet))
+        if not result.compiled:
+            try:
+                ctx.use_build(result, ok, f"using the cached build {short}{_waited(result)}")
+                return
+            except BuildVanished:
+                # pruned between the look-up and the record: now the record keeps it
+                result = ensure_build(plan, layout, notify=log_notify(ctx.log, ctx.options.quiet))
     except KvprepError as exc:
         # the CLI prints the error's findings (ctx's are lost with the exception)
         exc.findings = (*exc.findings, *_degrade_gracefully(ctx))
@@ -181,10 +189,11 @@ def run(ctx: FixContext) -> None:
             f"({result.jobs}); log: {result.dir / BUILD_LOG}",
         )
     else:
-        waited = (
-            f" after waiting {result.waited:.0f} s for another builder" if result.waited else ""
-        )
-        ctx.use_build(result, ok, f"using the cached build {short}{waited}")
+        ctx.use_build(result, ok, f"using the cached build {short}{_waited(result)}")
+
+
+def _waited(result: BuildResult) -> str:
+    return f" after waiting {result.waited:.0f} s for another builder" if result.waited else ""
 
 
 @dataclass(frozen=True)

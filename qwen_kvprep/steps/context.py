@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional, TypedDict
 
-from qwen_kvprep.buildcache.inventory import register_user
+from qwen_kvprep.buildcache.inventory import hold_build, vanished
+from qwen_kvprep.buildcache.lock import lock_timeout
 from qwen_kvprep.buildcache.paths import CacheLayout
 from qwen_kvprep.common import sha256_bytes
 from qwen_kvprep.findings import Finding, MakeFinding
@@ -115,6 +116,7 @@ class FixContext:
     # the key a dry run would build (no build yet): the loader it previews names it
     planned_key: Optional[str] = None
     prebuilt: Optional[Chosen] = None  # the verified variant for --prebuilt
+    cache_id: Optional[str] = None  # the build cache's id (its marker), once a build is used
     modules: Optional[StateModules] = None  # what steps/modules.py planted where
     smoke: Optional[SmokeSummary] = None  # the smoke this run ran (steps/smoke.py)
     extra: FixExtra = field(default_factory=FixExtra)  # fix's --json additions
@@ -128,10 +130,17 @@ class FixContext:
 
     def use_build(self, result: BuildResult, make: MakeFinding, message: str) -> None:
         """Make `result` the build this run uses (in --json too) and say so as build.build,
-        and record in the cache that this folder uses it (`cache list`, `cache prune`)."""
+        and record in the cache that this folder uses it (`cache list`, `cache prune`),
+        then check under the build's lock that it is still there: BuildVanished when a
+        prune removed it before the record was written (buildcache/inventory.hold_build)."""
         if not self.options.dry_run and result.dir.parent.name == "builds":
             layout = CacheLayout(result.dir.parent.parent)
-            register_user(layout, result.key, self.journal.identity["path"])
+            held, self.cache_id = hold_build(
+                layout, result.key, result.manifest["so_sha256"],
+                self.journal.identity["path"], lock_timeout(),
+            )
+            if not held:
+                raise vanished(result.dir)
         self.build = result
         self.extra["build"] = result.to_json()
         self.add(make("build.build", message, paths=[result.dir], details=result.to_json()))

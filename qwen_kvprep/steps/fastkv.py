@@ -26,16 +26,34 @@ MODEL_CODE_LIMIT = 4 << 20  # modeling_qwen.py is about 60 KB
 
 
 def check_markers(directory: Path) -> None:
-    """Refuse (CheckpointError naming the file and the line) a modeling_qwen.py whose
-    qwen-kvprep marker lines were edited; one that cannot be read is the step's to report."""
+    """Refuse (CheckpointError naming the file and the line) a modeling_qwen.py that is not
+    UTF-8 (transformers reads the model code as UTF-8 and fails on it, after fix would
+    have changed config.json and the loader) or whose qwen-kvprep marker lines were edited;
+    one that cannot be read is the step's to report."""
     path = Path(directory) / MODELING_FILE
     try:
-        text = read_regular(path, MODEL_CODE_LIMIT).decode("utf-8")
-    except (OSError, UnicodeDecodeError):
+        raw = read_regular(path, MODEL_CODE_LIMIT)
+    except OSError:
         return
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise not_utf8(path, raw, exc) from None
     problem = compat.marker_problem(text)
     if problem is not None:
         raise _refusal(path, problem)
+
+
+def not_utf8(path: Path, raw: bytes, exc: UnicodeDecodeError) -> CheckpointError:
+    line = raw.count(b"\n", 0, exc.start) + 1
+    return CheckpointError.failing(
+        "fastkv.model_code",
+        f"{path} is not UTF-8 (byte 0x{raw[exc.start]:02x} at line {line}): transformers "
+        "cannot load the model's code, so fix changes nothing",
+        f"restore {MODELING_FILE} as the model's repository has it (it is UTF-8), then run "
+        "fix again",
+        [path],
+    )
 
 
 def _refusal(path: Path, problem: str) -> CheckpointError:

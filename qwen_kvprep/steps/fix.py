@@ -3,6 +3,7 @@ state → smoke. Each step reads and extends one FixContext (steps/context.py)."
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
 import shutil
@@ -13,10 +14,10 @@ from typing import TYPE_CHECKING, Callable, Optional
 from qwen_kvprep.buildcache import resolve_cache_dir
 from qwen_kvprep.buildcache.builder import stderr_notify
 from qwen_kvprep.buildcache.lock import lock_timeout
-from qwen_kvprep.buildcache.paths import CACHE_OPTION
-from qwen_kvprep.common import ENV_CACHE, JOURNAL_FILE, MODELING_FILE, STATE_DIRNAME, STATE_FILE
+from qwen_kvprep.buildcache.marker import identify
+from qwen_kvprep.common import JOURNAL_FILE, MODELING_FILE, STATE_DIRNAME, STATE_FILE
 from qwen_kvprep.dirlock import OUR_FILES, folder_lock, release_if_unused, remove_leftover_temps
-from qwen_kvprep.errors import CacheError, KvprepError, StateError, os_failure
+from qwen_kvprep.errors import KvprepError, StateError, os_failure
 from qwen_kvprep.findings import Finding, info, warn
 from qwen_kvprep.journal.writer import Journal, PlannedWrite
 from qwen_kvprep.state.writer import state_problem
@@ -169,18 +170,12 @@ def _check_state_file(target: Path) -> None:
 
 
 def _check_cache_folder(options: FixOptions) -> None:
-    """A build cache path that names a file ($QWEN_KVPREP_CACHE=/etc/hostname) fails every
-    build and every load: say so before the first write, not after the config and the
-    loader were changed. (An unwritable folder may still hold the build: the build step
-    judges that.)"""
-    root = resolve_cache_dir(options.cache_dir)
-    if os.path.lexists(root) and not os.path.isdir(root):
-        raise CacheError.failing(
-            "build.cache",
-            f"the build cache {root} is not a folder",
-            f"use a folder: `{CACHE_OPTION} DIR` or `export {ENV_CACHE}=DIR`",
-            [root],
-        )
+    """A build cache path that names a file ($QWEN_KVPREP_CACHE=/etc/hostname), or a folder
+    that is not a build cache (a typo naming someone's folder, a cache folder linked
+    elsewhere), fails every build and every load: say so before the first write, not after
+    the config and the loader were changed (buildcache/marker.py). (An unwritable folder
+    may still hold the build: the build step judges that.)"""
+    identify(resolve_cache_dir(options.cache_dir))
 
 
 def _run_locked(
@@ -200,11 +195,30 @@ def _run_locked(
     with folder_lock(target, what, lock_timeout(), stderr_notify):
         if skip_if is not None and skip_if():
             return FixResult([], [], FixExtra())  # another replica prepared it meanwhile
+        had_journal = os.path.lexists(target / STATE_DIRNAME / JOURNAL_FILE)
         try:
             return _run_steps(source, target, options, early)
         except BaseException:
+            if not had_journal:
+                _drop_journal_of_nothing(target)
             _undo_creation(target, new_top)
             raise
+
+
+def _drop_journal_of_nothing(target: Path) -> None:
+    """After a failure, the journal this run began when it recorded only what it was
+    about to do (a full disk refused its first write): every file it names is still the
+    original and nothing was planted. Left there, it would read as a revert cut short
+    once it had restored everything (doctor's state.record); there is nothing to revert."""
+    try:
+        journal = Journal(target, dry_run=True)
+        unchanged = journal.exists and not journal.planted_files and journal.plan_revert().undone
+    except (KvprepError, OSError):
+        return
+    if unchanged:
+        with contextlib.suppress(OSError):
+            os.unlink(target / STATE_DIRNAME / JOURNAL_FILE)
+        shutil.rmtree(target / STATE_DIRNAME / "originals", ignore_errors=True)
 
 
 def _undo_creation(target: Path, new_top: Optional[Path]) -> None:

@@ -41,6 +41,8 @@ def _build(ctx: FixContext) -> Optional[StateBuild]:
         # a rebuilt library is another library: the smoke verdict must not carry over
         "so_sha256": build.manifest["so_sha256"],
     }
+    if ctx.cache_id is not None:
+        out["cache_id"] = ctx.cache_id  # the cache by its marker: any path may reach it
     with contextlib.suppress(OSError):
         out["so_size"] = os.stat(build.so).st_size
     return out
