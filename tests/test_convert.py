@@ -111,11 +111,14 @@ def test_context_factor_sets_rope_scaling_and_says_it_is_not_exact(
         ConvertOptions(verify=False, context_factor=4.0, rope_scaling=kind),
     )
     cfg = json.loads((tmp_path / "out" / "config.json").read_text())
-    assert cfg["max_position_embeddings"] == 8192
-    assert cfg["rope_scaling"] == {
-        "type": kind, "rope_type": kind, "factor": 4.0,
-        "original_max_position_embeddings": 2048,
-    }
+    scaling = {"type": kind, "rope_type": kind, "factor": 4.0}
+    if kind == "yarn":  # the trained length in rope_scaling, the extended one declared
+        assert cfg["max_position_embeddings"] == 8192
+        assert cfg["rope_scaling"] == {**scaling, "original_max_position_embeddings": 2048}
+    else:  # dynamic NTK scales past max_position_embeddings itself
+        assert cfg["max_position_embeddings"] == 2048
+        assert cfg["rope_scaling"] == scaling
+    assert result.ctx.serving_length == 8192
     said = " ".join(f.message for f in result.findings)
     assert "exact up to 2,048 tokens, NOT exact past 2,048" in said
 

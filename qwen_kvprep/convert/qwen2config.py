@@ -19,9 +19,13 @@ Field by field (Qwen v1 -> Qwen2):
 
 `context_factor` F with `rope_scaling` "yarn" or "dynamic" extends the context the way the
 engines do for Qwen2: rope_scaling carries both spellings of the kind ("type" for
-transformers 4.37..4.44 and vLLM, "rope_type" for newer transformers), the factor and
-original_max_position_embeddings = seq_length; max_position_embeddings = seq_length * F.
-Past seq_length such an output is no longer Qwen v1's model (see run.py's message).
+transformers 4.37..4.44 and vLLM, "rope_type" for newer transformers) and the factor.
+Yarn: original_max_position_embeddings = seq_length in rope_scaling and
+max_position_embeddings = seq_length * F (transformers and vLLM read it so). Dynamic NTK:
+transformers and vLLM take max_position_embeddings itself as the trained length and scale
+past it (vLLM serves up to it times F), so it stays seq_length and rope_scaling has no
+original length (transformers refuses the key there). Past seq_length such an output is no
+longer Qwen v1's model (see run.py's message).
 """
 
 from __future__ import annotations
@@ -47,10 +51,21 @@ class Context:
     rope_scaling: Optional[str] = None
 
     @property
-    def max_positions(self) -> int:
+    def serving_length(self) -> int:
+        """The longest sequence OUT is meant for: seq_length, or seq_length * F."""
         if self.factor is None:
             return self.seq_length
         return int(self.seq_length * self.factor)
+
+    @property
+    def max_positions(self) -> int:
+        """config.json's max_position_embeddings. Dynamic NTK (transformers, vLLM) takes
+        that field as the length the model was trained for and scales past it: it stays
+        seq_length. Yarn reads the trained length from rope_scaling and the field is the
+        extended one."""
+        if self.rope_scaling == "dynamic":
+            return self.seq_length
+        return self.serving_length
 
     @property
     def exact_words(self) -> str:
@@ -149,12 +164,14 @@ def qwen2_config(
         "vocab_size": shape.vocab,
     }
     if ctx.factor is not None and ctx.rope_scaling is not None:
-        out["rope_scaling"] = {
+        scaling: JSONObject = {
             "type": ctx.rope_scaling,
             "rope_type": ctx.rope_scaling,
             "factor": ctx.factor,
-            "original_max_position_embeddings": ctx.seq_length,
         }
+        if ctx.rope_scaling == "yarn":
+            scaling["original_max_position_embeddings"] = ctx.seq_length
+        out["rope_scaling"] = scaling
     if quantization is not None:
         out["quantization_config"] = quantization
     return out

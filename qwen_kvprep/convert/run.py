@@ -106,6 +106,7 @@ class ConvertResult:
             "exact_up_to": self.ctx.seq_length,
             "exact": self.exact_words,
             "max_position_embeddings": self.ctx.max_positions,
+            "serving_length": self.ctx.serving_length,
             "rope_scaling": self.ctx.rope_scaling,
             "context_factor": self.ctx.factor,
             "dtype": self.dtype,
@@ -284,7 +285,7 @@ def convert(
     if ctx.factor is not None:
         findings.append(warn(
             "convert.context",
-            f"OUT declares {ctx.max_positions:,} positions with {ctx.rope_scaling} rope "
+            f"OUT is meant for {ctx.serving_length:,} tokens with {ctx.rope_scaling} rope "
             f"scaling (factor {ctx.factor:g}): it is {ctx.exact_words}, NOT exact past "
             f"{ctx.seq_length:,} (Qwen v1 uses dynamic NTK and logn attention there, which "
             "Qwen2 does not have)",
@@ -293,7 +294,7 @@ def convert(
     serving = _optional("serving")
     if serving is not None:
         result.serving = list(serving.commands(  # type: ignore[attr-defined]
-            out, gptq=gptq, max_len=ctx.max_positions
+            out, gptq=gptq, max_len=ctx.serving_length
         ))
     return result
 
@@ -303,7 +304,7 @@ def _extra(ctx: Context, options: ConvertOptions, dtype: str) -> JSONObject:
     out["created"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     out["context"] = {
         "factor": ctx.factor, "rope_scaling": ctx.rope_scaling,
-        "max_position_embeddings": ctx.max_positions,
+        "max_position_embeddings": ctx.max_positions, "serving_length": ctx.serving_length,
     }
     out["options"] = {
         "max_shard_size": options.max_shard_size, "verify": options.verify,
