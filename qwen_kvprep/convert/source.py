@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Optional
 
 from qwen_kvprep.convert.gptq import GptqLayout, layout
-from qwen_kvprep.convert.mapping import QwenDims, Plan, model_shape, plan
+from qwen_kvprep.convert.mapping import Plan, QwenDims, model_shape, plan
 from qwen_kvprep.convert.pieces import TensorInfo
 from qwen_kvprep.convert.weights import open_source
 from qwen_kvprep.errors import CheckpointError
