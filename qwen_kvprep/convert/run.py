@@ -257,7 +257,8 @@ def convert(
                 raise RefusedError(
                     "the converted model does not behave as the original: OUT was not "
                     "written", fix="see the checks above; `--no-verify` skips this step",
-                    findings=[fail("convert.verify", line) for line in verified.lines[:20]],
+                    findings=list(getattr(verified, "checks", []))
+                    or [fail("convert.verify", line) for line in verified.lines[:20]],
                 )
             for name in _INPUTS:
                 if name not in sources and (directory / name).is_file():
