@@ -61,3 +61,15 @@ def test_bf16_greedy_tokens_equal(tmp_path: Path) -> None:
         a, b = original(ids).logits.float(), native(ids).logits.float()
     assert torch.equal(a.argmax(-1), b.argmax(-1))
     assert (a - b).abs().max().item() < 0.5  # bf16 rounding in another order of operations
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("isolated_hf")
+def test_convert_proves_by_default(tmp_path: Path) -> None:
+    if transformers_release() < (4, 37):
+        needs.skip("qwen2", "this transformers has no Qwen2ForCausalLM")
+    ckpt = generate_checkpoint(tmp_path / "Tiny-Chat", dtype="fp32", shards=2)
+    result = convert(ckpt, tmp_path / "qwen2", ConvertOptions(verify_timeout=600))
+    assert result.verify is not None and result.verify.ok, result.verify.lines
+    assert any("greedy" in line for line in result.verify.lines)
+    assert result.serving and any("vllm serve" in cmd for _e, cmd in result.serving)

@@ -196,3 +196,34 @@ def test_cli_text_json_and_exit_codes(tmp_path: Path, ckpt: Path) -> None:
     assert not os.path.exists(tmp_path / "o3")
     lost = invoke("convert", str(tmp_path / "nowhere"), str(tmp_path / "o4"))
     assert lost.returncode == 2, lost.stderr
+
+
+def test_a_failed_proof_publishes_nothing(
+    tmp_path: Path, ckpt: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from types import SimpleNamespace
+
+    from qwen_kvprep.convert import run
+    from qwen_kvprep.errors import RefusedError
+    from qwen_kvprep.findings import fail
+
+    seen: list[Path] = []
+
+    def verify(src: Path, out: Path, **kw: object) -> object:
+        seen.append(out)
+        assert (out / "config.json").is_file()  # the staged folder, complete
+        return SimpleNamespace(
+            ok=False, lines=["logits differ"], checks=[fail("convert.verify", "logits differ")],
+            to_json=dict,
+        )
+
+    real = run._optional
+    monkeypatch.setattr(
+        run, "_optional",
+        lambda name: SimpleNamespace(verify=verify) if name == "verify" else real(name),
+    )
+    with pytest.raises(RefusedError, match="does not behave as the original") as info:
+        convert(ckpt, tmp_path / "out", ConvertOptions())
+    assert [f.message for f in info.value.findings] == ["logits differ"]
+    assert seen == [output.staging_of(tmp_path / "out")]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
