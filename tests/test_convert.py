@@ -235,3 +235,48 @@ def test_gptq_refuses_a_boundary_inside_a_packed_word() -> None:
     assert len(gptq_pieces("p", ["q", "k", "v"], 16, GptqLayout(4, 128))) == 12
     with pytest.raises(CheckpointError, match="3 bits"):
         layout(3, 128)
+
+
+def test_sharded_bin_input(tmp_path: Path) -> None:
+    """pytorch_model-0000N-of-0000M.bin with its index, as older checkpoints ship them."""
+    ckpt = generate_checkpoint(tmp_path / "ckpt", legacy_bin=True, dtype="fp16")
+    whole = torch.load(str(ckpt / "pytorch_model.bin"), weights_only=True)
+    names = list(whole)
+    halves = {"pytorch_model-00001-of-00002.bin": names[: len(names) // 2],
+              "pytorch_model-00002-of-00002.bin": names[len(names) // 2 :]}
+    for fname, part in halves.items():
+        torch.save({n: whole[n] for n in part}, str(ckpt / fname))
+    (ckpt / "pytorch_model.bin").unlink()
+    index = {"metadata": {"total_size": 0},
+             "weight_map": {n: f for f, part in halves.items() for n in part}}
+    (ckpt / "pytorch_model.bin.index.json").write_text(json.dumps(index))
+    out = tmp_path / "out"
+    convert(ckpt, out, NO_VERIFY)
+    got, exp = load_out(out), expected_dense(whole, 2)
+    assert set(got) == set(exp) and all(bits_equal(got[n], t) for n, t in exp.items())
+    assert len(list(out.glob("model-*-of-00002.safetensors"))) == 2
+    rec = read_provenance(out)
+    assert set(halves) | {"pytorch_model.bin.index.json", "config.json"} <= set(rec.source_files)
+
+
+def test_hub_repo_id_in_the_local_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tests.cli import document, invoke
+    from tests.hubcache_kit import cache_repo
+    from tests.treesnap import snapshot
+
+    ckpt = generate_checkpoint(tmp_path / "ckpt", shards=2)
+    hub = tmp_path / "hub"
+    snap = cache_repo(hub, "Qwen/Qwen-Tiny-Chat", ckpt)
+    monkeypatch.setenv("HF_HUB_CACHE", str(hub))
+    before = snapshot(hub, mtimes=True)
+    res = invoke("convert", "Qwen/Qwen-Tiny-Chat", str(tmp_path / "out"), "--no-verify",
+                 "--json")
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert document(res)["compare"]["ok"]
+    assert snapshot(hub, mtimes=True) == before  # the blobs and links are only read
+    rec = read_provenance(tmp_path / "out")
+    assert rec.source_path == str(snap)
+    got, exp = load_out(tmp_path / "out"), expected_dense(load_source(ckpt), 2)
+    assert all(bits_equal(got[n], t) for n, t in exp.items())
