@@ -34,7 +34,7 @@ from qwen_kvprep.convert import output
 from qwen_kvprep.convert.compare import TensorProof, compare
 from qwen_kvprep.convert.provenance import PROVENANCE, FileRecord, Provenance
 from qwen_kvprep.convert.qwen2config import (
-    Context,
+    ContextPlan,
     context,
     declared_dtype,
     gptq_quantization,
@@ -87,7 +87,7 @@ class ConvertOptions:
 class ConvertResult:
     out: Path
     files: list[tuple[str, int]]  # (name, size) of every file in OUT
-    ctx: Context
+    ctx: ContextPlan
     dtype: str
     gptq: bool
     comparison: TensorProof
@@ -174,7 +174,7 @@ def _side_files(sp: SourcePlan, staging: Path, findings: list[Finding]) -> None:
 
 
 def _verify(
-    sp: SourcePlan, staging: Path, ctx: Context, options: ConvertOptions,
+    sp: SourcePlan, staging: Path, ctx: ContextPlan, options: ConvertOptions,
     findings: list[Finding], say: Callable[[str], None],
 ) -> Optional[VerifyLike]:
     if not options.verify:
@@ -300,7 +300,7 @@ def convert(
     return result
 
 
-def _extra(ctx: Context, options: ConvertOptions, dtype: str) -> JSONObject:
+def _extra(ctx: ContextPlan, options: ConvertOptions, dtype: str) -> JSONObject:
     out: JSONObject = dict(_versions())
     out["created"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     out["context"] = {
