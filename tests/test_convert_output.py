@@ -62,6 +62,10 @@ def test_out_rules(tmp_path: Path, ckpt: Path) -> None:
     (tmp_path / "link").symlink_to(ckpt)
     with pytest.raises(UsageError, match="lies inside DIR"):
         convert(ckpt, tmp_path / "link" / "x", NO_VERIFY)
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "to-empty").symlink_to(tmp_path / "empty")
+    with pytest.raises(UsageError, match="exists and is a symlink"):
+        convert(ckpt, tmp_path / "to-empty", NO_VERIFY)
     with pytest.raises(UsageError, match="does not exist"):
         convert(ckpt, tmp_path / "no" / "out", NO_VERIFY)
     assert (tmp_path / "full" / "keep.txt").read_text() == "mine"

@@ -77,11 +77,12 @@ def convert(
     from qwen_kvprep.convert import run
 
     as_json = output_options().as_json
-    path, spelt = checkpoint_dir(directory, revision, quiet=quiet)
+    path, _ = checkpoint_dir(directory, revision, quiet=quiet)
     options = run.ConvertOptions(
         max_shard_size=_size(max_shard_size), context_factor=context_factor,
         rope_scaling=rope_scaling, verify=not no_verify, verify_timeout=verify_timeout,
-        spelt=spelt, command=command_line_without("--json"),
+        spelt=directory,  # as given: a repo id stays one
+        command=command_line_without("--json"),
     )
 
     def log(message: str) -> None:

@@ -70,8 +70,10 @@ def check_out(src: Path, out: Path) -> None:
         )
     if os.path.lexists(out):
         if out.is_symlink() or not out.is_dir():
+            what = "a symlink" if out.is_symlink() else "not a folder"
             raise UsageError(
-                f"OUT {out} exists and is not a folder",
+                f"OUT {out} exists and is {what}: convert creates OUT as a folder of its own "
+                "(renamed into place at the end)",
                 fix="name a new folder (convert creates it)",
             )
         try:
