@@ -280,3 +280,13 @@ def test_hub_repo_id_in_the_local_cache(
     assert rec.source_path == str(snap) and rec.spelt == "Qwen/Qwen-Tiny-Chat"
     got, exp = load_out(tmp_path / "out"), expected_dense(load_source(ckpt), 2)
     assert all(bits_equal(got[n], t) for n, t in exp.items())
+
+
+def test_a_bin_in_torch_legacy_format_is_read_whole(tmp_path: Path) -> None:
+    """torch's format before 1.6 cannot be memory-mapped: it is read without the mmap."""
+    ckpt = generate_checkpoint(tmp_path / "ckpt", legacy_bin=True)
+    whole = torch.load(str(ckpt / "pytorch_model.bin"), weights_only=True)
+    torch.save(whole, str(ckpt / "pytorch_model.bin"), _use_new_zipfile_serialization=False)
+    convert(ckpt, tmp_path / "out", NO_VERIFY)
+    got, exp = load_out(tmp_path / "out"), expected_dense(whole, 2)
+    assert all(bits_equal(got[n], t) for n, t in exp.items())

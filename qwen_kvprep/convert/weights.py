@@ -103,7 +103,13 @@ def _load_bin(path: Path) -> dict[str, torch.Tensor]:
     if "mmap" in params:
         kwargs["mmap"] = True
     try:
-        data = torch.load(str(path), **kwargs)  # type: ignore[arg-type]
+        try:
+            data = torch.load(str(path), **kwargs)  # type: ignore[arg-type]
+        except RuntimeError as exc:
+            if not kwargs.pop("mmap", False) or "mmap" not in str(exc):
+                raise
+            # a file in torch's pre-1.6 format cannot be mapped: read it whole (one file)
+            data = torch.load(str(path), **kwargs)  # type: ignore[arg-type]
     except Exception as exc:  # torch raises RuntimeError, UnpicklingError, EOFError...
         raise CheckpointError(
             f"{path.name} cannot be read as a PyTorch weights file: {exc}".split("\n")[0],
