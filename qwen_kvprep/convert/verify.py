@@ -288,6 +288,14 @@ def _judge_result(r: VerifyChildResult) -> VerifyResult:
     checks.append(_greedy_finding(r, tol))
     checks.append(_proof_finding("verify.tokenizer", "tokenizer", r["tokenizer"]))
     checks.append(_proof_finding("verify.template", "chat template", r["template"]))
+    if r["scaling_set_aside"] is not None:
+        sc = r["scaling_set_aside"]
+        checks.append(info(
+            "verify.scaling",
+            f"OUT declares rope_scaling {sc.get('rope_type', sc.get('type'))} factor "
+            f"{sc.get('factor')}: the comparison runs OUT without it (its weights and "
+            "architecture); what the scaling changes is measured below",
+        ))
     lines = [head]
     context_lines: list[str] = []
     if "context" in r:

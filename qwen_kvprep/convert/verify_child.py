@@ -19,6 +19,7 @@ smoke's is, so every transformers release runs the same steps.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import sys
 import time
@@ -168,15 +169,39 @@ def load_original(
     return tokenizer, _placed(model, device)
 
 
-def load_converted(path: Path, layers: int, device: str) -> PreTrainedModel:
+def load_converted(
+    path: Path, layers: int, device: str, config_json: JSONObject, exact: bool
+) -> PreTrainedModel:
+    """OUT as Qwen2ForCausalLM, no remote code. `exact`: with the rope scaling its
+    config.json may declare set aside (YaRN changes the logits within seq_length too), so
+    that the proof compares the weights and the architecture; the scaling's effect is
+    measured on its own (context.py)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = _truncated(AutoConfig.from_pretrained(str(path), trust_remote_code=False), layers)
+    if exact and declared_scaling(config_json) is not None:
+        fields = {k: v for k, v in config_json.items() if k not in ("rope_scaling", "auto_map")}
+        scaling = config_json.get("rope_scaling")
+        original_max = scaling.get("original_max_position_embeddings") if isinstance(
+            scaling, dict) else None
+        if isinstance(original_max, int):
+            fields["max_position_embeddings"] = original_max
+        model_type = fields.pop("model_type", None)
+        if not isinstance(model_type, str):
+            raise ValueError(f"{path / 'config.json'} has no model_type")
+        config = AutoConfig.for_model(model_type, **fields)
+    else:
+        config = AutoConfig.from_pretrained(str(path), trust_remote_code=False)
+    config = _truncated(config, layers)
     kwargs: dict[str, object] = {_dtype_kwarg(): "auto"}
     model = AutoModelForCausalLM.from_pretrained(
         str(path), config=config, trust_remote_code=False, **kwargs
     )
     return _placed(model, device)
+
+
+def declared_scaling(config_json: JSONObject) -> Optional[dict[str, object]]:
+    scaling = config_json.get("rope_scaling")
+    return dict(scaling) if isinstance(scaling, dict) else None
 
 
 def _placed(model: PreTrainedModel, device: str) -> PreTrainedModel:
@@ -288,17 +313,20 @@ def batch_logits(
     original: PreTrainedModel, converted: PreTrainedModel, rows: list[list[int]], pad: int,
     device: torch.device,
 ) -> LogitDiff:
-    """One right-padded batch through both: every real position compared (causal
-    attention keeps the padding out of them)."""
+    """One right-padded batch through both, every real position compared. No attention
+    mask is passed: with the padding after each row, causal attention alone keeps it out
+    of the real positions, and Qwen's own code on torch 2 drops its causal mask whenever an
+    attention mask comes with a prompt (its masked_fill result is discarded), so a mask
+    would compare OUT with that slip instead of with the model."""
     import torch
 
     width = max(len(r) for r in rows)
     ids = torch.tensor([r + [pad] * (width - len(r)) for r in rows], device=device)
-    mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows], device=device)
+    real = torch.tensor([[True] * len(r) + [False] * (width - len(r)) for r in rows],
+                        device=device)
     with torch.inference_mode():
-        a = original(input_ids=ids, attention_mask=mask, use_cache=False).logits
-        b = converted(input_ids=ids, attention_mask=mask, use_cache=False).logits
-    real = mask.bool()
+        a = original(input_ids=ids, use_cache=False).logits
+        b = converted(input_ids=ids, use_cache=False).logits
     return _diff(a[real], b[real])
 
 
@@ -427,9 +455,10 @@ def run(args: argparse.Namespace, ev: Events) -> VerifyChildResult:
     seconds["load_original"] = time.perf_counter() - t0
     ev.start(PHASE_LOAD_CONVERTED)
     t1 = time.perf_counter()
-    converted = load_converted(out_path, layers, device)
-    seconds["load_converted"] = time.perf_counter() - t1
     out_config = _read_config(out_path)
+    scaling = declared_scaling(out_config)
+    converted = load_converted(out_path, layers, device, out_config, exact=True)
+    seconds["load_converted"] = time.perf_counter() - t1
     gptq = isinstance(out_config.get("quantization_config"), dict)
     where = torch.device(device)
 
@@ -464,6 +493,7 @@ def run(args: argparse.Namespace, ev: Events) -> VerifyChildResult:
         "dtype_original": _dtype_name(original),
         "dtype_converted": _dtype_name(converted),
         "gptq": gptq,
+        "scaling_set_aside": scaling,
         "fit": sized,
         "prompt_tokens": [len(p) for p in prompts],
         "logits": logits,
@@ -482,8 +512,12 @@ def run(args: argparse.Namespace, ev: Events) -> VerifyChildResult:
         heads = src_config.get("num_attention_heads")
         if not isinstance(seq_length, int) or not isinstance(heads, int):
             raise ValueError("config.json has no integer seq_length / num_attention_heads")
+        if scaling is not None:
+            # the context is measured on OUT as it serves, scaling and all
+            del converted
+            gc.collect()
+            converted = load_converted(out_path, layers, device, out_config, exact=False)
         free = free_memory(device)
-        scaling = out_config.get("rope_scaling")
         result["context"] = ctx.measure(
             original,
             converted,
@@ -492,7 +526,7 @@ def run(args: argparse.Namespace, ev: Events) -> VerifyChildResult:
             heads=heads,
             budget_bytes=None if free is None else free // 4,
             device=where,
-            rope_scaling=dict(scaling) if isinstance(scaling, dict) else None,
+            rope_scaling=scaling,
             original_rules=ctx.original_rules(dict(src_config)),
         )
         seconds["context"] = time.perf_counter() - t4

@@ -113,6 +113,8 @@ class _ResultBase(TypedDict):
     dtype_original: str
     dtype_converted: str
     gptq: bool
+    # OUT's rope_scaling, set aside for the comparison (measured under `context`)
+    scaling_set_aside: Optional[dict[str, object]]
     fit: Fit
     prompt_tokens: list[int]
     logits: LogitDiff  # the padded batch, every real position
