@@ -1,7 +1,7 @@
 """convert's proof (qwen_kvprep.convert.verify): the original through its own code against
 the converted folder as Qwen2ForCausalLM, in a child process.
 
-The converted folders here come from tests/convert_kit.py until `convert` writes them.
+The converted folders are written by convert itself (tests/convert_kit.py).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from qwen_kvprep.convert.verify_protocol import VerifyChildResult
 from qwen_kvprep.findings import Finding, Severity
 from qwen_kvprep.tiny import REMOTE_FILES, generate_checkpoint
 from tests import needs
-from tests.convert_kit import corrupt, qwen2_folder
+from tests.convert_kit import converted, corrupt
 from tests.remote_code import QWEN_CODE_ENV
 from tests.treesnap import snapshot
 
@@ -45,7 +45,7 @@ def _by_id(result: VerifyResult, id: str) -> list[Finding]:
 def fp32(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, Path]]:
     root = tmp_path_factory.mktemp("verify32")
     src = _tiny(root, "fp32")
-    yield src, qwen2_folder(src, root / "out")
+    yield src, converted(src, root / "out")
 
 
 @pytest.mark.slow
@@ -75,7 +75,7 @@ def test_a_converted_fp32_folder_is_proven_equal_and_dir_is_untouched(
 @pytest.mark.slow
 def test_a_converted_bf16_folder_is_proven_equal(tmp_path: Path) -> None:
     src = _tiny(tmp_path, "bf16")
-    result = verify(src, qwen2_folder(src, tmp_path / "out"), timeout=600, context_factor=None)
+    result = verify(src, converted(src, tmp_path / "out"), timeout=600, context_factor=None)
     assert result.ok, "\n".join(result.lines)
     assert result.measured is not None and result.measured["dtype_converted"] == "bfloat16"
 
@@ -127,7 +127,7 @@ def test_the_context_past_seq_length_is_measured(
     fp32: tuple[Path, Path], tmp_path: Path, rope_type: str
 ) -> None:
     src, _ = fp32
-    out = qwen2_folder(src, tmp_path / "out", context_factor=4.0, rope_type=rope_type)
+    out = converted(src, tmp_path / "out", context_factor=4.0, rope_scaling=rope_type)
     result = verify(src, out, timeout=600, context_factor=4.0)
     # the weights and the architecture are proven with the scaling set aside ...
     assert result.ok, "\n".join(result.lines)
@@ -175,7 +175,7 @@ def test_the_original_runs_qwens_own_code(tmp_path: Path) -> None:
     for name in REMOTE_FILES:
         if name != "tokenization_qwen.py":
             shutil.copyfile(Path(folder) / name, src / name)
-    result = verify(src, qwen2_folder(src, tmp_path / "out"), timeout=600, context_factor=None)
+    result = verify(src, converted(src, tmp_path / "out"), timeout=600, context_factor=None)
     assert result.ok, "\n".join(result.lines)
 
 

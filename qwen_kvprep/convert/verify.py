@@ -142,7 +142,7 @@ def verify(
     tokenizer: bool = True,
     measure_context: Optional[bool] = None,
     on_phase: Optional[PhaseCallback] = None,
-    rerun: str = "give it more time, or skip the proof with --no-verify",
+    rerun: str = "rerun convert with a larger --verify-timeout, or skip the proof with --no-verify",
 ) -> VerifyResult:
     """Prove OUT equal to DIR in a child process bounded by `timeout` seconds.
 
@@ -208,7 +208,8 @@ def _logit_finding(what: str, diff: LogitDiff, tol: float, dtype: str) -> Findin
 
 def _proof_finding(id: str, what: str, proof: Proof) -> Finding:
     status = proof["status"]
-    words = f"{what}: {proof['message']}"
+    message = proof["message"]
+    words = message if message.startswith(f"{what}:") else f"{what}: {message}"
     if status == "ok":
         return ok(id, words, details={"proof": proof["details"]})
     if status == "unavailable":

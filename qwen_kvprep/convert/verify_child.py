@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Optional
 
 from qwen_kvprep.childproc import Events, child_main
 from qwen_kvprep.convert import context as ctx
+from qwen_kvprep.convert import tokproof
 from qwen_kvprep.convert.verify_protocol import (
     PHASE_CONTEXT,
     PHASE_FIT,
@@ -50,12 +51,6 @@ from qwen_kvprep.jsontypes import JSONObject
 from qwen_kvprep.planning.model import read_model
 from qwen_kvprep.runtime import moved_to_gpu, resolve_device
 from qwen_kvprep.untrusted import read_record
-
-try:  # the tokenizer proof ships with the tokenizer's conversion
-    from qwen_kvprep.convert import tokproof  # type: ignore[attr-defined, unused-ignore]
-except ImportError as exc:
-    tokproof = None
-    _NO_TOKPROOF = str(exc)
 
 if TYPE_CHECKING:
     import torch
@@ -387,13 +382,14 @@ def greedy_both(
 
 
 def _as_proof(result: object) -> Proof:
+    """A proof of qwen_kvprep.convert.tokproof (`ok`, `lines()`, `to_json()`) as JSON."""
     ok = bool(getattr(result, "ok", False))
     to_json = getattr(result, "to_json", None)
     details: object = to_json() if callable(to_json) else str(result)
     lines = getattr(result, "lines", None)
-    message = (
-        "; ".join(str(x) for x in lines) if isinstance(lines, (list, tuple)) else str(result)
-    )
+    text = lines() if callable(lines) else lines
+    message = "; ".join(str(x).strip() for x in text) if isinstance(text, (list, tuple)) else str(
+        result)
     return {"status": "ok" if ok else "fail", "message": message, "details": details}
 
 
@@ -401,13 +397,6 @@ def prove_tokenizers(
     original_tok: PreTrainedTokenizerBase, out: Path
 ) -> tuple[Proof, Proof]:
     """convert's tokenizer and chat-template proofs (qwen_kvprep.convert.tokproof)."""
-    if tokproof is None:
-        missing: Proof = {
-            "status": "unavailable",
-            "message": f"this installation has no qwen_kvprep.convert.tokproof ({_NO_TOKPROOF})",
-            "details": None,
-        }
-        return missing, missing
     from transformers import AutoTokenizer
 
     try:
