@@ -179,6 +179,19 @@ def test_the_original_runs_qwens_own_code(tmp_path: Path) -> None:
     assert result.ok, "\n".join(result.lines)
 
 
+@pytest.mark.slow
+def test_a_gptq_folder_gives_the_originals_tokens(tmp_path: Path) -> None:
+    needs.gptq_backend()
+    src = generate_checkpoint(
+        tmp_path / "Tiny-Int4", gptq=True, config_overrides={"seq_length": SEQ}
+    )
+    result = verify(src, converted(src, tmp_path / "out"), timeout=900, context_factor=None)
+    assert result.ok, "\n".join(result.lines)
+    m = result.measured
+    assert m is not None and m["gptq"] and m["weights"]["skipped"] is not None
+    assert all(g["original"] == g["converted"] for g in m["greedy"])
+
+
 # -- the judgement, without a model ------------------------------------------------------
 
 
