@@ -290,3 +290,13 @@ def test_serving_commands_for_gptq_ask_for_the_gptq_kernels() -> None:
     got = dict(commands(Path("/m/q"), gptq=True, max_len=2048))
     assert sum("--quantization gptq" in v for v in got.values()) == 3
     assert any("--model-format gptq" in v for v in got.values())
+
+
+def test_a_dir_without_its_code_is_a_failed_proof_not_a_traceback(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "config.json").write_text("{}")
+    result = verify(src, tmp_path / "out", timeout=60, context_factor=None)
+    assert not result.ok
+    (f,) = result.checks
+    assert f.id == "verify.original" and "modeling_qwen.py" in f.message

@@ -151,8 +151,8 @@ def verify(
     this many layers (fewer are run anyway where both copies do not fit).
     `measure_context`: measure past seq_length even without a factor (what serving the
     exact OUT past its declared length gives); default: when `context_factor` is set. Never
-    raises for
-    what the child does; a bad DIR (no modeling_qwen.py) is a UsageError."""
+    raises for what the child does, nor for a DIR whose code cannot be read (a failed
+    result, `verify.original`)."""
     src, out = Path(os.path.abspath(src)), Path(os.path.abspath(out))
     measure = context_factor is not None if measure_context is None else measure_context
 
@@ -164,7 +164,13 @@ def verify(
     # no dot in any name: transformers imports the code as a module named after the folder
     with tempfile.TemporaryDirectory(prefix="qwen_kvprep_verify_") as tmp:
         original = Path(tmp) / "original"
-        prepare_original(src, original)
+        try:
+            prepare_original(src, original)
+        except (OSError, UnicodeDecodeError, ValueError, UsageError) as exc:
+            why = exc.message if isinstance(exc, UsageError) else f"{type(exc).__name__}: {exc}"
+            f = fail("verify.original", f"the original's code could not be prepared: {why}",
+                     fix=rerun)
+            return VerifyResult(False, [f], [f"proof: FAILED: {f.message}"])
         env = child_env({"HF_MODULES_CACHE": str(Path(tmp) / "modules")})
         outcome = run_events_child(
             lambda fd: child_command(

@@ -49,7 +49,7 @@ from qwen_kvprep.convert.verify_protocol import (
 )
 from qwen_kvprep.jsontypes import JSONObject
 from qwen_kvprep.planning.model import read_model
-from qwen_kvprep.runtime import moved_to_gpu, resolve_device
+from qwen_kvprep.runtime import has_accelerate, moved_to_gpu, resolve_device
 from qwen_kvprep.untrusted import read_record
 
 if TYPE_CHECKING:
@@ -159,7 +159,7 @@ def load_original(
     config.use_cache_kernel = False
     config = _truncated(config, layers)
     model = AutoModelForCausalLM.from_pretrained(
-        str(path), config=config, trust_remote_code=True
+        str(path), config=config, trust_remote_code=True, **_device_map(device)
     )
     return tokenizer, _placed(model, device)
 
@@ -187,7 +187,7 @@ def load_converted(
     else:
         config = AutoConfig.from_pretrained(str(path), trust_remote_code=False)
     config = _truncated(config, layers)
-    kwargs: dict[str, object] = {_dtype_kwarg(): "auto"}
+    kwargs: dict[str, object] = {_dtype_kwarg(): "auto", **_device_map(device)}
     model = AutoModelForCausalLM.from_pretrained(
         str(path), config=config, trust_remote_code=False, **kwargs
     )
@@ -199,8 +199,14 @@ def declared_scaling(config_json: JSONObject) -> Optional[dict[str, object]]:
     return dict(scaling) if isinstance(scaling, dict) else None
 
 
+def _device_map(device: str) -> dict[str, object]:
+    """Straight onto the GPU where accelerate is there to place it (a 72B then never
+    passes through host memory whole), else loaded on the host and moved."""
+    return {"device_map": "cuda"} if device == "cuda" and has_accelerate() else {}
+
+
 def _placed(model: PreTrainedModel, device: str) -> PreTrainedModel:
-    if device == "cuda":
+    if device == "cuda" and not _device_map(device):
         model = moved_to_gpu(model)
     model.eval()  # type: ignore[no-untyped-call, unused-ignore]
     return model
