@@ -36,7 +36,6 @@ KINDS = {
     "gptq": "the GPTQ backend of the `gptq` extra (optimum and gptqmodel; docs/reference.md)",
     "qwen-code": "Qwen's own remote code (not in this repository; tests/remote_code.py)",
     "transformers-5": "transformers 5 (a test of what its releases do)",
-    "qwen2": "transformers 4.37 or later, the first with Qwen2ForCausalLM (convert's output)",
     "accelerate": "accelerate, which device_map='auto' needs (the GPTQ backend brings it)",
 }
 ENV_ALLOWED = "QWEN_KVPREP_TEST_ALLOWED_SKIPS"

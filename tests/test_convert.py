@@ -277,6 +277,6 @@ def test_hub_repo_id_in_the_local_cache(
     assert document(res)["compare"]["ok"]
     assert snapshot(hub, mtimes=True) == before  # the blobs and links are only read
     rec = read_provenance(tmp_path / "out")
-    assert rec.source_path == str(snap)
+    assert rec.source_path == str(snap) and rec.spelt == "Qwen/Qwen-Tiny-Chat"
     got, exp = load_out(tmp_path / "out"), expected_dense(load_source(ckpt), 2)
     assert all(bits_equal(got[n], t) for n, t in exp.items())

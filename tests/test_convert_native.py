@@ -19,7 +19,7 @@ from tests.remote_code import transformers_release, with_compat
 
 def _models(tmp_path: Path, **kw: object) -> tuple[torch.nn.Module, torch.nn.Module]:
     if transformers_release() < (4, 37):
-        needs.skip("qwen2", "this transformers has no Qwen2ForCausalLM")
+        needs.skip("transformers-4.37", "this transformers has no Qwen2ForCausalLM")
     from transformers import AutoModelForCausalLM, Qwen2ForCausalLM
 
     ckpt = generate_checkpoint(tmp_path / "Tiny-Chat", **kw)  # type: ignore[arg-type]
@@ -67,7 +67,7 @@ def test_bf16_greedy_tokens_equal(tmp_path: Path) -> None:
 @pytest.mark.usefixtures("isolated_hf")
 def test_convert_proves_by_default(tmp_path: Path) -> None:
     if transformers_release() < (4, 37):
-        needs.skip("qwen2", "this transformers has no Qwen2ForCausalLM")
+        needs.skip("transformers-4.37", "this transformers has no Qwen2ForCausalLM")
     ckpt = generate_checkpoint(tmp_path / "Tiny-Chat", dtype="fp32", shards=2)
     result = convert(ckpt, tmp_path / "qwen2", ConvertOptions(verify_timeout=600))
     assert result.verify is not None and result.verify.ok, result.verify.lines

@@ -3,11 +3,14 @@ finished by the same command, clear errors for a full disk and a read-only OUT f
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
+import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -16,6 +19,7 @@ from qwen_kvprep.convert import output, weights
 from qwen_kvprep.convert.run import ConvertOptions, convert
 from qwen_kvprep.errors import CheckpointError, FileSystemError, LockTimeout, UsageError
 from qwen_kvprep.tiny import generate_checkpoint
+from tests import needs
 from tests.cli import document, invoke
 from tests.convert_kit import bits_equal, expected_dense, load_out, load_source
 from tests.needs import REPO
@@ -62,6 +66,10 @@ def test_out_rules(tmp_path: Path, ckpt: Path) -> None:
     (tmp_path / "link").symlink_to(ckpt)
     with pytest.raises(UsageError, match="lies inside DIR"):
         convert(ckpt, tmp_path / "link" / "x", NO_VERIFY)
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "to-empty").symlink_to(tmp_path / "empty")
+    with pytest.raises(UsageError, match="exists and is a symlink"):
+        convert(ckpt, tmp_path / "to-empty", NO_VERIFY)
     with pytest.raises(UsageError, match="does not exist"):
         convert(ckpt, tmp_path / "no" / "out", NO_VERIFY)
     assert (tmp_path / "full" / "keep.txt").read_text() == "mine"
@@ -227,3 +235,50 @@ def test_a_failed_proof_publishes_nothing(
     assert [f.message for f in info.value.findings] == ["logits differ"]
     assert seen == [output.staging_of(tmp_path / "out")]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+# -- real file systems (root: tmpfs mounts) -------------------------------------------------
+
+
+@contextlib.contextmanager
+def _tmpfs(where: Path, size: str) -> Iterator[Path]:
+    if not needs.is_root():
+        needs.skip("root", "mounting a tmpfs (read-only or full file system) needs root")
+    where.mkdir(parents=True, exist_ok=True)
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)],
+                          capture_output=True, text=True)
+    if done.returncode != 0:  # root without CAP_SYS_ADMIN (an unprivileged container)
+        needs.skip("root", f"cannot mount a tmpfs here: {done.stderr.strip()}")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], check=False)
+
+
+def _remount_ro(mnt: Path) -> None:
+    subprocess.run(["mount", "-o", "remount,ro", str(mnt)], check=True)
+
+
+def test_real_read_only_dir_and_read_only_out_folder(tmp_path: Path, ckpt: Path) -> None:
+    with _tmpfs(tmp_path / "ro-src", "64m") as src_mnt:
+        src = src_mnt / "ckpt"
+        shutil.copytree(ckpt, src)
+        _remount_ro(src_mnt)
+        before = snapshot(src, mtimes=True)
+        res = invoke("convert", str(src), str(tmp_path / "out"), "--no-verify")
+        assert res.returncode == 0, res.stderr
+        assert snapshot(src, mtimes=True) == before
+        with _tmpfs(tmp_path / "ro-out", "128m") as out_mnt:
+            _remount_ro(out_mnt)
+            res = invoke("convert", str(src), str(out_mnt / "qwen2"), "--no-verify")
+            assert res.returncode == 1, res.stderr
+            assert "read-only file system" in res.stderr and "Traceback" not in res.stderr
+            assert os.listdir(out_mnt) == []
+
+
+def test_real_full_disk_is_said_before_writing(tmp_path: Path, ckpt: Path) -> None:
+    with _tmpfs(tmp_path / "small", "1m") as mnt:
+        res = invoke("convert", str(ckpt), str(mnt / "qwen2"), "--no-verify")
+        assert res.returncode == 1, res.stderr
+        assert "not enough space for OUT" in res.stderr and "nothing was written" in res.stderr
+        assert os.listdir(mnt) == []

@@ -74,21 +74,21 @@ def convert(
     running the same command again. DIRECTORY may be a Hub repo id (ORG/NAME) found in the
     local Hub cache."""
     # here, not at the top: torch and safetensors cost every start of the CLI, --help included
-    from qwen_kvprep.convert.run import ConvertOptions, summary
-    from qwen_kvprep.convert.run import convert as run_convert
+    from qwen_kvprep.convert import run
 
     as_json = output_options().as_json
-    path, spelt = checkpoint_dir(directory, revision, quiet=quiet)
-    options = ConvertOptions(
+    path, _ = checkpoint_dir(directory, revision, quiet=quiet)
+    options = run.ConvertOptions(
         max_shard_size=_size(max_shard_size), context_factor=context_factor,
         rope_scaling=rope_scaling, verify=not no_verify, verify_timeout=verify_timeout,
-        spelt=spelt, command=command_line_without("--json"),
+        spelt=directory,  # as given: a repo id stays one
+        command=command_line_without("--json"),
     )
 
     def log(message: str) -> None:
         click.echo(f"qwen-kvprep: {message}", err=True)
 
-    result = run_convert(
+    result = run.convert(
         path, Path(out), options, log=None if as_json or quiet else log
     )
     if as_json:
@@ -96,7 +96,7 @@ def convert(
                "findings": [f.to_json() for f in result.findings]}
         emit(json.dumps(doc, indent=2, default=str))
     else:
-        emit("\n".join(summary(result)))
+        emit("\n".join(run.summary(result)))
 
 
 def register(group: click.Group) -> None:

@@ -8,6 +8,7 @@ shards are memory-mapped by `safe_open`. Nothing is written.
 
 from __future__ import annotations
 
+from collections import Counter
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -90,17 +91,27 @@ def compare(
         result.problems.append(f"{name} is missing from OUT")
     if result.problems:
         return result
+    # an OUT shard stays mapped only until its last tensor is compared: each mapping keeps
+    # the pages it touched resident, and all of OUT would otherwise be by the end
+    left = Counter(where[p.target] for p in sp.plan.pieces)
     with ExitStack() as stack:
-        handles: dict[str, object] = {}
+        handles: dict[str, tuple[ExitStack, object]] = {}
 
         def out_tensor(name: str) -> torch.Tensor:
             fname = where[name]
             if fname not in handles:
-                handles[fname] = stack.enter_context(
+                own = stack.enter_context(ExitStack())
+                handles[fname] = own, own.enter_context(
                     safe_open(str(out / fname), framework="pt")
                 )
-            got: torch.Tensor = handles[fname].get_tensor(name)  # type: ignore[attr-defined]
+            got: torch.Tensor = handles[fname][1].get_tensor(name)  # type: ignore[attr-defined]
             return got
+
+        def done_with(name: str) -> None:
+            fname = where[name]
+            left[fname] -= 1
+            if left[fname] == 0 and fname in handles:
+                handles.pop(fname)[0].close()
 
         by_source = sp.plan.by_source()
         for fname in sp.files:
@@ -118,6 +129,8 @@ def compare(
                         except Exception as exc:  # SafetensorError: not an OSError
                             result.problems.append(f"{piece.target} cannot be read: {exc}")
                             continue
+                        finally:
+                            done_with(piece.target)
                         if _same(cut(tensor, piece), mine):
                             result.tensors += 1
                             result.bytes += mine.numel() * mine.element_size()

@@ -70,8 +70,10 @@ def check_out(src: Path, out: Path) -> None:
         )
     if os.path.lexists(out):
         if out.is_symlink() or not out.is_dir():
+            what = "a symlink" if out.is_symlink() else "not a folder"
             raise UsageError(
-                f"OUT {out} exists and is not a folder",
+                f"OUT {out} exists and is {what}: convert creates OUT as a folder of its own "
+                "(renamed into place at the end)",
                 fix="name a new folder (convert creates it)",
             )
         try:
@@ -96,11 +98,15 @@ def check_space(out: Path, needed: int) -> None:
         return
     if free < needed:
         raise FileSystemError(
-            f"not enough space for OUT: {needed / 1e9:.2f} GB to write, "
-            f"{free / 1e9:.2f} GB free on the device holding {out.parent}",
+            f"not enough space for OUT: {_size(needed)} to write, {_size(free)} free on the "
+            f"device holding {out.parent}",
             fix=f"free some space there (`df -h {shlex.quote(str(out.parent))}` shows it) or "
             "name an OUT on another disk; nothing was written",
         )
+
+
+def _size(n: int) -> str:
+    return f"{n / 1e9:,.2f} GB" if n >= 1e9 else f"{n / 1e6:,.1f} MB"
 
 
 def no_space(exc: OSError, out: Path) -> KvprepError:

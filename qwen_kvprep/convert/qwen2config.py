@@ -43,7 +43,7 @@ _FLAG_DTYPES = (("bf16", "bfloat16"), ("fp16", "float16"), ("fp32", "float32"))
 
 
 @dataclass(frozen=True)
-class Context:
+class ContextPlan:
     """How far OUT's positions go, and whether past seq_length it is Qwen v1's model."""
 
     seq_length: int
@@ -74,7 +74,7 @@ class Context:
 
 def context(
     config: Mapping[str, JSON], factor: Optional[float], rope_scaling: Optional[str]
-) -> Context:
+) -> ContextPlan:
     """The context the options ask for (UsageError for a half-given or bad option)."""
     seq = config.get("seq_length", config.get("max_position_embeddings"))
     if isinstance(seq, bool) or not isinstance(seq, int) or seq <= 0:
@@ -92,7 +92,7 @@ def context(
         raise UsageError(f"--context-factor {factor}: it must be more than 1")
     if rope_scaling is not None and rope_scaling not in ROPE_KINDS:
         raise UsageError(f"--rope-scaling {rope_scaling}: one of {', '.join(ROPE_KINDS)}")
-    return Context(seq, factor, rope_scaling)
+    return ContextPlan(seq, factor, rope_scaling)
 
 
 def declared_dtype(config: Mapping[str, JSON], stored: str, gptq: bool) -> str:
@@ -126,7 +126,7 @@ def _token_id(*values: JSON) -> Optional[int]:
 def qwen2_config(
     config: Mapping[str, JSON],
     shape: QwenDims,
-    ctx: Context,
+    ctx: ContextPlan,
     dtype: str,
     *,
     generation: Optional[Mapping[str, JSON]] = None,

@@ -5,10 +5,10 @@ Order, every check before the first write:
    a Qwen v1 checkpoint, its config, index and shards sound); every tensor's header read and
    the mapping checked against the config (source.read_source); the options and the config
    for Qwen2 worked out; the free space on OUT's device checked against the output's size.
-2. Under OUT's lock, in the staging folder beside it: the weights (each source file hashed
-   in a streamed pass, then read; each output shard written tensor by tensor), the index,
-   the tokenizer and generation config (convert.tokenizer / convert.chat), quantize_config.json
-   for GPTQ, config.json.
+2. Under OUT's lock, in the staging folder beside it: the tokenizer and generation config
+   (convert.tokenizer / convert.chat: they check their inputs in seconds, so first), the
+   weights (each source file hashed in a streamed pass, then read; each output shard
+   written tensor by tensor), the index, quantize_config.json for GPTQ, config.json.
 3. The bit-for-bit comparison of every output tensor with its source slice (compare.py),
    then, unless asked not to, the verification child (convert.verify): the original through
    its remote code and the output natively. Either failing: nothing is published.
@@ -34,7 +34,7 @@ from qwen_kvprep.convert import output
 from qwen_kvprep.convert.compare import TensorProof, compare
 from qwen_kvprep.convert.provenance import PROVENANCE, FileRecord, Provenance
 from qwen_kvprep.convert.qwen2config import (
-    Context,
+    ContextPlan,
     context,
     declared_dtype,
     gptq_quantization,
@@ -62,7 +62,7 @@ _INPUTS = (
     "config.json", "generation_config.json", "qwen.tiktoken", "tokenizer_config.json",
     QUANTIZE_CONFIG, ST_INDEX, "pytorch_model.bin.index.json",
 )  # fmt: skip
-_SLACK = 64 << 20  # tokenizer, configs and the record, beyond the weights
+_SLACK = 32 << 20  # the tokenizer files (a few MB for Qwen's vocabulary), configs, the record
 
 
 class VerifyLike(Protocol):
@@ -87,7 +87,7 @@ class ConvertOptions:
 class ConvertResult:
     out: Path
     files: list[tuple[str, int]]  # (name, size) of every file in OUT
-    ctx: Context
+    ctx: ContextPlan
     dtype: str
     gptq: bool
     comparison: TensorProof
@@ -174,7 +174,7 @@ def _side_files(sp: SourcePlan, staging: Path, findings: list[Finding]) -> None:
 
 
 def _verify(
-    sp: SourcePlan, staging: Path, ctx: Context, options: ConvertOptions,
+    sp: SourcePlan, staging: Path, ctx: ContextPlan, options: ConvertOptions,
     findings: list[Finding], say: Callable[[str], None],
 ) -> Optional[VerifyLike]:
     if not options.verify:
@@ -232,12 +232,13 @@ def convert(
     say(f"converting {directory} into {out} ({len(shards)} shard(s), {dtype})")
     try:
         with output.staged(out) as staging:
+            # first: they read and check their own inputs, in seconds, before hours of weights
+            _side_files(sp, staging, findings)
             written = write_weights(
                 directory, sp.files, groups, shards, staging, on_source=on_source, progress=say
             )
             if len(shards) > 1:
                 atomic_write_bytes(staging / ST_INDEX, index_json(shards))
-            _side_files(sp, staging, findings)
             if gptq and sp.quantize_file is not None:
                 atomic_write_text(staging / QUANTIZE_CONFIG, _dumps(dict(sp.quantize_file)))
             atomic_write_text(staging / "config.json", _dumps(config))
@@ -300,7 +301,7 @@ def convert(
     return result
 
 
-def _extra(ctx: Context, options: ConvertOptions, dtype: str) -> JSONObject:
+def _extra(ctx: ContextPlan, options: ConvertOptions, dtype: str) -> JSONObject:
     out: JSONObject = dict(_versions())
     out["created"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     out["context"] = {
