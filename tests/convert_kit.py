@@ -4,10 +4,8 @@
 tiny checkpoint and of OUT read with the plain libraries, the expected Qwen2 tensors
 computed independently of qwen_kvprep.convert, and GPTQ dequantization.
 
-`qwen2_folder(src, dst)` maps a tiny Qwen (v1) checkpoint's tensors to Qwen2's names
-(c_attn split in three; w2 -> gate_proj, w1 -> up_proj) into one model.safetensors and
-writes a Qwen2 config.json, by a mapping of its own (the proof's tests); `corrupt` changes
-it the ways the proof must catch.
+`converted(src, dst)` runs convert (without its own proof, which the proof's tests call
+themselves); `corrupt` changes OUT's weights the ways the proof must catch.
 """
 
 from __future__ import annotations
@@ -18,7 +16,7 @@ from typing import Any, Optional
 
 import torch
 
-from qwen_kvprep.jsontypes import JSONObject
+from qwen_kvprep.convert.run import ConvertOptions, convert
 
 
 def load_source(ckpt: Path) -> dict[str, torch.Tensor]:
@@ -89,80 +87,22 @@ def dequantize(t: dict[str, Any], prefix: str, group_size: int = 128) -> torch.T
     return w.T.contiguous()
 
 
-_BLOCK = {
-    "ln_1": "input_layernorm",
-    "ln_2": "post_attention_layernorm",
-    "attn.c_proj": "self_attn.o_proj",
-    "mlp.w1": "mlp.up_proj",
-    "mlp.w2": "mlp.gate_proj",
-    "mlp.c_proj": "mlp.down_proj",
-}
-_TOP = {"transformer.wte": "model.embed_tokens", "transformer.ln_f": "model.norm",
-        "lm_head": "lm_head"}
-_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
-
-
-def _tensors(src: Path) -> dict[str, object]:
-    from safetensors.torch import load_file
-
-    out: dict[str, object] = {}
-    for shard in sorted(src.glob("*.safetensors")):
-        out.update(load_file(str(shard)))
-    return out
-
-
-def qwen2_folder(
-    src: Path, dst: Path, *, context_factor: Optional[float] = None, rope_type: str = "dynamic"
+def converted(
+    src: Path, dst: Path, *, context_factor: Optional[float] = None,
+    rope_scaling: Optional[str] = None,
 ) -> Path:
-    import torch
-    from safetensors.torch import save_file
+    options = ConvertOptions(
+        verify=False, context_factor=context_factor,
+        rope_scaling=rope_scaling if context_factor is not None else None,
+    )
+    return convert(src, dst, options).out
 
-    cfg: JSONObject = json.loads((src / "config.json").read_text())
-    mapped: dict[str, torch.Tensor] = {}
-    for name, t in _tensors(src).items():
-        assert isinstance(t, torch.Tensor)
-        module, _, leaf = name.rpartition(".")
-        if module in _TOP:
-            mapped[f"{_TOP[module]}.{leaf}"] = t
-            continue
-        parts = module.split(".")
-        prefix, rest = f"model.layers.{parts[2]}.", ".".join(parts[3:])
-        if rest == "attn.c_attn":
-            for target, piece in zip(("q_proj", "k_proj", "v_proj"), t.chunk(3, dim=0)):
-                mapped[f"{prefix}self_attn.{target}.{leaf}"] = piece.contiguous()
-        else:
-            mapped[f"{prefix}{_BLOCK[rest]}.{leaf}"] = t
-    dst.mkdir(parents=True)
-    save_file(mapped, str(dst / "model.safetensors"), metadata={"format": "pt"})
-    dtype = next((_DTYPES[k] for k in ("bf16", "fp16", "fp32") if cfg.get(k) is True), "float32")
-    seq = cfg["seq_length"]
-    assert isinstance(seq, int) and isinstance(cfg["intermediate_size"], int)
-    out: JSONObject = {
-        "architectures": ["Qwen2ForCausalLM"],
-        "model_type": "qwen2",
-        "hidden_size": cfg["hidden_size"],
-        "intermediate_size": cfg["intermediate_size"] // 2,
-        "num_hidden_layers": cfg["num_hidden_layers"],
-        "num_attention_heads": cfg["num_attention_heads"],
-        "num_key_value_heads": cfg["num_attention_heads"],
-        "vocab_size": cfg["vocab_size"],
-        "rms_norm_eps": cfg["layer_norm_epsilon"],
-        "rope_theta": cfg["rotary_emb_base"],
-        "max_position_embeddings": seq,
-        "tie_word_embeddings": False,
-        "torch_dtype": dtype,
-        "hidden_act": "silu",
-        "use_sliding_window": False,
-        "attention_dropout": 0.0,
-    }
-    if context_factor is not None:
-        out["max_position_embeddings"] = int(seq * context_factor)
-        out["rope_scaling"] = {
-            "rope_type": rope_type, "type": rope_type, "factor": context_factor,
-            "original_max_position_embeddings": seq,
-        }
-    (dst / "config.json").write_text(json.dumps(out, indent=2))
-    return dst
+
+def _file_of(out: Path, name: str) -> Path:
+    index = out / "model.safetensors.index.json"
+    if index.is_file():
+        return out / str(json.loads(index.read_text())["weight_map"][name])
+    return out / "model.safetensors"
 
 
 def corrupt(out: Path, how: str) -> str:
@@ -170,16 +110,19 @@ def corrupt(out: Path, how: str) -> str:
     "swap-qk" exchanges layer 0's q_proj and k_proj. Returns the tensor name concerned."""
     from safetensors.torch import load_file, save_file
 
-    path = out / "model.safetensors"
+    name = (
+        "model.layers.0.mlp.down_proj.weight" if how == "weight"
+        else "model.layers.0.self_attn.q_proj.weight"
+    )
+    path = _file_of(out, name)
     tensors = load_file(str(path))
     if how == "weight":
-        name = "model.layers.0.mlp.down_proj.weight"
         t = tensors[name].clone()
         t.view(-1)[7] += 1e-2
         tensors[name] = t
     elif how == "swap-qk":
-        name = "model.layers.0.self_attn.q_proj.weight"
         k = "model.layers.0.self_attn.k_proj.weight"
+        assert _file_of(out, k) == path
         tensors[name], tensors[k] = tensors[k], tensors[name]
     else:
         raise ValueError(how)

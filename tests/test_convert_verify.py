@@ -1,7 +1,7 @@
 """convert's proof (qwen_kvprep.convert.verify): the original through its own code against
 the converted folder as Qwen2ForCausalLM, in a child process.
 
-The converted folders here come from tests/convert_kit.py until `convert` writes them.
+The converted folders are written by convert itself (tests/convert_kit.py).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from qwen_kvprep.convert.verify_protocol import VerifyChildResult
 from qwen_kvprep.findings import Finding, Severity
 from qwen_kvprep.tiny import REMOTE_FILES, generate_checkpoint
 from tests import needs
-from tests.convert_kit import corrupt, qwen2_folder
+from tests.convert_kit import converted, corrupt
 from tests.remote_code import QWEN_CODE_ENV
 from tests.treesnap import snapshot
 
@@ -45,7 +45,7 @@ def _by_id(result: VerifyResult, id: str) -> list[Finding]:
 def fp32(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, Path]]:
     root = tmp_path_factory.mktemp("verify32")
     src = _tiny(root, "fp32")
-    yield src, qwen2_folder(src, root / "out")
+    yield src, converted(src, root / "out")
 
 
 @pytest.mark.slow
@@ -75,7 +75,7 @@ def test_a_converted_fp32_folder_is_proven_equal_and_dir_is_untouched(
 @pytest.mark.slow
 def test_a_converted_bf16_folder_is_proven_equal(tmp_path: Path) -> None:
     src = _tiny(tmp_path, "bf16")
-    result = verify(src, qwen2_folder(src, tmp_path / "out"), timeout=600, context_factor=None)
+    result = verify(src, converted(src, tmp_path / "out"), timeout=600, context_factor=None)
     assert result.ok, "\n".join(result.lines)
     assert result.measured is not None and result.measured["dtype_converted"] == "bfloat16"
 
@@ -122,16 +122,28 @@ def test_layers_that_do_not_fit_are_named_as_skipped(fp32: tuple[Path, Path]) ->
 
 
 @pytest.mark.slow
-def test_the_context_past_seq_length_is_measured(fp32: tuple[Path, Path], tmp_path: Path) -> None:
+@pytest.mark.parametrize("rope_type", ["dynamic", "yarn"])
+def test_the_context_past_seq_length_is_measured(
+    fp32: tuple[Path, Path], tmp_path: Path, rope_type: str
+) -> None:
     src, _ = fp32
-    out = qwen2_folder(src, tmp_path / "out", context_factor=4.0, rope_type="dynamic")
+    out = converted(src, tmp_path / "out", context_factor=4.0, rope_scaling=rope_type)
     result = verify(src, out, timeout=600, context_factor=4.0)
+    # the weights and the architecture are proven with the scaling set aside ...
     assert result.ok, "\n".join(result.lines)
     assert result.measured is not None
+    assert result.measured["logits"]["max_rel"] <= 1e-5
+    (aside,) = _by_id(result, "verify.scaling")
+    assert f"rope_scaling {rope_type} factor 4.0" in aside.message
+    # ... and what it changes is measured on OUT as it serves
     rows = {r["times"]: r for r in result.measured["context"]["rows"]}
     assert [r["tokens"] for r in rows.values()] == [SEQ, 2 * SEQ, 4 * SEQ]
-    # within seq_length dynamic scaling changes nothing: float rounding only
-    assert rows[1.0]["max_abs"] is not None and rows[1.0]["max_abs"] < 1e-4
+    within = rows[1.0]["max_abs"]
+    assert within is not None
+    if rope_type == "dynamic":
+        assert within < 1e-4  # dynamic scaling changes nothing within seq_length
+    else:
+        assert within > 1e-3  # YaRN changes every frequency
     for times in (2.0, 4.0):
         row = rows[times]
         assert row["skipped"] is None and row["positions"] > 0
@@ -158,10 +170,26 @@ def test_the_original_runs_qwens_own_code(tmp_path: Path) -> None:
     if not folder:
         needs.skip("qwen-code", f"{QWEN_CODE_ENV} names no folder holding it")
     src = _tiny(tmp_path, "fp32")
+    # Qwen's tokenizer fixes its special tokens' ids for the full vocabulary: the tiny
+    # one stays
     for name in REMOTE_FILES:
-        shutil.copyfile(Path(folder) / name, src / name)
-    result = verify(src, qwen2_folder(src, tmp_path / "out"), timeout=600, context_factor=None)
+        if name != "tokenization_qwen.py":
+            shutil.copyfile(Path(folder) / name, src / name)
+    result = verify(src, converted(src, tmp_path / "out"), timeout=600, context_factor=None)
     assert result.ok, "\n".join(result.lines)
+
+
+@pytest.mark.slow
+def test_a_gptq_folder_gives_the_originals_tokens(tmp_path: Path) -> None:
+    needs.gptq_backend()
+    src = generate_checkpoint(
+        tmp_path / "Tiny-Int4", gptq=True, config_overrides={"seq_length": SEQ}
+    )
+    result = verify(src, converted(src, tmp_path / "out"), timeout=900, context_factor=None)
+    assert result.ok, "\n".join(result.lines)
+    m = result.measured
+    assert m is not None and m["gptq"] and m["weights"]["skipped"] is not None
+    assert all(g["original"] == g["converted"] for g in m["greedy"])
 
 
 # -- the judgement, without a model ------------------------------------------------------
@@ -180,7 +208,7 @@ def _measured(**changes: object) -> VerifyChildResult:
         "weights": {"compared": 5, "differ": [], "skipped": None},
         "tokenizer": {"status": "ok", "message": "fine", "details": None},
         "template": {"status": "ok", "message": "fine", "details": None},
-        "seconds": {},
+        "seconds": {}, "scaling_set_aside": None,
     }
     base.update(changes)
     return base  # type: ignore[return-value]
@@ -262,3 +290,13 @@ def test_serving_commands_for_gptq_ask_for_the_gptq_kernels() -> None:
     got = dict(commands(Path("/m/q"), gptq=True, max_len=2048))
     assert sum("--quantization gptq" in v for v in got.values()) == 3
     assert any("--model-format gptq" in v for v in got.values())
+
+
+def test_a_dir_without_its_code_is_a_failed_proof_not_a_traceback(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "config.json").write_text("{}")
+    result = verify(src, tmp_path / "out", timeout=60, context_factor=None)
+    assert not result.ok
+    (f,) = result.checks
+    assert f.id == "verify.original" and "modeling_qwen.py" in f.message

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Optional
 
-from qwen_kvprep.convert.verify_protocol import Context, ContextRow
+from qwen_kvprep.convert.verify_protocol import ContextMeasure, ContextRow
 
 if TYPE_CHECKING:
     import torch
@@ -93,7 +93,7 @@ def measure(
     device: torch.device,
     rope_scaling: Optional[dict[str, object]],
     original_rules: list[str],
-) -> Context:
+) -> ContextMeasure:
     """One row per TIMES: both models read the same long input; the logits at positions
     past seq_length (all positions for the 1x row) are compared. A row whose attention
     would not fit `budget_bytes` is skipped, saying why."""
@@ -144,7 +144,7 @@ def measure(
     }
 
 
-def describe(context: Context) -> list[str]:
+def describe(context: ContextMeasure) -> list[str]:
     """convert's lines: "at 2x seq_length (4,096 tokens): max |Δlogit| 3.1, top-1
     agreement 91.4% of 256 positions"."""
     rules = " and ".join(context["original_rules"]) or "no change past seq_length"

@@ -142,7 +142,7 @@ def verify(
     tokenizer: bool = True,
     measure_context: Optional[bool] = None,
     on_phase: Optional[PhaseCallback] = None,
-    rerun: str = "give it more time, or skip the proof with --no-verify",
+    rerun: str = "rerun convert with a larger --verify-timeout, or skip the proof with --no-verify",
 ) -> VerifyResult:
     """Prove OUT equal to DIR in a child process bounded by `timeout` seconds.
 
@@ -151,8 +151,8 @@ def verify(
     this many layers (fewer are run anyway where both copies do not fit).
     `measure_context`: measure past seq_length even without a factor (what serving the
     exact OUT past its declared length gives); default: when `context_factor` is set. Never
-    raises for
-    what the child does; a bad DIR (no modeling_qwen.py) is a UsageError."""
+    raises for what the child does, nor for a DIR whose code cannot be read (a failed
+    result, `verify.original`)."""
     src, out = Path(os.path.abspath(src)), Path(os.path.abspath(out))
     measure = context_factor is not None if measure_context is None else measure_context
 
@@ -164,7 +164,13 @@ def verify(
     # no dot in any name: transformers imports the code as a module named after the folder
     with tempfile.TemporaryDirectory(prefix="qwen_kvprep_verify_") as tmp:
         original = Path(tmp) / "original"
-        prepare_original(src, original)
+        try:
+            prepare_original(src, original)
+        except (OSError, UnicodeDecodeError, ValueError, UsageError) as exc:
+            why = exc.message if isinstance(exc, UsageError) else f"{type(exc).__name__}: {exc}"
+            f = fail("verify.original", f"the original's code could not be prepared: {why}",
+                     fix=rerun)
+            return VerifyResult(False, [f], [f"proof: FAILED: {f.message}"])
         env = child_env({"HF_MODULES_CACHE": str(Path(tmp) / "modules")})
         outcome = run_events_child(
             lambda fd: child_command(
@@ -208,7 +214,8 @@ def _logit_finding(what: str, diff: LogitDiff, tol: float, dtype: str) -> Findin
 
 def _proof_finding(id: str, what: str, proof: Proof) -> Finding:
     status = proof["status"]
-    words = f"{what}: {proof['message']}"
+    message = proof["message"]
+    words = message if message.startswith(f"{what}:") else f"{what}: {message}"
     if status == "ok":
         return ok(id, words, details={"proof": proof["details"]})
     if status == "unavailable":
@@ -288,6 +295,14 @@ def _judge_result(r: VerifyChildResult) -> VerifyResult:
     checks.append(_greedy_finding(r, tol))
     checks.append(_proof_finding("verify.tokenizer", "tokenizer", r["tokenizer"]))
     checks.append(_proof_finding("verify.template", "chat template", r["template"]))
+    if r["scaling_set_aside"] is not None:
+        sc = r["scaling_set_aside"]
+        checks.append(info(
+            "verify.scaling",
+            f"OUT declares rope_scaling {sc.get('rope_type', sc.get('type'))} factor "
+            f"{sc.get('factor')}: the comparison runs OUT without it (its weights and "
+            "architecture); what the scaling changes is measured below",
+        ))
     lines = [head]
     context_lines: list[str] = []
     if "context" in r:

@@ -19,6 +19,7 @@ smoke's is, so every transformers release runs the same steps.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import sys
 import time
@@ -27,6 +28,7 @@ from typing import TYPE_CHECKING, Optional
 
 from qwen_kvprep.childproc import Events, child_main
 from qwen_kvprep.convert import context as ctx
+from qwen_kvprep.convert import tokproof
 from qwen_kvprep.convert.verify_protocol import (
     PHASE_CONTEXT,
     PHASE_FIT,
@@ -47,14 +49,8 @@ from qwen_kvprep.convert.verify_protocol import (
 )
 from qwen_kvprep.jsontypes import JSONObject
 from qwen_kvprep.planning.model import read_model
-from qwen_kvprep.runtime import moved_to_gpu, resolve_device
+from qwen_kvprep.runtime import has_accelerate, moved_to_gpu, resolve_device
 from qwen_kvprep.untrusted import read_record
-
-try:  # the tokenizer proof ships with the tokenizer's conversion
-    from qwen_kvprep.convert import tokproof  # type: ignore[attr-defined, unused-ignore]
-except ImportError as exc:
-    tokproof = None
-    _NO_TOKPROOF = str(exc)
 
 if TYPE_CHECKING:
     import torch
@@ -163,24 +159,54 @@ def load_original(
     config.use_cache_kernel = False
     config = _truncated(config, layers)
     model = AutoModelForCausalLM.from_pretrained(
-        str(path), config=config, trust_remote_code=True
+        str(path), config=config, trust_remote_code=True, **_device_map(device)
     )
     return tokenizer, _placed(model, device)
 
 
-def load_converted(path: Path, layers: int, device: str) -> PreTrainedModel:
+def load_converted(
+    path: Path, layers: int, device: str, config_json: JSONObject, exact: bool
+) -> PreTrainedModel:
+    """OUT as Qwen2ForCausalLM, no remote code. `exact`: with the rope scaling its
+    config.json may declare set aside (YaRN changes the logits within seq_length too), so
+    that the proof compares the weights and the architecture; the scaling's effect is
+    measured on its own (context.py)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = _truncated(AutoConfig.from_pretrained(str(path), trust_remote_code=False), layers)
-    kwargs: dict[str, object] = {_dtype_kwarg(): "auto"}
+    if exact and declared_scaling(config_json) is not None:
+        fields = {k: v for k, v in config_json.items() if k not in ("rope_scaling", "auto_map")}
+        scaling = config_json.get("rope_scaling")
+        original_max = scaling.get("original_max_position_embeddings") if isinstance(
+            scaling, dict) else None
+        if isinstance(original_max, int):
+            fields["max_position_embeddings"] = original_max
+        model_type = fields.pop("model_type", None)
+        if not isinstance(model_type, str):
+            raise ValueError(f"{path / 'config.json'} has no model_type")
+        config = AutoConfig.for_model(model_type, **fields)
+    else:
+        config = AutoConfig.from_pretrained(str(path), trust_remote_code=False)
+    config = _truncated(config, layers)
+    kwargs: dict[str, object] = {_dtype_kwarg(): "auto", **_device_map(device)}
     model = AutoModelForCausalLM.from_pretrained(
         str(path), config=config, trust_remote_code=False, **kwargs
     )
     return _placed(model, device)
 
 
+def declared_scaling(config_json: JSONObject) -> Optional[dict[str, object]]:
+    scaling = config_json.get("rope_scaling")
+    return dict(scaling) if isinstance(scaling, dict) else None
+
+
+def _device_map(device: str) -> dict[str, object]:
+    """Straight onto the GPU where accelerate is there to place it (a 72B then never
+    passes through host memory whole), else loaded on the host and moved."""
+    return {"device_map": "cuda"} if device == "cuda" and has_accelerate() else {}
+
+
 def _placed(model: PreTrainedModel, device: str) -> PreTrainedModel:
-    if device == "cuda":
+    if device == "cuda" and not _device_map(device):
         model = moved_to_gpu(model)
     model.eval()  # type: ignore[no-untyped-call, unused-ignore]
     return model
@@ -288,17 +314,20 @@ def batch_logits(
     original: PreTrainedModel, converted: PreTrainedModel, rows: list[list[int]], pad: int,
     device: torch.device,
 ) -> LogitDiff:
-    """One right-padded batch through both: every real position compared (causal
-    attention keeps the padding out of them)."""
+    """One right-padded batch through both, every real position compared. No attention
+    mask is passed: with the padding after each row, causal attention alone keeps it out
+    of the real positions, and Qwen's own code on torch 2 drops its causal mask whenever an
+    attention mask comes with a prompt (its masked_fill result is discarded), so a mask
+    would compare OUT with that slip instead of with the model."""
     import torch
 
     width = max(len(r) for r in rows)
     ids = torch.tensor([r + [pad] * (width - len(r)) for r in rows], device=device)
-    mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows], device=device)
+    real = torch.tensor([[True] * len(r) + [False] * (width - len(r)) for r in rows],
+                        device=device)
     with torch.inference_mode():
-        a = original(input_ids=ids, attention_mask=mask, use_cache=False).logits
-        b = converted(input_ids=ids, attention_mask=mask, use_cache=False).logits
-    real = mask.bool()
+        a = original(input_ids=ids, use_cache=False).logits
+        b = converted(input_ids=ids, use_cache=False).logits
     return _diff(a[real], b[real])
 
 
@@ -359,13 +388,14 @@ def greedy_both(
 
 
 def _as_proof(result: object) -> Proof:
+    """A proof of qwen_kvprep.convert.tokproof (`ok`, `lines()`, `to_json()`) as JSON."""
     ok = bool(getattr(result, "ok", False))
     to_json = getattr(result, "to_json", None)
     details: object = to_json() if callable(to_json) else str(result)
     lines = getattr(result, "lines", None)
-    message = (
-        "; ".join(str(x) for x in lines) if isinstance(lines, (list, tuple)) else str(result)
-    )
+    text = lines() if callable(lines) else lines
+    message = "; ".join(str(x).strip() for x in text) if isinstance(text, (list, tuple)) else str(
+        result)
     return {"status": "ok" if ok else "fail", "message": message, "details": details}
 
 
@@ -373,13 +403,6 @@ def prove_tokenizers(
     original_tok: PreTrainedTokenizerBase, out: Path
 ) -> tuple[Proof, Proof]:
     """convert's tokenizer and chat-template proofs (qwen_kvprep.convert.tokproof)."""
-    if tokproof is None:
-        missing: Proof = {
-            "status": "unavailable",
-            "message": f"this installation has no qwen_kvprep.convert.tokproof ({_NO_TOKPROOF})",
-            "details": None,
-        }
-        return missing, missing
     from transformers import AutoTokenizer
 
     try:
@@ -427,9 +450,10 @@ def run(args: argparse.Namespace, ev: Events) -> VerifyChildResult:
     seconds["load_original"] = time.perf_counter() - t0
     ev.start(PHASE_LOAD_CONVERTED)
     t1 = time.perf_counter()
-    converted = load_converted(out_path, layers, device)
-    seconds["load_converted"] = time.perf_counter() - t1
     out_config = _read_config(out_path)
+    scaling = declared_scaling(out_config)
+    converted = load_converted(out_path, layers, device, out_config, exact=True)
+    seconds["load_converted"] = time.perf_counter() - t1
     gptq = isinstance(out_config.get("quantization_config"), dict)
     where = torch.device(device)
 
@@ -464,6 +488,7 @@ def run(args: argparse.Namespace, ev: Events) -> VerifyChildResult:
         "dtype_original": _dtype_name(original),
         "dtype_converted": _dtype_name(converted),
         "gptq": gptq,
+        "scaling_set_aside": scaling,
         "fit": sized,
         "prompt_tokens": [len(p) for p in prompts],
         "logits": logits,
@@ -482,8 +507,12 @@ def run(args: argparse.Namespace, ev: Events) -> VerifyChildResult:
         heads = src_config.get("num_attention_heads")
         if not isinstance(seq_length, int) or not isinstance(heads, int):
             raise ValueError("config.json has no integer seq_length / num_attention_heads")
+        if scaling is not None:
+            # the context is measured on OUT as it serves, scaling and all
+            del converted
+            gc.collect()
+            converted = load_converted(out_path, layers, device, out_config, exact=False)
         free = free_memory(device)
-        scaling = out_config.get("rope_scaling")
         result["context"] = ctx.measure(
             original,
             converted,
@@ -492,7 +521,7 @@ def run(args: argparse.Namespace, ev: Events) -> VerifyChildResult:
             heads=heads,
             budget_bytes=None if free is None else free // 4,
             device=where,
-            rope_scaling=dict(scaling) if isinstance(scaling, dict) else None,
+            rope_scaling=scaling,
             original_rules=ctx.original_rules(dict(src_config)),
         )
         seconds["context"] = time.perf_counter() - t4

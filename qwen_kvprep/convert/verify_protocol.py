@@ -98,7 +98,7 @@ class ContextRow(TypedDict):
     skipped: Optional[str]
 
 
-class Context(TypedDict):
+class ContextMeasure(TypedDict):
     seq_length: int
     rope_scaling: Optional[dict[str, object]]  # OUT's config.json, as it declares it
     original_rules: list[str]  # Qwen's own past seq_length: "dynamic NTK", "logn attention"
@@ -113,6 +113,8 @@ class _ResultBase(TypedDict):
     dtype_original: str
     dtype_converted: str
     gptq: bool
+    # OUT's rope_scaling, set aside for the comparison (measured under `context`)
+    scaling_set_aside: Optional[dict[str, object]]
     fit: Fit
     prompt_tokens: list[int]
     logits: LogitDiff  # the padded batch, every real position
@@ -125,4 +127,4 @@ class _ResultBase(TypedDict):
 
 
 class VerifyChildResult(_ResultBase, total=False):
-    context: Context  # only when asked (convert --context-factor)
+    context: ContextMeasure  # only when asked (convert --context-factor)
