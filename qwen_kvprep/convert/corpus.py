@@ -53,6 +53,8 @@ SCRIPTS = (
     "한국어: 다람쥐 헌 쳇바퀴에 타고파. 가나다라마바사",
     "𠀀𠀁𪚥𰻞 (CJK extensions B, G) 〇〡〢",
     "Recent letters: 𐖰𐖱𐖲 (Vithkuqi) 𞊐𞊑 (Toto) 𑼄𑼅 (Kawi) 𞁐 ꟀꟁꟐ",
+    "Rare ideographs: \U00031350\U00031351\U00031352\n \n(CJK Extension H) "
+    "\U0002ebf0\U0002ebf1\n\n (I)",
     "Math: ∀x∈ℝ, ∃y: x² + y² ≤ r²; ∑ᵢ aᵢ ≠ ∞; ½ ¾ ⅓ ⅞; Ⅻ ⅻ ↉",
     "Digits elsewhere: ١٢٣٤٥ ۱۲۳ ०१२३ ১২৩ ๑๒๓ １２３ 𝟏𝟐𝟑 ①②③ ⁴⁵⁶ ₇₈₉",
     "Ｆｕｌｌｗｉｄｔｈ　ｔｅｘｔ　ａｎｄ　ｐｕｎｃｔｕａｔｉｏｎ！？",
@@ -152,6 +154,7 @@ def _specials() -> list[str]:
         " <|im_end|> spaced ",
         "\n<|im_start|>\n",
         "<|endoftext|>" * 5,
+        "<|im_end|>\u0338 NFC joins the special token's last character with the mark",
     ]
     out += list(_BROKEN_SPECIALS)
     return out

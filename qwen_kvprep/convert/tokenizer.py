@@ -7,7 +7,8 @@ release transformers 4.37 pins) through 0.23 all read: merges as "left right" st
 not know (`ignore_merges` among them: the merges alone reach every token, bpe.py says
 why). Its pipeline is Qwen's: NFC first (Qwen's tokenizer normalizes every text to NFC
 before splitting), Qwen's split pattern, the byte-level mapping, BPE, and the 208 special
-tokens as added tokens, matched before the rest, as tiktoken matches them.
+tokens as added tokens, looked for in the NFC text before the rest is split, as Qwen's
+tokenizer looks for them.
 
 tokenizer_config.json names `PreTrainedTokenizerFast`, the class that loads tokenizer.json
 whole in every release: 4.37 through 4.x, and 5.x, where it is the plain tokenizers
@@ -67,7 +68,10 @@ def _added(token: str, id_: int) -> JSONObject:
         "single_word": False,
         "lstrip": False,
         "rstrip": False,
-        "normalized": False,
+        # Qwen normalizes the whole text to NFC and only then looks for special tokens: a
+        # normalized added token is looked for in the normalized text, the same order
+        # ("<|im_end|>" followed by U+0338 is "<|im_end|" and "≯" to both)
+        "normalized": True,
         "special": True,
     }
 
