@@ -53,6 +53,7 @@ _COLOUR = {
 _AREA_TITLE = {
     "env": "Environment",
     "checkpoint": "Checkpoint",
+    "convert": "Converted by qwen-kvprep convert (provenance.json)",
     "config": "config.json",
     "kernels": "Kernel sources",
     "build": "Build",

@@ -25,6 +25,10 @@ KINDS = {
     "nvcc": "a CUDA toolkit (nvcc and its headers) whose major version matches torch's CUDA",
     "venv-4.53": "the .venv453 virtual environment (transformers 4.53.3) that .ci/run makes",
     "venv-cuda": "the .venv-cuda virtual environment (a CUDA build of torch) that .ci/run makes",
+    "venv-4.37": "the .venv437 virtual environment (transformers 4.37.2, tokenizers 0.15) "
+    "that .ci/run makes",
+    "transformers-4.37": "transformers 4.37 or later, the first that knows Qwen2 (convert's "
+    "output)",
     "root": "root, for mounts and for dropping capabilities",
     "non-root": "a user that file permissions apply to",
     "tool": "a system tool (nm, setpriv, a C++20 compiler, /proc of other processes)",

@@ -61,8 +61,11 @@ LAYERS: dict[str, int] = {
     "qwen_kvprep.runtime": ENGINES,
     "qwen_kvprep.tiny": ENGINES,
     "qwen_kvprep.templating": ENGINES,
+    "qwen_kvprep.convert": ENGINES,  # convert's parts: mapping, weights, output, the proof
+    "qwen_kvprep.convert.provenance": BASE,  # the record's reader: doctor's probe reads it
     # orchestrators: run engines in order for one command (fix's steps, demo, doctor)
     "qwen_kvprep.steps": ORCHESTRATORS,
+    "qwen_kvprep.convert.run": ORCHESTRATORS,  # convert's steps in order (validate first)
     "qwen_kvprep.demo": ORCHESTRATORS,
     "qwen_kvprep.doctor": ORCHESTRATORS,
     "qwen_kvprep.render": RENDER,

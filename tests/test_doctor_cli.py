@@ -38,7 +38,7 @@ FINDING_SCHEMA: dict[str, Any] = {
         "id": {
             "type": "string",
             "pattern": (
-                r"^(env|checkpoint|config|kernels|build|modules|state|smoke)"
+                r"^(env|checkpoint|convert|config|kernels|build|modules|state|smoke)"
                 r"\.[a-z0-9_]+(\.[a-z0-9_]+)*$"
             ),
         },

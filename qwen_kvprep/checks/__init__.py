@@ -34,6 +34,7 @@ def load_all() -> dict[str, Check]:
         caches,
         checkpoint,
         config,
+        converted,
         env,
         gptq,
         kernels,

@@ -35,6 +35,7 @@ from qwen_kvprep.common import (
 )
 from qwen_kvprep.common import LOADER_FILE as LOADER
 from qwen_kvprep.configjson import CONFIG
+from qwen_kvprep.convert.provenance import PROVENANCE
 from qwen_kvprep.findings import Finding
 from qwen_kvprep.probe.checkpoint import (
     BIN_INDEX,
@@ -218,6 +219,14 @@ def identity(facts: Facts) -> CheckResult:
             paths=[cp.path], kind=kind.value,
         )
     shown = f'model_type "{found.model_type}"' if found.model_type else "no model_type"
+    if kind is Kind.QWEN2 and PROVENANCE in cp.files:
+        return info(
+            "a Qwen2 checkpoint that `qwen-kvprep convert` wrote from a Qwen (v1) one: it runs "
+            "on transformers' own Qwen2 code and the serving engines, with no remote code and "
+            "nothing for fix to do (convert.provenance says whether it still matches its "
+            "source)",
+            paths=[cp.path], kind="converted", model_type=found.model_type,
+        )
     if kind is Kind.QWEN2:
         return fail(
             f"{CONFIG} has {shown}: a Qwen1.5/Qwen2/Qwen2.5 checkpoint, which runs on "

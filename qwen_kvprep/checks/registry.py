@@ -27,6 +27,7 @@ from qwen_kvprep.probe.facts import Facts
 if TYPE_CHECKING:
     from qwen_kvprep.probe.caches import CacheFacts
     from qwen_kvprep.probe.checkpoint import CheckpointFacts
+    from qwen_kvprep.probe.converted import ConvertedFacts
     from qwen_kvprep.probe.env import EnvFacts
 
 CheckFunc = Callable[[Facts], FindingsLike]
@@ -70,7 +71,9 @@ warn = _verdict(findings.warn)
 fail = _verdict(findings.fail)
 skip = _verdict(findings.skip)
 
-AREAS = ("env", "checkpoint", "config", "kernels", "build", "modules", "state", "smoke")
+AREAS = (
+    "env", "checkpoint", "convert", "config", "kernels", "build", "modules", "state", "smoke"
+)
 
 
 @dataclass(frozen=True)
@@ -120,6 +123,9 @@ CONFIG_PARSED = Need(
     f"{CONFIG} is missing or unreadable (see config.parse)",
 )
 CACHES = Need(lambda f: f.caches is not None, "the caches were not probed")
+CONVERTED = Need(
+    lambda f: f.converted is not None, "not a folder written by `qwen-kvprep convert`"
+)
 
 
 @dataclass(frozen=True)
@@ -198,6 +204,11 @@ def env_of(facts: Facts) -> EnvFacts:
 def checkpoint_of(facts: Facts) -> CheckpointFacts:
     assert facts.checkpoint is not None, "declare needs=(CHECKPOINT, ...)"
     return facts.checkpoint
+
+
+def converted_of(facts: Facts) -> ConvertedFacts:
+    assert facts.converted is not None  # guaranteed by CONVERTED
+    return facts.converted
 
 
 def caches_of(facts: Facts) -> CacheFacts:

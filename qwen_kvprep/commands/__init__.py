@@ -10,6 +10,7 @@ import click
 from qwen_kvprep.commands import (
     build,
     cache,
+    convert,
     demo,
     doctor,
     fix,
@@ -24,7 +25,9 @@ from qwen_kvprep.commands._common import debug_option, json_option
 
 # In --help's order. Every module is imported at start anyway (click needs each command's
 # options to parse), so the table holds the modules themselves, not their names.
-_MODULES = [doctor, fix, revert, prestart, template, smoke, build, cache, demo, plan, profile]
+_MODULES = [
+    doctor, fix, convert, revert, prestart, template, smoke, build, cache, demo, plan, profile
+]
 
 
 def register(group: click.Group) -> None:

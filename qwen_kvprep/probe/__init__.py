@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
+from qwen_kvprep.probe.converted import probe_converted  # standard library and records only
 from qwen_kvprep.probe.facts import Facts
 
 
@@ -20,4 +21,5 @@ def gather(directory: Optional[Path], spelt: Optional[str] = None) -> Facts:
     env = probe_env()
     checkpoint = probe_checkpoint(directory, spelt) if directory is not None else None
     caches = probe_caches(directory, env)
-    return Facts(env=env, checkpoint=checkpoint, caches=caches)
+    converted = probe_converted(directory) if directory is not None else None
+    return Facts(env=env, checkpoint=checkpoint, caches=caches, converted=converted)

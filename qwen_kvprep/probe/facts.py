@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Optional
 if TYPE_CHECKING:  # the parts' modules import torch, filelock... only when probing
     from qwen_kvprep.probe.caches import CacheFacts
     from qwen_kvprep.probe.checkpoint import CheckpointFacts
+    from qwen_kvprep.probe.converted import ConvertedFacts
     from qwen_kvprep.probe.env import EnvFacts
 
 
@@ -21,3 +22,4 @@ class Facts:
     env: Optional[EnvFacts] = None
     checkpoint: Optional[CheckpointFacts] = None
     caches: Optional[CacheFacts] = None
+    converted: Optional[ConvertedFacts] = None  # a folder `convert` wrote (provenance.json)

@@ -1,0 +1,21 @@
+"""`qwen-kvprep convert DIR OUT`: a Qwen (v1) checkpoint written as native Qwen2, proven equal.
+
+Modules, one job each:
+
+- `pieces`: the plan's vocabulary (a tensor's header facts, one output tensor's source);
+- `mapping`: Qwen v1 tensor names to Qwen2's (c_attn split into q, k, v), the plan checked
+  against the config before anything is written (pure);
+- `gptq`: how GPTQ's packed tensors split along the output (qweight and scales by columns,
+  qzeros by packed columns, g_idx shared);
+- `weights`: streamed reading of DIR's weight files and tensor-by-tensor writing of the
+  output shards and their index;
+- `source`: DIR's config, weight files and headers, read into the plan;
+- `qwen2config`: config.json for Qwen2ForCausalLM, the context option and the GPTQ config;
+- `output`: OUT's rules, the staging folder beside it, its lock and the final rename;
+- `provenance`: provenance.json in OUT, written and read back as untrusted input;
+- `compare`: the streamed bit-for-bit proof that every OUT tensor equals its source slice;
+- `run`: the orchestration, `convert(directory, out, options) -> ConvertResult`;
+- `tokenizer`, `chat`: the tokenizer files, chat template and generation config;
+- `verify`, `verify_child`, `context`: the proof by loading both models in a child process;
+- `serving`: the command lines that serve OUT with the engines.
+"""

@@ -1,0 +1,347 @@
+"""`convert DIR OUT`, the library entry: `convert(directory, out, options) -> ConvertResult`.
+
+Order, every check before the first write:
+1. OUT's rules (output.check_out); DIR validated as `fix` validates it (steps/validate.py:
+   a Qwen v1 checkpoint, its config, index and shards sound); every tensor's header read and
+   the mapping checked against the config (source.read_source); the options and the config
+   for Qwen2 worked out; the free space on OUT's device checked against the output's size.
+2. Under OUT's lock, in the staging folder beside it: the tokenizer and generation config
+   (convert.tokenizer / convert.chat: they check their inputs in seconds, so first), the
+   weights (each source file hashed in a streamed pass, then read; each output shard
+   written tensor by tensor), the index, quantize_config.json for GPTQ, config.json.
+3. The bit-for-bit comparison of every output tensor with its source slice (compare.py),
+   then, unless asked not to, the verification child (convert.verify): the original through
+   its remote code and the output natively. Either failing: nothing is published.
+4. provenance.json, then the rename to OUT. The serving command lines (convert.serving)
+   come with the result.
+
+DIR is only read: nothing here opens a file of DIR for writing.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import platform
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional, Protocol
+
+from qwen_kvprep import __version__
+from qwen_kvprep.convert import output
+from qwen_kvprep.convert.compare import TensorProof, compare
+from qwen_kvprep.convert.provenance import PROVENANCE, FileRecord, Provenance
+from qwen_kvprep.convert.qwen2config import (
+    ContextPlan,
+    context,
+    declared_dtype,
+    gptq_quantization,
+    qwen2_config,
+)
+from qwen_kvprep.convert.source import SourcePlan, read_source
+from qwen_kvprep.convert.weights import (
+    ST_INDEX,
+    index_json,
+    plan_shards,
+    reading_order,
+    sha256_stream,
+    write_weights,
+)
+from qwen_kvprep.errors import KvprepError, RefusedError
+from qwen_kvprep.findings import Finding, fail, info, warn
+from qwen_kvprep.fsutil import atomic_write_bytes, atomic_write_text
+from qwen_kvprep.gptqconfig import QUANTIZE_CONFIG
+from qwen_kvprep.jsontypes import JSON, JSONObject
+from qwen_kvprep.steps import validate
+from qwen_kvprep.untrusted import read_record
+
+# DIR's files besides the weights that OUT is made from (hashed into provenance.json)
+_INPUTS = (
+    "config.json", "generation_config.json", "qwen.tiktoken", "tokenizer_config.json",
+    QUANTIZE_CONFIG, ST_INDEX, "pytorch_model.bin.index.json",
+)  # fmt: skip
+_SLACK = 32 << 20  # the tokenizer files (a few MB for Qwen's vocabulary), configs, the record
+
+
+class VerifyLike(Protocol):
+    ok: bool
+    lines: list[str]
+
+    def to_json(self) -> dict[str, object]: ...
+
+
+@dataclass(frozen=True)
+class ConvertOptions:
+    max_shard_size: Optional[int] = None  # bytes; None: the source's own sharding
+    context_factor: Optional[float] = None
+    rope_scaling: Optional[str] = None
+    verify: bool = True
+    verify_timeout: float = 1800.0
+    spelt: Optional[str] = None  # DIR as the user gave it
+    command: str = ""  # the command line, for provenance
+
+
+@dataclass
+class ConvertResult:
+    out: Path
+    files: list[tuple[str, int]]  # (name, size) of every file in OUT
+    ctx: ContextPlan
+    dtype: str
+    gptq: bool
+    comparison: TensorProof
+    verify: Optional[VerifyLike] = None
+    findings: list[Finding] = field(default_factory=list)
+    serving: list[tuple[str, str]] = field(default_factory=list)
+
+    @property
+    def exact_words(self) -> str:
+        return self.ctx.exact_words
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "out": str(self.out),
+            "files": [{"name": n, "size": s} for n, s in self.files],
+            "exact_up_to": self.ctx.seq_length,
+            "exact": self.exact_words,
+            "max_position_embeddings": self.ctx.max_positions,
+            "serving_length": self.ctx.serving_length,
+            "rope_scaling": self.ctx.rope_scaling,
+            "context_factor": self.ctx.factor,
+            "dtype": self.dtype,
+            "gptq": self.gptq,
+            "compare": self.comparison.to_json(),
+            "verify": self.verify.to_json() if self.verify is not None else None,
+            "serving": [{"engine": e, "command": c} for e, c in self.serving],
+        }
+
+
+def _optional(module: str) -> Optional[object]:
+    """`qwen_kvprep.convert.<module>` where this build has it, else None (its own import
+    errors propagate: a module that is there but broken is a bug, not an absence)."""
+    name = f"qwen_kvprep.convert.{module}"
+    if importlib.util.find_spec(name) is None:
+        return None
+    return importlib.import_module(name)
+
+
+def _versions() -> JSONObject:
+    from importlib import metadata
+
+    out: JSONObject = {"python_version": platform.python_version()}
+    for dist in ("torch", "transformers", "safetensors", "tokenizers"):
+        try:
+            out[f"{dist}_version"] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            out[f"{dist}_version"] = None
+    return out
+
+
+def _generation(directory: Path) -> Optional[dict[str, JSON]]:
+    try:
+        data = read_record(directory / "generation_config.json", 1 << 20, 16)
+    except (OSError, ValueError):
+        return None  # its own check (and convert.chat) say what is wrong with it
+    return data if isinstance(data, dict) else None
+
+
+def _record(path: Path, sha: Optional[str] = None) -> FileRecord:
+    st = path.stat()
+    return FileRecord(sha or sha256_stream(path), st.st_size, st.st_mtime_ns)
+
+
+def _side_files(sp: SourcePlan, staging: Path, findings: list[Finding]) -> None:
+    """The tokenizer and generation config, from the modules that own them where this
+    build has them."""
+    tok = _optional("tokenizer")
+    if tok is not None:
+        tok.write_tokenizer(sp.directory, staging)  # type: ignore[attr-defined]
+    else:
+        findings.append(warn(
+            "convert.tokenizer",
+            "no tokenizer was written: this qwen-kvprep has no convert.tokenizer, so OUT "
+            "holds the weights and config only (engines need a tokenizer to serve it)",
+        ))
+    chat = _optional("chat")
+    if chat is not None:
+        chat.write_generation_config(sp.directory, staging)  # type: ignore[attr-defined]
+    else:
+        findings.append(warn(
+            "convert.generation",
+            "no generation_config.json was written: this qwen-kvprep has no convert.chat",
+        ))
+
+
+def _verify(
+    sp: SourcePlan, staging: Path, ctx: ContextPlan, options: ConvertOptions,
+    findings: list[Finding], say: Callable[[str], None],
+) -> Optional[VerifyLike]:
+    if not options.verify:
+        findings.append(info("convert.verify", "verification skipped (--no-verify)"))
+        return None
+    mod = _optional("verify")
+    if mod is None:
+        findings.append(warn(
+            "convert.verify",
+            "not verified by loading: this qwen-kvprep has no convert.verify (the tensors "
+            "were compared bit for bit)",
+        ))
+        return None
+    say("verifying: the original and OUT on the same prompts, in a child process")
+    result: VerifyLike = mod.verify(  # type: ignore[attr-defined]
+        sp.directory, staging, timeout=options.verify_timeout, context_factor=ctx.factor
+    )
+    return result
+
+
+def convert(
+    directory: Path,
+    out: Path,
+    options: ConvertOptions = ConvertOptions(),
+    log: Optional[Callable[[str], None]] = None,
+) -> ConvertResult:
+    """Write DIR as a Qwen2ForCausalLM checkpoint in OUT (KvprepError when refused)."""
+    directory, out = directory.absolute(), out.absolute()
+    say = log or (lambda _msg: None)
+    output.check_out(directory, out)
+    facts, _advice = validate.check(directory)  # fix's advice (kernels...) is not convert's
+    assert facts.checkpoint is not None
+    sp = read_source(facts.checkpoint)
+    ctx = context(sp.config, options.context_factor, options.rope_scaling)
+    gptq = sp.gptq is not None
+    dtype = declared_dtype(sp.config, sp.stored_dtype, gptq)
+    quant = None
+    if gptq:
+        in_config = sp.config.get("quantization_config")
+        quant = gptq_quantization(
+            in_config if isinstance(in_config, dict) else None, sp.quantize_file
+        )
+    config = qwen2_config(
+        sp.config, sp.shape, ctx, dtype, generation=_generation(directory), quantization=quant
+    )
+    groups = reading_order(sp.plan.pieces, sp.file_of, sp.files)
+    shards = plan_shards(groups, sp.plan.sources, options.max_shard_size)
+    output.check_space(out, sum(s.size for s in shards) + _SLACK)
+    findings: list[Finding] = []
+    sources: dict[str, FileRecord] = {}
+
+    def on_source(name: str, sha: str) -> None:
+        sources[name] = _record(directory / name, sha)
+
+    say(f"converting {directory} into {out} ({len(shards)} shard(s), {dtype})")
+    try:
+        with output.staged(out) as staging:
+            # first: they read and check their own inputs, in seconds, before hours of weights
+            _side_files(sp, staging, findings)
+            written = write_weights(
+                directory, sp.files, groups, shards, staging, on_source=on_source, progress=say
+            )
+            if len(shards) > 1:
+                atomic_write_bytes(staging / ST_INDEX, index_json(shards))
+            if gptq and sp.quantize_file is not None:
+                atomic_write_text(staging / QUANTIZE_CONFIG, _dumps(dict(sp.quantize_file)))
+            atomic_write_text(staging / "config.json", _dumps(config))
+            say("comparing every tensor with its source, bit for bit")
+            comparison = compare(sp, staging, progress=say)
+            if not comparison.ok:
+                raise RefusedError(
+                    f"the written tensors differ from DIR's: {comparison.problems[0]}"
+                    + (f" (and {len(comparison.problems) - 1} more)"
+                       if len(comparison.problems) > 1 else ""),
+                    fix="run convert again once nothing writes DIR; if it persists, report "
+                    "it with `qwen-kvprep doctor --report`",
+                    findings=[fail("convert.compare", p) for p in comparison.problems[:20]],
+                )
+            verified = _verify(sp, staging, ctx, options, findings, say)
+            if verified is not None and not verified.ok:
+                raise RefusedError(
+                    "the converted model does not behave as the original: OUT was not "
+                    "written", fix="see the checks above; `--no-verify` skips this step",
+                    findings=list(getattr(verified, "checks", []))
+                    or [fail("convert.verify", line) for line in verified.lines[:20]],
+                )
+            for name in _INPUTS:
+                if name not in sources and (directory / name).is_file():
+                    sources[name] = _record(directory / name)
+            hashes = {w.name: w.sha256 for w in written}
+            outputs = {
+                p.name: _record(p, hashes.get(p.name))
+                for p in sorted(staging.iterdir())
+                if p.is_file() and p.name not in (output.MARKER, PROVENANCE)
+            }
+            record = Provenance(
+                source_path=str(directory), source_files=sources, outputs=outputs,
+                exact_up_to=ctx.seq_length, weights=tuple(w.name for w in written),
+                spelt=options.spelt, tool_version=__version__,
+                extra=_extra(ctx, options, dtype),
+            )
+            atomic_write_text(staging / PROVENANCE, record.dumps())
+            files = [(n, r.size) for n, r in outputs.items()]
+            files.append((PROVENANCE, (staging / PROVENANCE).stat().st_size))
+            output.publish(staging, out)
+    except KvprepError:
+        raise
+    except OSError as exc:
+        raise output.no_space(exc, out) from exc
+    if ctx.factor is not None:
+        findings.append(warn(
+            "convert.context",
+            f"OUT is meant for {ctx.serving_length:,} tokens with {ctx.rope_scaling} rope "
+            f"scaling (factor {ctx.factor:g}): it is {ctx.exact_words}, NOT exact past "
+            f"{ctx.seq_length:,} (Qwen v1 uses dynamic NTK and logn attention there, which "
+            "Qwen2 does not have)",
+        ))
+    result = ConvertResult(out, sorted(files), ctx, dtype, gptq, comparison, verified, findings)
+    serving = _optional("serving")
+    if serving is not None:
+        result.serving = list(serving.commands(  # type: ignore[attr-defined]
+            out, gptq=gptq, max_len=ctx.serving_length
+        ))
+    return result
+
+
+def _extra(ctx: ContextPlan, options: ConvertOptions, dtype: str) -> JSONObject:
+    out: JSONObject = dict(_versions())
+    out["created"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    out["context"] = {
+        "factor": ctx.factor, "rope_scaling": ctx.rope_scaling,
+        "max_position_embeddings": ctx.max_positions, "serving_length": ctx.serving_length,
+    }
+    out["options"] = {
+        "max_shard_size": options.max_shard_size, "verify": options.verify,
+        "command": options.command, "dtype": dtype,
+    }
+    return out
+
+
+def _dumps(data: JSONObject) -> str:
+    import json
+
+    return json.dumps(data, indent=2, ensure_ascii=False) + "\n"
+
+
+def summary(result: ConvertResult) -> Sequence[str]:
+    """The text a person reads at the end: what was written, what is exact, how to serve."""
+    total = sum(s for _n, s in result.files)
+    lines = [
+        f"wrote {result.out} ({len(result.files)} files, {total / 1e6:,.1f} MB): "
+        f"Qwen2ForCausalLM, {result.dtype}" + (", GPTQ Int4" if result.gptq else ""),
+    ]
+    lines += [f"  {n}  {s:,} bytes" for n, s in result.files]
+    lines.append(
+        f"proven: {result.comparison.tensors} tensors ({result.comparison.bytes:,} bytes) "
+        "equal DIR's bit for bit"
+    )
+    if result.verify is not None:
+        lines += list(result.verify.lines)
+    lines.append(f"{result.exact_words} (max_position_embeddings {result.ctx.max_positions:,})")
+    for f in result.findings:
+        lines.append(f"{f.severity.value}: {f.message}")
+    if result.serving:
+        lines.append("serve it with:")
+        lines += [f"  {engine}: {command}" for engine, command in result.serving]
+    return lines
+
+
+__all__ = ["ConvertOptions", "ConvertResult", "convert", "summary"]

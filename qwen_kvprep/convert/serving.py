@@ -1,0 +1,81 @@
+"""The command lines that serve a converted folder (printed at the end of `convert`).
+
+OUT is a plain Qwen2ForCausalLM checkpoint, so every engine loads it without remote code
+(no `--trust-remote-code`). Each line asks for the engine's quantized KV cache where it
+has one, and caps the context at `max_len`: the length up to which OUT is exact (Qwen's
+`seq_length`), or the extended length when convert was asked to extend it.
+
+Pure string work: nothing here imports an engine or checks that one is installed.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+from pathlib import Path
+
+# Engine labels, in the order convert prints them.
+VLLM_FP8 = "vLLM (fp8 KV cache)"
+VLLM_INT8 = "vLLM (int8 KV cache, per token and head)"
+SGLANG = "SGLang (fp8 KV cache)"
+LMDEPLOY = "LMDeploy (int8 KV cache)"
+TRANSFORMERS = "transformers (static cache, torch.compile)"
+
+# vLLM's value for its int8 cache with one scale per token and head; releases before it
+# refuse the value (the fp8 line works on every release that serves Qwen2).
+VLLM_INT8_DTYPE = "int8_per_token_head"
+
+
+def _transformers_snippet(out: str) -> str:
+    """A python -c program: OUT with a static cache, the forward compiled by
+    torch.compile, one chat turn generated greedily (transformers 4.45 or later)."""
+    program = (
+        "import torch\n"
+        "from transformers import AutoModelForCausalLM, AutoTokenizer\n"
+        f"path = {json.dumps(out)}\n"
+        'device = "cuda" if torch.cuda.is_available() else "cpu"\n'
+        "tok = AutoTokenizer.from_pretrained(path)\n"
+        'model = AutoModelForCausalLM.from_pretrained(path, torch_dtype="auto").to(device)\n'
+        'model.generation_config.cache_implementation = "static"\n'
+        'model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)\n'
+        'msgs = [{"role": "user", "content": "Hello"}]\n'
+        "enc = tok.apply_chat_template(msgs, add_generation_prompt=True, return_dict=True,\n"
+        '                              return_tensors="pt").to(device)\n'
+        "out = model.generate(**enc, max_new_tokens=64, do_sample=False)\n"
+        'print(tok.decode(out[0, enc["input_ids"].shape[1]:], skip_special_tokens=True))\n'
+    )
+    return "python -c " + shlex.quote(program)
+
+
+def commands(out: Path, *, gptq: bool, max_len: int) -> list[tuple[str, str]]:
+    """(engine label, command line) for each engine, OUT quoted for a POSIX shell.
+
+    `gptq`: OUT holds Int4 GPTQ weights (config.json's quantization_config): vLLM and
+    SGLang are told so explicitly (their GPTQ kernels), LMDeploy's TurboMind reads GPTQ
+    as its w4a16 format, and transformers loads it through the installed GPTQ backend."""
+    if max_len < 1:
+        raise ValueError(f"max_len must be positive, not {max_len}")
+    path = str(out)
+    q = shlex.quote(path)
+    vllm_quant = " --quantization gptq" if gptq else ""
+    sglang_quant = " --quantization gptq" if gptq else ""
+    lmdeploy_format = " --model-format gptq" if gptq else ""
+    return [
+        (VLLM_FP8, f"vllm serve {q} --max-model-len {max_len} --kv-cache-dtype fp8{vllm_quant}"),
+        (
+            VLLM_INT8,
+            f"vllm serve {q} --max-model-len {max_len} "
+            f"--kv-cache-dtype {VLLM_INT8_DTYPE}{vllm_quant}",
+        ),
+        (
+            SGLANG,
+            f"python -m sglang.launch_server --model-path {q} --context-length {max_len} "
+            f"--kv-cache-dtype fp8_e4m3{sglang_quant}",
+        ),
+        (
+            LMDEPLOY,
+            f"lmdeploy serve api_server {q} --backend turbomind --session-len {max_len} "
+            f"--quant-policy 8{lmdeploy_format}",
+        ),
+        (TRANSFORMERS, _transformers_snippet(path)),
+    ]

@@ -1,0 +1,381 @@
+"""Streamed weights: source files read one at a time, output shards written tensor by tensor.
+
+Reading: a safetensors file through `safe_open` (its header gives every name, dtype and
+shape without touching a weight; `get_tensor` reads one); a `pytorch_model*.bin` through
+`torch.load(weights_only=True)`, memory-mapped where torch has `mmap` (2.1 and later), else
+the one file in memory.
+
+Writing: each output shard is a safetensors file written by this module, header first: the
+plan gives every output tensor's dtype and shape before a byte is read, so the header (and
+every tensor's offset) is known up front and each tensor is written as soon as it is cut
+from its source, then dropped. Resident memory is one source tensor and its slice, plus the
+page cache's own pages of what the mmaps touched, whatever the model's size. The shard's
+sha256 is computed on the way out.
+
+The format written is safetensors' own (8-byte little-endian header length, the JSON
+header with `data_offsets`, padded with spaces to 8 bytes, then the tensors' bytes in
+header order), read back by `safe_open` in the bit-for-bit proof (convert/compare.py).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import json
+import os
+import struct
+import sys
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable, Optional, Protocol
+
+from qwen_kvprep.convert.pieces import Piece, TensorInfo
+from qwen_kvprep.errors import CheckpointError
+
+if TYPE_CHECKING:
+    import torch
+
+ST_INDEX = "model.safetensors.index.json"
+ST_SINGLE = "model.safetensors"
+_CHUNK = 1 << 20
+
+# safetensors' dtype names and torch's (the suffix of torch.<name>)
+ST_TO_TORCH: Mapping[str, str] = {
+    "BOOL": "bool", "U8": "uint8", "I8": "int8", "I16": "int16", "I32": "int32",
+    "I64": "int64", "F16": "float16", "BF16": "bfloat16", "F32": "float32", "F64": "float64",
+}  # fmt: skip
+TORCH_TO_ST = {v: k for k, v in ST_TO_TORCH.items()}
+ITEMSIZE: Mapping[str, int] = {
+    "bool": 1, "uint8": 1, "int8": 1, "int16": 2, "int32": 4, "int64": 8,
+    "float16": 2, "bfloat16": 2, "float32": 4, "float64": 8,
+}  # fmt: skip
+
+
+class WeightFile(Protocol):
+    """One weight file of DIR, open for reading."""
+
+    def infos(self) -> dict[str, TensorInfo]: ...
+
+    def get(self, name: str) -> torch.Tensor: ...
+
+
+class _Safetensors:
+    def __init__(self, handle: object) -> None:
+        self._h = handle
+
+    def infos(self) -> dict[str, TensorInfo]:
+        out: dict[str, TensorInfo] = {}
+        names: list[str] = self._h.keys()  # type: ignore[attr-defined]
+        for name in names:
+            sl = self._h.get_slice(name)  # type: ignore[attr-defined]
+            dtype = sl.get_dtype()
+            out[name] = TensorInfo(ST_TO_TORCH.get(dtype, dtype), tuple(sl.get_shape()))
+        return out
+
+    def get(self, name: str) -> torch.Tensor:
+        tensor: torch.Tensor = self._h.get_tensor(name)  # type: ignore[attr-defined]
+        return tensor
+
+
+class _Pickle:
+    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+        self._t = tensors
+
+    def infos(self) -> dict[str, TensorInfo]:
+        return {
+            n: TensorInfo(str(t.dtype).replace("torch.", ""), tuple(t.shape))
+            for n, t in self._t.items()
+        }
+
+    def get(self, name: str) -> torch.Tensor:
+        return self._t[name]
+
+
+def _load_bin(path: Path) -> dict[str, torch.Tensor]:
+    import torch
+
+    params = inspect.signature(torch.load).parameters
+    kwargs: dict[str, object] = {"map_location": "cpu"}
+    if "weights_only" in params:
+        kwargs["weights_only"] = True  # never run the pickle's code: DIR is not ours
+    if "mmap" in params:
+        kwargs["mmap"] = True
+    try:
+        try:
+            data = torch.load(str(path), **kwargs)  # type: ignore[arg-type]
+        except RuntimeError as exc:
+            if not kwargs.pop("mmap", False) or "mmap" not in str(exc):
+                raise
+            # a file in torch's pre-1.6 format cannot be mapped: read it whole (one file)
+            data = torch.load(str(path), **kwargs)  # type: ignore[arg-type]
+    except Exception as exc:  # torch raises RuntimeError, UnpicklingError, EOFError...
+        raise CheckpointError(
+            f"{path.name} cannot be read as a PyTorch weights file: {exc}".split("\n")[0],
+            fix="re-download it",
+        ) from exc
+    if not isinstance(data, dict) or not all(
+        isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in data.items()
+    ):
+        raise CheckpointError(f"{path.name} is not a dictionary of named tensors")
+    return data
+
+
+@contextmanager
+def open_source(path: Path) -> Iterator[WeightFile]:
+    """The weight file at `path`, open for the `with` block (CheckpointError if unreadable)."""
+    if path.name.endswith(".bin"):
+        tensors = _load_bin(path)
+        try:
+            yield _Pickle(tensors)
+        finally:
+            del tensors
+        return
+    from safetensors import safe_open
+
+    try:
+        handle = safe_open(str(path), framework="pt")
+    except Exception as exc:  # SafetensorError is not an OSError subclass
+        raise CheckpointError(
+            f"{path.name} cannot be read as a safetensors file: {exc}", fix="re-download it"
+        ) from exc
+    with handle:
+        yield _Safetensors(handle)
+
+
+def sha256_stream(path: Path) -> str:
+    """The file's sha256, read in 1 MiB chunks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(_CHUNK), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+# ------------------------------------------------------------------ planning the output
+
+
+def piece_info(piece: Piece, source: TensorInfo) -> TensorInfo:
+    shape = list(source.shape)
+    if piece.dim is not None:
+        shape[piece.dim] = piece.stop - piece.start
+    return TensorInfo(source.dtype, tuple(shape))
+
+
+def nbytes(info: TensorInfo) -> int:
+    n = ITEMSIZE[info.dtype]
+    for d in info.shape:
+        n *= d
+    return n
+
+
+@dataclass(frozen=True)
+class OutShard:
+    name: str
+    pieces: tuple[Piece, ...]
+    infos: tuple[TensorInfo, ...]
+
+    @property
+    def size(self) -> int:
+        return sum(nbytes(i) for i in self.infos)
+
+
+def shard_names(n: int) -> list[str]:
+    if n == 1:
+        return [ST_SINGLE]
+    return [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
+
+
+def plan_shards(
+    groups: Sequence[Sequence[Piece]],
+    sources: Mapping[str, TensorInfo],
+    max_bytes: Optional[int],
+) -> list[OutShard]:
+    """Output shards, in order. `groups`: the pieces of each source file, in reading order.
+    Without `max_bytes` one output shard per source file (the source's own sharding);
+    with it, consecutive shards of at most that many bytes (a larger tensor alone)."""
+    runs: list[list[Piece]] = []
+    if max_bytes is None:
+        runs = [list(g) for g in groups if g]
+    else:
+        size = 0
+        for group in groups:
+            for piece in group:
+                n = nbytes(piece_info(piece, sources[piece.source]))
+                if not runs or (runs[-1] and size + n > max_bytes):
+                    runs.append([])
+                    size = 0
+                runs[-1].append(piece)
+                size += n
+    names = shard_names(len(runs))
+    return [
+        OutShard(name, tuple(run), tuple(piece_info(p, sources[p.source]) for p in run))
+        for name, run in zip(names, runs)
+    ]
+
+
+def index_json(shards: Sequence[OutShard]) -> bytes:
+    weight_map = {p.target: s.name for s in shards for p in s.pieces}
+    data = {
+        "metadata": {"total_size": sum(s.size for s in shards)},
+        "weight_map": dict(sorted(weight_map.items())),
+    }
+    return (json.dumps(data, indent=2) + "\n").encode()
+
+
+# ------------------------------------------------------------------ writing
+
+
+def _header(shard: OutShard) -> bytes:
+    header: dict[str, object] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for piece, info in zip(shard.pieces, shard.infos):
+        n = nbytes(info)
+        header[piece.target] = {
+            "dtype": TORCH_TO_ST[info.dtype],
+            "shape": list(info.shape),
+            "data_offsets": [offset, offset + n],
+        }
+        offset += n
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-(len(raw) + 8) % 8)  # the data starts 8-byte aligned
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def cut(tensor: torch.Tensor, piece: Piece) -> torch.Tensor:
+    """The piece's slice of its source tensor, as a contiguous tensor of its own."""
+    if piece.dim is not None:
+        tensor = tensor.narrow(piece.dim, piece.start, piece.stop - piece.start)
+    return tensor.contiguous()
+
+
+def _tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    import torch
+
+    flat = tensor.contiguous().reshape(-1).view(torch.uint8)
+    array: object = flat.numpy()
+    return memoryview(array).cast("B")  # type: ignore[arg-type]
+
+
+class ShardWriter:
+    """Writes one output shard at `path`: its header at once, then each tensor in order."""
+
+    def __init__(self, path: Path, shard: OutShard) -> None:
+        if sys.byteorder != "little":
+            raise CheckpointError("convert writes safetensors on little-endian machines only")
+        self.path = path
+        self.shard = shard
+        self._next = 0
+        self._digest = hashlib.sha256()
+        self._fh = open(path, "xb")  # noqa: SIM115 (closed by finish/abort)
+        self._write(_header(shard))
+
+    def _write(self, data: object) -> None:
+        self._fh.write(data)  # type: ignore[arg-type]
+        self._digest.update(data)  # type: ignore[arg-type]
+
+    @property
+    def done(self) -> bool:
+        return self._next == len(self.shard.pieces)
+
+    def expects(self) -> Piece:
+        return self.shard.pieces[self._next]
+
+    def add(self, tensor: torch.Tensor) -> None:
+        info = self.shard.infos[self._next]
+        got = TensorInfo(str(tensor.dtype).replace("torch.", ""), tuple(tensor.shape))
+        if got != info:  # the plan was checked against the headers: a file changed meanwhile
+            raise CheckpointError(
+                f"{self.expects().source} changed while it was read ({got} instead of {info})",
+                fix="run convert again once nothing writes DIR",
+            )
+        self._write(_tensor_bytes(tensor))
+        self._next += 1
+
+    def finish(self) -> str:
+        """Flush and fsync; the shard's sha256."""
+        self._fh.flush()
+        os.fsync(self._fh.fileno())
+        self._fh.close()
+        return self._digest.hexdigest()
+
+    def abort(self) -> None:
+        self._fh.close()
+
+
+@dataclass(frozen=True)
+class WrittenFile:
+    name: str
+    size: int
+    sha256: str
+
+
+def reading_order(
+    pieces: Sequence[Piece], file_of: Mapping[str, str], files: Sequence[str]
+) -> list[list[Piece]]:
+    """The pieces of each of `files`, in the plan's order: the order they are read and
+    written in."""
+    groups: dict[str, list[Piece]] = {f: [] for f in files}
+    for piece in pieces:
+        groups[file_of[piece.source]].append(piece)
+    return [groups[f] for f in files]
+
+
+def write_weights(
+    directory: Path,
+    files: Sequence[str],
+    groups: Sequence[Sequence[Piece]],
+    shards: Sequence[OutShard],
+    staging: Path,
+    on_source: Optional[Callable[[str, str], None]] = None,
+    progress: Optional[Callable[[str], None]] = None,
+) -> list[WrittenFile]:
+    """Stream every piece from DIR's weight `files` (in that order; `groups`: each one's
+    pieces, from reading_order) into `shards` in `staging`. `on_source(name, sha256)` is
+    told each source file's hash (read in a streamed pass just before the file is
+    converted)."""
+    written: list[WrittenFile] = []
+    queue = list(shards)
+    writer: Optional[ShardWriter] = None
+    try:
+        for fname, pieces in zip(files, groups):
+            path = directory / fname
+            if on_source is not None:
+                on_source(fname, sha256_stream(path))
+            if progress is not None:
+                progress(f"reading {fname}")
+            with open_source(path) as src:
+                for source_name, group in _grouped(pieces):
+                    tensor = src.get(source_name)
+                    for piece in group:
+                        if writer is None:
+                            writer = ShardWriter(staging / queue[0].name, queue.pop(0))
+                        if writer.expects() != piece:
+                            raise AssertionError("output shards out of the reading order")
+                        writer.add(cut(tensor, piece))
+                        if writer.done:
+                            digest = writer.finish()
+                            size = writer.path.stat().st_size
+                            written.append(WrittenFile(writer.shard.name, size, digest))
+                            writer = None
+                    del tensor
+    except BaseException:
+        if writer is not None:
+            writer.abort()
+        raise
+    if writer is not None or queue:
+        raise AssertionError("some planned output shards were not written")
+    return written
+
+
+def _grouped(pieces: Sequence[Piece]) -> Iterator[tuple[str, list[Piece]]]:
+    """Consecutive pieces of one source tensor together: each source tensor is read once."""
+    group: list[Piece] = []
+    for piece in pieces:
+        if group and group[0].source != piece.source:
+            yield group[0].source, group
+            group = []
+        group.append(piece)
+    if group:
+        yield group[0].source, group

@@ -1,0 +1,90 @@
+"""Probe a folder `convert` wrote: its provenance.json, and whether the files it records
+(DIR's sources, OUT's own) are still the ones convert read and wrote.
+
+A file is judged by its sha256 when it is small (configs, tokenizer, an index), and a
+weight file by its size and modification time, read in full only when those disagree with
+the record: a 72B source is 145 GB, and doctor answers in seconds. Never writes; a record
+that cannot be trusted becomes `error`, never an exception.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from qwen_kvprep.convert.provenance import PROVENANCE, FileRecord, Provenance, read
+from qwen_kvprep.errors import KvprepError
+
+HASH_LIMIT = 64 << 20  # files up to this size are always hashed
+
+
+@dataclass(frozen=True)
+class FileState:
+    name: str
+    state: str  # "same" | "changed" | "missing" | "unreadable"
+    how: str = ""  # "sha256", "size and modification time", or why it is unreadable
+
+
+@dataclass(frozen=True)
+class ConvertedFacts:
+    path: Path
+    provenance: Optional[Provenance] = None
+    error: Optional[str] = None  # why provenance.json cannot be trusted
+    source_exists: bool = False
+    sources: tuple[FileState, ...] = ()
+    outputs: tuple[FileState, ...] = ()
+    unrecorded: tuple[str, ...] = ()  # files in OUT that the record does not list
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def judge(path: Path, name: str, rec: FileRecord) -> FileState:
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return FileState(name, "missing")
+    except OSError as exc:
+        return FileState(name, "unreadable", exc.strerror or str(exc))
+    if st.st_size != rec.size:
+        return FileState(name, "changed", "size")
+    quick = st.st_size > HASH_LIMIT and rec.mtime_ns is not None and st.st_mtime_ns == rec.mtime_ns
+    if quick:
+        return FileState(name, "same", "size and modification time")
+    try:
+        same = _sha256(path) == rec.sha256
+    except OSError as exc:
+        return FileState(name, "unreadable", exc.strerror or str(exc))
+    return FileState(name, "same" if same else "changed", "sha256")
+
+
+def probe_converted(out: Path) -> Optional[ConvertedFacts]:
+    """None when `out` holds no provenance.json (not a folder convert wrote)."""
+    if not os.path.lexists(out / PROVENANCE):
+        return None
+    try:
+        rec = read(out)
+    except KvprepError as exc:
+        return ConvertedFacts(out, error=exc.message)
+    except OSError as exc:
+        return ConvertedFacts(out, error=f"{out / PROVENANCE} cannot be read: {exc}")
+    src = Path(rec.source_path)
+    exists = src.is_dir()
+    sources = tuple(judge(src / n, n, r) for n, r in sorted(rec.source_files.items())) if (
+        exists
+    ) else ()
+    outputs = tuple(judge(out / n, n, r) for n, r in sorted(rec.outputs.items()))
+    try:
+        present = {p.name for p in out.iterdir() if p.is_file()}
+    except OSError:
+        present = set()
+    unrecorded = tuple(sorted(present - set(rec.outputs) - {PROVENANCE}))
+    return ConvertedFacts(out, rec, None, exists, sources, outputs, unrecorded)

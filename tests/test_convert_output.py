@@ -1,0 +1,284 @@
+"""convert's safety: DIR never written, OUT's rules, the staging folder, a killed run
+finished by the same command, clear errors for a full disk and a read-only OUT folder."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from qwen_kvprep.convert import output, weights
+from qwen_kvprep.convert.run import ConvertOptions, convert
+from qwen_kvprep.errors import CheckpointError, FileSystemError, LockTimeout, UsageError
+from qwen_kvprep.tiny import generate_checkpoint
+from tests import needs
+from tests.cli import document, invoke
+from tests.convert_kit import bits_equal, expected_dense, load_out, load_source
+from tests.needs import REPO
+from tests.treesnap import snapshot
+
+NO_VERIFY = ConvertOptions(verify=False)
+
+
+@pytest.fixture()
+def ckpt(tmp_path: Path) -> Path:
+    return generate_checkpoint(tmp_path / "ckpt", shards=2)
+
+
+def test_dir_is_never_written_even_read_only(tmp_path: Path, ckpt: Path) -> None:
+    for path in [ckpt, *ckpt.iterdir()]:
+        path.chmod(0o555 if path.is_dir() else 0o444)
+    before = snapshot(ckpt, mtimes=True)
+    try:
+        convert(ckpt, tmp_path / "out", NO_VERIFY)
+    finally:
+        after = snapshot(ckpt, mtimes=True)
+        ckpt.chmod(0o755)
+    # as root the modes above stop nothing: the snapshot is the proof
+    assert after == before
+    assert (tmp_path / "out" / "config.json").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "out"]  # no staging, no lock
+
+
+def test_empty_out_folder_is_used(tmp_path: Path, ckpt: Path) -> None:
+    (tmp_path / "out").mkdir()
+    convert(ckpt, tmp_path / "out", NO_VERIFY)
+    assert (tmp_path / "out" / "model.safetensors.index.json").is_file()
+
+
+def test_out_rules(tmp_path: Path, ckpt: Path) -> None:
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "keep.txt").write_text("mine")
+    with pytest.raises(UsageError, match=r"exists and is not empty \(keep.txt\)"):
+        convert(ckpt, tmp_path / "full", NO_VERIFY)
+    with pytest.raises(UsageError, match="lies inside DIR"):
+        convert(ckpt, ckpt / "qwen2", NO_VERIFY)
+    with pytest.raises(UsageError, match=r"DIR .* lies inside OUT"):
+        convert(ckpt, tmp_path, NO_VERIFY)
+    (tmp_path / "link").symlink_to(ckpt)
+    with pytest.raises(UsageError, match="lies inside DIR"):
+        convert(ckpt, tmp_path / "link" / "x", NO_VERIFY)
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "to-empty").symlink_to(tmp_path / "empty")
+    with pytest.raises(UsageError, match="exists and is a symlink"):
+        convert(ckpt, tmp_path / "to-empty", NO_VERIFY)
+    with pytest.raises(UsageError, match="does not exist"):
+        convert(ckpt, tmp_path / "no" / "out", NO_VERIFY)
+    assert (tmp_path / "full" / "keep.txt").read_text() == "mine"
+
+
+def test_not_a_qwen_v1_folder(tmp_path: Path) -> None:
+    other = tmp_path / "llama"
+    other.mkdir()
+    (other / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    with pytest.raises(CheckpointError):
+        convert(other, tmp_path / "out", NO_VERIFY)
+    assert not (tmp_path / "out").exists()
+
+
+def test_full_disk_before_writing(
+    tmp_path: Path, ckpt: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real = output.shutil.disk_usage
+
+    def tiny_disk(path: object) -> object:
+        return real(path)._replace(free=1000)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(output.shutil, "disk_usage", tiny_disk)
+    with pytest.raises(FileSystemError, match="not enough space for OUT"):
+        convert(ckpt, tmp_path / "out", NO_VERIFY)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+def test_full_disk_while_writing(
+    tmp_path: Path, ckpt: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls = []
+
+    def full(self: weights.ShardWriter, data: object) -> None:
+        calls.append(1)
+        if len(calls) > 3:
+            raise OSError(errno.ENOSPC, "No space left on device", str(self.path))
+        self._fh.write(data)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(weights.ShardWriter, "_write", full)
+    with pytest.raises(FileSystemError, match="no space left") as info:
+        convert(ckpt, tmp_path / "out", NO_VERIFY)
+    assert "run the same command again" in (info.value.fix or "")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # staging removed
+
+
+def test_read_only_out_folder(
+    tmp_path: Path, ckpt: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def read_only(self: object, *a: object, **k: object) -> None:
+        raise OSError(errno.EROFS, "Read-only file system", str(tmp_path / "x"))
+
+    monkeypatch.setattr(output.filelock.FileLock, "acquire", read_only)
+    with pytest.raises(FileSystemError, match="read-only file system"):
+        convert(ckpt, tmp_path / "out", NO_VERIFY)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_second_convert_of_the_same_out_is_refused(tmp_path: Path, ckpt: Path) -> None:
+    import filelock
+
+    held = filelock.FileLock(str(output.lock_of(tmp_path / "out")))
+    with held, pytest.raises(LockTimeout, match="another convert is writing"):
+        convert(ckpt, tmp_path / "out", NO_VERIFY)
+    assert not (tmp_path / "out").exists()
+
+
+_KILL_AFTER_FIRST_SHARD = """
+import os, signal, sys
+from pathlib import Path
+from qwen_kvprep.convert import weights
+from qwen_kvprep.convert.run import ConvertOptions, convert
+finish = weights.ShardWriter.finish
+def finish_then_die(self):
+    digest = finish(self)
+    os.kill(os.getpid(), signal.SIGKILL)
+    return digest
+weights.ShardWriter.finish = finish_then_die
+convert(Path(sys.argv[1]), Path(sys.argv[2]), ConvertOptions(verify=False))
+"""
+
+
+def test_a_killed_run_leaves_nothing_that_loads_and_the_same_command_finishes(
+    tmp_path: Path, ckpt: Path
+) -> None:
+    out = tmp_path / "out"
+    child = subprocess.run(
+        [sys.executable, "-c", _KILL_AFTER_FIRST_SHARD, str(ckpt), str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+    )
+    assert child.returncode == -9, child.stderr
+    staging = output.staging_of(out)
+    assert not out.exists()
+    assert (staging / "model-00001-of-00002.safetensors").is_file()  # it was cut short
+    assert not (staging / "config.json").exists()  # nothing a loader takes for a model
+    result = invoke("convert", str(ckpt), str(out), "--no-verify")
+    assert result.returncode == 0, result.stderr
+    assert not staging.exists() and not output.lock_of(out).exists()
+    got, exp = load_out(out), expected_dense(load_source(ckpt), 2)
+    assert set(got) == set(exp) and all(bits_equal(got[n], t) for n, t in exp.items())
+
+
+def test_a_folder_at_the_staging_name_that_is_not_ours_is_left_alone(
+    tmp_path: Path, ckpt: Path
+) -> None:
+    staging = output.staging_of(tmp_path / "out")
+    staging.mkdir()
+    (staging / "notes").write_text("someone's")
+    with pytest.raises(UsageError, match="was not made by convert"):
+        convert(ckpt, tmp_path / "out", NO_VERIFY)
+    assert (staging / "notes").read_text() == "someone's"
+
+
+def test_cli_text_json_and_exit_codes(tmp_path: Path, ckpt: Path) -> None:
+    out = tmp_path / "out"
+    done = invoke("convert", str(ckpt), str(out), "--no-verify")
+    assert done.returncode == 0, done.stderr
+    assert "exact up to 8,192 tokens" in done.stdout
+    assert "27 tensors" in done.stdout
+    again = invoke("convert", str(ckpt), str(out), "--no-verify", "--json")
+    assert again.returncode == 2
+    doc = document(again)
+    assert doc["ok"] is False and "not empty" in doc["error"]["message"]
+    ok = invoke("convert", str(ckpt), str(tmp_path / "o2"), "--no-verify", "--json",
+                "--max-shard-size", "1MB")
+    assert ok.returncode == 0, ok.stderr
+    doc = document(ok)
+    assert doc["ok"] is True and doc["exact_up_to"] == 8192 and doc["compare"]["ok"]
+    assert len([f for f in doc["files"] if f["name"].endswith(".safetensors")]) == 3
+    bad = invoke("convert", str(ckpt), str(tmp_path / "o3"), "--max-shard-size", "lots")
+    assert bad.returncode == 2 and "5GB" in bad.stderr
+    assert not os.path.exists(tmp_path / "o3")
+    lost = invoke("convert", str(tmp_path / "nowhere"), str(tmp_path / "o4"))
+    assert lost.returncode == 2, lost.stderr
+
+
+def test_a_failed_proof_publishes_nothing(
+    tmp_path: Path, ckpt: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from types import SimpleNamespace
+
+    from qwen_kvprep.convert import run
+    from qwen_kvprep.errors import RefusedError
+    from qwen_kvprep.findings import fail
+
+    seen: list[Path] = []
+
+    def verify(src: Path, out: Path, **kw: object) -> object:
+        seen.append(out)
+        assert (out / "config.json").is_file()  # the staged folder, complete
+        return SimpleNamespace(
+            ok=False, lines=["logits differ"], checks=[fail("convert.verify", "logits differ")],
+            to_json=dict,
+        )
+
+    real = run._optional
+    monkeypatch.setattr(
+        run, "_optional",
+        lambda name: SimpleNamespace(verify=verify) if name == "verify" else real(name),
+    )
+    with pytest.raises(RefusedError, match="does not behave as the original") as info:
+        convert(ckpt, tmp_path / "out", ConvertOptions())
+    assert [f.message for f in info.value.findings] == ["logits differ"]
+    assert seen == [output.staging_of(tmp_path / "out")]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+# -- real file systems (root: tmpfs mounts) -------------------------------------------------
+
+
+@contextlib.contextmanager
+def _tmpfs(where: Path, size: str) -> Iterator[Path]:
+    if not needs.is_root():
+        needs.skip("root", "mounting a tmpfs (read-only or full file system) needs root")
+    where.mkdir(parents=True, exist_ok=True)
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)],
+                          capture_output=True, text=True)
+    if done.returncode != 0:  # root without CAP_SYS_ADMIN (an unprivileged container)
+        needs.skip("root", f"cannot mount a tmpfs here: {done.stderr.strip()}")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], check=False)
+
+
+def _remount_ro(mnt: Path) -> None:
+    subprocess.run(["mount", "-o", "remount,ro", str(mnt)], check=True)
+
+
+def test_real_read_only_dir_and_read_only_out_folder(tmp_path: Path, ckpt: Path) -> None:
+    with _tmpfs(tmp_path / "ro-src", "64m") as src_mnt:
+        src = src_mnt / "ckpt"
+        shutil.copytree(ckpt, src)
+        _remount_ro(src_mnt)
+        before = snapshot(src, mtimes=True)
+        res = invoke("convert", str(src), str(tmp_path / "out"), "--no-verify")
+        assert res.returncode == 0, res.stderr
+        assert snapshot(src, mtimes=True) == before
+        with _tmpfs(tmp_path / "ro-out", "128m") as out_mnt:
+            _remount_ro(out_mnt)
+            res = invoke("convert", str(src), str(out_mnt / "qwen2"), "--no-verify")
+            assert res.returncode == 1, res.stderr
+            assert "read-only file system" in res.stderr and "Traceback" not in res.stderr
+            assert os.listdir(out_mnt) == []
+
+
+def test_real_full_disk_is_said_before_writing(tmp_path: Path, ckpt: Path) -> None:
+    with _tmpfs(tmp_path / "small", "1m") as mnt:
+        res = invoke("convert", str(ckpt), str(mnt / "qwen2"), "--no-verify")
+        assert res.returncode == 1, res.stderr
+        assert "not enough space for OUT" in res.stderr and "nothing was written" in res.stderr
+        assert os.listdir(mnt) == []

@@ -1,0 +1,302 @@
+"""convert's proof (qwen_kvprep.convert.verify): the original through its own code against
+the converted folder as Qwen2ForCausalLM, in a child process.
+
+The converted folders are written by convert itself (tests/convert_kit.py).
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import shlex
+import shutil
+import stat
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from qwen_kvprep.childproc import ChildOutcome
+from qwen_kvprep.convert import context as ctx
+from qwen_kvprep.convert.serving import commands
+from qwen_kvprep.convert.verify import VerifyResult, judge, verify
+from qwen_kvprep.convert.verify_protocol import VerifyChildResult
+from qwen_kvprep.findings import Finding, Severity
+from qwen_kvprep.tiny import REMOTE_FILES, generate_checkpoint
+from tests import needs
+from tests.convert_kit import converted, corrupt
+from tests.remote_code import QWEN_CODE_ENV
+from tests.treesnap import snapshot
+
+SEQ = 64  # a short trained context, so 4x of it is cheap on a CPU
+
+
+def _tiny(root: Path, dtype: str, **kw: object) -> Path:
+    overrides = {"seq_length": SEQ}
+    return generate_checkpoint(root / f"Tiny-{dtype}", dtype=dtype, shards=2,
+                               config_overrides=overrides, **kw)  # type: ignore[arg-type]
+
+
+def _by_id(result: VerifyResult, id: str) -> list[Finding]:
+    return [f for f in result.checks if f.id == id]
+
+
+@pytest.fixture(scope="module")
+def fp32(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, Path]]:
+    root = tmp_path_factory.mktemp("verify32")
+    src = _tiny(root, "fp32")
+    yield src, converted(src, root / "out")
+
+
+@pytest.mark.slow
+def test_a_converted_fp32_folder_is_proven_equal_and_dir_is_untouched(
+    fp32: tuple[Path, Path],
+) -> None:
+    src, out = fp32
+    before = snapshot(src, digest=True, mtimes=True)
+    mode = src.stat().st_mode
+    src.chmod(stat.S_IRUSR | stat.S_IXUSR)  # read-only DIR (root ignores it; the snapshot does not)
+    try:
+        result = verify(src, out, timeout=600, context_factor=None)
+    finally:
+        src.chmod(mode)
+    assert result.ok, "\n".join(result.lines)
+    assert snapshot(src, digest=True, mtimes=True) == before
+    m = result.measured
+    assert m is not None and m["dtype_original"] == m["dtype_converted"] == "float32"
+    assert m["weights"]["compared"] > 0 and m["weights"]["differ"] == []
+    assert m["logits"]["max_rel"] <= 1e-5 and m["steps"]["max_rel"] <= 1e-5
+    assert all(g["original"] == g["converted"] for g in m["greedy"])
+    assert len(set(m["prompt_tokens"])) > 1  # a batch of different lengths
+    assert "context" not in m
+    assert result.lines[-1] == "proof: OK"
+
+
+@pytest.mark.slow
+def test_a_converted_bf16_folder_is_proven_equal(tmp_path: Path) -> None:
+    src = _tiny(tmp_path, "bf16")
+    result = verify(src, converted(src, tmp_path / "out"), timeout=600, context_factor=None)
+    assert result.ok, "\n".join(result.lines)
+    assert result.measured is not None and result.measured["dtype_converted"] == "bfloat16"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["weight", "swap-qk"])
+def test_a_corrupted_folder_fails_naming_the_tensor(
+    fp32: tuple[Path, Path], tmp_path: Path, how: str
+) -> None:
+    src, good = fp32
+    out = tmp_path / "out"
+    shutil.copytree(good, out)
+    name = corrupt(out, how)
+    result = verify(src, out, timeout=600, context_factor=None)
+    assert not result.ok
+    (weights,) = _by_id(result, "verify.weights")
+    assert weights.severity is Severity.FAIL and name in weights.message
+    if how == "swap-qk":
+        assert "k_proj.weight" in weights.message
+    # the numbers show it too, not only the tensor comparison
+    assert any(f.severity is Severity.FAIL for f in _by_id(result, "verify.logits"))
+    assert result.lines[-1] == "proof: FAILED"
+    assert any(name in line for line in result.lines)
+
+
+@pytest.mark.slow
+def test_a_proof_that_runs_out_of_time_says_so(fp32: tuple[Path, Path]) -> None:
+    src, out = fp32
+    result = verify(src, out, timeout=0.5, context_factor=None)
+    assert not result.ok
+    (f,) = result.checks
+    assert f.id == "verify.timeout" and "did not finish within 0.5 s" in f.message
+    assert "--no-verify" in (f.fix or "")
+
+
+@pytest.mark.slow
+def test_layers_that_do_not_fit_are_named_as_skipped(fp32: tuple[Path, Path]) -> None:
+    src, out = fp32
+    result = verify(src, out, timeout=600, context_factor=None, layers=1)
+    assert result.ok, "\n".join(result.lines)
+    (fit,) = _by_id(result, "verify.fit")
+    assert "first 1 of 2 layers" in fit.message
+    assert "layers 1-1 were not run" in fit.message
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("rope_type", ["dynamic", "yarn"])
+def test_the_context_past_seq_length_is_measured(
+    fp32: tuple[Path, Path], tmp_path: Path, rope_type: str
+) -> None:
+    src, _ = fp32
+    out = converted(src, tmp_path / "out", context_factor=4.0, rope_scaling=rope_type)
+    result = verify(src, out, timeout=600, context_factor=4.0)
+    # the weights and the architecture are proven with the scaling set aside ...
+    assert result.ok, "\n".join(result.lines)
+    assert result.measured is not None
+    assert result.measured["logits"]["max_rel"] <= 1e-5
+    (aside,) = _by_id(result, "verify.scaling")
+    assert f"rope_scaling {rope_type} factor 4.0" in aside.message
+    # ... and what it changes is measured on OUT as it serves
+    rows = {r["times"]: r for r in result.measured["context"]["rows"]}
+    assert [r["tokens"] for r in rows.values()] == [SEQ, 2 * SEQ, 4 * SEQ]
+    within = rows[1.0]["max_abs"]
+    assert within is not None
+    if rope_type == "dynamic":
+        assert within < 1e-4  # dynamic scaling changes nothing within seq_length
+    else:
+        assert within > 1e-3  # YaRN changes every frequency
+    for times in (2.0, 4.0):
+        row = rows[times]
+        assert row["skipped"] is None and row["positions"] > 0
+        assert row["max_abs"] is not None and row["max_abs"] > 1e-3  # Qwen's rules differ
+        assert row["top1_agreement"] is not None and 0.0 <= row["top1_agreement"] <= 1.0
+    text = "\n".join(result.lines)
+    assert "at 2x seq_length (128 tokens): max |Δlogit|" in text and "top-1 agreement" in text
+    assert "dynamic NTK and logn attention" in text
+
+
+@pytest.mark.slow
+def test_the_exact_default_is_exact_within_seq_length(fp32: tuple[Path, Path]) -> None:
+    src, out = fp32  # no rope scaling: max_position_embeddings = seq_length
+    result = verify(src, out, timeout=600, context_factor=None, measure_context=True)
+    assert result.measured is not None
+    row = result.measured["context"]["rows"][0]
+    assert row["times"] == 1.0 and row["tokens"] == SEQ
+    assert row["max_abs"] is not None and row["max_abs"] < 1e-4 and row["top1_agreement"] == 1.0
+
+
+@pytest.mark.slow
+def test_the_original_runs_qwens_own_code(tmp_path: Path) -> None:
+    folder = os.environ.get(QWEN_CODE_ENV)
+    if not folder:
+        needs.skip("qwen-code", f"{QWEN_CODE_ENV} names no folder holding it")
+    src = _tiny(tmp_path, "fp32")
+    # Qwen's tokenizer fixes its special tokens' ids for the full vocabulary: the tiny
+    # one stays
+    for name in REMOTE_FILES:
+        if name != "tokenization_qwen.py":
+            shutil.copyfile(Path(folder) / name, src / name)
+    result = verify(src, converted(src, tmp_path / "out"), timeout=600, context_factor=None)
+    assert result.ok, "\n".join(result.lines)
+
+
+@pytest.mark.slow
+def test_a_gptq_folder_gives_the_originals_tokens(tmp_path: Path) -> None:
+    needs.gptq_backend()
+    src = generate_checkpoint(
+        tmp_path / "Tiny-Int4", gptq=True, config_overrides={"seq_length": SEQ}
+    )
+    result = verify(src, converted(src, tmp_path / "out"), timeout=900, context_factor=None)
+    assert result.ok, "\n".join(result.lines)
+    m = result.measured
+    assert m is not None and m["gptq"] and m["weights"]["skipped"] is not None
+    assert all(g["original"] == g["converted"] for g in m["greedy"])
+
+
+# -- the judgement, without a model ------------------------------------------------------
+
+
+def _measured(**changes: object) -> VerifyChildResult:
+    diff = {"positions": 10, "max_abs": 1e-7, "max_rel": 1e-8, "scale": 10.0}
+    base: dict[str, object] = {
+        "result_version": 1, "torch": "2", "transformers": "5", "device": "cpu",
+        "dtype_original": "float32", "dtype_converted": "float32", "gptq": False,
+        "fit": {"device": "cpu", "layers_total": 2, "layers_run": 2, "weights_bytes": 1,
+                "available_bytes": 9, "reason": None},
+        "prompt_tokens": [3, 9], "logits": diff, "steps": diff,
+        "greedy": [{"prompt": 0, "original": [1, 2], "converted": [1, 2],
+                    "first_divergence": None, "margin": None}],
+        "weights": {"compared": 5, "differ": [], "skipped": None},
+        "tokenizer": {"status": "ok", "message": "fine", "details": None},
+        "template": {"status": "ok", "message": "fine", "details": None},
+        "seconds": {}, "scaling_set_aside": None,
+    }
+    base.update(changes)
+    return base  # type: ignore[return-value]
+
+
+def _judge(m: VerifyChildResult) -> VerifyResult:
+    return judge(ChildOutcome(result=m), timeout=1, rerun="r")
+
+
+def test_tokens_may_part_only_at_a_tie_the_dtype_cannot_decide() -> None:
+    def parted(margin: float) -> VerifyChildResult:
+        return _measured(greedy=[{"prompt": 0, "original": [1, 2], "converted": [1, 3],
+                                  "first_divergence": 1, "margin": margin}])
+
+    assert _judge(parted(1e-5)).ok  # 1e-5 <= 1e-5 * scale 10
+    bad = _judge(parted(0.5))
+    assert not bad.ok
+    assert "parts at token 1" in _by_id(bad, "verify.greedy")[0].message
+
+
+def test_logit_tolerance_follows_the_dtype() -> None:
+    off = {"positions": 10, "max_abs": 0.1, "max_rel": 0.01, "scale": 10.0}
+    assert not _judge(_measured(logits=off)).ok
+    bf16 = _measured(logits=off, dtype_original="bfloat16", dtype_converted="bfloat16")
+    assert _judge(bf16).ok
+    assert not _judge(_measured(dtype_converted="bfloat16")).ok
+
+
+def test_a_missing_tokenizer_proof_is_a_skip_and_a_failed_one_fails() -> None:
+    gone = {"status": "unavailable", "message": "absent", "details": None}
+    r = _judge(_measured(tokenizer=gone))
+    assert r.ok
+    assert _by_id(r, "verify.tokenizer")[0].severity is Severity.SKIP
+    broke = {"status": "fail", "message": "3 ids differ", "details": None}
+    assert not _judge(_measured(template=broke)).ok
+
+
+def test_a_child_that_dies_is_reported_with_its_last_words() -> None:
+    out: ChildOutcome[VerifyChildResult] = ChildOutcome(
+        returncode=-9, phase="load-original", log_tail=["Killed"]
+    )
+    r = judge(out, timeout=60, rerun="r")
+    assert not r.ok and "loading the original through its own code" in r.lines[0]
+    assert "  | Killed" in r.lines
+
+
+def test_context_rows_cover_the_part_they_are_about() -> None:
+    assert ctx.rows_to_measure(100) == [(1.0, 100), (2.0, 200), (4.0, 400)]
+    where = ctx._positions(4000, 1000)
+    assert len(where) <= ctx.MAX_POSITIONS and where[-1] == 3999 and where[0] >= 1000
+    assert ctx.long_input([1, 2, 3], 7) == [1, 2, 3, 1, 2, 3, 1]
+    assert ctx.original_rules({"use_dynamic_ntk": True, "use_logn_attn": False}) == [
+        "dynamic NTK"
+    ]
+
+
+# -- serving -------------------------------------------------------------------------------
+
+
+def test_serving_commands_name_each_engine_and_its_quantized_cache() -> None:
+    got = dict(commands(Path("/m/my model"), gptq=False, max_len=8192))
+    text = "\n".join(got.values())
+    assert "vllm serve '/m/my model' --max-model-len 8192 --kv-cache-dtype fp8" in text
+    assert "--kv-cache-dtype int8_per_token_head" in text
+    assert "--kv-cache-dtype fp8_e4m3" in text and "--context-length 8192" in text
+    assert "--quant-policy 8" in text and "--session-len 8192" in text
+    assert "gptq" not in text and "trust-remote-code" not in text
+    program = next(v for k, v in got.items() if k.startswith("transformers"))
+    argv = shlex.split(program)
+    assert argv[:2] == ["python", "-c"]
+    tree = ast.parse(argv[2])
+    assert '"/m/my model"' in argv[2] and any(
+        isinstance(n, ast.Attribute) and n.attr == "cache_implementation" for n in ast.walk(tree)
+    )
+    assert "torch.compile" in argv[2]
+
+
+def test_serving_commands_for_gptq_ask_for_the_gptq_kernels() -> None:
+    got = dict(commands(Path("/m/q"), gptq=True, max_len=2048))
+    assert sum("--quantization gptq" in v for v in got.values()) == 3
+    assert any("--model-format gptq" in v for v in got.values())
+
+
+def test_a_dir_without_its_code_is_a_failed_proof_not_a_traceback(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "config.json").write_text("{}")
+    result = verify(src, tmp_path / "out", timeout=60, context_factor=None)
+    assert not result.ok
+    (f,) = result.checks
+    assert f.id == "verify.original" and "modeling_qwen.py" in f.message
