@@ -59,28 +59,33 @@ def layout_for(option: Optional[str]) -> CacheLayout:
     return CacheLayout(resolve_cache_dir(Path(option) if option else None))
 
 
-def register_user(layout: CacheLayout, key: str, prepared: str) -> Optional[str]:
+def register_user(
+    layout: CacheLayout, key: str, prepared: str
+) -> tuple[Optional[str], bool]:
     """Record that the prepared folder `prepared` (absolute) uses build `key`, once: a fix
     that changes nothing writes nothing, so the record's time is when the folder first
-    chose the build. Returns the cache's id (None when it has none). A cache this process
+    chose the build. Returns the cache's id (None when it has none) and whether the
+    record was written now (False: it was there already, or cannot be). A cache this process
     cannot write (a shared read-only one) keeps no record: `cache prune --keep KEY` is how
     its users are counted."""
     try:
         cache_id = claim(layout.root)
     except (OSError, CacheError):
         with contextlib.suppress(CacheError):
-            return identify(layout.root).cache_id
-        return None
+            return identify(layout.root).cache_id, False
+        return None, False
     folder = layout.users_dir(key)
     record = folder / user_record_name(prepared)
     text = json.dumps({"path": prepared})
     with contextlib.suppress(OSError, ValueError):
         if read_regular(record, 1 << 16).decode("utf-8") == text:
-            return cache_id
-    with contextlib.suppress(OSError):
+            return cache_id, False
+    try:
         folder.mkdir(parents=True, exist_ok=True)
         atomic_write_text(record, text)
-    return cache_id
+    except OSError:
+        return cache_id, False
+    return cache_id, True
 
 
 def hold_build(
@@ -91,8 +96,13 @@ def hold_build(
     says yes, a prune sees the record under that same lock (the folder's lock being held
     by the caller, or its state naming the build), so the build cannot go between a fix
     choosing it and recording it. A cache whose lock cannot be taken (read only) cannot be
-    pruned by this user either: the build counts as held."""
-    cache_id = register_user(layout, key, prepared)
+    pruned by this user either: the build counts as held. A record that was there already
+    kept the build from any prune since the caller took its folder lock (and the folder's
+    state usually names the build too), so it is only looked at, without the lock: a fix
+    that changes nothing writes nothing in the cache, not even a lock file."""
+    cache_id, written = register_user(layout, key, prepared)
+    if not written:
+        return _intact(layout, key, so_sha256), cache_id
     try:
         identify(layout.root)  # no lock file is made through a linked locks/
         # a lock file that cannot be made: a read-only cache (filelock would wait it out)
@@ -104,12 +114,19 @@ def hold_build(
             manifest = read_manifest(layout.build_dir(key))
     except OSError:
         return True, cache_id
-    ok = (
+    return _intact(layout, key, so_sha256, manifest), cache_id
+
+
+def _intact(
+    layout: CacheLayout, key: str, so_sha256: str, manifest: Optional[Manifest] = None
+) -> bool:
+    """Whether build `key` is still published with the library of this sha256."""
+    manifest = manifest or read_manifest(layout.build_dir(key))
+    return (
         manifest is not None
         and manifest.get("so_sha256") == so_sha256
         and (layout.build_dir(key) / manifest["so"]).is_file()
     )
-    return ok, cache_id
 
 
 def _points_at(prepared: str, build_dir: Path, key: str, cache_id: Optional[str]) -> bool:
