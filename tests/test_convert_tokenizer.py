@@ -14,8 +14,10 @@ from __future__ import annotations
 import base64
 import json
 import os
+import re
 import subprocess
 import sys
+import unicodedata
 from pathlib import Path
 from typing import Any
 
@@ -399,3 +401,60 @@ def test_a_split_the_regex_engine_s_unicode_tables_cause_is_reported_apart() -> 
     # the same difference with letters the engine knows is the conversion's
     plain = _Fake(quirk=(kawi, "reversed"))
     assert prove_tokenizer(_Fake(), plain, texts=texts).mismatches == 2
+
+
+class _Normalizing(_Fake):
+    """Qwen's order: NFC over the whole text, then its special tokens, then bytes."""
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        ids = self._pieces(unicodedata.normalize("NFC", text))
+        return ids[::-1] if text in self.quirk else ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        names = {i: t for t, i in self.specials.items()}
+        out, run = "", b""
+        for i in ids:
+            if i < 256:
+                run += bytes([i])
+                continue
+            out += run.decode("utf-8", "replace")
+            out += "" if skip_special_tokens else names.get(i, "")
+            run = b""
+        return out + run.decode("utf-8", "replace")
+
+    def _pieces(self, text: str) -> list[int]:
+        ids: list[int] = []
+        for piece in re.split("(" + "|".join(map(re.escape, self.specials)) + ")", text):
+            if piece in self.specials:
+                ids.append(self.specials[piece])
+            else:
+                ids += list(piece.encode("utf-8"))
+        return ids
+
+
+class _SpecialsFirst(_Normalizing):
+    """transformers 5's Qwen2 tokenizer's order: special tokens first, then NFC per piece."""
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        ids: list[int] = []
+        for piece in re.split("(" + "|".join(map(re.escape, self.specials)) + ")", text):
+            if piece in self.specials:
+                ids.append(self.specials[piece])
+            else:
+                ids += self._pieces(unicodedata.normalize("NFC", piece))
+        return ids[::-1] if text in self.quirk else ids
+
+
+def test_special_text_that_nfc_joins_with_a_mark_is_reported_apart_and_hides_nothing() -> None:
+    from qwen_kvprep.convert.tokproof import prove_tokenizer
+
+    joined = "<|im_end|>\u0338 after"  # NFC makes '>' + U+0338 one character: no token
+    texts = ["plain <|im_end|> text", joined, "reversed"]
+    proof = prove_tokenizer(_Normalizing(), _SpecialsFirst(quirk=("reversed",)), texts=texts)
+    assert proof.mismatches == 1 and proof.examples[0].text == "reversed"
+    assert proof.specials_first == 1 and proof.specials_first_examples[0].text == joined
+    assert any("finds the special token first" in line for line in proof.lines())
+    assert proof.to_json()["specials_first"] == 1
+    # the same text with another difference in it is the conversion's, not put apart
+    other = prove_tokenizer(_Normalizing(), _SpecialsFirst(quirk=(joined,)), texts=[joined])
+    assert other.mismatches == 1 and other.specials_first == 0
