@@ -7,7 +7,8 @@ import click
 
 from qwen_kvprep.commands._common import checkpoint_dir, output_options
 from qwen_kvprep.commands._dashes import CommandAfterDashes, command_after_dashes
-from qwen_kvprep.commands._options import NONEMPTY, EnvFlag, arch_option, cache_dir_option
+from qwen_kvprep.commands._envflag import EnvFlag
+from qwen_kvprep.commands._options import NONEMPTY, arch_option, cache_dir_option
 from qwen_kvprep.common import ENV_CACHE
 from qwen_kvprep.quickstart import (
     ENV_ALLOW_FALLBACK,
