@@ -41,11 +41,16 @@ def model(tmp_path_factory: pytest.TempPathFactory, shared_build_cache: Path) ->
     os.environ.update({k: env[k] for k in saved})
     dmu.HF_MODULES_CACHE = env["HF_MODULES_CACHE"]
     _forget_remote_code()  # a model of this name loaded earlier in this process
+    # transformers appends its modules cache to sys.path, after any an earlier load in this
+    # process appended: first here, so that `transformers_modules` is this cache's package
+    # (transformers 5.17 imports the model's relative imports through it)
+    sys.path.insert(0, env["HF_MODULES_CACHE"])
     try:
         m = AutoModelForCausalLM.from_pretrained(str(ckpt), trust_remote_code=True).eval()
         m.tokenizer = AutoTokenizer.from_pretrained(str(ckpt), trust_remote_code=True)
         yield m
     finally:
+        sys.path.remove(env["HF_MODULES_CACHE"])
         dmu.HF_MODULES_CACHE = saved_root
         for k, v in saved.items():
             if v is None:
