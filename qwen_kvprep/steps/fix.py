@@ -118,10 +118,12 @@ def _preflight(source: Path, target: Path, options: FixOptions) -> _Early:
     checkpoint and its config.json (CheckpointError/ConfigError), the journal of an
     earlier run (StateError). A damaged state.json is only noted: fix writes it anew."""
     early = _Early()
+    # the model code fix would edit: DIR's, or the one an earlier fix wrote in OUT. First:
+    # code that is not UTF-8 would otherwise be judged (its imports, what it needs) as text
+    # transformers cannot even read
+    fastkv.check_markers(target if os.path.isfile(target / MODELING_FILE) else source)
     facts, findings = validate.check(source)
     _check_cache_folder(options)
-    # the model code fix would edit: DIR's, or the one an earlier fix wrote in OUT
-    fastkv.check_markers(target if os.path.isfile(target / MODELING_FILE) else source)
     if target == source:
         early.facts, early.findings = facts, findings
     if not os.path.isdir(target):
