@@ -263,6 +263,7 @@ def test_hub_repo_id_in_the_local_cache(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from tests.cli import document, invoke
+    from tests.hf_settings import set_hf_constant
     from tests.hubcache_kit import cache_repo
     from tests.treesnap import snapshot
 
@@ -270,6 +271,8 @@ def test_hub_repo_id_in_the_local_cache(
     hub = tmp_path / "hub"
     snap = cache_repo(hub, "Qwen/Qwen-Tiny-Chat", ckpt)
     monkeypatch.setenv("HF_HUB_CACHE", str(hub))
+    # huggingface_hub read the variable at its import, maybe in an earlier test of this worker
+    set_hf_constant(monkeypatch, "HF_HUB_CACHE", str(hub))
     before = snapshot(hub, mtimes=True)
     res = invoke("convert", "Qwen/Qwen-Tiny-Chat", str(tmp_path / "out"), "--no-verify",
                  "--json")
