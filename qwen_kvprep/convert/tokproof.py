@@ -115,20 +115,19 @@ class TokenizerProof:
         else:
             lines = [head + f"{self.mismatches:,} mismatches"]
             lines += ["  " + m.line() for m in self.examples]
-        if self.engine_unicode:
-            lines.append(
-                f"  and {self.engine_unicode:,} texts split otherwise because this tokenizers "
-                "release's regex engine does not know some recent Unicode letters or digits "
-                "(a newer tokenizers does):"
-            )
-            lines += ["  " + m.line() for m in self.engine_examples]
-        if self.specials_first:
-            lines.append(
-                f"  and {self.specials_first:,} texts where special-token text is followed by a "
-                "mark NFC joins with its '>': Qwen normalizes first and sees plain text, this "
-                "tokenizer finds the special token first (documented difference):"
-            )
-            lines += ["  " + m.line() for m in self.specials_first_examples]
+        apart = (
+            (self.engine_unicode, self.engine_examples,
+             "split otherwise because this tokenizers release's regex engine does not know "
+             "some recent Unicode letters or digits (a newer tokenizers does)"),
+            (self.specials_first, self.specials_first_examples,
+             "where special-token text is followed by a mark NFC joins with its '>': Qwen "
+             "normalizes first and sees plain text, this tokenizer finds the special token "
+             "first (documented difference)"),
+        )
+        for count, examples, why in apart:
+            if count:
+                lines.append(f"  and {count:,} texts {why}:")
+                lines += ["  " + m.line() for m in examples]
         return lines
 
     def to_json(self) -> JSONObject:
