@@ -25,7 +25,7 @@ from qwen_kvprep.findings import Finding, Severity
 from qwen_kvprep.tiny import REMOTE_FILES, generate_checkpoint
 from tests import needs
 from tests.convert_kit import converted, corrupt
-from tests.remote_code import QWEN_CODE_ENV
+from tests.remote_code import QWEN_CODE_ENV, transformers_release
 from tests.treesnap import snapshot
 
 SEQ = 64  # a short trained context, so 4x of it is cheap on a CPU
@@ -37,12 +37,18 @@ def _tiny(root: Path, dtype: str, **kw: object) -> Path:
                                config_overrides=overrides, **kw)  # type: ignore[arg-type]
 
 
+def _needs_qwen2() -> None:
+    if transformers_release() < (4, 37):
+        needs.skip("transformers-4.37", "this transformers has no Qwen2ForCausalLM")
+
+
 def _by_id(result: VerifyResult, id: str) -> list[Finding]:
     return [f for f in result.checks if f.id == id]
 
 
 @pytest.fixture(scope="module")
 def fp32(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, Path]]:
+    _needs_qwen2()
     root = tmp_path_factory.mktemp("verify32")
     src = _tiny(root, "fp32")
     yield src, converted(src, root / "out")
@@ -74,6 +80,7 @@ def test_a_converted_fp32_folder_is_proven_equal_and_dir_is_untouched(
 
 @pytest.mark.slow
 def test_a_converted_bf16_folder_is_proven_equal(tmp_path: Path) -> None:
+    _needs_qwen2()
     src = _tiny(tmp_path, "bf16")
     result = verify(src, converted(src, tmp_path / "out"), timeout=600, context_factor=None)
     assert result.ok, "\n".join(result.lines)
@@ -169,6 +176,7 @@ def test_the_original_runs_qwens_own_code(tmp_path: Path) -> None:
     folder = os.environ.get(QWEN_CODE_ENV)
     if not folder:
         needs.skip("qwen-code", f"{QWEN_CODE_ENV} names no folder holding it")
+    _needs_qwen2()
     src = _tiny(tmp_path, "fp32")
     # Qwen's tokenizer fixes its special tokens' ids for the full vocabulary: the tiny
     # one stays
@@ -182,6 +190,7 @@ def test_the_original_runs_qwens_own_code(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_a_gptq_folder_gives_the_originals_tokens(tmp_path: Path) -> None:
     needs.gptq_backend()
+    _needs_qwen2()
     src = generate_checkpoint(
         tmp_path / "Tiny-Int4", gptq=True, config_overrides={"seq_length": SEQ}
     )

@@ -110,3 +110,11 @@ def _check_arch(
         raise UsageError(str(exc), fix=ARCH_LIST_FIX) from None
     return value  # as given: the build reads it again, with its other inputs
 
+
+
+def check_seconds(ctx: click.Context, param: click.Parameter, value: Optional[float]) -> object:
+    """A number of seconds given as an option, refused (nan, inf, negative) before any work."""
+    from qwen_kvprep.buildcache.lock import seconds
+
+    name = "--" + (param.name or "").replace("_", "-")
+    return None if value is None else seconds(str(value), name)
