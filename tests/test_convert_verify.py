@@ -309,3 +309,19 @@ def test_a_dir_without_its_code_is_a_failed_proof_not_a_traceback(tmp_path: Path
     assert not result.ok
     (f,) = result.checks
     assert f.id == "verify.original" and "modeling_qwen.py" in f.message
+
+
+def test_a_transformers_without_qwen2_is_named_not_a_failed_load(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import importlib.metadata
+
+    real = importlib.metadata.version
+    monkeypatch.setattr(
+        importlib.metadata, "version", lambda n: "4.32.0" if n == "transformers" else real(n)
+    )
+    result = verify(tmp_path, tmp_path, timeout=60, context_factor=None)
+    assert not result.ok
+    (child,) = _by_id(result, "verify.child")
+    assert "transformers 4.32.0 cannot load OUT natively" in child.message
+    assert child.fix is not None and "--no-verify" in child.fix

@@ -24,6 +24,7 @@ when the proof ends, whatever the child did.
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 import sys
 import tempfile
@@ -47,6 +48,20 @@ from qwen_kvprep.convert.verify_protocol import (
 from qwen_kvprep.errors import UsageError
 from qwen_kvprep.findings import Finding, Severity, fail, info, ok, skip, warn
 from qwen_kvprep.untrusted import read_regular
+
+# the first transformers release with Qwen2ForCausalLM: OUT loads natively from there on
+QWEN2_SINCE = (4, 37)
+
+
+def predates_qwen2() -> Optional[str]:
+    """The installed transformers' release where it cannot load OUT (older than 4.37)."""
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        release = importlib.metadata.version("transformers")
+        return release if Version(release).release[:2] < QWEN2_SINCE else None
+    except (importlib.metadata.PackageNotFoundError, InvalidVersion):
+        return None
 
 PhaseCallback = Callable[[str], None]
 
@@ -154,6 +169,16 @@ def verify(
     raises for what the child does, nor for a DIR whose code cannot be read (a failed
     result, `verify.original`)."""
     src, out = Path(os.path.abspath(src)), Path(os.path.abspath(out))
+    old = predates_qwen2()
+    if old is not None:
+        f = fail(
+            "verify.child",
+            f"transformers {old} cannot load OUT natively (Qwen2ForCausalLM arrived in "
+            "transformers 4.37), so the proof cannot run here",
+            fix="pip install -U \"transformers>=4.37\" and run convert again, or skip the proof "
+            "with --no-verify (the tensors are still compared bit for bit)",
+        )
+        return VerifyResult(False, [f], [f"proof: FAILED: {f.message}"])
     measure = context_factor is not None if measure_context is None else measure_context
 
     def on_event(event: ShownEvent) -> None:
