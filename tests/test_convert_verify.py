@@ -302,6 +302,7 @@ def test_serving_commands_for_gptq_ask_for_the_gptq_kernels() -> None:
 
 
 def test_a_dir_without_its_code_is_a_failed_proof_not_a_traceback(tmp_path: Path) -> None:
+    _needs_qwen2()  # before 4.37 the proof stops earlier, at the release
     src = tmp_path / "src"
     src.mkdir()
     (src / "config.json").write_text("{}")
