@@ -44,6 +44,15 @@ def transformers_release() -> tuple[int, int]:
     return major, minor
 
 
+def shipped_code_runs() -> bool:
+    """Whether Qwen's code as shipped loads on this interpreter: before 4.54, and only where
+    transformers_stream_generator imports (transformers' own import check refuses the
+    modeling file otherwise, since chat_stream imports it)."""
+    from qwen_kvprep.probe.env import package_info
+
+    return transformers_release() < (4, 54) and package_info("transformers_stream_generator").found
+
+
 def with_compat(ckpt: Path) -> None:
     """The checkpoint's code with qwen-kvprep's compatibility lines and module, as fix
     adds them (and nothing else of fix)."""

@@ -21,7 +21,7 @@ from qwen_kvprep.checks.identity import Identity, Kind, identify
 from qwen_kvprep.probe.checkpoint import CheckpointFacts
 from tests.cli import document, kvprep
 from tests.hubcache_kit import COMMIT, cache_repo
-from tests.remote_code import transformers_release
+from tests.remote_code import shipped_code_runs
 from tests.test_doctor_cli import base_env
 from tests.treesnap import snapshot
 
@@ -333,9 +333,10 @@ def test_doctor_exits_0_when_the_cache_is_simply_off(tiny: Path, tmp_path: Path)
     # match this machine's nvcc, as torch 2.0's CUDA 11 beside a CUDA 13 nvcc)
     failed = _failed(doc)
     machine = {i for i in failed if i.startswith("env.")}
-    # from 4.54 on, Qwen's code as shipped does not run at all: a failure of the folder
-    # whether or not the cache is on (fix adds the compatibility module)
-    compat = {"checkpoint.compat"} if transformers_release() >= (4, 54) else set()
+    # from 4.54 on (or without transformers_stream_generator), Qwen's code as shipped does
+    # not run at all: a failure of the folder whether or not the cache is on (fix adds the
+    # compatibility module)
+    compat = set() if shipped_code_runs() else {"checkpoint.compat"}
     assert failed == machine | compat and code == (1 if failed else 0), failed
     kv = [f for f in doc["findings"] if f["id"] == "config.kv_cache"]
     assert [f["severity"] for f in kv] == ["warn"]
