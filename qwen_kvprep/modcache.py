@@ -12,20 +12,25 @@ would leave it.
 
 from __future__ import annotations
 
+import os
+import shlex
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Optional
 
-from qwen_kvprep.common import modules_cache_root
+from qwen_kvprep.common import USERS_DIRNAME, modules_cache_root
 from qwen_kvprep.errors import CacheError, CheckpointError
 from qwen_kvprep.probe import codefolders
 from qwen_kvprep.probe.codefolders import MODULE_FILE
+from qwen_kvprep.untrusted import first_link_below
 
 __all__ = [
     "MODULE_FILE",
     "code_hash",
     "hub_module_folder",
     "module_folder",
+    "refuse_links",
+    "refuse_links_before_fix",
     "spelling_folders",
     "transformers_root",
 ]
@@ -101,3 +106,42 @@ def hub_module_folder(repo_id: str, commit: str) -> Path:
     from transformers import dynamic_module_utils as dmu
 
     return codefolders.hub_folder(dmu, transformers_root(), repo_id, commit)
+
+
+def refuse_links(folder: Path, root: Optional[Path] = None) -> None:
+    """Refuse (CacheError `modules.link`) a modules-cache folder fix would write into that
+    is reached through a symbolic link below the modules cache's root, or whose records
+    folder is one: what fix plants or records there would land in the link's target, over
+    whatever is there (a user's own cpp_kernels.py), and revert could not reach it again.
+    The root itself may be a link: the user named it."""
+    base = transformers_root() if root is None else root
+    link = first_link_below(base, folder, (USERS_DIRNAME,))
+    if link is None:
+        return
+    try:
+        target = f" to {os.readlink(link)}"
+    except OSError:
+        target = ""
+    message = (
+        f"{link} is a symbolic link{target} in the modules cache {base}: fix writes only into "
+        "folders of the modules cache itself, never through a link it did not make (what it "
+        "planted there would replace the files in the folder the link names)"
+    )
+    fix = (
+        f"remove the link (`rm {shlex.quote(link)}`: the next load makes the folder again), "
+        "or point HF_MODULES_CACHE at a modules cache without links in it, then run fix again"
+    )
+    raise CacheError.failing("modules.link", message, fix, [link])
+
+
+def refuse_links_before_fix(checkpoint_dir: Path) -> None:
+    """refuse_links for every folder a load of the checkpoint runs its code from, as the
+    code is now (the folder of the code as fix leaves it is checked again as fix plants):
+    part of the checks before fix's first write."""
+    from transformers import dynamic_module_utils as dmu
+
+    root = transformers_root()
+    source = Path(checkpoint_dir).absolute()
+    refuse_links(codefolders.local_folder(dmu, root, source), root)
+    for folder, _spelt in codefolders.spelling_folders(dmu, root, source):
+        refuse_links(folder, root)

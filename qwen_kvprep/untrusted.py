@@ -313,3 +313,25 @@ def lstat_at(fd: int, name: str) -> Optional[os.stat_result]:
         return os.stat(name, dir_fd=fd, follow_symlinks=False)
     except FileNotFoundError:
         return None
+
+
+def first_link_below(root: PathArg, path: PathArg, also: Sequence[str] = ()) -> Optional[str]:
+    """The first component of `path` strictly below `root` (then `path/also...`, one by one)
+    that is a symbolic link, or None: none is, or the walk reaches a component that does not
+    exist yet, or `path` is not below `root`. `root` itself is the caller's and may be a link.
+    For a check before a write (a write that goes through open_dir_under fails on the same
+    link, later and with less to say)."""
+    rel = os.path.relpath(os.path.abspath(path), os.path.abspath(root))
+    if rel == os.pardir or rel.startswith(os.pardir + os.sep) or os.path.isabs(rel):
+        return None
+    parts = [p for p in rel.split(os.sep) if p not in ("", os.curdir)] + list(also)
+    here = os.path.abspath(root)
+    for part in parts:
+        here = os.path.join(here, part)
+        try:
+            st = os.lstat(here)
+        except OSError:
+            return None
+        if stat.S_ISLNK(st.st_mode):
+            return here
+    return None

@@ -19,6 +19,7 @@ In dry-run mode nothing is written: the planned writes are collected for display
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import secrets
@@ -327,6 +328,8 @@ class Journal:
             return
         prune_users(folder)
         users = Path(folder) / USERS_DIRNAME
+        if os.path.islink(users):
+            raise OSError(errno.ELOOP, "is a symbolic link, not a folder of ours", str(users))
         me = users / user_record_name(self.identity["path"])
         text = json.dumps({"path": self.identity["path"]}) + "\n"
         try:
@@ -385,10 +388,7 @@ class Journal:
                 _carry_out(action)
                 done.append(description)
         for me, _folder in plan.users:
-            with contextlib.suppress(OSError):
-                os.unlink(me)
-            with contextlib.suppress(OSError):
-                os.rmdir(me.parent)
+            _remove_record(me)
         for description, action in plan.actions:  # folders emptied by all of the above
             if isinstance(action, RemoveDir) and _remove_dir(action):
                 done.append(description)
@@ -410,6 +410,23 @@ def prune_users(folder: Path) -> list[str]:
     with contextlib.suppress(OSError):
         os.rmdir(Path(folder) / USERS_DIRNAME)
     return removed
+
+
+def _remove_record(record: Path) -> None:
+    """Remove a record in a modules-cache folder's USERS_DIRNAME, and the records folder
+    once empty, never through a link (a records folder linked elsewhere is not ours: a file
+    of the same name there stays)."""
+    try:
+        fd = open_dir_under(record.parent.parent, [record.parent.name])
+    except OSError:
+        return
+    try:
+        with contextlib.suppress(OSError):
+            os.unlink(record.name, dir_fd=fd)
+    finally:
+        os.close(fd)
+    with contextlib.suppress(OSError):
+        os.rmdir(record.parent)  # only an empty folder; a link is not removed by rmdir
 
 
 def remove_state_dir(state_dir: Path) -> None:

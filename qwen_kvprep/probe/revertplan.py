@@ -458,7 +458,10 @@ def read_user_records(folder: Path) -> list[tuple[Path, str]]:
 
 def read_records(users: Path) -> list[tuple[Path, str]]:
     """(record, the prepared folder it names) for each `{"path": DIR}` record in the folder
-    `users` (a modules-cache folder's, or the build cache's users/<key>/), as above."""
+    `users` (a modules-cache folder's, or the build cache's users/<key>/), as above. A
+    records folder that is a symbolic link holds no records of ours: none is read there."""
+    if os.path.islink(users):
+        return []
     try:
         names = sorted(os.listdir(users))
     except OSError:

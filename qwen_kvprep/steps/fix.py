@@ -20,6 +20,7 @@ from qwen_kvprep.dirlock import OUR_FILES, folder_lock, release_if_unused, remov
 from qwen_kvprep.errors import KvprepError, StateError, os_failure
 from qwen_kvprep.findings import Finding, info, warn
 from qwen_kvprep.journal.writer import Journal, PlannedWrite
+from qwen_kvprep.modcache import refuse_links_before_fix
 from qwen_kvprep.state.writer import state_problem
 from qwen_kvprep.steps import (
     build,
@@ -128,6 +129,8 @@ def _preflight(source: Path, target: Path, options: FixOptions) -> _Early:
         early.facts, early.findings = facts, findings
     if not os.path.isdir(target):
         return early
+    # a folder fix will plant into, reached through a link: refused before DIR is touched
+    refuse_links_before_fix(target)
     early.findings.extend(_revert_problems(Journal(target, dry_run=True), target))
     _check_state_file(target)
     problem = state_problem(target)

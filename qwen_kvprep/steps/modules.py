@@ -30,6 +30,7 @@ from qwen_kvprep.findings import info, ok, warn
 from qwen_kvprep.modcache import (
     hub_module_folder,
     module_folder,
+    refuse_links,
     spelling_folders,
     transformers_root,
 )
@@ -39,6 +40,7 @@ from qwen_kvprep.steps.loader import loader_bytes
 
 def _plant_all(ctx: FixContext, folder: Path, files: dict[str, bytes]) -> list[str]:
     root = transformers_root()
+    refuse_links(folder, root)
     changed = []
     if not ctx.options.dry_run:
         # a killed write of ours (or of prestart) a while ago; never one in progress
