@@ -6,6 +6,7 @@ and a linked records folder loses nothing to a revert."""
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -89,3 +90,26 @@ def test_revert_deletes_nothing_through_a_linked_records_folder(
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
     assert (elsewhere / record).is_file()
     assert users.is_symlink()
+
+
+@pytest.mark.slow
+def test_revert_puts_back_an_original_whose_folder_is_gone(
+    ckpt: Path, isolated_hf: Path
+) -> None:
+    """A file of the user's that fix found in a modules-cache folder (a kernel source
+    copied there by hand) is kept by the journal; when that folder is gone by the time of
+    the revert (removed, or a link to it taken away), revert puts the file back rather
+    than dropping the only copy with the journal."""
+    res = kvprep("fix", str(ckpt), *FIX, "--dry-run")
+    folder = Path(document(res)["modules"]["folder"])
+    folder.mkdir(parents=True)
+    mine = b"// my own copy of the kernel, nowhere else\n"
+    (folder / "cache_autogptq_cuda_256.cpp").write_bytes(mine)
+    res = kvprep("fix", str(ckpt), *FIX)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    assert (folder / "cache_autogptq_cuda_256.cpp").read_bytes() != mine
+    shutil.rmtree(folder)
+    res = kvprep("revert", str(ckpt))
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    assert (folder / "cache_autogptq_cuda_256.cpp").read_bytes() == mine
+    assert "found nowhere else" in res.stdout

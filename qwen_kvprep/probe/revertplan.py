@@ -329,6 +329,17 @@ class _Planner:
             plan.notes.append(f"{shown}: already as it was before fix")
             return
         if not is_ours(current, entry):
+            if self._only_copy(base, name, current, entry):
+                original = self._original(plan, entry, shown)
+                if original is not None:
+                    plan.actions.append(
+                        (
+                            f"{shown} (put back: gone since fix, and the original fix kept "
+                            "is found nowhere else)",
+                            Restore(base, parts, *original),
+                        )
+                    )
+                return
             if entry.get("adopted") or current.kind == "absent":
                 what = "is gone" if current.kind == "absent" else "was replaced"
                 plan.notes.append(f"{shown} {what} since fix: left as it is")
@@ -352,6 +363,25 @@ class _Planner:
         original = self._original(plan, entry, shown)
         if original is not None:
             plan.actions.append((shown, Restore(base, parts, *original)))
+
+    def _only_copy(self, base: Path, name: str, current: Present, entry: Entry) -> bool:
+        """A modules-cache file gone since fix (its folder removed, or a link to it taken
+        away) whose original the journal kept: put back rather than dropped with the
+        journal, unless it is what transformers copies from DIR (DIR's own file of that
+        name, before fix or now), which the next load makes again."""
+        if base == self.root or current.kind != "absent" or entry["kind"] != "file":
+            return False
+        digest = entry.get("sha256")
+        if digest is None:
+            return False
+        mine = self.data["files"].get(name)
+        if mine is not None and mine["kind"] == "file" and mine.get("sha256") == digest:
+            return False
+        try:
+            here = present_at_path(self.root, [name])
+        except OSError:
+            return True
+        return here.digest != digest
 
     def _marked(
         self,
