@@ -807,7 +807,10 @@ def test_split_agrees_with_transformers() -> None:
     from torch import nn
     from transformers.integrations.accelerate import get_balanced_memory, infer_auto_device_map
 
-    from qwen_kvprep.planning.split import split_model, usable_bytes
+    from qwen_kvprep.planning import installed_release
+    from qwen_kvprep.planning.split import leaf_margin, split_model, usable_bytes
+
+    release = installed_release("transformers")
 
     class Norm(nn.Module):
         def __init__(self, h: int) -> None:
@@ -848,10 +851,30 @@ def test_split_agrees_with_transformers() -> None:
         theirs = infer_auto_device_map(model, max_memory=budgets,
                                        no_split_module_classes=["QWenBlock"], clean_result=False)
         where = {name.removeprefix("transformer."): device for name, device in theirs.items()}
-        split = split_model(shape, memory, gpus)
+        # the margin of the running release (5.18 changed it: leaf_margin)
+        split = split_model(shape, memory, gpus, with_leaf=leaf_margin(release))
         ours = {m.name: c.index for c in split.cards for m in c.modules}
         ours.update({m.name: "cpu" for m in split.offloaded})
-        assert {n: where.get(n) for n in ours} == ours, (memory, gpus)
+        assert {n: where.get(n) for n in ours} == ours, (memory, gpus, release)
+
+
+def test_the_split_follows_the_margin_of_the_installed_release() -> None:
+    """transformers 5.18 made the balanced split's margin the largest leaf module (wte or
+    lm_head) where 5.0 to 5.17 (and accelerate's function on 4.x) took the mean of the
+    leaves, below one block: Qwen-72B on two 80 GB cards is 40 + 40 blocks on the newer,
+    39 + 41 on the older, and plan follows the release installed (none: the newest)."""
+    from qwen_kvprep.planning.split import leaf_margin, split_model
+
+    assert [leaf_margin(r) for r in ((5, 18, 0), (5, 24), (6, 0), None)] == [True] * 4
+    assert [leaf_margin(r) for r in ((5, 17, 0), (5, 0), (4, 53, 3), (4, 32))] == [False] * 4
+    big = model_shape(QWEN_72B)
+    cards = [len(c.layers) for c in split_model(big, A100_80G, 2, with_leaf=False).cards]
+    assert cards == [39, 41]
+    assert _layers_per_card(big, A100_80G, 2) == [40, 40]
+    from qwen_kvprep.planning import installed_release, plan_checkpoint
+
+    plan = plan_checkpoint(QWEN_72B, (1,), (512,), (A100_80G, "test"), gpus=2)
+    assert plan.result.scenario.leaf_margin is leaf_margin(installed_release("transformers"))
 
 
 def test_card_peaks_follow_the_split() -> None:

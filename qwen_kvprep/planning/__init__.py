@@ -4,6 +4,7 @@ side imports) is qwen_kvprep/planning/peak.py. Nothing here imports torch at imp
 
 from __future__ import annotations
 
+import importlib.metadata
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
@@ -19,8 +20,9 @@ from qwen_kvprep.planning.model import read_model
 from qwen_kvprep.planning.peak import CUDA_CONTEXT_BYTES
 from qwen_kvprep.planning.plot import write_plan_plot
 from qwen_kvprep.planning.sizes import gib, parse_int_list, parse_size
-from qwen_kvprep.planning.split import MAX_GPUS, fewest_gpus, usable_bytes
+from qwen_kvprep.planning.split import MAX_GPUS, fewest_gpus, leaf_margin, usable_bytes
 from qwen_kvprep.planning.tables import payload, render_text
+from qwen_kvprep.probe.env import version_tuple
 from qwen_kvprep.untrusted import read_prefix
 
 if TYPE_CHECKING:
@@ -89,11 +91,21 @@ def plan_checkpoint(
         softmax_in_fp32=facts.softmax_in_fp32,
         fast_path=fast_path_installed(directory),
         gpus=gpus,
+        leaf_margin=leaf_margin(installed_release("transformers")),
     )
     result = make_plan(facts.shape, scenario, batches, tokens)
     if plot is not None:
         plot = write_plan_plot(facts, result, gpu_source, plot)
     return CheckpointPlan(facts, result, gpu_source, plot, weights_findings(result))
+
+
+def installed_release(package: str) -> Optional[tuple[int, ...]]:
+    """The installed release of `package` (read from its metadata, not imported); None
+    when it is not installed."""
+    try:
+        return version_tuple(importlib.metadata.version(package))
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 def weights_findings(plan: PlanResult) -> tuple[Finding, ...]:
@@ -115,7 +127,7 @@ def weights_findings(plan: PlanResult) -> tuple[Finding, ...]:
         message = (f"the weights ({gib(shape.weights_bytes, 2)} GiB) do not fit {s.gpus} "
                    f"cards split as device_map=\"auto\" splits them, {room} each: {left} "
                    "would be offloaded to the CPU; no run fits")
-    need = fewest_gpus(shape, s.gpu_memory_bytes)
+    need = fewest_gpus(shape, s.gpu_memory_bytes, with_leaf=s.leaf_margin)
     if need:
         fix = (f"--gpus {need}: the fewest cards of this size that hold the weights, split as "
                "transformers' device_map=\"auto\" splits them (or a card with more memory)")

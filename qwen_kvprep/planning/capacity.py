@@ -27,6 +27,7 @@ class Scenario:
     softmax_in_fp32: bool = False
     fast_path: bool = False  # the Int8 cache runs through qwen-kvprep's fast path
     gpus: int = 1  # cards of gpu_memory_bytes each, the model split as device_map="auto" does
+    leaf_margin: bool = True  # ... by transformers 5.18 or later (split.leaf_margin)
 
 
 @dataclass(frozen=True)
@@ -67,7 +68,7 @@ class Row:
 
 
 def _split(shape: ModelShape, scenario: Scenario) -> Split:
-    return split_model(shape, scenario.gpu_memory_bytes, scenario.gpus)
+    return split_model(shape, scenario.gpu_memory_bytes, scenario.gpus, scenario.leaf_margin)
 
 
 def _shares(shape: ModelShape, scenario: Scenario) -> tuple[Optional[Share], ...]:

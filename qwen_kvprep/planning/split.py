@@ -6,11 +6,13 @@ lowers every card's budget but the last to
 
     total weights // N + int(1.25 * max(largest decoder block, largest leaf module))
 
-(the largest leaf of a Qwen model is wte or lm_head, vocab x hidden; transformers 4.x
-took accelerate's version, whose margin is 1.25 x the block instead, so its first cards
-can hold a block fewer), then `infer_auto_device_map` walks the modules in order --
-wte, the blocks h.0 ... h.L-1 (QWenBlock is in `_no_split_modules`: never cut), ln_f,
-lm_head -- and puts each on the current card while it fits, else moves on to the next
+(from transformers 5.18; the largest leaf of a Qwen model is wte or lm_head, vocab x
+hidden. transformers 5.0 to 5.17, and accelerate's version that 4.x uses, take the mean of
+the leaf modules instead of the largest, which for every Qwen shape is below one block: a
+margin of 1.25 x the block, so the first cards can hold a block fewer), then
+`infer_auto_device_map` walks the modules in order -- wte, the blocks h.0 ... h.L-1
+(QWenBlock is in `_no_split_modules`: never cut), ln_f, lm_head -- and puts each on the
+current card while it fits, else moves on to the next
 card and never back. On the first card it keeps the largest module still to be placed
 free (room to bring back a module offloaded to the CPU). What fits no card would be
 offloaded to the CPU: plan counts that as not fitting.
@@ -25,6 +27,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Optional
 
 from qwen_kvprep.planning.peak import CUDA_CONTEXT_BYTES, ModelShape, Share
 
@@ -121,11 +124,24 @@ def usable_bytes(gpu_memory_bytes: int) -> int:
     return max(0, gpu_memory_bytes - CUDA_CONTEXT_BYTES)
 
 
-def balanced_budgets(parts: Sequence[Module], free: Sequence[int]) -> list[int]:
-    """transformers' get_balanced_memory for cards with `free` bytes each (more than one)."""
+# The transformers release from which get_balanced_memory's margin counts the largest leaf.
+LEAF_MARGIN_SINCE = (5, 18)
+
+
+def leaf_margin(transformers_release: Optional[tuple[int, ...]]) -> bool:
+    """Whether that transformers release's balanced split counts the largest leaf module in
+    its margin; None (no transformers installed) plans for the newest."""
+    return transformers_release is None or tuple(transformers_release[:2]) >= LEAF_MARGIN_SINCE
+
+
+def balanced_budgets(
+    parts: Sequence[Module], free: Sequence[int], with_leaf: bool = True
+) -> list[int]:
+    """transformers' get_balanced_memory for cards with `free` bytes each (more than one);
+    `with_leaf`: the margin of 5.18 and later (leaf_margin)."""
     total = sum(m.bytes for m in parts)
     largest_block = max((m.bytes for m in parts if m.layer >= 0), default=0)
-    largest_leaf = max((m.bytes for m in parts), default=0)
+    largest_leaf = max((m.bytes for m in parts), default=0) if with_leaf else 0
     per_card = total // len(free) + int(1.25 * max(largest_block, largest_leaf))
     # the last card keeps all it has, in case the margin was not enough
     return [min(per_card, f) for f in free[:-1]] + [free[-1]]
@@ -156,23 +172,28 @@ def place(parts: Sequence[Module], budgets: Sequence[int]) -> Split:
 
 
 @lru_cache(maxsize=64)  # plan's searches ask for the same split many times
-def split_model(shape: ModelShape, gpu_memory_bytes: int, gpus: int) -> Split:
-    """The model over `gpus` cards of `gpu_memory_bytes` each, as device_map="auto" puts it.
-    One card holds it all, as `.cuda()` or a one-device map loads it, whether it fits or
-    not (`holds_weights` says which)."""
+def split_model(
+    shape: ModelShape, gpu_memory_bytes: int, gpus: int, with_leaf: bool = True
+) -> Split:
+    """The model over `gpus` cards of `gpu_memory_bytes` each, as device_map="auto" puts it
+    (`with_leaf`: as transformers 5.18 and later do, leaf_margin). One card holds it all,
+    as `.cuda()` or a one-device map loads it, whether it fits or not (`holds_weights` says
+    which)."""
     if gpus < 1:
         raise ValueError(f"gpus must be >= 1, not {gpus}")
     free = usable_bytes(gpu_memory_bytes)
     parts = modules(shape)
     if gpus == 1:
         return Split((CardLoad(0, free, tuple(parts)),), ())
-    return place(parts, balanced_budgets(parts, [free] * gpus))
+    return place(parts, balanced_budgets(parts, [free] * gpus, with_leaf))
 
 
-def fewest_gpus(shape: ModelShape, gpu_memory_bytes: int, limit: int = MAX_GPUS) -> int:
+def fewest_gpus(
+    shape: ModelShape, gpu_memory_bytes: int, limit: int = MAX_GPUS, with_leaf: bool = True
+) -> int:
     """The fewest cards of this size whose split holds the weights; 0 when not even
     `limit` do."""
     for gpus in range(1, limit + 1):
-        if split_model(shape, gpu_memory_bytes, gpus).holds_weights:
+        if split_model(shape, gpu_memory_bytes, gpus, with_leaf).holds_weights:
             return gpus
     return 0
