@@ -557,7 +557,9 @@ def test_fp32_fast_path_per_token_bytes_are_the_table_s(tmp_path: Path) -> None:
     assert "320 B with Int8" in out and "384" not in out, out
 
 
-def test_fp32_fast_path_cards_share_the_header_s_bytes_a_token(tmp_path: Path) -> None:
+def test_fp32_fast_path_cards_share_the_header_s_bytes_a_token(
+    tmp_path: Path, newest_split: None
+) -> None:
     """Split over cards, each card's part of the Int8 cache is counted as the header's figure
     (the fast path's fp16 scales), not the model's own code's fp32 ones: one figure."""
     from qwen_kvprep.fastkv import patched
@@ -748,6 +750,16 @@ A100_80G = 84987740160  # --gpu a100-80g
 RTX_4090 = 25250627584  # --gpu 4090
 
 
+@pytest.fixture()
+def newest_split(monkeypatch: pytest.MonkeyPatch) -> None:
+    """plan as it splits with transformers 5.18 or later installed, whatever this
+    environment has (test_the_split_follows_the_margin_of_the_installed_release checks
+    that plan asks the installed release)."""
+    import qwen_kvprep.planning as planning
+
+    monkeypatch.setattr(planning, "installed_release", lambda package: (5, 24, 0))
+
+
 def _layers_per_card(shape: Any, memory: int, gpus: int) -> list[int]:
     from qwen_kvprep.planning.split import split_model
 
@@ -858,7 +870,9 @@ def test_split_agrees_with_transformers() -> None:
         assert {n: where.get(n) for n in ours} == ours, (memory, gpus, release)
 
 
-def test_the_split_follows_the_margin_of_the_installed_release() -> None:
+def test_the_split_follows_the_margin_of_the_installed_release(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """transformers 5.18 made the balanced split's margin the largest leaf module (wte or
     lm_head) where 5.0 to 5.17 (and accelerate's function on 4.x) took the mean of the
     leaves, below one block: Qwen-72B on two 80 GB cards is 40 + 40 blocks on the newer,
@@ -871,10 +885,17 @@ def test_the_split_follows_the_margin_of_the_installed_release() -> None:
     cards = [len(c.layers) for c in split_model(big, A100_80G, 2, with_leaf=False).cards]
     assert cards == [39, 41]
     assert _layers_per_card(big, A100_80G, 2) == [40, 40]
-    from qwen_kvprep.planning import installed_release, plan_checkpoint
+    import transformers
 
-    plan = plan_checkpoint(QWEN_72B, (1,), (512,), (A100_80G, "test"), gpus=2)
-    assert plan.result.scenario.leaf_margin is leaf_margin(installed_release("transformers"))
+    import qwen_kvprep.planning as planning
+
+    installed = planning.installed_release("transformers")
+    running = tuple(int(p) for p in transformers.__version__.split(".")[:2])
+    assert installed is not None and installed[:2] == running
+    for release, blocks in (((5, 17, 0), [39, 41]), ((5, 24, 0), [40, 40]), (None, [40, 40])):
+        monkeypatch.setattr(planning, "installed_release", lambda package, r=release: r)
+        plan = planning.plan_checkpoint(QWEN_72B, (1,), (512,), (A100_80G, "test"), gpus=2)
+        assert [len(c.layers) for c in plan.result.split.cards] == blocks, release
 
 
 def test_card_peaks_follow_the_split() -> None:
@@ -903,7 +924,7 @@ def test_card_peaks_follow_the_split() -> None:
                 card.weights_bytes + 4 * 512 * 2 * per_token + 512 * MIB)
 
 
-def test_weights_beyond_one_card_are_said_with_the_cards_that_hold_them() -> None:
+def test_weights_beyond_one_card_are_said_with_the_cards_that_hold_them(newest_split: None) -> None:
     res = invoke("plan", str(QWEN_72B), "--gpu", "a100-80g")
     assert res.returncode == 0, res.stderr
     assert "the weights alone (134.65 GiB) exceed the card: 78.65 GiB usable" in res.stdout
@@ -926,7 +947,7 @@ def test_weights_beyond_one_card_are_said_with_the_cards_that_hold_them() -> Non
     assert doc["findings"] == [] and doc["plan"]["weights_fit"] is True
 
 
-def test_gpus_2_plans_72b_on_80g_cards() -> None:
+def test_gpus_2_plans_72b_on_80g_cards(newest_split: None) -> None:
     res = invoke("plan", str(QWEN_72B), "--gpu", "a100-80g", "--gpus", "2", "--json")
     assert res.returncode == 0, res.stderr
     doc = document(res)
@@ -979,7 +1000,9 @@ def test_one_gpu_is_the_plan_as_before() -> None:
     assert "int8_card_bytes" not in row
 
 
-def test_gpus_in_the_plot(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_gpus_in_the_plot(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, newest_split: None
+) -> None:
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     out = tmp_path / "plan.svg"
     res = invoke("plan", str(QWEN_72B), "--gpu", "a100-80g", "--gpus", "2", "--plot", str(out))
