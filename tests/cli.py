@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from qwen_kvprep.cli import main
+from tests import forked
 
 # `python -m qwen_kvprep` of the interpreter running the tests.
 ENTRY: tuple[str, ...] = (sys.executable, "-m", "qwen_kvprep")
@@ -30,12 +31,19 @@ def kvprep(
     timeout: float = 120,
     entry: Sequence[str] = ENTRY,
     preexec_fn: Optional[Callable[[], object]] = None,
+    fork: bool = True,
 ) -> subprocess.CompletedProcess[str]:
     """`qwen-kvprep ARGS` in a child process, its output captured as text.
 
     `env` replaces the environment (None: this process's); `entry` is the command that
     starts qwen-kvprep: another interpreter, the console script, or ENTRY behind a wrapper
-    such as `unshare`."""
+    such as `unshare`. A child of ENTRY is forked from a process that has imported torch
+    (tests/forked.py) where nothing else would differ from a real start; fork=False for a
+    test of what a start itself imports or costs."""
+    if fork and tuple(entry) == ENTRY and preexec_fn is None:
+        forked_run = forked.run(args, env, None if cwd is None else str(cwd), timeout)
+        if forked_run is not None:
+            return forked_run
     return subprocess.run(
         [*entry, *args],
         capture_output=True,

@@ -4,7 +4,8 @@
   starts its own server, HF_HUB_OFFLINE stays unset so offline behaviour is tested on
   purpose, and socket connects to anything but loopback fail in this process.
 - One build cache for the whole session (`shared_build_cache`), so the CPU extension is
-  compiled once, not once per test.
+  compiled once, not once per test; the kernel tests' `cpu_kernel_ext` is that build.
+- The `cuda_build` tests run only when a marker expression names them.
 """
 
 from __future__ import annotations
@@ -67,21 +68,53 @@ def isolated_hf(
 
 
 @pytest.fixture(scope="session")
-def cpu_kernel_ext(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    """Our kernels built from the .cpp alone (the CPU extension), once per session."""
-    from torch.utils.cpp_extension import load
+def cpu_kernel_ext(shared_build_cache: Path) -> Any:
+    """Our kernels' CPU build, made by the builder fix uses (the .cpp alone, as with
+    isolated_hf's environment) in the session's shared build cache: the tests of the kernels
+    run what fix installs, and the first fix of the session finds it built (a compile of the
+    extension is most of a minute on a small machine)."""
+    import importlib.machinery
+    import importlib.util
 
-    from qwen_kvprep.resources import KERNEL_FILES, kernels_dir
+    from qwen_kvprep.buildcache import vendored_sources
+    from qwen_kvprep.buildcache.builder import ensure_build, plan_build
+    from qwen_kvprep.buildcache.manifest import EXTENSION_NAME
+    from qwen_kvprep.buildcache.paths import CacheLayout
+    from tests.toolkit import NO_TOOLKIT
 
-    build = tmp_path_factory.mktemp("kvprep_cpu_ext")
-    # torch's builder honours MAX_JOBS (set above).
-    return load(
-        name="kvprep_test_cpu_ext",
-        sources=[str(kernels_dir() / KERNEL_FILES[0])],
-        build_directory=str(build),
-        extra_cflags=["-O3"],
-        verbose=False,
-    )
+    saved = {name: os.environ.get(name) for name in NO_TOOLKIT}
+    os.environ.update(NO_TOOLKIT)  # what isolated_hf gives fix: the CPU-only build
+    try:
+        plan = plan_build(vendored_sources())
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+    assert not plan.cuda, plan.mode
+    built = ensure_build(plan, CacheLayout(shared_build_cache), notify=lambda _: None)
+    loader = importlib.machinery.ExtensionFileLoader(EXTENSION_NAME, str(built.so))
+    spec = importlib.util.spec_from_file_location(EXTENSION_NAME, str(built.so), loader=loader)
+    assert spec is not None
+    module = importlib.util.module_from_spec(spec)
+    loader.exec_module(module)
+    return module
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The `cuda_build` tests run when a marker expression names them (`pytest -m
+    cuda_build`, CI's cuda stage): they compile the CUDA extension for every architecture
+    nvcc supports, minutes on a small machine, and a plain `pytest` would otherwise spend
+    them wherever an nvcc and a CUDA build of torch happen to be installed."""
+    if "cuda_build" in (config.getoption("markexpr", "") or ""):
+        return
+    from tests.needs import KINDS, PREFIX
+
+    reason = f"{PREFIX}cuda-build: {KINDS['cuda-build']}"
+    for item in items:
+        if item.get_closest_marker("cuda_build") is not None:
+            item.add_marker(pytest.mark.skip(reason=reason))
 
 
 # ------------------------------------------------------------------ skips CI does not expect

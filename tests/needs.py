@@ -37,6 +37,8 @@ KINDS = {
     "qwen-code": "Qwen's own remote code (not in this repository; tests/remote_code.py)",
     "transformers-5": "transformers 5 (a test of what its releases do)",
     "accelerate": "accelerate, which device_map='auto' needs (the GPTQ backend brings it)",
+    "cuda-build": "the CUDA compile tests asked for by name (`pytest -m cuda_build`): they "
+    "compile the CUDA extension for every architecture nvcc supports, minutes of nvcc",
 }
 ENV_ALLOWED = "QWEN_KVPREP_TEST_ALLOWED_SKIPS"
 PREFIX = "needs "

@@ -38,9 +38,10 @@ def sha(path: Path) -> str:
 def run_prestart(
     *args: str, env: Optional[dict[str, str]] = None, timeout: float = 900, script: bool = False
 ) -> subprocess.CompletedProcess[str]:
-    """Run prestart as a container would: in its own process, through the real entry."""
+    """Run prestart as a container would: in a process of its own, started afresh (what
+    prestart imports is part of what these tests check), through the real entry."""
     entry = (str(CONSOLE_SCRIPT),) if script else ENTRY
-    return kvprep("prestart", *args, env=env, timeout=timeout, entry=entry)
+    return kvprep("prestart", *args, env=env, timeout=timeout, entry=entry, fork=False)
 
 
 # ------------------------------------------------------------------ argument parsing
