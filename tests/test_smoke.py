@@ -500,6 +500,30 @@ def test_result_survives_noise_on_stdout_and_a_bad_exit(
     assert out.returncode == 3 and out.bad_lines == 1 and not out.timed_out
 
 
+def test_a_child_leaves_at_once_with_its_result_its_output_and_its_code(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """exit_child skips the interpreter's teardown (an atexit handler stands for it), not
+    the result, the exit code or the last thing the child printed."""
+    teardown = tmp_path / "teardown-ran"
+    _stand_in(
+        monkeypatch,
+        f"""
+        import atexit, sys
+        from qwen_kvprep.childproc import child_main, exit_child
+        atexit.register(lambda: open({str(teardown)!r}, "w").close())
+        def work(ev):
+            sys.stdout.write("printed without a newline")
+            return {{"real": 1}}
+        exit_child(child_main(int(sys.argv[1]), work))
+        """,
+    )
+    out = run_child(tmp_path, SmokeOptions(timeout=60))
+    assert out.result == {"real": 1} and out.returncode == 0 and not out.timed_out
+    assert out.log_tail[-1:] == ["printed without a newline"], out.log_tail
+    assert not teardown.exists()
+
+
 def test_a_failing_progress_display_is_reported_once_and_the_run_goes_on(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:

@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
-from qwen_kvprep.childproc import Events, child_main
+from qwen_kvprep.childproc import Events, child_main, exit_child
 from qwen_kvprep.convert import context as ctx
 from qwen_kvprep.convert import tokproof
 from qwen_kvprep.convert.verify_protocol import (
@@ -549,4 +549,4 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_child(main())

@@ -31,13 +31,12 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import sys
 import time
 from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Optional, Union
 
-from qwen_kvprep.childproc import Events, child_main
+from qwen_kvprep.childproc import Events, child_main, exit_child
 from qwen_kvprep.profile.protocol import (
     ENV_SIMULATE_OOM,
     PHASE_DECODE,
@@ -381,4 +380,4 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_child(main())

@@ -22,7 +22,7 @@ import sys
 import time
 from typing import TYPE_CHECKING, Callable, Optional, TypedDict
 
-from qwen_kvprep.childproc import Events, child_main
+from qwen_kvprep.childproc import Events, child_main, exit_child
 from qwen_kvprep.common import FAST_FILE
 from qwen_kvprep.runtime import (
     COMPAT_MARK,
@@ -511,4 +511,4 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_child(main())
