@@ -10,30 +10,69 @@
 
 #include <algorithm>
 #include <deque>
+#include <functional>
 #include <random>
 #include <thread>
 #include <vector>
 
 using kvprep_v1::kThreads;
 
+// The block's kThreads CUDA threads, as OS threads made once for the whole run: making
+// them anew for each block was most of the run (under AddressSanitizer above all, which
+// maps and poisons every new thread's stack). Blocks still run one after another.
+class Block {
+ public:
+  Block() : start_(kThreads + 1), done_(kThreads + 1) {
+    threads_.reserve(kThreads);
+    for (int t = 0; t < kThreads; ++t) threads_.emplace_back([this, t] { serve(t); });
+  }
+  ~Block() {
+    stop_ = true;
+    start_.arrive_and_wait();
+    for (auto& th : threads_) th.join();
+  }
+  // Every thread runs `kernel` as block `b`; returns when all have returned.
+  void run(int64_t b, const std::function<void()>& kernel) {
+    kernel_ = &kernel;
+    block_ = b;
+    start_.arrive_and_wait();  // the barriers order these writes before the threads' reads
+    done_.arrive_and_wait();
+  }
+
+ private:
+  void serve(int t) {
+    kvemu::thread_idx.x = static_cast<unsigned>(t);
+    for (;;) {
+      start_.arrive_and_wait();
+      if (stop_) return;
+      kvemu::block_idx.x = static_cast<unsigned>(block_);
+      (*kernel_)();
+      done_.arrive_and_wait();
+    }
+  }
+  std::barrier<> start_, done_;
+  std::vector<std::thread> threads_;
+  const std::function<void()>* kernel_ = nullptr;
+  int64_t block_ = 0;
+  bool stop_ = false;
+};
+
+static Block& the_block() {
+  static Block block;
+  return block;
+}
+
 template <class F>
 static void launch(int64_t blocks, F&& kernel) {
+  Block& block = the_block();
+  const std::function<void()> body = [&kernel] { kernel(); };
   kvemu::grid_dim = dim3(static_cast<unsigned>(blocks));
   for (int64_t b = 0; b < blocks; ++b) {
     std::barrier<> bar(kThreads);
     kvemu::block_barrier = &bar;
     std::deque<std::barrier<>> warps;
     for (int w = 0; w < kThreads / 32; ++w) kvemu::warp_barrier[w] = &warps.emplace_back(32);
-    std::vector<std::thread> threads;
-    threads.reserve(kThreads);
-    for (int t = 0; t < kThreads; ++t) {
-      threads.emplace_back([&kernel, t, b] {
-        kvemu::thread_idx.x = static_cast<unsigned>(t);
-        kvemu::block_idx.x = static_cast<unsigned>(b);
-        kernel();
-      });
-    }
-    for (auto& th : threads) th.join();
+    block.run(b, body);
   }
 }
 
