@@ -55,6 +55,23 @@ def kvprep(
     )
 
 
+def python(
+    code: str,
+    *args: str,
+    env: Optional[dict[str, str]] = None,
+    cwd: Optional[Path] = None,
+    timeout: float = 120,
+) -> subprocess.CompletedProcess[str]:
+    """`python -c CODE ARGS` in a child process, its output captured as text; forked as
+    kvprep's children are where nothing else would differ from a real start (for the
+    scripts that load a model as a server would: each import of torch is about 2 s)."""
+    forked_run = forked.run(args, env, None if cwd is None else str(cwd), timeout, code)
+    if forked_run is not None:
+        return forked_run
+    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True,
+                          timeout=timeout, env=env, cwd=cwd)
+
+
 def invoke(*args: str) -> subprocess.CompletedProcess[str]:
     """`qwen-kvprep ARGS` through `cli.main` in this process: its exit code and what it
     wrote to stdout and stderr."""

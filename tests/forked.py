@@ -1,4 +1,5 @@
-"""`python -m qwen_kvprep ARGS` without paying for `import torch` in every child.
+"""`python -m qwen_kvprep ARGS`, or `python -c CODE ARGS`, without paying for `import
+torch` in every child.
 
 Each command a test runs starts a new interpreter, and about 2 s of each (as much with the
 CUDA build of torch, more under load) is `import torch`, which fix and doctor need and the
@@ -68,7 +69,7 @@ def child(request, fds):
     sock.close()
     code = 1
     try:
-        import atexit, runpy, tempfile, traceback
+        import atexit, builtins, runpy, tempfile, traceback, types
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
@@ -76,9 +77,17 @@ def child(request, fds):
         # `python -m` puts the full path of the working directory first, then PYTHONPATH
         extra = request["env"].get("PYTHONPATH", "").split(os.pathsep)
         sys.path[:] = [os.getcwd(), *(os.path.abspath(p) for p in extra if p), *base]
-        sys.argv = ["-m", *request["args"]]
         try:
-            runpy.run_module("qwen_kvprep", run_name="__main__", alter_sys=True)
+            if request["code"] is None:
+                sys.argv = ["-m", *request["args"]]
+                runpy.run_module("qwen_kvprep", run_name="__main__", alter_sys=True)
+            else:  # `python -c CODE`: sys.path starts with "", the code runs as __main__
+                sys.path[0] = ""
+                sys.argv = ["-c", *request["args"]]
+                main = types.ModuleType("__main__")
+                main.__dict__["__builtins__"] = builtins
+                sys.modules["__main__"] = main
+                exec(compile(request["code"], "<string>", "exec"), main.__dict__)
             code = 0
         except SystemExit as exc:
             if exc.code is None:
@@ -216,10 +225,15 @@ def _pythonpath_shadows(env: Mapping[str, str]) -> bool:
 
 
 def run(
-    args: Sequence[str], env: Optional[Mapping[str, str]], cwd: Optional[str], timeout: float
+    args: Sequence[str],
+    env: Optional[Mapping[str, str]],
+    cwd: Optional[str],
+    timeout: float,
+    code: Optional[str] = None,
 ) -> Optional[subprocess.CompletedProcess[str]]:
-    """`python -m qwen_kvprep ARGS` forked from the template, as subprocess.run with
-    capture_output=True and text=True would give it; None when it must be a real start."""
+    """`python -m qwen_kvprep ARGS` (or `python -c CODE ARGS`) forked from the template, as
+    subprocess.run with capture_output=True and text=True would give it; None when it must
+    be a real start."""
     if os.environ.get("QWEN_KVPREP_TEST_NO_FORK") == "1" or not hasattr(socket, "send_fds"):
         return None
     child_env = dict(os.environ if env is None else env)
@@ -229,19 +243,19 @@ def run(
         if (not _template.start() or not _same_start(child_env, _template.env)
                 or _pythonpath_shadows(child_env)):
             return None
-        return _run_locked(list(args), child_env, cwd or os.getcwd(), timeout)
+        return _run_locked(list(args), child_env, cwd or os.getcwd(), timeout, code)
     finally:
         _template.lock.release()
 
 
 def _run_locked(
-    args: list[str], env: dict[str, str], cwd: str, timeout: float
+    args: list[str], env: dict[str, str], cwd: str, timeout: float, code: Optional[str]
 ) -> Optional[subprocess.CompletedProcess[str]]:
     sock = _template.sock
     assert sock is not None
     out_r, out_w = os.pipe()
     err_r, err_w = os.pipe()
-    request = json.dumps({"args": args, "env": env, "cwd": cwd}).encode()
+    request = json.dumps({"args": args, "env": env, "cwd": cwd, "code": code}).encode()
     stdin = 0 if _is_open(0) else os.open(os.devnull, os.O_RDONLY)
     try:
         socket.send_fds(sock, [request], [stdin, out_w, err_w])
@@ -297,7 +311,8 @@ def _run_locked(
         for fd in chunks:
             os.close(fd)
     out, err = _text(chunks[out_r]), _text(chunks[err_r])
-    cmd = [sys.executable, "-m", "qwen_kvprep", *args]
+    head = ["-m", "qwen_kvprep"] if code is None else ["-c", code]
+    cmd = [sys.executable, *head, *args]
     if killed:
         raise subprocess.TimeoutExpired(cmd, timeout, output=out, stderr=err)
     if status is None:

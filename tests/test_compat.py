@@ -25,6 +25,7 @@ from qwen_kvprep.common import COMPAT_FILE, MODELING_FILE
 from qwen_kvprep.resources import templates_dir
 from qwen_kvprep.tiny import REMOTE_CODE_DIR, generate_checkpoint
 from tests import needs
+from tests.cli import python as python_code
 from tests.remote_code import transformers_release, with_compat
 
 REPO = Path(__file__).resolve().parents[1]
@@ -141,8 +142,11 @@ def _run(python: Path, ckpt: Path, tmp: Path) -> dict[str, Any]:
     tmp.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "HF_HOME": str(tmp / "hf"), "HF_MODULES_CACHE": str(tmp / "hf" / "m"),
            "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}
-    res = subprocess.run([str(python), "-c", SCRIPT, str(ckpt)], env=env, capture_output=True,
-                         text=True, timeout=600, cwd=tmp)
+    if python == Path(sys.executable):  # forked where nothing differs (tests/forked.py)
+        res = python_code(SCRIPT, str(ckpt), env=env, cwd=tmp, timeout=600)
+    else:
+        res = subprocess.run([str(python), "-c", SCRIPT, str(ckpt)], env=env,
+                             capture_output=True, text=True, timeout=600, cwd=tmp)
     assert res.returncode == 0, res.stderr[-4000:]
     result: dict[str, Any] = json.loads(res.stdout.splitlines()[-1])
     return result

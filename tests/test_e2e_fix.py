@@ -17,7 +17,6 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -29,7 +28,7 @@ from qwen_kvprep.common import COMPAT_FILE, KERNEL_FILES, sha256_file
 from qwen_kvprep.probe.toolchain import nvcc_info
 from qwen_kvprep.resources import kernels_dir
 from qwen_kvprep.tiny import generate_checkpoint
-from tests.cli import kvprep
+from tests.cli import kvprep, python
 from tests.remote_code import code_folder
 from tests.toolkit import matching_toolkit
 from tests.treesnap import snapshot
@@ -146,17 +145,8 @@ def test_new_process_elsewhere_uses_the_extension_in_every_layer(fixed: dict[str
     tmp, ckpt, env = fixed["tmp"], fixed["ckpt"], fixed["env"]
     elsewhere = tmp / "server-cwd"  # neither the checkpoint nor the modules cache
     elsewhere.mkdir()
-    probe = tmp / "probe.py"
-    probe.write_text(PROBE)
     env = dict(env, PYTHONPATH="")  # nothing from the checkout's cwd either
-    done = subprocess.run(
-        [sys.executable, str(probe), str(ckpt)],
-        env=env,
-        cwd=str(elsewhere),
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
+    done = python(PROBE, str(ckpt), env=env, cwd=elsewhere, timeout=900)
     assert done.returncode == 0, done.stderr[-4000:]
     line = next(x for x in done.stdout.splitlines() if x.startswith("REPORT "))
     report = json.loads(line[len("REPORT ") :])
@@ -256,18 +246,9 @@ def test_hub_snapshot_loaded_by_repo_id_uses_the_extension(
     done = _kvprep(["fix", str(ckpt), "--no-smoke", "--json"], env, tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     env = dict(env, HF_HUB_OFFLINE="1", HF_HUB_CACHE=str(hub))
-    probe = tmp_path / "probe.py"
-    probe.write_text(LOAD_BY_REPO_ID)
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
-    loaded = subprocess.run(
-        [sys.executable, str(probe), "KvprepTest/Tiny"],
-        env=env,
-        cwd=str(elsewhere),
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
+    loaded = python(LOAD_BY_REPO_ID, "KvprepTest/Tiny", env=env, cwd=elsewhere, timeout=900)
     assert loaded.returncode == 0, loaded.stderr[-3000:]
     files = json.loads(next(x for x in loaded.stdout.splitlines() if x.startswith("FILES "))[6:])
     state = json.loads((ckpt / ".qwen-kvprep" / "state.json").read_text())
@@ -293,16 +274,8 @@ def test_no_build_loader_finds_a_matching_build_by_its_manifest(
     assert done.returncode == 0, done.stderr[-3000:]
     assert _findings(done.stdout)["build.build"]["severity"] == "skip"
     assert "_BUILD_KEY = None" in (ckpt / "cpp_kernels.py").read_text()
-    probe = tmp_path / "probe.py"
-    probe.write_text(LOAD_BY_REPO_ID)  # loads whatever path it is given
-    loaded = subprocess.run(
-        [sys.executable, str(probe), str(ckpt)],
-        env=env,
-        cwd=str(tmp_path),
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
+    # LOAD_BY_REPO_ID loads whatever path it is given
+    loaded = python(LOAD_BY_REPO_ID, str(ckpt), env=env, cwd=tmp_path, timeout=900)
     assert loaded.returncode == 0, loaded.stderr[-3000:]
     files = json.loads(next(x for x in loaded.stdout.splitlines() if x.startswith("FILES "))[6:])
     assert files == [str(cache / "builds" / built.parent.name / built.name)] * len(files)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -35,6 +36,34 @@ def _forked(args: list[str], env: dict[str, str], cwd: Path) -> subprocess.Compl
 def test_same_answer_as_a_real_start(tmp_path: Path, args: list[str]) -> None:
     env = dict(os.environ, HF_HOME=str(tmp_path / "hf"))
     real, fork = _real(args, env, tmp_path), _forked(args, env, tmp_path)
+    assert (fork.returncode, fork.stdout, fork.stderr) == (
+        real.returncode, real.stdout, real.stderr)
+
+
+_CODE = """
+import os, sys
+print(__name__, repr(sys.argv), repr(sys.path[0]), os.getcwd(), os.environ.get("PROBE"))
+print("to stderr", file=sys.stderr)
+try:
+    import __main__
+    print("main", __main__.__dict__.get("__file__"), "torch" in dir(__main__))
+finally:
+    raise SystemExit(int(sys.argv[2]))
+"""
+
+
+def test_python_code_answers_as_python_c_does(tmp_path: Path) -> None:
+    """`python -c CODE ARGS`: the same argv, sys.path[0], __main__, environment, folder,
+    output and exit code as a real `python -c`."""
+    if os.environ.get("QWEN_KVPREP_TEST_NO_FORK") == "1":
+        pytest.skip("QWEN_KVPREP_TEST_NO_FORK=1 turns the template off")
+    env = dict(os.environ, PROBE="the child's")
+    args = ["an argument", "3"]
+    real = subprocess.run([sys.executable, "-c", _CODE, *args], capture_output=True, text=True,
+                          env=env, cwd=tmp_path, timeout=120)
+    fork = forked.run(args, env, str(tmp_path), 120, code=_CODE)
+    assert fork is not None, "the template refused a plain start"
+    assert real.returncode == 3 and "the child's" in real.stdout, real.stdout + real.stderr
     assert (fork.returncode, fork.stdout, fork.stderr) == (
         real.returncode, real.stdout, real.stderr)
 

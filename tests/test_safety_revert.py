@@ -23,7 +23,7 @@ from qwen_kvprep.errors import KvprepError, StateError
 from qwen_kvprep.journal.writer import USERS_DIRNAME, Journal
 from qwen_kvprep.resources import KERNEL_FILES
 from qwen_kvprep.steps.revert import revert_checkpoint
-from tests.cli import document, invoke, kvprep
+from tests.cli import document, invoke, kvprep, python
 from tests.remote_code import code_folder
 from tests.safety_kit import (
     MODULE_FILES,
@@ -447,8 +447,7 @@ def _fixed_and_loaded(tmp_path: Path, build_cache: Path, *dirs: Path) -> dict[st
         generate_checkpoint(ckpt)
         res = kvprep("fix", str(ckpt), "--no-build", "--no-smoke", env=env, timeout=600)
         assert res.returncode == 0, res.stderr
-        load = subprocess.run([sys.executable, "-c", LOAD, str(ckpt)], env=env,
-                              capture_output=True, text=True, timeout=600)
+        load = python(LOAD, str(ckpt), env=env, timeout=600)
         assert load.returncode == 0, load.stderr[-4000:]
     return env
 

@@ -22,6 +22,7 @@ from qwen_kvprep.common import prestart_command
 from qwen_kvprep.probe.supply import loader_values, serves_any_modules_cache
 from tests import needs
 from tests.cli import kvprep
+from tests.cli import python as python_code
 from tests.toolkit import NO_TOOLKIT
 
 REPO = Path(__file__).resolve().parent.parent
@@ -85,6 +86,8 @@ def _python(which: str) -> Path:
 
 
 def _load(python: Path, ckpt: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    if python == Path(sys.executable):  # forked where nothing differs (tests/forked.py)
+        return python_code(LOAD, str(ckpt), env=env, timeout=600)
     return subprocess.run([str(python), "-c", LOAD, str(ckpt)], env=env, capture_output=True,
                           text=True, timeout=600)
 
@@ -249,8 +252,7 @@ def test_doctor_advises_prestart_for_a_folder_fixed_by_an_earlier_release(
         home = tmp_path / "fresh-hf"
         env = _fresh(prepared, home)
         before = _doctor(prepared, env)
-        subprocess.run([sys.executable, "-c", LOAD, str(ckpt)], env=env, capture_output=True,
-                       timeout=600)
+        python_code(LOAD, str(ckpt), env=env, timeout=600)
         after = _doctor(prepared, env)
     finally:
         loader.write_bytes(text)

@@ -31,6 +31,7 @@ from qwen_kvprep.probe.env import EnvFacts, package_info
 from qwen_kvprep.probe.facts import Facts
 from qwen_kvprep.steps import validate
 from qwen_kvprep.tiny import generate_checkpoint
+from tests.cli import python
 from tests.remote_code import with_compat
 
 NAME = "transformers_stream_generator"
@@ -273,10 +274,7 @@ response, _ = model.chat(tok, "hello", history=None, **short)
 compat = sys.modules[type(model).__module__.rsplit(".", 1)[0] + ".qwen_kvprep_compat"]
 print(json.dumps({{"parts": parts, "chat": response, "active": list(compat.ACTIVE)}}))
 """
-    run = subprocess.run(
-        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300,
-        check=False,
-    )
+    run = python(script, env=env, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     out = json.loads(run.stdout.strip().splitlines()[-1])
     assert "stream" in out["active"]

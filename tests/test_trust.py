@@ -20,7 +20,7 @@ import pytest
 
 from qwen_kvprep.buildcache.variant import METADATA, SO_FILE
 from qwen_kvprep.common import sha256_file
-from tests.cli import invoke, kvprep
+from tests.cli import invoke, kvprep, python
 from tests.test_prebuilt import (
     ROOT,
     child_env,
@@ -100,8 +100,7 @@ def lock_of(source: Path, lock: Path) -> Path:
 
 
 def load(directory: Path, env: dict[str, str]) -> str:
-    done = subprocess.run([sys.executable, "-c", LOAD, str(directory)], env=env, cwd=str(ROOT),
-                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    done = python(LOAD, str(directory), env=env, cwd=ROOT, timeout=600)
     assert done.returncode == 0 and "LOADED" in done.stdout, done.stderr[-3000:]
     return done.stdout
 
