@@ -523,12 +523,14 @@ def _assert_exact_cache(rows: list[dict[str, Any]], cached: int) -> None:
 
 @pytest.mark.slow
 def test_tiny_checkpoint_both_modes_kernel_and_quality(fixed: dict[str, Any]) -> None:
-    res = _cli("profile", str(fixed["ckpt"]), "--json", "--quality", "--batch", "1,2",
+    # one batch above 1 (each row is a child loading the model; the order of several
+    # batches is test_out_of_memory_is_a_row_not_a_crash's)
+    res = _cli("profile", str(fixed["ckpt"]), "--json", "--quality", "--batch", "2",
                "--tokens", "6", "--prompt-tokens", "9", env=fixed["env"])
     doc = document(res)
     assert res.returncode == 0, (doc["findings"], res.stderr)
     assert "\r[" not in res.stderr  # no progress bar on a pipe: log lines
-    assert "s] profile: 2/6 unquantized batch 1: decoding ..." in res.stderr, res.stderr
+    assert "s] profile: 2/4 unquantized batch 2: decoding ..." in res.stderr, res.stderr
     p = doc["profile"]
     assert {"rows", "quality", "device", "versions", "batches", "prompt_tokens", "new_tokens",
             "prefill_chunk", "dtype", "random_weights", "timeout", "model",
@@ -540,8 +542,7 @@ def test_tiny_checkpoint_both_modes_kernel_and_quality(fixed: dict[str, Any]) ->
     assert p["model"]["kv_bytes_per_token"] == {"unquantized": TINY_UNQUANTIZED,
                                                 "int8": TINY_INT8, "int8-fast": TINY_INT8}
     rows = p["rows"]
-    assert [(r["mode"], r["batch"]) for r in rows] == [
-        ("unquantized", 1), ("int8", 1), ("unquantized", 2), ("int8", 2)]
+    assert [(r["mode"], r["batch"]) for r in rows] == [("unquantized", 2), ("int8", 2)]
     _assert_exact_cache(rows, 9 + 6)
     for r in rows:
         assert tuple(r) == ROW_FIELDS
