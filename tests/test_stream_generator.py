@@ -136,6 +136,36 @@ def test_an_installed_package_that_cannot_import_is_not_found(broken: None) -> N
     assert package_info("einops").found  # the others are still looked up without importing
 
 
+def test_what_its_import_logs_is_dropped_too(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """A handler made before the probe holds the real stderr (torch's does, and torchao
+    logs through it when transformers imports it): nothing of the import reaches it."""
+    import logging
+
+    _forget(monkeypatch)
+    site = tmp_path / "site"
+    (site / NAME).mkdir(parents=True)
+    (site / NAME / "__init__.py").write_text(
+        "import logging\nlogging.getLogger('stand_in').warning('LOGGED AT IMPORT')\n"
+        f"raise ImportError({BROKEN!r})\n"
+    )
+    monkeypatch.syspath_prepend(str(site))
+    logger = logging.getLogger("stand_in")
+    handler = logging.StreamHandler(sys.stderr)
+    logger.addHandler(handler)
+    try:
+        capfd.readouterr()
+        assert package_info(NAME).found is False
+        out, err = capfd.readouterr()
+        assert "LOGGED AT IMPORT" not in out + err, out + err
+        logger.warning("LOGGED AFTER")  # logging is back as it was
+        assert "LOGGED AFTER" in capfd.readouterr().err
+    finally:
+        logger.removeHandler(handler)
+        _drop_stand_ins()
+
+
 def test_env_summary_says_installed_but_not_importable(broken: None) -> None:
     summary = probe_env.summary(EnvFacts(packages={NAME: package_info(NAME)}))
     assert summary["packages"] == f"{NAME} 0.0.5 (installed, cannot be imported)"

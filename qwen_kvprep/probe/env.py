@@ -18,6 +18,7 @@ import importlib
 import importlib.metadata
 import importlib.util
 import io
+import logging
 import os
 import platform
 import re
@@ -494,8 +495,13 @@ def _dist_version(names: Sequence[str]) -> Optional[str]:
 def import_error(module: str) -> Optional[str]:
     """How `import module` fails in this interpreter (one line), None when it imports.
     Only for IMPORT_TO_KNOW modules that find_spec finds: they import transformers, so
-    this costs transformers' import once per process; what they print is dropped."""
+    this costs transformers' import once per process; what they print is dropped, and
+    what they log too: a logging handler made earlier (torch's, at its import) holds the
+    real stderr, out of redirect_stderr's reach, and torchao, which transformers imports
+    where it is installed (with gptqmodel, say), logs warnings at its import."""
     sink = io.StringIO()
+    muted = logging.root.manager.disable
+    logging.disable(logging.CRITICAL)
     try:
         with warnings.catch_warnings(), contextlib.redirect_stdout(sink), \
                 contextlib.redirect_stderr(sink):
@@ -506,6 +512,8 @@ def import_error(module: str) -> Optional[str]:
     except BaseException as exc:  # ImportError, AttributeError, SystemExit from its imports
         text = str(exc).strip().splitlines()
         return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
+    finally:
+        logging.disable(muted)
     return None
 
 
