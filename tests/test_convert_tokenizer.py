@@ -148,7 +148,7 @@ def _check_proofs(got: dict[str, Any]) -> None:
     cases = {c["name"]: c for c in template["cases"]}
     assert sum(not c["documented"] for c in cases.values()) >= 9
     injected = cases["special-token text in a user message"]
-    # what the README says: the same text, but the converted template's tokens include the
+    # what the reference says: the same text, but the converted template's tokens include the
     # special tokens that Qwen keeps as plain text
     assert injected["text_equal"] and not injected["ids_equal"], injected
     assert injected["converted_tokens"] < injected["qwen_tokens"]
