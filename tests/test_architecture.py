@@ -98,7 +98,11 @@ def _resolve(module: str, is_pkg: bool, node: ast.ImportFrom) -> str:
 
 def imports_of(module: str, path: Path, known: dict[str, Path]) -> Iterator[tuple[str, int]]:
     """(imported qwen_kvprep module, line) for every import statement, at any depth (an
-    import inside a function still ties the two modules together)."""
+    import inside a function still ties the two modules together).
+
+    `from PKG import name` imports the package PKG (its `__init__` runs first, and the name
+    is looked up in it) even where `name` is a submodule: it ties the module to PKG too, so
+    a package whose `__init__` imports a module that imports the package back is a loop."""
     tree = ast.parse(path.read_text(encoding="utf-8"))
     is_pkg = path.name == "__init__.py"
     for node in ast.walk(tree):
@@ -110,9 +114,13 @@ def imports_of(module: str, path: Path, known: dict[str, Path]) -> Iterator[tupl
             target = _resolve(module, is_pkg, node)
             if target.split(".")[0] != "qwen_kvprep":
                 continue
+            names_package = target in known and known[target].name == "__init__.py"
             for alias in node.names:
                 sub = f"{target}.{alias.name}"
-                yield (sub if sub in known else target), node.lineno
+                if sub in known:
+                    yield sub, node.lineno
+                if sub not in known or names_package:
+                    yield target, node.lineno
 
 
 def layer_of(module: str) -> int:
@@ -192,6 +200,26 @@ def test_no_module_imports_a_higher_layer() -> None:
 def test_no_import_cycles() -> None:
     found = cycles(graph())
     assert not found, "import cycles:\n" + "\n".join(" <-> ".join(sorted(c)) for c in found)
+
+
+def test_a_package_import_loop_is_a_cycle(tmp_path: Path) -> None:
+    """`from pkg import sibling` in a module that pkg/__init__ imports is a loop, whether
+    the name is a submodule or not, spelt absolutely or relatively."""
+    pkg = tmp_path / "qwen_kvprep" / "pkg"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("from qwen_kvprep.pkg.a import f\n")
+    (pkg / "a.py").write_text("from qwen_kvprep.pkg import b\n")
+    (pkg / "b.py").write_text("from . import c\n")
+    (pkg / "c.py").write_text("from qwen_kvprep.pkg.b import x\n")
+    known = {
+        "qwen_kvprep.pkg": pkg / "__init__.py",
+        **{f"qwen_kvprep.pkg.{n}": pkg / f"{n}.py" for n in "abc"},
+    }
+    edges = {m: {t for t, _ in imports_of(m, p, known) if t != m} for m, p in known.items()}
+    assert edges["qwen_kvprep.pkg.a"] == {"qwen_kvprep.pkg", "qwen_kvprep.pkg.b"}
+    assert edges["qwen_kvprep.pkg.b"] == {"qwen_kvprep.pkg", "qwen_kvprep.pkg.c"}
+    assert edges["qwen_kvprep.pkg.c"] == {"qwen_kvprep.pkg.b"}  # names the submodule only
+    assert cycles(edges) == [set(known)]
 
 
 def test_cycle_finder_finds_a_cycle() -> None:

@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Optional
 
-from qwen_kvprep.checks import measured
 from qwen_kvprep.checks.kernels import kernel_requested
+from qwen_kvprep.checks.measured import FIRST_WORKING, tokenizer_failure
 from qwen_kvprep.checks.registry import (
     CUDA_TORCH,
     ENV,
@@ -701,10 +701,10 @@ def transformers_version(facts: Facts) -> FindingsLike:
             TRANSFORMERS_PIN_FIX,
             details=details,
         )
-    broken = measured.tokenizer_failure(v)
+    broken = tokenizer_failure(v)
     if broken is not None:
         measured_on, how = broken
-        upgrade = measured.FIRST_WORKING
+        upgrade = FIRST_WORKING
         return warn(
             f"transformers {ver}: Qwen's tokenizer fails on {v[0]}.{v[1]} (measured on "
             f"{measured_on}: {how})",

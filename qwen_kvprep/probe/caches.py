@@ -40,8 +40,15 @@ from qwen_kvprep.common import LOADER_FILE as LOADER
 from qwen_kvprep.errors import KvprepError
 from qwen_kvprep.fsutil import TEMP_NAME, leftover_temps
 from qwen_kvprep.journal.reader import folder_identity, read_journal
-from qwen_kvprep.probe import codefolders
 from qwen_kvprep.probe.binary import BinaryArchs, read_archs
+from qwen_kvprep.probe.codefolders import REAL as REAL_SPELLING
+from qwen_kvprep.probe.codefolders import SLASH as SLASH_SPELLING
+from qwen_kvprep.probe.codefolders import (
+    dynamic_module_utils,
+    hub_folder,
+    local_folder,
+    spelling_folders,
+)
 from qwen_kvprep.probe.planned import PlannedFile, planned_files
 from qwen_kvprep.probe.revertplan import plan_revert, prepared
 from qwen_kvprep.state.reader import foreign_item, read_state, removal_command
@@ -219,18 +226,18 @@ def module_folder_candidates(
     folders transformers 4.32 to 4.53 use."""
     m = _HUB_SNAPSHOT.search(str(directory))
     if dmu is not None:
-        out = [(codefolders.local_folder(dmu, root, directory), LOCAL)]
+        out = [(local_folder(dmu, root, directory), LOCAL)]
         if m:
             repo_id = f"{m.group(1)}/{m.group(2)}"
-            out.append((codefolders.hub_folder(dmu, root, repo_id, m.group(3)), HUB))
-        return out + codefolders.spelling_folders(dmu, root, directory)
+            out.append((hub_folder(dmu, root, repo_id, m.group(3)), HUB))
+        return out + spelling_folders(dmu, root, directory)
     base = root / "transformers_modules"
     out = [(base / Path(str(directory).rstrip("/")).name, LOCAL)]
     if m:
         out.append((base / m.group(1) / m.group(2) / m.group(3), HUB))
     # transformers names the folder after the path as spelt (docs/qwen-v1.md): `DIR/` and
     # `DIR/.` run the code from transformers_modules/ itself, a symlink's real path from
-    # the real folder's name (codefolders.spelling_folders, which fix plants into)
+    # the real folder's name (spelling_folders, which fix plants into)
     out.append((base, SLASH_SPELLING))
     real = os.path.basename(os.path.realpath(directory))
     if real != Path(str(directory).rstrip("/")).name:
@@ -240,8 +247,6 @@ def module_folder_candidates(
 
 LOCAL = "local path"
 HUB = "hub repo id"
-SLASH_SPELLING = codefolders.SLASH
-REAL_SPELLING = codefolders.REAL
 
 
 def debris(directory: Path, folders: Sequence[Path]) -> tuple[str, ...]:
@@ -477,7 +482,7 @@ def probe_caches(
     journal: _JournalFacts = {}
     left: tuple[str, ...] = ()
     if directory is not None:
-        candidates = module_folder_candidates(directory, root, codefolders.dynamic_module_utils())
+        candidates = module_folder_candidates(directory, root, dynamic_module_utils())
         folders = tuple(_probe_module_folder(p, how) for p, how in candidates)
         state, state_error = _read_state(Path(directory))
         found = foreign_item(str(directory))

@@ -27,7 +27,7 @@ from qwen_kvprep.common import (
 )
 from qwen_kvprep.common import sha256_bytes as sha256
 from qwen_kvprep.errors import StateError
-from qwen_kvprep.probe import modcopies
+from qwen_kvprep.probe.modcopies import HASH_FOLDER, PYCACHE, bytecode, copies, left_empty
 from qwen_kvprep.untrusted import (
     NotRegularFile,
     lstat_at,
@@ -222,7 +222,7 @@ class _Planner:
             for _d, a in plan.actions[start:]
             if isinstance(a, Remove) and a.base == here and a.parts[:-1] == parts
         }
-        for name in modcopies.copies(here, parts, {os.path.basename(r) for r in rels}):
+        for name in copies(here, parts, {os.path.basename(r) for r in rels}):
             plan.actions.append(
                 (
                     f"{folder / name} (removed: the copy a load made of what fix changed)",
@@ -230,28 +230,28 @@ class _Planner:
                 )
             )
             removed.add(name)
-        cached = modcopies.bytecode(here, parts, removed)
-        pycache = [*parts, modcopies.PYCACHE]
+        cached = bytecode(here, parts, removed)
+        pycache = [*parts, PYCACHE]
         for name in cached:
             path = [*pycache, name]
             shown = f"{here.joinpath(*path)} (removed: its bytecode)"
             plan.actions.append((shown, Remove(here, path)))
         gone: set[str] = set()
-        if cached and modcopies.left_empty(here, pycache, set(cached), set()):
+        if cached and left_empty(here, pycache, set(cached), set()):
             shown = f"{here.joinpath(*pycache)} (removed: empty)"
             plan.actions.append((shown, RemoveDir(here, pycache)))
-            gone.add(modcopies.PYCACHE)
+            gone.add(PYCACHE)
         records = {r for r, _f in plan.users} | {
             folder / USERS_DIRNAME / user_record_name(self.identity["path"]),
             *user_records(folder, self.identity, self.root)[0],
         }
         names = {r.name for r in records if r.parent == folder / USERS_DIRNAME}
-        if modcopies.left_empty(here, [*parts, USERS_DIRNAME], names, set()):
+        if left_empty(here, [*parts, USERS_DIRNAME], names, set()):
             gone.add(USERS_DIRNAME)
         if (
             removed
-            and modcopies.HASH_FOLDER.fullmatch(folder_rel)
-            and modcopies.left_empty(here, parts, removed, gone)
+            and HASH_FOLDER.fullmatch(folder_rel)
+            and left_empty(here, parts, removed, gone)
         ):
             plan.actions.append(
                 (f"{folder} (removed: empty, named after the code with fix's lines)",
