@@ -260,6 +260,35 @@ def test_readme_keeps_the_test_command_and_links_the_documentation() -> None:
         assert f"(docs/{doc}" in readme, doc
 
 
+README_LINES_LIMIT = 250  # the short version; the reference holds the rest
+
+
+def test_readme_stays_short_and_shows_every_command() -> None:
+    """The README says what each command does with an example of it (`qwen-kvprep NAME ...`
+    in a code block or inline), and stays short enough to read."""
+    readme = README.read_text(encoding="utf-8")
+    lines = len(readme.splitlines())
+    assert lines <= README_LINES_LIMIT, f"README.md: {lines} lines (at most {README_LINES_LIMIT})"
+    leaves = [path for path, command in _walk(cli) if not isinstance(command, click.Group)]
+    assert len(leaves) >= 10
+    without = [
+        " ".join(path)
+        for path in leaves
+        if not re.search(rf"qwen-kvprep {re.escape(' '.join(path))}(?=[ `\n])", readme)
+    ]
+    assert not without, f"commands with no example in the README: {without}"
+
+
+def test_the_quick_start_chooses_torch_before_installing_it() -> None:
+    """`pip install .` brings a 3 GB CUDA build of torch unless one is installed: the way to
+    the CPU build comes before the commands that CI's newcomer stage runs (the first fenced
+    block of the section)."""
+    quick = _section(README.read_text(encoding="utf-8"), "Quick start")
+    before, fence, commands = quick.partition("```")
+    assert fence and "pip install ." in commands.split("```")[0]
+    assert "--index-url https://download.pytorch.org/whl/cpu" in before
+
+
 def test_the_measured_tokenizer_table_is_the_codes(reference: str) -> None:
     """doctor's tokenizer warning (checks/measured.py) and the table the reference shows
     say the same of every release."""
