@@ -18,12 +18,8 @@ from qwen_kvprep.checks.registry import (
     check,
     checkpoint_of,
     env_of,
-    fail,
-    info,
-    ok,
-    skip,
-    warn,
 )
+from qwen_kvprep.checks.verdicts import fail, info, ok, skip, warn
 from qwen_kvprep.common import FAST_FILE, KERNEL_FILES, prestart_command
 from qwen_kvprep.common import LOADER_FILE as LOADER
 from qwen_kvprep.findings import Finding, FindingsLike

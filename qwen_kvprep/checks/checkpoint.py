@@ -15,18 +15,8 @@ from typing import Optional, Union
 
 from qwen_kvprep import hubcli
 from qwen_kvprep.checks.identity import Kind, identify
-from qwen_kvprep.checks.registry import (
-    CHECKPOINT,
-    LISTED,
-    QWEN_V1,
-    check,
-    checkpoint_of,
-    fail,
-    info,
-    ok,
-    skip,
-    warn,
-)
+from qwen_kvprep.checks.registry import CHECKPOINT, LISTED, QWEN_V1, check, checkpoint_of
+from qwen_kvprep.checks.verdicts import fail, info, ok, skip, warn
 from qwen_kvprep.common import (
     COMPAT_FILE,
     FAST_FILE,

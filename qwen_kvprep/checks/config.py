@@ -20,12 +20,8 @@ from qwen_kvprep.checks.registry import (
     QWEN_V1,
     check,
     checkpoint_of,
-    fail,
-    info,
-    ok,
-    skip,
-    warn,
 )
+from qwen_kvprep.checks.verdicts import fail, info, ok, skip, warn
 from qwen_kvprep.configjson import CONFIG
 from qwen_kvprep.findings import Finding
 from qwen_kvprep.probe.checkpoint import CheckpointFacts

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import shlex
 
-from qwen_kvprep.checks.registry import CONVERTED, check, converted_of, fail, ok, warn
+from qwen_kvprep.checks.registry import CONVERTED, check, converted_of
+from qwen_kvprep.checks.verdicts import fail, ok, warn
 from qwen_kvprep.findings import FindingsLike
 from qwen_kvprep.probe.converted import FileState
 from qwen_kvprep.probe.facts import Facts

@@ -13,19 +13,8 @@ from typing import TYPE_CHECKING, Optional
 
 from qwen_kvprep.checks.kernels import kernel_requested
 from qwen_kvprep.checks.measured import FIRST_WORKING, tokenizer_failure
-from qwen_kvprep.checks.registry import (
-    CUDA_TORCH,
-    ENV,
-    GIVEN_CHECKPOINT,
-    TORCH,
-    check,
-    env_of,
-    fail,
-    info,
-    ok,
-    skip,
-    warn,
-)
+from qwen_kvprep.checks.registry import CUDA_TORCH, ENV, GIVEN_CHECKPOINT, TORCH, check, env_of
+from qwen_kvprep.checks.verdicts import fail, info, ok, skip, warn
 from qwen_kvprep.common import gptq_install
 from qwen_kvprep.findings import Finding, FindingsLike
 from qwen_kvprep.probe.binary import parse_arch_label, runs_on

@@ -14,18 +14,8 @@ import shlex
 from collections.abc import Mapping, Sequence
 
 from qwen_kvprep.checks.checkpoint import CheckResult, redownload
-from qwen_kvprep.checks.registry import (
-    CHECKPOINT,
-    LISTED,
-    QWEN_V1,
-    check,
-    checkpoint_of,
-    fail,
-    info,
-    ok,
-    skip,
-    warn,
-)
+from qwen_kvprep.checks.registry import CHECKPOINT, LISTED, QWEN_V1, check, checkpoint_of
+from qwen_kvprep.checks.verdicts import fail, info, ok, skip, warn
 from qwen_kvprep.common import gptq_install
 from qwen_kvprep.configjson import CONFIG
 from qwen_kvprep.findings import Finding

@@ -7,18 +7,8 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Optional
 
 from qwen_kvprep import catalogue
-from qwen_kvprep.checks.registry import (
-    ENV,
-    GIVEN_CHECKPOINT,
-    QWEN_V1,
-    check,
-    checkpoint_of,
-    fail,
-    info,
-    ok,
-    skip,
-    warn,
-)
+from qwen_kvprep.checks.registry import ENV, GIVEN_CHECKPOINT, QWEN_V1, check, checkpoint_of
+from qwen_kvprep.checks.verdicts import fail, info, ok, skip, warn
 from qwen_kvprep.common import KERNEL_FILES
 from qwen_kvprep.findings import Finding, FindingsLike
 from qwen_kvprep.probe.facts import Facts

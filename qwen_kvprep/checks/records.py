@@ -11,17 +11,8 @@ from __future__ import annotations
 
 import shlex
 
-from qwen_kvprep.checks.registry import (
-    CACHES,
-    CHECKPOINT,
-    caches_of,
-    check,
-    fail,
-    info,
-    ok,
-    skip,
-    warn,
-)
+from qwen_kvprep.checks.registry import CACHES, CHECKPOINT, caches_of, check
+from qwen_kvprep.checks.verdicts import fail, info, ok, skip, warn
 from qwen_kvprep.findings import Finding, FindingsLike
 from qwen_kvprep.probe.facts import Facts
 

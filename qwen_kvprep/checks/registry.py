@@ -1,9 +1,9 @@
 """Where every check is declared: `@check(id, title, needs=...)`.
 
 A check is a pure function from `Facts` to a Finding, several Findings or None (nothing to
-say). It makes its findings with this module's `ok`/`info`/`warn`/`fail`/`skip`, which
-take no id: the registry stamps the check's id on every one, so an id is written once, in
-the declaration. The id is dotted and starts with its area; the title is what
+say). It makes its findings with checks/verdicts.py's `ok`/`info`/`warn`/`fail`/`skip`,
+which take no id: the registry stamps the check's id on every one, so an id is written
+once, in the declaration. The id is dotted and starts with its area; the title is what
 `doctor --list-checks` shows. `needs` names, in order, the parts of the facts it reads:
 when one is missing the check is not called and the registry reports it as `skip`, with
 that part's reason. A check that raises is reported as its own failing finding, so one
@@ -14,14 +14,15 @@ from __future__ import annotations
 
 import functools
 import traceback
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Callable, Optional, Protocol
+from typing import TYPE_CHECKING, Callable
 
 from qwen_kvprep import findings
 from qwen_kvprep.checks.identity import identify
+from qwen_kvprep.checks.verdicts import UNSTAMPED
 from qwen_kvprep.configjson import CONFIG
-from qwen_kvprep.findings import Finding, FindingsLike, MakeFinding, as_list
+from qwen_kvprep.findings import Finding, FindingsLike, as_list
 from qwen_kvprep.probe.facts import Facts
 
 if TYPE_CHECKING:
@@ -31,45 +32,6 @@ if TYPE_CHECKING:
     from qwen_kvprep.probe.env import EnvFacts
 
 CheckFunc = Callable[[Facts], FindingsLike]
-
-# The id of a finding a check made, until the registry stamps the check's own on it.
-UNSTAMPED = ""
-
-
-class MakeVerdict(Protocol):
-    """`fail(message, fix, paths, details=..., **more)`: a finding of the check that
-    returns it (see findings.MakeFinding for the arguments)."""
-
-    def __call__(
-        self,
-        message: str,
-        fix: Optional[str] = None,
-        paths: Iterable[object] = (),
-        *,
-        details: Optional[Mapping[str, object]] = None,
-        **more: object,
-    ) -> Finding: ...
-
-
-def _verdict(make: MakeFinding) -> MakeVerdict:
-    def verdict(
-        message: str,
-        fix: Optional[str] = None,
-        paths: Iterable[object] = (),
-        *,
-        details: Optional[Mapping[str, object]] = None,
-        **more: object,
-    ) -> Finding:
-        return make(UNSTAMPED, message, fix, paths, details=details, **more)
-
-    return verdict
-
-
-ok = _verdict(findings.ok)
-info = _verdict(findings.info)
-warn = _verdict(findings.warn)
-fail = _verdict(findings.fail)
-skip = _verdict(findings.skip)
 
 AREAS = (
     "env", "checkpoint", "convert", "config", "kernels", "build", "modules", "state", "smoke"

@@ -51,11 +51,11 @@ def test_checks_on_garbage_facts_crash_into_findings() -> None:
 
 
 def test_the_registry_stamps_the_check_id(monkeypatch: pytest.MonkeyPatch) -> None:
-    from qwen_kvprep.checks import registry
+    from qwen_kvprep.checks import verdicts
     from qwen_kvprep.findings import ok as ok_with_id
 
     def two(f: Facts) -> list[Finding]:
-        return [registry.ok("fine"), registry.warn("careful", "do this", details={"n": 1})]
+        return [verdicts.ok("fine"), verdicts.warn("careful", "do this", details={"n": 1})]
 
     monkeypatch.setitem(REGISTRY, "env.zz_two", Check("env.zz_two", "two", two))
     found = run_checks(facts(), ["env.zz_two"])
