@@ -14,11 +14,11 @@ from qwen_kvprep.convert.compare import compare
 from qwen_kvprep.convert.gptq import GptqLayout, gptq_pieces, layout
 from qwen_kvprep.convert.mapping import plan
 from qwen_kvprep.convert.pieces import TensorInfo
-from qwen_kvprep.convert.provenance import read as read_provenance
 from qwen_kvprep.convert.run import ConvertOptions, convert
 from qwen_kvprep.convert.source import read_source
 from qwen_kvprep.errors import CheckpointError, StateError, UsageError
 from qwen_kvprep.probe.checkpoint import probe_checkpoint
+from qwen_kvprep.provenance import read as read_provenance
 from qwen_kvprep.tiny import generate_checkpoint
 from tests.convert_kit import bits_equal, dequantize, expected_dense, load_out, load_source
 

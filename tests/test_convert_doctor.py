@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
-from qwen_kvprep.convert.provenance import FileRecord
 from qwen_kvprep.convert.run import ConvertOptions, convert
 from qwen_kvprep.probe import converted
+from qwen_kvprep.provenance import FileRecord
 from qwen_kvprep.tiny import generate_checkpoint
 from tests.cli import document, invoke
 

@@ -25,7 +25,6 @@ from qwen_kvprep.common import (
 )
 from qwen_kvprep.common import LOADER_FILE as LOADER
 from qwen_kvprep.configjson import CONFIG
-from qwen_kvprep.convert.provenance import PROVENANCE
 from qwen_kvprep.findings import Finding
 from qwen_kvprep.probe.checkpoint import (
     BIN_INDEX,
@@ -44,6 +43,7 @@ from qwen_kvprep.probe.checkpoint import (
 )
 from qwen_kvprep.probe.env import version_tuple
 from qwen_kvprep.probe.facts import Facts
+from qwen_kvprep.provenance import PROVENANCE
 
 # Used in fix commands when the checkpoint's repo is unknown; the fix says to replace it.
 PLACEHOLDER_REPO = "Qwen/Qwen-7B-Chat"

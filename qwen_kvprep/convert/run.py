@@ -32,7 +32,6 @@ from typing import Callable, Optional, Protocol
 from qwen_kvprep import __version__
 from qwen_kvprep.convert import output
 from qwen_kvprep.convert.compare import TensorProof, compare
-from qwen_kvprep.convert.provenance import PROVENANCE, FileRecord, Provenance
 from qwen_kvprep.convert.qwen2config import (
     ContextPlan,
     context,
@@ -54,6 +53,7 @@ from qwen_kvprep.findings import Finding, fail, info, warn
 from qwen_kvprep.fsutil import atomic_write_bytes, atomic_write_text
 from qwen_kvprep.gptqconfig import QUANTIZE_CONFIG
 from qwen_kvprep.jsontypes import JSON, JSONObject
+from qwen_kvprep.provenance import PROVENANCE, FileRecord, Provenance
 from qwen_kvprep.steps import validate
 from qwen_kvprep.untrusted import read_record
 

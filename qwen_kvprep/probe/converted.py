@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from qwen_kvprep.convert.provenance import PROVENANCE, FileRecord, Provenance, read
 from qwen_kvprep.errors import KvprepError
+from qwen_kvprep.provenance import PROVENANCE, FileRecord, Provenance, read
 
 HASH_LIMIT = 64 << 20  # files up to this size are always hashed
 
