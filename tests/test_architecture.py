@@ -1,10 +1,11 @@
 """The package's layering, read from its import statements.
 
 Layers point one way: base → probe → checks → engines → orchestrators → render → commands →
-cli. A module
-may import modules of its own layer or below, never above, and no two modules may import
-each other (directly or through others). prestart's quick start imports only the standard
-library and the stdlib-only base modules. docs/architecture.md says what each layer is for.
+cli. A module may import modules of its own layer or below, never above, and no two modules
+may import each other (directly or through others; `from PKG import name` imports PKG's
+`__init__` too). A package's modules share its layer, but for the few SPLITS below.
+prestart's quick start imports only the standard library and the stdlib-only base modules.
+docs/architecture.md says what each layer is for.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ LAYERS: dict[str, int] = {
     "qwen_kvprep.journal.reader": BASE,
     "qwen_kvprep.fastkv": BASE,  # which model code the fast path applies to (pure text work)
     "qwen_kvprep.chart": BASE,
+    "qwen_kvprep.provenance": BASE,  # provenance.json: convert writes it, doctor's probe reads it
     "qwen_kvprep.probe": PROBE,
     "qwen_kvprep.checks": CHECKS,
     "qwen_kvprep.buildcache.arch": CHECKS,  # pure decisions over probed toolchain facts
@@ -62,7 +64,6 @@ LAYERS: dict[str, int] = {
     "qwen_kvprep.tiny": ENGINES,
     "qwen_kvprep.templating": ENGINES,
     "qwen_kvprep.convert": ENGINES,  # convert's parts: mapping, weights, output, the proof
-    "qwen_kvprep.convert.provenance": BASE,  # the record's reader: doctor's probe reads it
     # orchestrators: run engines in order for one command (fix's steps, demo, doctor)
     "qwen_kvprep.steps": ORCHESTRATORS,
     "qwen_kvprep.convert.run": ORCHESTRATORS,  # convert's steps in order (validate first)
@@ -179,6 +180,39 @@ def cycles(g: dict[str, set[str]]) -> list[set[str]]:
                     if len(comp) > 1:
                         found.append(comp)
     return found
+
+
+# Modules in another layer than their package's (its `__init__`'s): the drawing in
+# docs/architecture.md shows each apart from its package. Anything else a package holds sits
+# in the package's layer, so a module that lower layers read (a format, a reader) lives in
+# its own layer's place, not inside the package of what writes it.
+SPLITS = {
+    "qwen_kvprep.state.reader": BASE,  # the state's reader (prestart's quick start reads it)
+    "qwen_kvprep.journal.reader": BASE,  # the journal's reader (revert's plan, doctor)
+    "qwen_kvprep.buildcache.arch": CHECKS,  # which architectures to build for (pure)
+    "qwen_kvprep.convert.run": ORCHESTRATORS,  # convert's steps in order, as steps/ runs fix's
+}
+
+
+def package_of(module: str, known: dict[str, Path]) -> str:
+    """The package a module is in (the package itself for its `__init__`)."""
+    if known[module].name == "__init__.py":
+        return module
+    return module.rsplit(".", 1)[0]
+
+
+def test_a_package_keeps_to_its_layer() -> None:
+    known = modules()
+    apart = {
+        name: layer_of(name)
+        for name in known
+        if package_of(name, known) != "qwen_kvprep"  # the root holds every layer's modules
+        and layer_of(name) != layer_of(package_of(name, known))
+    }
+    assert apart == SPLITS, {
+        name: f"{LAYER_NAMES[layer]} in {LAYER_NAMES[layer_of(package_of(name, known))]}"
+        for name, layer in apart.items()
+    }
 
 
 def test_every_module_has_a_layer() -> None:
@@ -356,6 +390,9 @@ def test_orchestrators_sit_above_engines() -> None:
     assert layer_of("qwen_kvprep.steps.fix") > layer_of("qwen_kvprep.buildcache.builder")
     assert layer_of("qwen_kvprep.demo") > layer_of("qwen_kvprep.smoke.runner")
     assert layer_of("qwen_kvprep.probe.revertplan") < layer_of("qwen_kvprep.journal.writer")
+    # provenance.json's format sits below doctor's probe, which reads it, and convert
+    assert layer_of("qwen_kvprep.provenance") < layer_of("qwen_kvprep.probe.converted")
+    assert layer_of("qwen_kvprep.convert.run") > layer_of("qwen_kvprep.convert.verify")
 
 
 if __name__ == "__main__":  # `python tests/test_architecture.py`: the report
