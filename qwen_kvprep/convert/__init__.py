@@ -12,9 +12,9 @@ Modules, one job each:
 - `source`: DIR's config, weight files and headers, read into the plan;
 - `qwen2config`: config.json for Qwen2ForCausalLM, the context option and the GPTQ config;
 - `output`: OUT's rules, the staging folder beside it, its lock and the final rename;
-- `provenance`: provenance.json in OUT, written and read back as untrusted input;
 - `compare`: the streamed bit-for-bit proof that every OUT tensor equals its source slice;
-- `run`: the orchestration, `convert(directory, out, options) -> ConvertResult`;
+- `run`: the orchestration, `convert(directory, out, options) -> ConvertResult` (it writes
+  provenance.json through `qwen_kvprep.provenance`, the record's format, which doctor reads);
 - `tokenizer`, `chat`: the tokenizer files, chat template and generation config;
 - `verify`, `verify_child`, `context`: the proof by loading both models in a child process;
 - `serving`: the command lines that serve OUT with the engines.
