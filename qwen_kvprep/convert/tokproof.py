@@ -39,7 +39,7 @@ import re
 import time
 import unicodedata
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -63,7 +63,7 @@ class Mismatch:
         return f"{self.check} {_short(self.text, 80)}: Qwen {self.expected}, converted {self.got}"
 
     def to_json(self) -> JSONObject:
-        return {"check": self.check, "text": self.text, "expected": self.expected, "got": self.got}
+        return asdict(self)
 
 
 @dataclass
@@ -447,15 +447,7 @@ class TemplateCase:
         return f"{self.name}: {state}{tag}"
 
     def to_json(self) -> JSONObject:
-        return {
-            "name": self.name,
-            "ids_equal": self.ids_equal,
-            "text_equal": self.text_equal,
-            "qwen_tokens": self.qwen_tokens,
-            "converted_tokens": self.converted_tokens,
-            "first_difference": self.first_difference,
-            "documented": self.documented,
-        }
+        return asdict(self)
 
 
 @dataclass(frozen=True)
