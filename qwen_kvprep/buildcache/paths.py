@@ -33,29 +33,25 @@ def resolve_cache_dir(option: Optional[Path] = None) -> Path:
     return Path(build_cache_root(option)[0])
 
 
+class _Folder:
+    """A folder right below the cache's root, named as the attribute that holds it."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, layout: CacheLayout, owner: Optional[type] = None) -> Path:
+        return layout.root / self.name
+
+
 @dataclass(frozen=True)
 class CacheLayout:
     root: Path
 
-    @property
-    def builds(self) -> Path:
-        return self.root / "builds"
-
-    @property
-    def locks(self) -> Path:
-        return self.root / "locks"
-
-    @property
-    def tmp(self) -> Path:
-        return self.root / "tmp"
-
-    @property
-    def logs(self) -> Path:
-        return self.root / "logs"
-
-    @property
-    def users(self) -> Path:
-        return self.root / "users"
+    builds = _Folder()
+    locks = _Folder()
+    tmp = _Folder()
+    logs = _Folder()
+    users = _Folder()
 
     def users_dir(self, key: str) -> Path:
         return self.users / key
