@@ -11,10 +11,17 @@ from __future__ import annotations
 
 import shlex
 
-from qwen_kvprep.checks.registry import CACHES, CHECKPOINT, caches_of, check
+from qwen_kvprep.checks.registry import CACHES, CHECKPOINT, caches_of, check, checkpoint_of
 from qwen_kvprep.checks.verdicts import fail, info, ok, skip, warn
 from qwen_kvprep.findings import Finding, FindingsLike
 from qwen_kvprep.probe.facts import Facts
+
+
+def _folders(facts: Facts) -> tuple[str, str]:
+    """The checkpoint as a shell word (for the commands the advice names), and where fix
+    keeps its records of it (the state folder; the checkpoint itself while there is none)."""
+    directory = checkpoint_of(facts).path
+    return shlex.quote(str(directory)), caches_of(facts).state_dir or str(directory)
 
 
 @check(
@@ -23,10 +30,10 @@ from qwen_kvprep.probe.facts import Facts
     needs=(CHECKPOINT, CACHES),
 )
 def record(facts: Facts) -> FindingsLike:
+    here, records_dir = _folders(facts)
     caches = caches_of(facts)
-    directory = getattr(facts.checkpoint, "path", "")
     if caches.state_error is not None:
-        again = f"qwen-kvprep fix {shlex.quote(str(directory))}"
+        again = f"qwen-kvprep fix {here}"
         return fail(
             f"{caches.state_error}: prestart cannot trust it, so every start prepares the "
             "folder again (importing torch), and doctor cannot tell what fix did",
@@ -36,7 +43,7 @@ def record(facts: Facts) -> FindingsLike:
             if caches.state_foreign_removal
             else f"{again}  (records the state anew; the journal keeps the originals for "
             "revert)",
-            paths=[caches.state_dir or directory],
+            paths=[records_dir],
         )
     out: list[Finding] = []
     if caches.debris:
@@ -47,8 +54,8 @@ def record(facts: Facts) -> FindingsLike:
             warn(
                 f"left behind by a fix, prestart or revert that was killed, or by a folder "
                 f"removed without revert: {shown} (harmless, but not worth keeping)",
-                f"qwen-kvprep fix {shlex.quote(str(directory))} or qwen-kvprep revert "
-                f"{shlex.quote(str(directory))} removes them (the next one of either does)",
+                f"qwen-kvprep fix {here} or qwen-kvprep revert "
+                f"{here} removes them (the next one of either does)",
                 paths=list(caches.debris),
             )
         )
@@ -59,9 +66,9 @@ def record(facts: Facts) -> FindingsLike:
                 "as it was before fix (a revert was cut short once it had restored them), but "
                 "its records are still there, so prestart and doctor would trust a state "
                 "that no longer holds",
-                f"qwen-kvprep revert {shlex.quote(str(directory))}  (finishes it; or "
-                f"qwen-kvprep fix {shlex.quote(str(directory))} to prepare the folder again)",
-                paths=[caches.state_dir or directory],
+                f"qwen-kvprep revert {here}  (finishes it; or "
+                f"qwen-kvprep fix {here} to prepare the folder again)",
+                paths=[records_dir],
             )
         )
         return out
@@ -73,8 +80,8 @@ def record(facts: Facts) -> FindingsLike:
                 f"{caches.state_dir}/state.json is left without the journal beside it: a "
                 "revert was cut short (the files fix changed are already restored), so "
                 "prestart and doctor would trust a state that no longer holds",
-                f"qwen-kvprep revert {shlex.quote(str(directory))}  (finishes it)",
-                paths=[caches.state_dir or directory],
+                f"qwen-kvprep revert {here}  (finishes it)",
+                paths=[records_dir],
             )
         )
         return out
@@ -88,8 +95,7 @@ def record(facts: Facts) -> FindingsLike:
 )
 def journal(facts: Facts) -> FindingsLike:
     caches = caches_of(facts)
-    directory = getattr(facts.checkpoint, "path", "")
-    state_dir = caches.state_dir or str(directory)
+    here, state_dir = _folders(facts)
     recover = (
         f"revert changes nothing while this is so; restore by hand what you need from "
         f"{shlex.quote(state_dir + '/originals')} (files named by their sha256, listed in "
@@ -110,7 +116,7 @@ def journal(facts: Facts) -> FindingsLike:
             out.append(
                 warn(
                     f"{note}; a new fix takes it as the original",
-                    f"qwen-kvprep fix {shlex.quote(str(directory))}",
+                    f"qwen-kvprep fix {here}",
                     paths=[state_dir],
                 )
             )
