@@ -29,6 +29,12 @@ untouched), and only where this release needs it:
 - `stream` (wherever `transformers_stream_generator` cannot be imported: not installed,
   or transformers >= 4.57, which it no longer imports on): `chat_stream` streams through
   transformers' own streamer interface instead.
+- `quiet-deprecations` (transformers 5): three deprecation warnings that Qwen's own code
+  sets off in every server's log (`use_return_dict`, `past_key_values`, and `chat`'s
+  `generation_config` passed with `return_dict_in_generate`) are dropped when, and only
+  when, a frame of this model's code is among their callers: the user cannot act on them
+  (the code is Qwen's, no longer maintained) and what it does still works; the same
+  warnings set off by the user's own code are logged as before.
 
 `needs()` says which of these apply; `ACTIVE`, after `install`, which were installed.
 
@@ -37,7 +43,9 @@ never prepared (`_supply`, at the end of this file).
 """
 
 import copy
+import logging
 import queue
+import sys
 import threading
 
 import torch
@@ -86,6 +94,8 @@ def needs(release=None, stream_ok=None, model_can_generate=None):
         stream_ok = _stream_generator_imports()
     if not stream_ok:
         out.append("stream")
+    if release >= (5, 0):
+        out.append("quiet-deprecations")
     return tuple(out)
 
 
@@ -286,12 +296,16 @@ def _stream(namespace):
         streamer = _TextQueue()
         failure = []
 
+        # the copy says what Qwen's call said as an argument: transformers 5 deprecates a
+        # generation_config passed together with generation arguments
+        config = copy.deepcopy(generation_config)
+        config.return_dict_in_generate = False
+
         def run():
             try:
                 self.generate(
                     input_ids,
-                    return_dict_in_generate=False,
-                    generation_config=generation_config,
+                    generation_config=config,
                     logits_processor=logits_processor,
                     streamer=streamer,
                     **kwargs,
@@ -322,12 +336,61 @@ def _stream(namespace):
     return True
 
 
+# What transformers 5 logs, deprecated, each time Qwen's code runs (the start of each
+# message), and the loggers that log them (the modules' own names).
+QWEN_DEPRECATIONS = (
+    "Passing `generation_config` together with generation-related arguments",
+    "`past_key_values`/`cache_params` are deprecated",
+    "`use_return_dict` is deprecated",
+)
+_DEPRECATION_LOGGERS = (
+    "transformers.generation.utils",
+    "transformers.utils.generic",
+    "transformers.configuration_utils",
+)
+_CALLERS_SEEN = 64  # frames walked up from the log call: generate's, then the caller's
+
+
+class _FromQwenCode(logging.Filter):
+    """Drops QWEN_DEPRECATIONS when a frame of a Qwen model's code called what logs
+    them; everything else passes."""
+
+    def __init__(self):
+        super().__init__()
+        self.namespaces = []  # modeling_qwen.py's globals, one per folder loaded
+
+    def filter(self, record):
+        if not isinstance(record.msg, str) or not record.msg.startswith(QWEN_DEPRECATIONS):
+            return True
+        frame = sys._getframe(1)
+        for _ in range(_CALLERS_SEEN):
+            if frame is None:
+                break
+            if any(frame.f_globals is ns for ns in self.namespaces):
+                return False
+            frame = frame.f_back
+        return True
+
+
+_FILTER = _FromQwenCode()
+
+
+def _quiet_deprecations(namespace):
+    _FILTER.namespaces.append(namespace)
+    for name in _DEPRECATION_LOGGERS:
+        logger = logging.getLogger(name)
+        if _FILTER not in logger.filters:
+            logger.addFilter(_FILTER)
+    return True
+
+
 _INSTALLERS = {
     "generation-mixin": _generation_mixin,
     "tuple-cache": _tuple_cache,
     "head-mask": _head_mask,
     "loaded-numbers": _loaded_numbers,
     "stream": _stream,
+    "quiet-deprecations": _quiet_deprecations,
 }
 
 
@@ -355,7 +418,6 @@ import importlib  # noqa: E402
 import os  # noqa: E402
 import re  # noqa: E402
 import stat  # noqa: E402
-import sys  # noqa: E402
 import types  # noqa: E402
 import warnings  # noqa: E402
 from pathlib import Path  # noqa: E402
