@@ -35,7 +35,6 @@ from qwen_kvprep.common import (
 )
 from qwen_kvprep.common import LOADER_FILE as LOADER
 from qwen_kvprep.configjson import CONFIG
-from qwen_kvprep.convert.provenance import PROVENANCE
 from qwen_kvprep.findings import Finding
 from qwen_kvprep.probe.checkpoint import (
     BIN_INDEX,
@@ -219,7 +218,7 @@ def identity(facts: Facts) -> CheckResult:
             paths=[cp.path], kind=kind.value,
         )
     shown = f'model_type "{found.model_type}"' if found.model_type else "no model_type"
-    if kind is Kind.QWEN2 and PROVENANCE in cp.files:
+    if found.converted:
         return info(
             "a Qwen2 checkpoint that `qwen-kvprep convert` wrote from a Qwen (v1) one: it runs "
             "on transformers' own Qwen2 code and the serving engines, with no remote code and "
