@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import stat
 from typing import TYPE_CHECKING, Callable, Optional, TypeVar, Union
 
 import click
@@ -10,6 +11,7 @@ from click.core import ParameterSource
 
 from qwen_kvprep.common import ARCH_LIST_FIX, read_arch_list
 from qwen_kvprep.errors import UsageError
+from qwen_kvprep.untrusted import kind_of
 
 F = TypeVar("F", bound=Callable[..., object])
 
@@ -37,7 +39,10 @@ class _NonEmpty(_TextType):
 
 
 class NonEmptyPath(click.Path):
-    """click.Path that refuses "" as _NonEmpty does (click reads it as the current folder)."""
+    """click.Path that refuses "" as _NonEmpty does (click reads it as the current folder),
+    and, for a folder, anything there that is not one: click refuses only a regular file
+    (a usage error), and a FIFO or a device would otherwise fail later, with another exit
+    code."""
 
     def convert(
         self,
@@ -47,7 +52,15 @@ class NonEmptyPath(click.Path):
     ) -> Union[str, bytes, os.PathLike[str]]:
         if isinstance(value, str) and not value.strip():
             self.fail(_EMPTY, param, ctx)
-        return super().convert(value, param, ctx)
+        converted = super().convert(value, param, ctx)
+        if not self.file_okay:
+            try:
+                mode = os.stat(value).st_mode
+            except OSError:
+                return converted  # absent (created later) or unreadable: judged where used
+            if not stat.S_ISDIR(mode):
+                self.fail(f"{os.fspath(value)!r} is {kind_of(mode)}, not a folder", param, ctx)
+        return converted
 
 
 NONEMPTY = _NonEmpty()
