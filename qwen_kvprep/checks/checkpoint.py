@@ -389,6 +389,14 @@ def remote_code(facts: Facts) -> CheckResult:
     whole = cp.weights_layout == "pytorch-bin" and BIN_SINGLE in cp.files
     # The August-2023 weights and config come with their own schema: update everything.
     update = redownload(cp) if whole else redownload(cp, py)
+    if cp.modeling_not_utf8 is not None:
+        return fail(
+            f"{MODELING} is not UTF-8 ({cp.modeling_not_utf8}): transformers reads the model's "
+            "code as UTF-8 and cannot load it (and fix refuses it, changing nothing)",
+            f"restore {MODELING} as the model's repository has it (it is UTF-8): "
+            f"{redownload(cp, [MODELING])}",
+            paths=[cp.path / MODELING],
+        )
     if not cp.modeling_text_supports_kv:
         return fail(
             f"{MODELING} predates the Int8 KV cache (it never mentions use_cache_quantization), "
