@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import os
-import stat
-from typing import TYPE_CHECKING, Callable, Optional, TypeVar, Union
+from typing import TYPE_CHECKING, Callable, Optional, TypeVar
 
 import click
 from click.core import ParameterSource
 
+from qwen_kvprep.commands._paths import EMPTY as _EMPTY
+from qwen_kvprep.commands._paths import NonEmptyPath as NonEmptyPath  # build, template
 from qwen_kvprep.common import ARCH_LIST_FIX, read_arch_list
 from qwen_kvprep.errors import UsageError
-from qwen_kvprep.untrusted import kind_of
 
 F = TypeVar("F", bound=Callable[..., object])
 
@@ -21,7 +20,6 @@ if TYPE_CHECKING:  # generic in the click releases that ship type hints, not in 
 else:
     _TextType = click.ParamType
 
-_EMPTY = "must not be empty (an unset shell variable?)"
 
 
 class _NonEmpty(_TextType):
@@ -36,31 +34,6 @@ class _NonEmpty(_TextType):
         if isinstance(value, str) and not value.strip():
             self.fail(_EMPTY, param, ctx)
         return value
-
-
-class NonEmptyPath(click.Path):
-    """click.Path that refuses "" as _NonEmpty does (click reads it as the current folder),
-    and, for a folder, anything there that is not one: click refuses only a regular file
-    (a usage error), and a FIFO or a device would otherwise fail later, with another exit
-    code."""
-
-    def convert(
-        self,
-        value: Union[str, os.PathLike[str]],
-        param: Optional[click.Parameter],
-        ctx: Optional[click.Context],
-    ) -> Union[str, bytes, os.PathLike[str]]:
-        if isinstance(value, str) and not value.strip():
-            self.fail(_EMPTY, param, ctx)
-        converted = super().convert(value, param, ctx)
-        if not self.file_okay:
-            try:
-                mode = os.stat(value).st_mode
-            except OSError:
-                return converted  # absent (created later) or unreadable: judged where used
-            if not stat.S_ISDIR(mode):
-                self.fail(f"{os.fspath(value)!r} is {kind_of(mode)}, not a folder", param, ctx)
-        return converted
 
 
 NONEMPTY = _NonEmpty()
