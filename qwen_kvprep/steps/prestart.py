@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Optional
 
 from qwen_kvprep.checks.identity import identify
+from qwen_kvprep.convert.provenance import PROVENANCE
 from qwen_kvprep.errors import KvprepError, UsageError
 from qwen_kvprep.findings import Finding, failed, info
 from qwen_kvprep.probe.checkpoint import probe_checkpoint
@@ -100,6 +101,8 @@ def _native(request: Request) -> Optional[str]:
     keeps serving when it switches to the converted folder."""
     assert request.directory is not None
     directory = Path(os.path.abspath(request.directory))
+    if not os.path.lexists(directory / PROVENANCE):
+        return None  # the usual case, told without probing the checkpoint twice
     try:
         converted = identify(probe_checkpoint(directory)).converted
     except (KvprepError, OSError):
