@@ -354,11 +354,15 @@ def prestart_json(request: Request, planting: Planting, reason: str, done: Prepa
             "fix": failure.fix if isinstance(failure, KvprepError) else None,
         }
     findings = [f.to_json() for f in scrub_findings(done.findings)]
-    return json_document(request, planting, reason, findings, error)
+    prepared = None if done.native is not None else reason  # nothing was prepared
+    return json_document(request, planting, prepared, findings, error)
 
 
 def report_prestart(request: Request, done: Prepared) -> None:
     """What prestart's slow path did, on stderr (stdout belongs to CMD)."""
+    if done.native is not None:
+        say(request, done.native)  # one line: why nothing was prepared
+        return
     if done.failure is not None:
         if request.as_json:
             pass  # the document on stdout carries the failure

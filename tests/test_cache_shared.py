@@ -162,17 +162,30 @@ def test_a_build_another_prune_removed_first_is_taken_as_gone(
     assert not layout.build_dir("c" * 64).exists()
 
 
-@pytest.mark.parametrize("what", ["fifo", "devnull"])
-def test_list_on_something_that_is_not_a_folder(tmp_path: Path, what: str) -> None:
+@pytest.mark.parametrize("what", ["fifo", "devnull", "file"])
+def test_list_on_something_that_is_not_a_folder(
+    tmp_path: Path, what: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--cache-dir naming anything but a folder is one mistake, with one exit code: a
+    usage error (2), as click makes it for a regular file."""
     if what == "fifo":
         path = tmp_path / "pipe"
         os.mkfifo(path)
+    elif what == "file":
+        path = tmp_path / "hostname"
+        path.write_text("x\n")
     else:
         path = Path(os.devnull)
     for command in (("cache", "list"), ("cache", "prune")):
         result = run(*command, "--cache-dir", str(path))
-        assert result.exit_code == 1, result.output
-        assert "not a folder" in result.output and "no build cache" not in result.output
+        assert result.exit_code == 2, result.output
+        assert "not a folder" in result.output or "is a file" in result.output
+        assert "no build cache" not in result.output
+    # through the variable the library judges it: a failure (1) naming what it is
+    monkeypatch.setenv("QWEN_KVPREP_CACHE", str(path))
+    result = run("cache", "list")
+    assert result.exit_code == 1, result.output
+    assert "not a folder" in result.output
 
 
 def state_with_cache_id(folder: str, cache_id: str) -> None:

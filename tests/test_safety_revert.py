@@ -330,6 +330,29 @@ def test_symlinks_in_the_way_are_never_followed(
     assert "nothing was changed" in res.stderr
 
 
+def test_a_modules_folder_replaced_by_a_link_says_to_remove_the_link(
+    tmp_path: Path, modules_env: Any
+) -> None:
+    """The refusal names the link and says that removing it is all it takes (the modules
+    cache is transformers' copy); once it is removed, revert completes."""
+    p = prepare(tmp_path)
+    for name in MODULE_FILES:
+        shutil.copy(p.folder / name, p.outside / "dir" / name)
+    shutil.rmtree(p.folder)
+    p.folder.symlink_to(p.outside / "dir")
+    outside = snapshot(p.outside)
+    res = kvprep("revert", str(p.directory), env=modules_env)
+    assert res.returncode == 1, res.stdout + res.stderr
+    assert f"{p.folder} is a symbolic link now (to {p.outside / 'dir'})" in res.stderr
+    assert f"Remove the link (`rm {p.folder}`" in res.stderr
+    assert "Restore by hand" not in res.stderr
+    p.folder.unlink()
+    res = kvprep("revert", str(p.directory), env=modules_env)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert snapshot(p.directory) == p.pristine
+    assert snapshot(p.outside) == outside
+
+
 def test_a_changed_original_is_not_restored(tmp_path: Path, modules_env: Any) -> None:
     p = prepare(tmp_path)
     data = journal_data(p.directory)

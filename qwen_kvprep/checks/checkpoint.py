@@ -209,7 +209,7 @@ def identity(facts: Facts) -> CheckResult:
             paths=[cp.path], kind=kind.value,
         )
     shown = f'model_type "{found.model_type}"' if found.model_type else "no model_type"
-    if kind is Kind.QWEN2 and PROVENANCE in cp.files:
+    if found.converted:
         return info(
             "a Qwen2 checkpoint that `qwen-kvprep convert` wrote from a Qwen (v1) one: it runs "
             "on transformers' own Qwen2 code and the serving engines, with no remote code and "
@@ -380,6 +380,14 @@ def remote_code(facts: Facts) -> CheckResult:
     whole = cp.weights_layout == "pytorch-bin" and BIN_SINGLE in cp.files
     # The August-2023 weights and config come with their own schema: update everything.
     update = redownload(cp) if whole else redownload(cp, py)
+    if cp.modeling_not_utf8 is not None:
+        return fail(
+            f"{MODELING} is not UTF-8 ({cp.modeling_not_utf8}): transformers reads the model's "
+            "code as UTF-8 and cannot load it (and fix refuses it, changing nothing)",
+            f"restore {MODELING} as the model's repository has it (it is UTF-8): "
+            f"{redownload(cp, [MODELING])}",
+            paths=[cp.path / MODELING],
+        )
     if not cp.modeling_text_supports_kv:
         return fail(
             f"{MODELING} predates the Int8 KV cache (it never mentions use_cache_quantization), "

@@ -13,6 +13,7 @@ from enum import Enum
 from typing import Optional
 
 from qwen_kvprep.configjson import CONFIG
+from qwen_kvprep.convert.provenance import PROVENANCE
 from qwen_kvprep.probe.checkpoint import REMOTE_CODE_FILES, TIKTOKEN, CheckpointFacts
 
 
@@ -40,6 +41,9 @@ class Identity:
     model_type: Optional[str] = None  # config.json's, when it names one
     # a huggingface_hub cache snapshot (files linked into blobs/ shared by revisions)
     snapshot: bool = False
+    # a Qwen2 checkpoint `qwen-kvprep convert` wrote (its provenance.json is there): served
+    # natively, so fix, prestart and convert have nothing to do with it
+    converted: bool = False
 
     @property
     def qwen_v1(self) -> bool:
@@ -67,7 +71,7 @@ def identify(cp: CheckpointFacts) -> Identity:
         if model_type == "qwen":
             return Identity(Kind.QWEN_V1_GPTQ if cp.gptq else Kind.QWEN_V1, model_type, snapshot)
         if model_type in QWEN2_TYPES:
-            return Identity(Kind.QWEN2, model_type, snapshot)
+            return Identity(Kind.QWEN2, model_type, snapshot, PROVENANCE in cp.files)
         return Identity(Kind.OTHER, model_type, snapshot)
     if not cp.files and not cp.dangling and not cp.special:
         return Identity(Kind.EMPTY, snapshot=snapshot)

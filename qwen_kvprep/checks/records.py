@@ -72,6 +72,22 @@ def record(facts: Facts) -> FindingsLike:
             )
         )
         return out
+    if caches.state is None and caches.journal_present and caches.journal_error is None:
+        # the journal is written before each change and the state last: a fix that stopped
+        # in between (a full disk, an error, a kill) leaves exactly this
+        here = shlex.quote(str(directory))
+        out.append(
+            warn(
+                f"fix changed files here ({caches.state_dir}/journal.json records them) but "
+                "recorded no state: that fix did not finish (it failed, on a full disk for "
+                "instance, or was stopped), so every start through prestart prepares the "
+                "folder again",
+                f"qwen-kvprep fix {here}  (finishes it; `qwen-kvprep revert {here}` undoes "
+                "what it changed)",
+                paths=[caches.state_dir or directory],
+            )
+        )
+        return out
     if caches.state is None:
         return out or skip("fix has not recorded a state here")
     if not caches.journal_present and caches.journal_error is None:

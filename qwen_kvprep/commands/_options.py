@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-import os
-from typing import TYPE_CHECKING, Callable, Optional, TypeVar, Union
+from typing import TYPE_CHECKING, Callable, Optional, TypeVar
 
 import click
 from click.core import ParameterSource
 
+from qwen_kvprep.commands._paths import EMPTY as _EMPTY
+from qwen_kvprep.commands._paths import NonEmptyPath as NonEmptyPath  # build, template
 from qwen_kvprep.common import ARCH_LIST_FIX, read_arch_list
 from qwen_kvprep.errors import UsageError
 
@@ -19,7 +20,6 @@ if TYPE_CHECKING:  # generic in the click releases that ship type hints, not in 
 else:
     _TextType = click.ParamType
 
-_EMPTY = "must not be empty (an unset shell variable?)"
 
 
 class _NonEmpty(_TextType):
@@ -34,20 +34,6 @@ class _NonEmpty(_TextType):
         if isinstance(value, str) and not value.strip():
             self.fail(_EMPTY, param, ctx)
         return value
-
-
-class NonEmptyPath(click.Path):
-    """click.Path that refuses "" as _NonEmpty does (click reads it as the current folder)."""
-
-    def convert(
-        self,
-        value: Union[str, os.PathLike[str]],
-        param: Optional[click.Parameter],
-        ctx: Optional[click.Context],
-    ) -> Union[str, bytes, os.PathLike[str]]:
-        if isinstance(value, str) and not value.strip():
-            self.fail(_EMPTY, param, ctx)
-        return super().convert(value, param, ctx)
 
 
 NONEMPTY = _NonEmpty()

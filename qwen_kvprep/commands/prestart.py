@@ -22,7 +22,6 @@ from qwen_kvprep.quickstart import (
     Planting,
     Request,
     hand_over,
-    say,
     start_ready,
     state_mismatch,
 )
@@ -103,11 +102,10 @@ def run(request: Request) -> NoReturn:
     reason = state_mismatch(request, planting)
     if reason is None:
         start_ready(request, planting)
-    say(request, f"preparing: {reason}")
     # here, not at the top: fix's modules cost every start of the CLI ~35 ms
     from qwen_kvprep.steps.prestart import prepare_or_fall_back
 
-    done = prepare_or_fall_back(request, planting)
+    done = prepare_or_fall_back(request, planting, reason)
     report_prestart(request, done)
     if request.as_json:
         sys.stdout.write(prestart_json(request, planting, reason, done) + "\n")

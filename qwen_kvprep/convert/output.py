@@ -24,6 +24,7 @@ from pathlib import Path
 
 import filelock
 
+from qwen_kvprep.convert.outname import suggested_out
 from qwen_kvprep.errors import FileSystemError, KvprepError, LockTimeout, UsageError, os_failure
 from qwen_kvprep.fsutil import fsync_dir
 
@@ -54,8 +55,7 @@ def check_out(src: Path, out: Path) -> None:
     if _inside(real_out, real_src):
         raise UsageError(
             f"OUT {out} lies inside DIR {src}: convert never writes into the checkpoint",
-            fix="name a folder outside it, e.g. "
-            + q(str(real_src.parent / (real_src.name + "-qwen2"))),
+            fix="name a folder outside it, e.g. " + q(str(suggested_out(real_src))),
         )
     if _inside(real_src, real_out):
         raise UsageError(

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Callable, Optional, Protocol
 
 from qwen_kvprep import __version__
-from qwen_kvprep.convert import output
+from qwen_kvprep.convert import already, output
 from qwen_kvprep.convert.compare import TensorProof, compare
 from qwen_kvprep.convert.qwen2config import (
     ContextPlan,
@@ -48,7 +48,7 @@ from qwen_kvprep.convert.weights import (
     sha256_stream,
     write_weights,
 )
-from qwen_kvprep.errors import KvprepError, RefusedError
+from qwen_kvprep.errors import KvprepError, RefusedError, UsageError
 from qwen_kvprep.findings import Finding, fail, info, warn
 from qwen_kvprep.fsutil import atomic_write_bytes, atomic_write_text
 from qwen_kvprep.gptqconfig import QUANTIZE_CONFIG
@@ -94,6 +94,7 @@ class ConvertResult:
     verify: Optional[VerifyLike] = None
     findings: list[Finding] = field(default_factory=list)
     serving: list[tuple[str, str]] = field(default_factory=list)
+    unchanged: bool = False  # OUT already held this conversion: nothing was written
 
     @property
     def exact_words(self) -> str:
@@ -114,6 +115,7 @@ class ConvertResult:
             "compare": self.comparison.to_json(),
             "verify": self.verify.to_json() if self.verify is not None else None,
             "serving": [{"engine": e, "command": c} for e, c in self.serving],
+            "unchanged": self.unchanged,
         }
 
 
@@ -204,7 +206,19 @@ def convert(
     """Write DIR as a Qwen2ForCausalLM checkpoint in OUT (KvprepError when refused)."""
     directory, out = directory.absolute(), out.absolute()
     say = log or (lambda _msg: None)
-    output.check_out(directory, out)
+    asked = already.Asked(
+        options.max_shard_size, options.context_factor,
+        options.rope_scaling if options.context_factor is not None else None, options.verify,
+    )
+    done, why = already.completed(directory, out, asked)
+    if done is not None:
+        return _unchanged(out, done)
+    try:
+        output.check_out(directory, out)
+    except UsageError as exc:
+        if why:  # OUT is a conversion, but not this one: say which difference
+            exc.message += f"; it holds a conversion, but not the one asked for: {why}"
+        raise
     facts, _advice = validate.check(directory)  # fix's advice (kernels...) is not convert's
     assert facts.checkpoint is not None
     sp = read_source(facts.checkpoint)
@@ -301,6 +315,40 @@ def convert(
     return result
 
 
+def _unchanged(out: Path, rec: Provenance) -> ConvertResult:
+    """The result of a run that found OUT already holding its conversion (`already`)."""
+    raw = rec.extra.get("context")
+    ctx_rec = raw if isinstance(raw, dict) else {}
+    factor, rope = ctx_rec.get("factor"), ctx_rec.get("rope_scaling")
+    ctx = ContextPlan(
+        rec.exact_up_to,
+        float(factor) if isinstance(factor, (int, float)) and not isinstance(factor, bool)
+        else None,
+        rope if isinstance(rope, str) else None,
+    )
+    raw = rec.extra.get("options")
+    dtype = raw.get("dtype") if isinstance(raw, dict) else None
+    gptq = QUANTIZE_CONFIG in rec.outputs
+    files = sorted([(n, r.size) for n, r in rec.outputs.items()]
+                   + [(PROVENANCE, (out / PROVENANCE).stat().st_size)])
+    result = ConvertResult(
+        out, files, ctx, dtype if isinstance(dtype, str) else "", gptq, TensorProof(),
+        findings=[info(
+            "convert.unchanged",
+            f"{out} already holds this conversion of {rec.source_path} (same folder, same "
+            "options, DIR's and OUT's files as provenance.json records them): nothing was "
+            "written",
+        )],
+        unchanged=True,
+    )
+    serving = _optional("serving")
+    if serving is not None:
+        result.serving = list(serving.commands(  # type: ignore[attr-defined]
+            out, gptq=gptq, max_len=ctx.serving_length
+        ))
+    return result
+
+
 def _extra(ctx: ContextPlan, options: ConvertOptions, dtype: str) -> JSONObject:
     out: JSONObject = dict(_versions())
     out["created"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
@@ -325,14 +373,16 @@ def summary(result: ConvertResult) -> Sequence[str]:
     """The text a person reads at the end: what was written, what is exact, how to serve."""
     total = sum(s for _n, s in result.files)
     lines = [
-        f"wrote {result.out} ({len(result.files)} files, {total / 1e6:,.1f} MB): "
+        f"{'kept' if result.unchanged else 'wrote'} {result.out} ({len(result.files)} files, "
+        f"{total / 1e6:,.1f} MB): "
         f"Qwen2ForCausalLM, {result.dtype}" + (", GPTQ Int4" if result.gptq else ""),
     ]
     lines += [f"  {n}  {s:,} bytes" for n, s in result.files]
-    lines.append(
-        f"proven: {result.comparison.tensors} tensors ({result.comparison.bytes:,} bytes) "
-        "equal DIR's bit for bit"
-    )
+    if not result.unchanged:  # else proven by the run that wrote OUT (the finding says so)
+        lines.append(
+            f"proven: {result.comparison.tensors} tensors ({result.comparison.bytes:,} "
+            "bytes) equal DIR's bit for bit"
+        )
     if result.verify is not None:
         lines += list(result.verify.lines)
     lines.append(f"{result.exact_words} (max_position_embeddings {result.ctx.max_positions:,})")

@@ -23,6 +23,7 @@ import os
 import re
 import shlex
 import stat
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal, Optional, TypedDict
@@ -377,6 +378,19 @@ def journal_problem(directory: Path, modules_root: Path) -> Optional[str]:
     except StateError as exc:
         return exc.message
     return None
+
+
+def link_advice(links: Sequence[Path], directory: Path) -> str:
+    """What to do when revert's only problem is modules-cache folders replaced by links:
+    that cache is transformers' copy of the model code (made again at the next load), so
+    removing the links is all it takes."""
+    removes = " ".join(quote(link) for link in links)
+    return (
+        f"nothing was changed. Remove the link{'s' if len(links) > 1 else ''} "
+        f"(`rm {removes}`: the modules cache is transformers' copy of the model code, made "
+        f"again at the next load; what the link points to is not touched), then run "
+        f"`qwen-kvprep revert {quote(directory)}` again"
+    )
 
 
 def manual_recovery(state_dir: Path) -> str:

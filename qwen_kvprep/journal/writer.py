@@ -53,6 +53,7 @@ from qwen_kvprep.journal.reader import (
     Present,
     empty_journal,
     folder_identity,
+    link_advice,
     manual_recovery,
     present,
     read_journal,
@@ -374,13 +375,15 @@ class Journal:
                     plan.problems[1:4]
                 ) + ")"
 
+            advice = (
+                link_advice(plan.links, self.root)
+                if plan.link_problems == len(plan.problems)
+                else manual_recovery(self.state_dir)
+            )
             raise StateError(
                 message,
-                fix=manual_recovery(self.state_dir),
-                findings=[
-                    fail("state.journal", p, manual_recovery(self.state_dir))
-                    for p in plan.problems
-                ],
+                fix=advice,
+                findings=[fail("state.journal", p, advice) for p in plan.problems],
             )
         done: list[str] = []
         for description, action in plan.actions:

@@ -249,10 +249,15 @@ LOCAL = "local path"
 HUB = "hub repo id"
 
 
-def debris(directory: Path, folders: Sequence[Path]) -> tuple[str, ...]:
+def debris(
+    directory: Path, folders: Sequence[Path], spellings: Sequence[str] = ()
+) -> tuple[str, ...]:
     """What killed commands of ours left: temporary files in the checkpoint, its
     `.qwen-kvprep/` and the modules-cache folders (and their users' records), and records
-    of prepared folders that are no longer prepared."""
+    of prepared folders that are no longer prepared. `spellings` are other paths of this
+    very folder (the one its state was recorded through: a bind mount, a container's
+    path): a record of one of them is this folder's own, in use, even where that path does
+    not exist."""
     found: list[str] = []
     state = Path(directory) / STATE_DIRNAME
     ours = set(TRACKED_FILES)
@@ -274,7 +279,7 @@ def debris(directory: Path, folders: Sequence[Path]) -> tuple[str, ...]:
                 except (OSError, ValueError):
                     continue
                 path = data.get("path") if isinstance(data, dict) else None
-                if isinstance(path, str) and not prepared(path):
+                if isinstance(path, str) and path not in spellings and not prepared(path):
                     found.append(str(users / name))
     return tuple(found)
 
@@ -492,7 +497,11 @@ def probe_caches(
         wrote = journal.get("planned_files", ())
         planted = [p.folder for p in wrote if p.folder and os.path.isdir(p.folder)]
         used = [mf.path for mf in folders if mf.exists] + planted
-        left = debris(Path(directory), [Path(f) for f in dict.fromkeys(used)])
+        recorded = state.get("checkpoint") if state is not None else None
+        left = debris(
+            Path(directory), [Path(f) for f in dict.fromkeys(used)],
+            [recorded] if isinstance(recorded, str) else [],
+        )
     return CacheFacts(
         build_cache=folder_access(cache, cache_source),
         builds=_read_builds(cache),

@@ -163,6 +163,9 @@ class CheckpointFacts:
     config_is_symlink: bool = False
     config_link_target: Optional[str] = None
     modeling_text_supports_kv: Optional[bool] = None  # None: modeling_qwen.py unreadable
+    # where modeling_qwen.py is not UTF-8 ("byte 0xe9 at line 926"): transformers reads the
+    # model code as UTF-8 and fails on it (None: it is, or it cannot be read)
+    modeling_not_utf8: Optional[str] = None
     modeling_mentions_kernel: Optional[bool] = None
     # the Int8 cache's fast path (fastkv.py): why this modeling_qwen.py is not one it applies
     # to (None: it is), whether fix's block is in it, and the planted module's sha256
@@ -245,6 +248,21 @@ def _sha256(path: Path) -> Optional[str]:
         return sha256_file(path)
     except OSError:
         return None
+
+
+def _not_utf8(path: Path) -> Optional[str]:
+    """Where the file at `path` stops being UTF-8 (None: it is, or it cannot be read)."""
+    try:
+        raw = read_prefix(path, TEXT_LIMIT)[0]
+        raw.decode("utf-8")
+    except OSError:
+        return None
+    except UnicodeDecodeError as exc:
+        if exc.start >= len(raw) - 3 and len(raw) == TEXT_LIMIT:
+            return None  # a character cut at the limit: not a fault of the file
+        line = raw.count(b"\n", 0, exc.start) + 1
+        return f"byte 0x{raw[exc.start]:02x} at line {line}"
+    return None
 
 
 def _read_text(path: Path) -> Optional[str]:
@@ -961,6 +979,7 @@ def probe_checkpoint(path: Path, spelt: Optional[str] = None) -> CheckpointFacts
         config_is_symlink=is_link,
         config_link_target=link_target,
         modeling_text_supports_kv=_mentions(modeling, "use_cache_quantization"),
+        modeling_not_utf8=_not_utf8(path / MODELING) if modeling is not None else None,
         modeling_mentions_kernel=_mentions(modeling, "cache_autogptq_cuda_256"),
         fast_path_problem=recognise(modeling) if modeling is not None else "it is missing",
         fast_path_imported=fast_imported,

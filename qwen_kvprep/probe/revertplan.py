@@ -119,6 +119,10 @@ class RevertPlan:
     actions: list[tuple[str, RevertAction]] = field(default_factory=list)  # (description, what)
     notes: list[str] = field(default_factory=list)  # what is left alone, and why
     problems: list[str] = field(default_factory=list)  # why revert must change nothing
+    # modules-cache folders replaced by a symlink since fix: the only problem, when each
+    # problem is one of these, and removing the links is all it takes
+    links: list[Path] = field(default_factory=list)
+    link_problems: int = 0
     users: list[tuple[Path, str]] = field(default_factory=list)  # registry files to remove
     # every file fix changed in the folder is back as it was before fix: what a revert
     # killed after restoring them leaves (or the user's own undoing); the records are stale
@@ -307,6 +311,16 @@ class _Planner:
         except FileNotFoundError:
             fd = -1
         except OSError as exc:
+            link = _link_in(base, parts[:-1]) if base != self.root else None
+            if link is not None:
+                if link not in plan.links:
+                    plan.links.append(link)
+                plan.link_problems += 1
+                plan.problems.append(
+                    f"{shown}: {link} is a symbolic link now (to {_target(link)}), and revert "
+                    "never follows one"
+                )
+                return
             plan.problems.append(
                 f"{shown}: its folder cannot be reached without following a symlink or "
                 f"leaving {base} ({exc.strerror or exc})"
@@ -576,3 +590,20 @@ def prepared(path: str) -> bool:
     """Whether the folder at `path` still holds what fix recorded (its state or journal)."""
     base = os.path.join(path, STATE_DIRNAME)
     return any(os.path.isfile(os.path.join(base, n)) for n in (JOURNAL_FILE, "state.json"))
+
+
+def _link_in(base: Path, parts: list[str]) -> Optional[Path]:
+    """The first folder of `base/parts` (below `base`) that is a symbolic link, or None."""
+    here = base
+    for part in parts:
+        here = here / part
+        if os.path.islink(here):
+            return here
+    return None
+
+
+def _target(link: Path) -> str:
+    try:
+        return os.readlink(link)
+    except OSError as exc:
+        return f"unreadable: {exc.strerror or exc}"

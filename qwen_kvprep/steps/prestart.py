@@ -14,9 +14,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from qwen_kvprep.checks.identity import identify
+from qwen_kvprep.convert.provenance import PROVENANCE
 from qwen_kvprep.errors import KvprepError, UsageError
-from qwen_kvprep.findings import Finding, failed
-from qwen_kvprep.quickstart import Planting, Request, state_mismatch
+from qwen_kvprep.findings import Finding, failed, info
+from qwen_kvprep.probe.checkpoint import probe_checkpoint
+from qwen_kvprep.quickstart import Planting, Request, say, state_mismatch
+from qwen_kvprep.steps.converted import prestart_line
 from qwen_kvprep.steps.fix import FixOptions, run_fix
 from qwen_kvprep.steps.prebuilt import configured
 from qwen_kvprep.view import prepare_view, read_marker
@@ -33,6 +37,8 @@ class Prepared:
     view_error: Optional[Exception] = None
     # Why the state still does not hold after preparing (the next start checks again).
     recheck: Optional[str] = None
+    # DIR is a native Qwen2 checkpoint convert wrote: nothing was prepared, and why.
+    native: Optional[str] = None
 
 
 def prepare(request: Request, planting: Planting) -> list[Finding]:
@@ -89,9 +95,29 @@ def plain_view_for_fallback(request: Request) -> Optional[Exception]:
     return None
 
 
-def prepare_or_fall_back(request: Request, planting: Planting) -> Prepared:
-    """Run fix for what is missing. A failure raises, unless --allow-fallback lets it
-    through (a usage error never is: a wrong invocation is not papered over)."""
+def _native(request: Request) -> Optional[str]:
+    """prestart's line when DIR is a folder convert wrote (None otherwise): it needs no
+    preparing, and fix would refuse it, so a container whose entrypoint still runs prestart
+    keeps serving when it switches to the converted folder."""
+    assert request.directory is not None
+    directory = Path(os.path.abspath(request.directory))
+    if not os.path.lexists(directory / PROVENANCE):
+        return None  # the usual case, told without probing the checkpoint twice
+    try:
+        converted = identify(probe_checkpoint(directory)).converted
+    except (KvprepError, OSError):
+        return None  # fix's validation says what is wrong with the folder
+    return prestart_line(directory, request.output) if converted else None
+
+
+def prepare_or_fall_back(request: Request, planting: Planting, reason: str) -> Prepared:
+    """Run fix for what is missing (`reason`, said first). A failure raises, unless
+    --allow-fallback lets it through (a usage error never is: a wrong invocation is not
+    papered over). A folder convert wrote is left as it is (`Prepared.native`)."""
+    native = _native(request)
+    if native is not None:
+        return Prepared(findings=[info("checkpoint.identity", native)], native=native)
+    say(request, f"preparing: {reason}")
     try:
         findings = prepare(request, planting)
     except UsageError:

@@ -8,12 +8,14 @@ from __future__ import annotations
 from pathlib import Path
 
 from qwen_kvprep.checks import load_all, run_one
+from qwen_kvprep.checks.identity import identify
 from qwen_kvprep.errors import CheckpointError, ConfigError
 from qwen_kvprep.findings import Finding, Severity
 from qwen_kvprep.probe.checkpoint import probe_checkpoint
 from qwen_kvprep.probe.env import EnvFacts, package_info
 from qwen_kvprep.probe.facts import Facts
 from qwen_kvprep.steps.context import FixContext
+from qwen_kvprep.steps.converted import refusal
 
 _ALSO = ("config.parse",)
 IDENTITY = "checkpoint.identity"
@@ -32,6 +34,11 @@ def check(directory: Path) -> tuple[Facts, list[Finding]]:
     facts = Facts(
         checkpoint=probe_checkpoint(directory), env=EnvFacts(transformers_version=running)
     )
+    assert facts.checkpoint is not None
+    if identify(facts.checkpoint).converted:
+        # native Qwen2 already: fix's flags and kernels would break its loading, and
+        # converting it again has no Qwen (v1) weights to read
+        raise refusal(directory)
     findings: list[Finding] = []
     for chk in load_all().values():
         if (chk.area == "checkpoint" or chk.id in _ALSO) and chk.id not in _FIX_OWNS:
