@@ -279,7 +279,7 @@ def convert(
             atomic_write_text(staging / PROVENANCE, record.dumps())
             files = [(n, r.size) for n, r in outputs.items()]
             files.append((PROVENANCE, (staging / PROVENANCE).stat().st_size))
-            output.publish(staging, out)
+            output.publish(staging, out, output.source_modes(directory, sp.files))
     except KvprepError:
         raise
     except OSError as exc:
