@@ -282,3 +282,152 @@ def test_real_full_disk_is_said_before_writing(tmp_path: Path, ckpt: Path) -> No
         assert res.returncode == 1, res.stderr
         assert "not enough space for OUT" in res.stderr and "nothing was written" in res.stderr
         assert os.listdir(mnt) == []
+
+
+@contextlib.contextmanager
+def _bind(what: Path, where: Path) -> Iterator[Path]:
+    if not needs.is_root():
+        needs.skip("root", "a bind mount needs root")
+    where.mkdir(parents=True, exist_ok=True)
+    done = subprocess.run(["mount", "--bind", str(what), str(where)],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        needs.skip("root", f"cannot bind-mount here: {done.stderr.strip()}")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], check=False)
+
+
+def test_out_through_a_bind_mount_of_dir_is_inside_dir(tmp_path: Path, ckpt: Path) -> None:
+    before = snapshot(ckpt, mtimes=True)
+    with _bind(ckpt, tmp_path / "view") as view:
+        res = invoke("convert", str(ckpt), str(view / "qwen2"), "--no-verify")
+        assert res.returncode == 2, res.stderr
+        assert "lies inside DIR" in res.stderr
+        # the other way round: DIR reached through the bind of itself
+        with pytest.raises(UsageError, match="lies inside DIR"):
+            convert(view, ckpt / "qwen2", NO_VERIFY)
+    assert snapshot(ckpt, mtimes=True) == before
+
+
+def _same_model(ckpt: Path, out: Path) -> None:
+    got, exp = load_out(out), expected_dense(load_source(ckpt), 2)
+    assert set(got) == set(exp) and all(bits_equal(got[n], t) for n, t in exp.items())
+
+
+def test_out_an_empty_mounted_volume_is_written_in_place(tmp_path: Path, ckpt: Path) -> None:
+    # a volume under a roomy parent: the rename onto a mount point would fail (EBUSY)
+    with _tmpfs(tmp_path / "vol", "64m") as vol:
+        res = invoke("convert", str(ckpt), str(vol), "--no-verify")
+        assert res.returncode == 0, res.stderr
+        assert os.path.ismount(vol)
+        assert not [n for n in os.listdir(vol) if n.startswith(".")]  # no staging, no lock
+        assert sorted(os.listdir(tmp_path)) == ["ckpt", "vol"]
+        _same_model(ckpt, vol)
+    # a volume under a parent too small for the model: the space is the volume's
+    with _tmpfs(tmp_path / "small", "1m") as small, _tmpfs(small / "vol", "64m") as vol:
+        res = invoke("convert", str(ckpt), str(vol), "--no-verify")
+        assert res.returncode == 0, res.stderr
+        assert os.listdir(small) == ["vol"]
+        _same_model(ckpt, vol)
+
+
+def test_an_admins_out_keeps_its_owner_and_mode_and_nothing_is_more_readable(
+    tmp_path: Path, ckpt: Path
+) -> None:
+    for shard in ckpt.glob("*.safetensors"):
+        shard.chmod(0o600)
+    (ckpt / "config.json").chmod(0o640)
+    new = tmp_path / "new"
+    convert(ckpt, new, NO_VERIFY)
+    for path in new.iterdir():
+        mode = path.stat().st_mode & 0o777
+        cap = 0o600 if path.name.endswith((".safetensors", ".index.json")) else 0o640
+        assert mode & ~cap == 0, (path.name, oct(mode))
+    if not needs.is_root():
+        needs.skip("root", "giving OUT to another owner needs root")
+    out = tmp_path / "out"
+    out.mkdir()
+    os.chown(out, 4321, 4321)
+    out.chmod(0o2770)
+    convert(ckpt, out, NO_VERIFY)
+    st = out.stat()
+    assert (st.st_uid, st.st_gid, st.st_mode & 0o7777) == (4321, 4321, 0o2770)
+    for path in out.iterdir():  # the folder's setgid group, as the admin meant it
+        assert path.stat().st_gid == 4321, path.name
+    _same_model(ckpt, out)
+
+
+_KILL_AT = """
+import os, signal, sys
+from pathlib import Path
+from qwen_kvprep.convert.run import ConvertOptions, convert
+out, at = Path(sys.argv[2]).absolute(), sys.argv[3]
+moved = []
+def killing(real):
+    def call(src, dst, *a, **k):
+        if Path(dst) == out or Path(dst).parent == out and not Path(dst).name.startswith("."):
+            moved.append(dst)
+            if at == "rename" or len(moved) == 3:  # the third model file into OUT
+                os.kill(os.getpid(), signal.SIGKILL)
+        return real(src, dst, *a, **k)
+    return call
+os.replace, os.rename = killing(os.replace), killing(os.rename)
+convert(Path(sys.argv[1]), out, ConvertOptions(verify=False))
+"""
+
+
+@pytest.mark.parametrize("existing", [False, True], ids=["new-out", "existing-out"])
+def test_a_kill_while_publishing_is_finished_by_the_same_command(
+    tmp_path: Path, ckpt: Path, existing: bool
+) -> None:
+    out = tmp_path / "out"
+    if existing:
+        out.mkdir()
+    child = subprocess.run(
+        [sys.executable, "-c", _KILL_AT, str(ckpt), str(out), "moves" if existing else "rename"],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+    )
+    assert child.returncode == -9, child.stderr
+    if existing:  # some files moved into OUT, the rest still staged
+        assert 0 < len([n for n in os.listdir(out) if not n.startswith(".")]) < 6
+    else:  # complete, but not yet renamed
+        assert (output.staging_of(out) / "config.json").is_file() and not out.exists()
+    result = invoke("convert", str(ckpt), str(out), "--no-verify")
+    assert result.returncode == 0, result.stderr
+    assert sorted(os.listdir(tmp_path)) == ["ckpt", "out"]
+    assert not [n for n in os.listdir(out) if n.startswith(".")]
+    _same_model(ckpt, out)
+
+
+@pytest.mark.parametrize("existing", [False, True], ids=["new-out", "existing-out"])
+def test_a_convert_that_finds_out_finished_by_another_says_so_and_writes_nothing(
+    tmp_path: Path, ckpt: Path, monkeypatch: pytest.MonkeyPatch, existing: bool
+) -> None:
+    from qwen_kvprep.convert import run
+    from qwen_kvprep.errors import RefusedError
+
+    out = tmp_path / "out"
+    if existing:
+        out.mkdir()
+    real_read, real_write = run.read_source, run.write_weights
+    written: list[int] = []
+
+    def read_while_another_converts(*a: object, **k: object) -> object:
+        monkeypatch.setattr(run, "read_source", real_read)
+        convert(ckpt, out, NO_VERIFY)  # the other convert, done while this one checks DIR
+        monkeypatch.setattr(run, "write_weights", counting)
+        return real_read(*a, **k)  # type: ignore[arg-type]
+
+    def counting(*a: object, **k: object) -> object:
+        written.append(1)
+        return real_write(*a, **k)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(run, "read_source", read_while_another_converts)
+    before = snapshot(out, mtimes=True)
+    with pytest.raises(RefusedError, match=r"another convert finished .*nothing was written"):
+        convert(ckpt, out, NO_VERIFY)
+    assert not written
+    assert sorted(os.listdir(tmp_path)) == ["ckpt", "out"]
+    assert snapshot(out, mtimes=True) == before
