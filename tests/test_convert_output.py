@@ -431,3 +431,31 @@ def test_a_convert_that_finds_out_finished_by_another_says_so_and_writes_nothing
     assert not written
     assert sorted(os.listdir(tmp_path)) == ["ckpt", "out"]
     assert snapshot(out, mtimes=True) == before
+
+
+@pytest.mark.parametrize("args", [
+    ("--context-factor", "nan", "--rope-scaling", "yarn"),
+    ("--context-factor", "inf", "--rope-scaling", "yarn"),
+    ("--max-shard-size", "nan"),
+    ("--max-shard-size", "inf"),
+    ("--max-shard-size", "1e400GB"),
+    ("--verify-timeout", "nan"),
+    ("--verify-timeout", "inf"),
+], ids=lambda a: " ".join(a[:2]))
+def test_numbers_that_are_not_numbers_are_usage_errors(
+    tmp_path: Path, ckpt: Path, args: tuple[str, ...]
+) -> None:
+    res = invoke("convert", str(ckpt), str(tmp_path / "out"), "--no-verify", *args)
+    assert res.returncode == 2, res.stderr
+    assert args[0] in res.stderr and "internal error" not in res.stderr, res.stderr
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]
+
+
+def test_a_context_factor_that_is_not_a_number_is_refused_by_the_library(
+    tmp_path: Path, ckpt: Path
+) -> None:
+    for factor in (float("nan"), float("inf")):
+        with pytest.raises(UsageError, match="--context-factor"):
+            convert(ckpt, tmp_path / "out", ConvertOptions(
+                verify=False, context_factor=factor, rope_scaling="yarn"))
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]
