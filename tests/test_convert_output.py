@@ -459,3 +459,83 @@ def test_a_context_factor_that_is_not_a_number_is_refused_by_the_library(
             convert(ckpt, tmp_path / "out", ConvertOptions(
                 verify=False, context_factor=factor, rope_scaling="yarn"))
     assert sorted(os.listdir(tmp_path)) == ["ckpt"]
+
+
+_KILLED_WITH_A_CHILD = """
+import sys
+from qwen_kvprep.childproc import run_events_child
+run_events_child(lambda fd: [sys.executable, "-c",
+                             "import os, signal; os.kill(os.getppid(), signal.SIGKILL)"], 60)
+"""
+_KILLED_IN_THE_PROOF = """
+import os, signal, sys
+from pathlib import Path
+from qwen_kvprep.convert import verify
+def killed(*a, **k):
+    os.kill(os.getpid(), signal.SIGKILL)
+verify.run_events_child = killed
+verify.verify(Path(sys.argv[1]), Path(sys.argv[2]), timeout=60, context_factor=None)
+"""
+OWNER = ".qwen-kvprep-owner"  # childproc.OWNER_FILE, spelt out: what old leftovers lack
+_HOLDING = """
+import sys
+from qwen_kvprep.childproc import owned_tempdir
+with owned_tempdir(sys.argv[1]) as tmp:
+    print(tmp, flush=True)
+    sys.stdin.read()
+"""
+
+
+def test_what_a_killed_run_left_in_tmpdir_goes_with_the_next_run(
+    tmp_path: Path, ckpt: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import tempfile
+
+    from qwen_kvprep import childproc
+    from qwen_kvprep.convert import verify
+
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    env = {**os.environ, "TMPDIR": str(tmp)}
+    for script, args in ((_KILLED_WITH_A_CHILD, []),
+                         (_KILLED_IN_THE_PROOF, [str(ckpt), str(tmp_path / "out")])):
+        done = subprocess.run([sys.executable, "-c", script, *args], cwd=REPO, env=env,
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == -9, done.stderr
+    left = sorted(os.listdir(tmp))
+    assert [n[:18] for n in left] == ["qwen-kvprep-child-", "qwen_kvprep_verify"], left
+    assert (tmp / left[1] / "original" / "config.json").is_symlink()  # links to DIR's files
+    # what is not ours, or not dead, stays
+    (tmp / "qwen-kvprep-child-mine").mkdir()
+    (tmp / "qwen-kvprep-child-mine" / "notes").write_text("mine")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / OWNER).write_text("1\n")
+    (tmp / "qwen_kvprep_verify_link").symlink_to(elsewhere)
+    kept = ["qwen-kvprep-child-mine", "qwen_kvprep_verify_link"]
+    if needs.is_root():
+        other = tmp / "qwen-kvprep-child-other-user"
+        other.mkdir()
+        (other / OWNER).write_text("1\n")
+        os.chown(other, 4321, 4321)
+        kept.append(other.name)
+    holder = subprocess.Popen([sys.executable, "-c", _HOLDING, "qwen-kvprep-child-"], cwd=REPO,
+                              env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None
+        live = Path(holder.stdout.readline().strip())
+        kept.append(live.name)
+        before = snapshot(ckpt, mtimes=True)
+        monkeypatch.setattr(tempfile, "tempdir", str(tmp))
+        ran = childproc.run_events_child(lambda fd: [sys.executable, "-c", "pass"], 60)
+        assert ran.returncode == 0
+        monkeypatch.setattr(verify, "run_events_child", lambda *a, **k: childproc.ChildOutcome())
+        assert not verify.verify(ckpt, tmp_path / "out", timeout=60, context_factor=None).ok
+        assert sorted(os.listdir(tmp)) == sorted(kept)
+        assert snapshot(ckpt, mtimes=True) == before
+        assert (tmp / "qwen-kvprep-child-mine" / "notes").read_text() == "mine"
+        assert (elsewhere / OWNER).is_file()
+        assert live.is_dir()
+    finally:
+        holder.communicate("", timeout=60)
+    assert not live.exists()
