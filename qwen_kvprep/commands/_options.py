@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import math
 import os
-from typing import TYPE_CHECKING, Any, Callable, Optional, TypeVar, Union
+from typing import TYPE_CHECKING, Callable, Optional, TypeVar, Union
 
 import click
 from click.core import ParameterSource
@@ -52,19 +51,6 @@ class NonEmptyPath(click.Path):
 
 
 NONEMPTY = _NonEmpty()
-
-
-class FiniteFloatRange(click.FloatRange):
-    """click.FloatRange that refuses nan and inf: nan passes every comparison of a range,
-    and inf would read as "no limit", which no number option of ours means."""
-
-    def convert(  # Any: click's own signature, which differs between its releases
-        self, value: Any, param: Optional[click.Parameter], ctx: Optional[click.Context]
-    ) -> Any:
-        number = super().convert(value, param, ctx)
-        if isinstance(number, float) and not math.isfinite(number):
-            self.fail(f"{value!r} is not a finite number", param, ctx)
-        return number
 
 
 quiet_option = click.option(

@@ -14,7 +14,8 @@ from qwen_kvprep.commands._common import (
     json_option,
     output_options,
 )
-from qwen_kvprep.commands._options import NONEMPTY, FiniteFloatRange, quiet_option
+from qwen_kvprep.commands._numbers import FiniteFloatRange
+from qwen_kvprep.commands._options import NONEMPTY, quiet_option
 from qwen_kvprep.errors import UsageError
 from qwen_kvprep.render import emit
 
