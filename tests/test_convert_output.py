@@ -539,3 +539,26 @@ def test_what_a_killed_run_left_in_tmpdir_goes_with_the_next_run(
     finally:
         holder.communicate("", timeout=60)
     assert not live.exists()
+
+
+def test_the_space_a_killed_run_holds_counts_as_free_for_the_rerun(
+    tmp_path: Path, ckpt: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    out = tmp_path / "out"
+    child = subprocess.run(
+        [sys.executable, "-c", _KILL_AFTER_FIRST_SHARD, str(ckpt), str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+    )
+    assert child.returncode == -9, child.stderr
+    staging = output.staging_of(out)
+    held = sum(p.stat().st_blocks * 512 for p in staging.iterdir() if p.is_file())
+    needed = sum(p.stat().st_size for p in ckpt.glob("*.safetensors")) + (32 << 20)
+    real = output.shutil.disk_usage
+
+    def disk(path: object) -> object:  # the disk holds the leftover and little more
+        return real(path)._replace(free=needed - held + (64 << 10))  # type: ignore[arg-type]
+
+    monkeypatch.setattr(output.shutil, "disk_usage", disk)
+    convert(ckpt, out, NO_VERIFY)
+    assert not staging.exists()
+    _same_model(ckpt, out)

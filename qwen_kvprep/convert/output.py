@@ -214,11 +214,13 @@ def _not_empty(out: Path, entries: list[str]) -> UsageError:
 def check_space(out: Path, needed: int) -> None:
     """FileSystemError when the device the bytes go to has less than `needed` bytes: OUT's
     own when it exists (a mounted volume), else the folder it is created in."""
-    where = place_of(out).base
+    place = place_of(out)
+    where = place.base
     try:
         free = shutil.disk_usage(where).free
     except OSError:
         return
+    free += _reclaimable(place)  # a killed run's leftovers go before the first write
     if free < needed:
         raise FileSystemError(
             f"not enough space for OUT: {_size(needed)} to write, {_size(free)} free on the "
@@ -226,6 +228,25 @@ def check_space(out: Path, needed: int) -> None:
             fix=f"free some space there (`df -h {shlex.quote(str(where))}` shows it) or "
             "name an OUT on another disk; nothing was written",
         )
+
+
+def _reclaimable(place: Place) -> int:
+    """The bytes on disk of what a killed run left that staged() removes: its staging
+    folder (when ours) and the files its claim lists."""
+    staging = place.staging
+    ours = os.path.lexists(place.claim) or (staging / MARKER).is_file()
+    if not ours or staging.is_symlink():
+        return 0
+    paths = [place.out / n for n in _claimed(place)]
+    for folder, _dirs, files in os.walk(staging):  # links are not followed
+        paths += [Path(folder) / f for f in files]
+    total = 0
+    for path in paths:
+        with contextlib.suppress(OSError):
+            st = os.lstat(path)
+            if stat.S_ISREG(st.st_mode):
+                total += st.st_blocks * 512
+    return total
 
 
 def _size(n: int) -> str:
