@@ -168,7 +168,8 @@ def sweep_tempdirs(prefix: str) -> list[Path]:
         if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
             continue
         try:
-            fd = os.open(os.path.join(entry.path, OWNER_FILE), os.O_RDONLY | os.O_NOFOLLOW)
+            fd = os.open(os.path.join(entry.path, OWNER_FILE),
+                         os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)  # a FIFO: no wait
         except OSError:
             continue  # not ours (or not readable): left alone
         try:

@@ -401,9 +401,14 @@ def test_a_kill_while_publishing_is_finished_by_the_same_command(
     _same_model(ckpt, out)
 
 
+def _files(out: Path) -> dict[str, object]:
+    return {k: v for k, v in snapshot(out, mtimes=True).items() if k != "."}
+
+
+@pytest.mark.parametrize("when", ["checking-dir", "taking-the-lock"])
 @pytest.mark.parametrize("existing", [False, True], ids=["new-out", "existing-out"])
 def test_a_convert_that_finds_out_finished_by_another_says_so_and_writes_nothing(
-    tmp_path: Path, ckpt: Path, monkeypatch: pytest.MonkeyPatch, existing: bool
+    tmp_path: Path, ckpt: Path, monkeypatch: pytest.MonkeyPatch, existing: bool, when: str
 ) -> None:
     from qwen_kvprep.convert import run
     from qwen_kvprep.errors import RefusedError
@@ -412,25 +417,39 @@ def test_a_convert_that_finds_out_finished_by_another_says_so_and_writes_nothing
     if existing:
         out.mkdir()
     real_read, real_write = run.read_source, run.write_weights
+    real_acquire = output.filelock.FileLock.acquire
     written: list[int] = []
+    finished: list[object] = []
 
-    def read_while_another_converts(*a: object, **k: object) -> object:
+    def another_converts() -> None:  # all of it, while this one checks DIR or waits
         monkeypatch.setattr(run, "read_source", real_read)
-        convert(ckpt, out, NO_VERIFY)  # the other convert, done while this one checks DIR
+        monkeypatch.setattr(output.filelock.FileLock, "acquire", real_acquire)
+        convert(ckpt, out, NO_VERIFY)
+        finished.append(_files(out))
         monkeypatch.setattr(run, "write_weights", counting)
+
+    def reading(*a: object, **k: object) -> object:
+        another_converts()
         return real_read(*a, **k)  # type: ignore[arg-type]
+
+    def locking(self: object, *a: object, **k: object) -> object:
+        another_converts()
+        return real_acquire(self, *a, **k)  # type: ignore[arg-type]
 
     def counting(*a: object, **k: object) -> object:
         written.append(1)
         return real_write(*a, **k)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(run, "read_source", read_while_another_converts)
-    before = snapshot(out, mtimes=True)
+    if when == "checking-dir":
+        monkeypatch.setattr(run, "read_source", reading)
+    else:
+        monkeypatch.setattr(output.filelock.FileLock, "acquire", locking)
     with pytest.raises(RefusedError, match=r"another convert finished .*nothing was written"):
         convert(ckpt, out, NO_VERIFY)
-    assert not written
+    assert finished and not written
     assert sorted(os.listdir(tmp_path)) == ["ckpt", "out"]
-    assert snapshot(out, mtimes=True) == before
+    assert [_files(out)] == finished  # the other's OUT, untouched
+    _same_model(ckpt, out)
 
 
 @pytest.mark.parametrize("args", [

@@ -125,18 +125,20 @@ def _chain(path: Path) -> Iterator[tuple[int, int]]:
         real = real.parent
 
 
-def _claimed(place: Place) -> list[str]:
-    """The names of OUT the claim lists (an empty list when there is no claim of ours)."""
-    try:
-        fd = os.open(place.claim, os.O_RDONLY | os.O_NOFOLLOW)
+def _claimed(place: Place) -> Optional[list[str]]:
+    """None without a claim of ours; else the names of OUT it lists (inside OUT only)."""
+    try:  # O_NONBLOCK: a FIFO in its place must not stall the run
+        fd = os.open(place.claim, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError:
-        return []
+        return None
     with os.fdopen(fd, "rb") as fh:
         if not stat.S_ISREG(os.fstat(fh.fileno()).st_mode):
-            return []
+            return None
         text = fh.read(_CLAIM_LIMIT).decode("utf-8", errors="replace")
     lines = text.split("\n")
-    if lines[0] != _CLAIM_HEAD or not place.inside:
+    if lines[0] != _CLAIM_HEAD:
+        return None
+    if not place.inside:
         return []
     return [n for n in lines[1:] if n and n == os.path.basename(n) and n not in (".", "..")
             and not n.startswith(INSIDE)]
@@ -145,8 +147,8 @@ def _claimed(place: Place) -> list[str]:
 def _ours(place: Place, name: str, claimed: Sequence[str]) -> bool:
     """Whether the entry `name` of OUT is one of convert's own (inside OUT only)."""
     own = {place.staging.name, place.lock.name, place.claim.name}
-    temp = TEMP_NAME.match(name)
-    return name in own or name in claimed or (temp is not None and temp.group(1) in own)
+    temp = TEMP_NAME.match(name)  # an atomic write of the claim cut short
+    return name in own or name in claimed or (temp is not None and f".{temp.group(1)}" in own)
 
 
 def _foreign(place: Place) -> list[str]:
@@ -154,7 +156,7 @@ def _foreign(place: Place) -> list[str]:
     entries = os.listdir(place.out)
     if not place.inside:
         return entries
-    claimed = _claimed(place) if os.path.lexists(place.claim) else []
+    claimed = _claimed(place) or []
     return [e for e in entries if not _ours(place, e, claimed)]
 
 
@@ -234,10 +236,10 @@ def _reclaimable(place: Place) -> int:
     """The bytes on disk of what a killed run left that staged() removes: its staging
     folder (when ours) and the files its claim lists."""
     staging = place.staging
-    ours = os.path.lexists(place.claim) or (staging / MARKER).is_file()
+    ours = _claimed(place) is not None or (staging / MARKER).is_file()
     if not ours or staging.is_symlink():
         return 0
-    paths = [place.out / n for n in _claimed(place)]
+    paths = [place.out / n for n in _claimed(place) or []]
     for folder, _dirs, files in os.walk(staging):  # links are not followed
         paths += [Path(folder) / f for f in files]
     total = 0
@@ -270,6 +272,10 @@ def staged(out: Path, timeout: float = 0.0) -> Iterator[Path]:
     """The fresh staging folder for OUT, under OUT's lock, for the `with` block; removed if
     the block raises. `publish` puts it in place as OUT inside the block."""
     place = place_of(out)
+    try:
+        _check_again(place)  # first without the lock: not even a lock file in a finished OUT
+    except OSError as exc:
+        raise os_failure(exc, place.base, output_option=False) from exc
     lock = filelock.FileLock(str(place.lock), timeout=timeout)
     try:
         lock.acquire()
@@ -326,7 +332,7 @@ def _clear_stale(place: Place) -> None:
     then the claim. A staging folder without our claim is not ours: refused."""
     staging = place.staging
     claimed = _claimed(place)
-    claim = os.path.lexists(place.claim)
+    claim = claimed is not None
     if os.path.lexists(staging):
         legacy = (staging / MARKER).is_file() and not staging.is_symlink()
         if staging.is_symlink() or not staging.is_dir() or not (claim or legacy):
@@ -339,7 +345,7 @@ def _clear_stale(place: Place) -> None:
             shutil.rmtree(staging)  # a killed run's partial output: start afresh
         except OSError as exc:
             raise os_failure(exc, place.base, output_option=False) from exc
-    for name in claimed:  # moved into OUT by a publish that a kill cut short
+    for name in claimed or []:  # moved into OUT by a publish that a kill cut short
         path = place.out / name
         with contextlib.suppress(FileNotFoundError):
             if stat.S_ISREG(os.lstat(path).st_mode):
@@ -347,6 +353,12 @@ def _clear_stale(place: Place) -> None:
     if claim:
         place.claim.unlink()
         fsync_dir(place.base)
+    if place.inside:  # an atomic write of the claim cut short
+        for name in os.listdir(place.out):
+            temp = TEMP_NAME.match(name)
+            if temp is not None and f".{temp.group(1)}" == place.claim.name:
+                with contextlib.suppress(FileNotFoundError):
+                    (place.out / name).unlink()
 
 
 def source_modes(src: Path, weight_files: Iterable[str]) -> tuple[int, int]:
