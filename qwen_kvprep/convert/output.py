@@ -363,11 +363,13 @@ def _clear_stale(place: Place) -> None:
 
 def source_modes(src: Path, weight_files: Iterable[str]) -> tuple[int, int]:
     """The permission bits OUT's files may have at most: (weights, other files), from
-    DIR's weight files and DIR's config.json (a link is followed: the bytes' own file)."""
+    DIR's weight files and DIR's config.json (a link is followed: the bytes' own file).
+    Who may read follows DIR; the owner's write bit stays (a read-only DIR, a mounted
+    snapshot say, does not make OUT's files read-only to the user who made them)."""
 
     def bits(path: Path) -> int:
         try:
-            return stat.S_IMODE(os.stat(path).st_mode) & 0o666
+            return stat.S_IMODE(os.stat(path).st_mode) & 0o666 | 0o200
         except OSError:
             return 0o644
 
