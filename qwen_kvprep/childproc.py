@@ -27,9 +27,12 @@ Light imports only: the CLI imports this module without torch.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
+import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -37,6 +40,7 @@ import threading
 import time
 import traceback
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import (
@@ -121,6 +125,87 @@ class ChildOutcome(Generic[R]):
 
 
 # -- parent side -----------------------------------------------------------------------------
+
+
+# In every temporary folder of ours: a file locked (flock) by the process that made the
+# folder, for as long as it lives. The kernel drops the lock when that process dies, even
+# by SIGKILL, in any pid namespace (a container sharing /tmp), so a folder whose owner file
+# is not locked was left by a run that was killed before it could remove it.
+OWNER_FILE = ".qwen-kvprep-owner"
+
+
+def _lock_owner(folder: Path) -> int:
+    """The open, locked owner file of `folder`. Locked under a temporary name, then renamed:
+    a sweep never sees the owner file unlocked while its folder is in use."""
+    pending = folder / f"{OWNER_FILE}.new"
+    fd = os.open(pending, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        os.rename(pending, folder / OWNER_FILE)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def sweep_tempdirs(prefix: str) -> list[Path]:
+    """Remove the temporary folders `prefix`* that killed runs of this user left in the
+    temporary folder (TMPDIR): only real folders (never through a link) of this user that
+    hold our owner file, with nobody holding its lock. Returns what was removed."""
+    removed: list[Path] = []
+    try:
+        entries = list(os.scandir(tempfile.gettempdir()))
+    except OSError:
+        return removed
+    for entry in entries:
+        if not entry.name.startswith(prefix):
+            continue
+        try:
+            st = entry.stat(follow_symlinks=False)
+        except OSError:
+            continue
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+            continue
+        try:
+            fd = os.open(os.path.join(entry.path, OWNER_FILE),
+                         os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)  # a FIFO: no wait
+        except OSError:
+            continue  # not ours (or not readable): left alone
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                continue  # its run is alive
+            # rmtree refuses a link in the folder's place and never follows one inside
+            shutil.rmtree(entry.path, ignore_errors=True)
+            removed.append(Path(entry.path))
+        finally:
+            os.close(fd)
+    return removed
+
+
+@contextlib.contextmanager
+def owned_tempdir(prefix: str) -> Iterator[Path]:
+    """A new temporary folder `prefix`*, removed at the end of the block; what runs killed
+    before they could remove theirs left (sweep_tempdirs) is removed first."""
+    sweep_tempdirs(prefix)
+    folder = Path(tempfile.mkdtemp(prefix=prefix))
+    try:
+        fd = _lock_owner(folder)
+    except BaseException:
+        shutil.rmtree(folder, ignore_errors=True)
+        raise
+    try:
+        yield folder
+    finally:
+        try:
+            shutil.rmtree(folder, ignore_errors=True)
+        finally:
+            os.close(fd)
+
 
 
 def child_env(extra: Optional[dict[str, str]] = None) -> dict[str, str]:
@@ -234,8 +319,8 @@ def run_events_child(
     events it writes to descriptor `fd`. Never raises for what the child does."""
     outcome: ChildOutcome[JSON] = ChildOutcome()
     lock = threading.Lock()
-    with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
-        log_path = Path(tmp) / "child.log"
+    with owned_tempdir(prefix) as tmp:
+        log_path = tmp / "child.log"
         read_fd, write_fd = os.pipe()
         try:
             with open(log_path, "wb") as log:

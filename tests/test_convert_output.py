@@ -286,3 +286,302 @@ def test_real_full_disk_is_said_before_writing(tmp_path: Path, ckpt: Path) -> No
         assert res.returncode == 1, res.stderr
         assert "not enough space for OUT" in res.stderr and "nothing was written" in res.stderr
         assert os.listdir(mnt) == []
+
+
+@contextlib.contextmanager
+def _bind(what: Path, where: Path) -> Iterator[Path]:
+    if not needs.is_root():
+        needs.skip("root", "a bind mount needs root")
+    where.mkdir(parents=True, exist_ok=True)
+    done = subprocess.run(["mount", "--bind", str(what), str(where)],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        needs.skip("root", f"cannot bind-mount here: {done.stderr.strip()}")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], check=False)
+
+
+def test_out_through_a_bind_mount_of_dir_is_inside_dir(tmp_path: Path, ckpt: Path) -> None:
+    before = snapshot(ckpt, mtimes=True)
+    with _bind(ckpt, tmp_path / "view") as view:
+        res = invoke("convert", str(ckpt), str(view / "qwen2"), "--no-verify")
+        assert res.returncode == 2, res.stderr
+        assert "lies inside DIR" in res.stderr
+        # the other way round: DIR reached through the bind of itself
+        with pytest.raises(UsageError, match="lies inside DIR"):
+            convert(view, ckpt / "qwen2", NO_VERIFY)
+    assert snapshot(ckpt, mtimes=True) == before
+
+
+def _same_model(ckpt: Path, out: Path) -> None:
+    got, exp = load_out(out), expected_dense(load_source(ckpt), 2)
+    assert set(got) == set(exp) and all(bits_equal(got[n], t) for n, t in exp.items())
+
+
+def test_out_an_empty_mounted_volume_is_written_in_place(tmp_path: Path, ckpt: Path) -> None:
+    # a volume under a roomy parent: the rename onto a mount point would fail (EBUSY)
+    with _tmpfs(tmp_path / "vol", "64m") as vol:
+        res = invoke("convert", str(ckpt), str(vol), "--no-verify")
+        assert res.returncode == 0, res.stderr
+        assert os.path.ismount(vol)
+        assert not [n for n in os.listdir(vol) if n.startswith(".")]  # no staging, no lock
+        assert sorted(os.listdir(tmp_path)) == ["ckpt", "vol"]
+        _same_model(ckpt, vol)
+    # a volume under a parent too small for the model: the space is the volume's
+    with _tmpfs(tmp_path / "small", "1m") as small, _tmpfs(small / "vol", "64m") as vol:
+        res = invoke("convert", str(ckpt), str(vol), "--no-verify")
+        assert res.returncode == 0, res.stderr
+        assert os.listdir(small) == ["vol"]
+        _same_model(ckpt, vol)
+
+
+def test_an_admins_out_keeps_its_owner_and_mode_and_nothing_is_more_readable(
+    tmp_path: Path, ckpt: Path
+) -> None:
+    for shard in ckpt.glob("*.safetensors"):
+        shard.chmod(0o600)
+    (ckpt / "config.json").chmod(0o440)
+    new = tmp_path / "new"
+    convert(ckpt, new, NO_VERIFY)
+    for path in new.iterdir():
+        mode = path.stat().st_mode & 0o777
+        cap = 0o600 if path.name.endswith((".safetensors", ".index.json")) else 0o640
+        assert mode & ~cap == 0 and mode & 0o600 == 0o600, (path.name, oct(mode))
+    if not needs.is_root():
+        needs.skip("root", "giving OUT to another owner needs root")
+    out = tmp_path / "out"
+    out.mkdir()
+    os.chown(out, 4321, 4321)
+    out.chmod(0o2770)
+    convert(ckpt, out, NO_VERIFY)
+    st = out.stat()
+    assert (st.st_uid, st.st_gid, st.st_mode & 0o7777) == (4321, 4321, 0o2770)
+    for path in out.iterdir():  # the folder's setgid group, as the admin meant it
+        assert path.stat().st_gid == 4321, path.name
+    _same_model(ckpt, out)
+
+
+_KILL_AT = """
+import os, signal, sys
+from pathlib import Path
+from qwen_kvprep.convert.run import ConvertOptions, convert
+out, at = Path(sys.argv[2]).absolute(), sys.argv[3]
+moved = []
+def killing(real):
+    def call(src, dst, *a, **k):
+        if Path(dst) == out or Path(dst).parent == out and not Path(dst).name.startswith("."):
+            moved.append(dst)
+            if at == "rename" or len(moved) == 3:  # the third model file into OUT
+                os.kill(os.getpid(), signal.SIGKILL)
+        return real(src, dst, *a, **k)
+    return call
+os.replace, os.rename = killing(os.replace), killing(os.rename)
+convert(Path(sys.argv[1]), out, ConvertOptions(verify=False))
+"""
+
+
+@pytest.mark.parametrize("existing", [False, True], ids=["new-out", "existing-out"])
+def test_a_kill_while_publishing_is_finished_by_the_same_command(
+    tmp_path: Path, ckpt: Path, existing: bool
+) -> None:
+    out = tmp_path / "out"
+    if existing:
+        out.mkdir()
+    child = subprocess.run(
+        [sys.executable, "-c", _KILL_AT, str(ckpt), str(out), "moves" if existing else "rename"],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+    )
+    assert child.returncode == -9, child.stderr
+    if existing:  # some files moved into OUT, the rest still staged
+        assert 0 < len([n for n in os.listdir(out) if not n.startswith(".")]) < 6
+    else:  # complete, but not yet renamed
+        assert (output.staging_of(out) / "config.json").is_file() and not out.exists()
+    result = invoke("convert", str(ckpt), str(out), "--no-verify")
+    assert result.returncode == 0, result.stderr
+    assert sorted(os.listdir(tmp_path)) == ["ckpt", "out"]
+    assert not [n for n in os.listdir(out) if n.startswith(".")]
+    _same_model(ckpt, out)
+
+
+def _files(out: Path) -> dict[str, object]:
+    return {k: v for k, v in snapshot(out, mtimes=True).items() if k != "."}
+
+
+@pytest.mark.parametrize("when", ["checking-dir", "taking-the-lock"])
+@pytest.mark.parametrize("existing", [False, True], ids=["new-out", "existing-out"])
+def test_a_convert_that_finds_out_finished_by_another_says_so_and_writes_nothing(
+    tmp_path: Path, ckpt: Path, monkeypatch: pytest.MonkeyPatch, existing: bool, when: str
+) -> None:
+    from qwen_kvprep.convert import run
+    from qwen_kvprep.errors import RefusedError
+
+    out = tmp_path / "out"
+    if existing:
+        out.mkdir()
+    real_read, real_write = run.read_source, run.write_weights
+    real_acquire = output.filelock.FileLock.acquire
+    written: list[int] = []
+    finished: list[object] = []
+
+    def another_converts() -> None:  # all of it, while this one checks DIR or waits
+        monkeypatch.setattr(run, "read_source", real_read)
+        monkeypatch.setattr(output.filelock.FileLock, "acquire", real_acquire)
+        convert(ckpt, out, NO_VERIFY)
+        finished.append(_files(out))
+        monkeypatch.setattr(run, "write_weights", counting)
+
+    def reading(*a: object, **k: object) -> object:
+        another_converts()
+        return real_read(*a, **k)  # type: ignore[arg-type]
+
+    def locking(self: object, *a: object, **k: object) -> object:
+        another_converts()
+        return real_acquire(self, *a, **k)  # type: ignore[arg-type]
+
+    def counting(*a: object, **k: object) -> object:
+        written.append(1)
+        return real_write(*a, **k)  # type: ignore[arg-type]
+
+    if when == "checking-dir":
+        monkeypatch.setattr(run, "read_source", reading)
+    else:
+        monkeypatch.setattr(output.filelock.FileLock, "acquire", locking)
+    with pytest.raises(RefusedError, match=r"another convert finished .*nothing was written"):
+        convert(ckpt, out, NO_VERIFY)
+    assert finished and not written
+    assert sorted(os.listdir(tmp_path)) == ["ckpt", "out"]
+    assert [_files(out)] == finished  # the other's OUT, untouched
+    _same_model(ckpt, out)
+
+
+@pytest.mark.parametrize("args", [
+    ("--context-factor", "nan", "--rope-scaling", "yarn"),
+    ("--context-factor", "inf", "--rope-scaling", "yarn"),
+    ("--max-shard-size", "nan"),
+    ("--max-shard-size", "inf"),
+    ("--max-shard-size", "1e400GB"),
+    ("--verify-timeout", "nan"),
+    ("--verify-timeout", "inf"),
+], ids=lambda a: " ".join(a[:2]))
+def test_numbers_that_are_not_numbers_are_usage_errors(
+    tmp_path: Path, ckpt: Path, args: tuple[str, ...]
+) -> None:
+    res = invoke("convert", str(ckpt), str(tmp_path / "out"), "--no-verify", *args)
+    assert res.returncode == 2, res.stderr
+    assert args[0] in res.stderr and "internal error" not in res.stderr, res.stderr
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]
+
+
+def test_a_context_factor_that_is_not_a_number_is_refused_by_the_library(
+    tmp_path: Path, ckpt: Path
+) -> None:
+    for factor in (float("nan"), float("inf")):
+        with pytest.raises(UsageError, match="--context-factor"):
+            convert(ckpt, tmp_path / "out", ConvertOptions(
+                verify=False, context_factor=factor, rope_scaling="yarn"))
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]
+
+
+_KILLED_WITH_A_CHILD = """
+import sys
+from qwen_kvprep.childproc import run_events_child
+run_events_child(lambda fd: [sys.executable, "-c",
+                             "import os, signal; os.kill(os.getppid(), signal.SIGKILL)"], 60)
+"""
+_KILLED_IN_THE_PROOF = """
+import os, signal, sys
+from pathlib import Path
+from qwen_kvprep.convert import verify
+def killed(*a, **k):
+    os.kill(os.getpid(), signal.SIGKILL)
+verify.run_events_child = killed
+verify.verify(Path(sys.argv[1]), Path(sys.argv[2]), timeout=60, context_factor=None)
+"""
+OWNER = ".qwen-kvprep-owner"  # childproc.OWNER_FILE, spelt out: what old leftovers lack
+_HOLDING = """
+import sys
+from qwen_kvprep.childproc import owned_tempdir
+with owned_tempdir(sys.argv[1]) as tmp:
+    print(tmp, flush=True)
+    sys.stdin.read()
+"""
+
+
+def test_what_a_killed_run_left_in_tmpdir_goes_with_the_next_run(
+    tmp_path: Path, ckpt: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import tempfile
+
+    from qwen_kvprep import childproc
+    from qwen_kvprep.convert import verify
+
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    env = {**os.environ, "TMPDIR": str(tmp)}
+    for script, args in ((_KILLED_WITH_A_CHILD, []),
+                         (_KILLED_IN_THE_PROOF, [str(ckpt), str(tmp_path / "out")])):
+        done = subprocess.run([sys.executable, "-c", script, *args], cwd=REPO, env=env,
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == -9, done.stderr
+    left = sorted(os.listdir(tmp))
+    assert [n[:18] for n in left] == ["qwen-kvprep-child-", "qwen_kvprep_verify"], left
+    assert (tmp / left[1] / "original" / "config.json").is_symlink()  # links to DIR's files
+    # what is not ours, or not dead, stays
+    (tmp / "qwen-kvprep-child-mine").mkdir()
+    (tmp / "qwen-kvprep-child-mine" / "notes").write_text("mine")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / OWNER).write_text("1\n")
+    (tmp / "qwen_kvprep_verify_link").symlink_to(elsewhere)
+    kept = ["qwen-kvprep-child-mine", "qwen_kvprep_verify_link"]
+    if needs.is_root():
+        other = tmp / "qwen-kvprep-child-other-user"
+        other.mkdir()
+        (other / OWNER).write_text("1\n")
+        os.chown(other, 4321, 4321)
+        kept.append(other.name)
+    holder = subprocess.Popen([sys.executable, "-c", _HOLDING, "qwen-kvprep-child-"], cwd=REPO,
+                              env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None
+        live = Path(holder.stdout.readline().strip())
+        kept.append(live.name)
+        before = snapshot(ckpt, mtimes=True)
+        monkeypatch.setattr(tempfile, "tempdir", str(tmp))
+        ran = childproc.run_events_child(lambda fd: [sys.executable, "-c", "pass"], 60)
+        assert ran.returncode == 0
+        monkeypatch.setattr(verify, "run_events_child", lambda *a, **k: childproc.ChildOutcome())
+        assert not verify.verify(ckpt, tmp_path / "out", timeout=60, context_factor=None).ok
+        assert sorted(os.listdir(tmp)) == sorted(kept)
+        assert snapshot(ckpt, mtimes=True) == before
+        assert (tmp / "qwen-kvprep-child-mine" / "notes").read_text() == "mine"
+        assert (elsewhere / OWNER).is_file()
+        assert live.is_dir()
+    finally:
+        holder.communicate("", timeout=60)
+    assert not live.exists()
+
+
+def test_the_space_a_killed_run_holds_counts_as_free_for_the_rerun(
+    tmp_path: Path, ckpt: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    out = tmp_path / "out"
+    child = subprocess.run(
+        [sys.executable, "-c", _KILL_AFTER_FIRST_SHARD, str(ckpt), str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+    )
+    assert child.returncode == -9, child.stderr
+    staging = output.staging_of(out)
+    held = sum(p.stat().st_blocks * 512 for p in staging.iterdir() if p.is_file())
+    needed = sum(p.stat().st_size for p in ckpt.glob("*.safetensors")) + (32 << 20)
+    real = output.shutil.disk_usage
+
+    def disk(path: object) -> object:  # the disk holds the leftover and little more
+        return real(path)._replace(free=needed - held + (64 << 10))  # type: ignore[arg-type]
+
+    monkeypatch.setattr(output.shutil, "disk_usage", disk)
+    convert(ckpt, out, NO_VERIFY)
+    assert not staging.exists()
+    _same_model(ckpt, out)

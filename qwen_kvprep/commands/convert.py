@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Optional
 
@@ -13,6 +14,7 @@ from qwen_kvprep.commands._common import (
     json_option,
     output_options,
 )
+from qwen_kvprep.commands._numbers import FiniteFloatRange
 from qwen_kvprep.commands._options import NONEMPTY, quiet_option
 from qwen_kvprep.errors import UsageError
 from qwen_kvprep.render import emit
@@ -32,6 +34,8 @@ def _size(value: Optional[str]) -> Optional[int]:
         raise UsageError(
             f"--max-shard-size {value}: a size such as 5GB, 500MB or 2GiB"
         ) from None
+    if not math.isfinite(n):
+        raise UsageError(f"--max-shard-size {value}: a finite size such as 5GB")
     if n < 1:
         raise UsageError(f"--max-shard-size {value}: it must be positive")
     return int(n)
@@ -43,7 +47,7 @@ def _size(value: Optional[str]) -> Optional[int]:
 @click.option("--max-shard-size", metavar="SIZE",
               help="Largest output shard, e.g. 5GB or 2GiB (default: one output shard per "
               "source weight file).")
-@click.option("--context-factor", type=click.FloatRange(min=1.0, min_open=True), metavar="F",
+@click.option("--context-factor", type=FiniteFloatRange(min=1.0, min_open=True), metavar="F",
               help="Declare seq_length * F positions, with --rope-scaling; OUT is then not "
               "exact past seq_length (default: exact, seq_length positions).")
 @click.option("--rope-scaling", type=click.Choice(["yarn", "dynamic"]),
@@ -51,7 +55,7 @@ def _size(value: Optional[str]) -> Optional[int]:
 @click.option("--no-verify", is_flag=True,
               help="Skip loading the original and OUT in a child process to compare their "
               "logits (the bit-for-bit tensor comparison still runs).")
-@click.option("--verify-timeout", type=click.FloatRange(min=1.0), default=1800.0,
+@click.option("--verify-timeout", type=FiniteFloatRange(min=1.0), default=1800.0,
               show_default=True, metavar="S", help="Seconds the verification child may take.")
 @click.option("--revision", metavar="REV", help=REVISION_HELP)
 @json_option

@@ -1,16 +1,30 @@
-"""Where convert writes: OUT's rules, the staging folder beside it, its lock, the rename.
+"""Where convert writes: OUT's rules, the staging folder, its lock, the publish.
 
-- OUT must not exist, or be an empty folder; it must not lie inside DIR, nor DIR inside it
-  (a link is followed to where it leads: that is where the bytes would go).
-- Everything is written into the staging folder `.<OUT name>.convert-partial` beside OUT,
-  and renamed to OUT at the very end: OUT appears complete or not at all. The staging
-  folder's name starts with a dot and its config.json is written last, so what a killed run
-  leaves behind is nothing a loader picks up.
-- The lock file `.<OUT name>.convert-lock` beside OUT (filelock: the kernel drops it when
-  its holder dies) keeps two converts from writing the same OUT; it is removed at the end.
-  Under it, a staging folder left by a killed run (it holds our marker file) is removed
-  and the conversion starts afresh, so the same command finishes what a kill cut short.
-  A folder of that name without our marker is not ours: refused, never removed.
+- OUT must not exist, or be an empty folder; it must not lie inside DIR, nor DIR inside it.
+  Places are told apart by device and inode, not by how they are spelt: a link, a bind
+  mount or a second mount of DIR's file system leads to where the bytes would go.
+- Everything is written into a staging folder and published at the very end, so OUT never
+  holds a half-written model:
+  - OUT absent: the staging folder `.<OUT name>.convert-partial` beside OUT is renamed to
+    OUT (OUT appears complete or not at all);
+  - OUT an existing empty folder (an admin's folder, a mounted volume): the staging folder
+    `.qwen-kvprep-convert-partial` INSIDE it, on OUT's own device, whose files are moved
+    into OUT (config.json last, so a loader takes OUT for a model only once it is whole).
+    OUT itself is never replaced: its owner, group and mode (setgid included) stay, and a
+    mount point is never the target of a rename (the kernel refuses that with EBUSY).
+- The claim file beside the staging folder (`.<OUT name>.convert-claim`, or
+  `.qwen-kvprep-convert-claim` inside OUT) says the staging folder is ours; it is written
+  first and removed last, so what a kill at any moment leaves is recognisable as ours.
+  Inside OUT it lists, before the files are moved, the names it moves.
+- The lock file (`.<OUT name>.convert-lock` beside OUT, or `.qwen-kvprep-convert-lock`
+  inside it; filelock: the kernel drops it when its holder dies) keeps two converts from
+  writing the same OUT; it is removed at the end. Under it, what a killed run left (the
+  staging folder, the files its claim lists) is removed and the conversion starts afresh,
+  so the same command finishes what a kill cut short; and OUT is checked again, so a
+  second convert that waited says that another one finished OUT. A folder at the staging
+  name without our claim is not ours: refused, never removed.
+- No output file is more readable than what it is made from: the weights keep at most the
+  modes of DIR's weight files, the other files at most those of DIR's config.json.
 """
 
 from __future__ import annotations
@@ -19,30 +33,132 @@ import contextlib
 import os
 import shlex
 import shutil
-from collections.abc import Iterator
+import stat
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 import filelock
 
 from qwen_kvprep.convert.outname import suggested_out
-from qwen_kvprep.errors import FileSystemError, KvprepError, LockTimeout, UsageError, os_failure
-from qwen_kvprep.fsutil import fsync_dir
+from qwen_kvprep.errors import (
+    FileSystemError,
+    KvprepError,
+    LockTimeout,
+    RefusedError,
+    UsageError,
+    os_failure,
+)
+from qwen_kvprep.fsutil import TEMP_NAME, atomic_write_text, fsync_dir
 
 STAGING_SUFFIX = ".convert-partial"
 LOCK_SUFFIX = ".convert-lock"
-MARKER = ".qwen-kvprep-convert"  # inside the staging folder: it is ours to remove
+CLAIM_SUFFIX = ".convert-claim"
+INSIDE = ".qwen-kvprep"  # the names inside an existing OUT: INSIDE + "-convert-partial" ...
+MARKER = ".qwen-kvprep-convert"  # inside a staging folder of an older release: ours too
+_CLAIM_HEAD = "qwen-kvprep convert staging"
+_CLAIM_LIMIT = 1 << 20
+_LAST = "config.json"  # published last: what a loader looks for first
+
+
+@dataclass(frozen=True)
+class Place:
+    """Where convert stages and locks OUT: beside it when it is new, inside it when it is
+    an existing (empty) folder."""
+
+    out: Path
+    inside: bool
+
+    @property
+    def base(self) -> Path:
+        return self.out if self.inside else self.out.parent
+
+    def _name(self, suffix: str) -> Path:
+        stem = f"{INSIDE}-convert" if self.inside else f".{self.out.name}.convert"
+        return self.base / (stem + suffix[len(".convert"):])
+
+    @property
+    def staging(self) -> Path:
+        return self._name(STAGING_SUFFIX)
+
+    @property
+    def lock(self) -> Path:
+        return self._name(LOCK_SUFFIX)
+
+    @property
+    def claim(self) -> Path:
+        return self._name(CLAIM_SUFFIX)
+
+
+def place_of(out: Path) -> Place:
+    return Place(out, out.is_dir() and not out.is_symlink())
 
 
 def staging_of(out: Path) -> Path:
-    return out.parent / f".{out.name}{STAGING_SUFFIX}"
+    return place_of(out).staging
 
 
 def lock_of(out: Path) -> Path:
-    return out.parent / f".{out.name}{LOCK_SUFFIX}"
+    return place_of(out).lock
 
 
-def _inside(path: Path, folder: Path) -> bool:
-    return path == folder or folder in path.parents
+def _identity(path: Path) -> Optional[tuple[int, int]]:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def _chain(path: Path) -> Iterator[tuple[int, int]]:
+    """(st_dev, st_ino) of `path` (or its nearest existing ancestor) and of every folder
+    above it on its real path: what a bind mount of a folder shares with the folder."""
+    real = Path(os.path.realpath(path))
+    while not os.path.lexists(real) and real.parent != real:
+        real = real.parent
+    while True:
+        ident = _identity(real)
+        if ident is not None:
+            yield ident
+        if real.parent == real:
+            return
+        real = real.parent
+
+
+def _claimed(place: Place) -> Optional[list[str]]:
+    """None without a claim of ours; else the names of OUT it lists (inside OUT only)."""
+    try:  # O_NONBLOCK: a FIFO in its place must not stall the run
+        fd = os.open(place.claim, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return None
+    with os.fdopen(fd, "rb") as fh:
+        if not stat.S_ISREG(os.fstat(fh.fileno()).st_mode):
+            return None
+        text = fh.read(_CLAIM_LIMIT).decode("utf-8", errors="replace")
+    lines = text.split("\n")
+    if lines[0] != _CLAIM_HEAD:
+        return None
+    if not place.inside:
+        return []
+    return [n for n in lines[1:] if n and n == os.path.basename(n) and n not in (".", "..")
+            and not n.startswith(INSIDE)]
+
+
+def _ours(place: Place, name: str, claimed: Sequence[str]) -> bool:
+    """Whether the entry `name` of OUT is one of convert's own (inside OUT only)."""
+    own = {place.staging.name, place.lock.name, place.claim.name}
+    temp = TEMP_NAME.match(name)  # an atomic write of the claim cut short
+    return name in own or name in claimed or (temp is not None and f".{temp.group(1)}" in own)
+
+
+def _foreign(place: Place) -> list[str]:
+    """OUT's entries that are not convert's own staging, lock and claim."""
+    entries = os.listdir(place.out)
+    if not place.inside:
+        return entries
+    claimed = _claimed(place) or []
+    return [e for e in entries if not _ours(place, e, claimed)]
 
 
 def check_out(src: Path, out: Path) -> None:
@@ -51,13 +167,15 @@ def check_out(src: Path, out: Path) -> None:
     q = shlex.quote
     if out.name in ("", ".", ".."):
         raise UsageError(f"OUT {out}: name the folder to create (e.g. {q(str(out))}/qwen2)")
-    real_out, real_src = out.resolve(), src.resolve()
-    if _inside(real_out, real_src):
+    src_id, out_id = _identity(src), _identity(out)
+    if src_id is not None and src_id in set(_chain(out)):
+        real_src = Path(os.path.realpath(src))
         raise UsageError(
-            f"OUT {out} lies inside DIR {src}: convert never writes into the checkpoint",
+            f"OUT {out} lies inside DIR {src} (the same folder, through a link or a mount): "
+            "convert never writes into the checkpoint",
             fix="name a folder outside it, e.g. " + q(str(suggested_out(real_src))),
         )
-    if _inside(real_src, real_out):
+    if out_id is not None and out_id in set(_chain(src)):
         raise UsageError(
             f"DIR {src} lies inside OUT {out}: OUT would contain the checkpoint it is made from",
             fix="name an OUT folder beside DIR, not above it",
@@ -77,32 +195,60 @@ def check_out(src: Path, out: Path) -> None:
                 fix="name a new folder (convert creates it)",
             )
         try:
-            entries = os.listdir(out)
+            entries = _foreign(place_of(out))
         except OSError as exc:
             raise os_failure(exc, parent, output_option=False) from exc
         if entries:
-            shown = ", ".join(sorted(entries)[:3]) + (" ..." if len(entries) > 3 else "")
-            raise UsageError(
-                f"OUT {out} exists and is not empty ({shown}): convert writes a new folder "
-                "and never mixes its files with others",
-                fix=f"name a new folder, or remove this one first (rm -r {q(str(out))}) if it "
-                "holds nothing you need",
-            )
+            raise _not_empty(out, entries)
+
+
+def _not_empty(out: Path, entries: list[str]) -> UsageError:
+    q = shlex.quote
+    shown = ", ".join(sorted(entries)[:3]) + (" ..." if len(entries) > 3 else "")
+    return UsageError(
+        f"OUT {out} exists and is not empty ({shown}): convert writes a new folder "
+        "and never mixes its files with others",
+        fix=f"name a new folder, or remove this one first (rm -r {q(str(out))}) if it "
+        "holds nothing you need",
+    )
 
 
 def check_space(out: Path, needed: int) -> None:
-    """FileSystemError when the device holding OUT's folder has less than `needed` bytes."""
+    """FileSystemError when the device the bytes go to has less than `needed` bytes: OUT's
+    own when it exists (a mounted volume), else the folder it is created in."""
+    place = place_of(out)
+    where = place.base
     try:
-        free = shutil.disk_usage(out.parent).free
+        free = shutil.disk_usage(where).free
     except OSError:
         return
+    free += _reclaimable(place)  # a killed run's leftovers go before the first write
     if free < needed:
         raise FileSystemError(
             f"not enough space for OUT: {_size(needed)} to write, {_size(free)} free on the "
-            f"device holding {out.parent}",
-            fix=f"free some space there (`df -h {shlex.quote(str(out.parent))}` shows it) or "
+            f"device holding {where}",
+            fix=f"free some space there (`df -h {shlex.quote(str(where))}` shows it) or "
             "name an OUT on another disk; nothing was written",
         )
+
+
+def _reclaimable(place: Place) -> int:
+    """The bytes on disk of what a killed run left that staged() removes: its staging
+    folder (when ours) and the files its claim lists."""
+    staging = place.staging
+    ours = _claimed(place) is not None or (staging / MARKER).is_file()
+    if not ours or staging.is_symlink():
+        return 0
+    paths = [place.out / n for n in _claimed(place) or []]
+    for folder, _dirs, files in os.walk(staging):  # links are not followed
+        paths += [Path(folder) / f for f in files]
+    total = 0
+    for path in paths:
+        with contextlib.suppress(OSError):
+            st = os.lstat(path)
+            if stat.S_ISREG(st.st_mode):
+                total += st.st_blocks * 512
+    return total
 
 
 def _size(n: int) -> str:
@@ -124,61 +270,145 @@ def no_space(exc: OSError, out: Path) -> KvprepError:
 @contextlib.contextmanager
 def staged(out: Path, timeout: float = 0.0) -> Iterator[Path]:
     """The fresh staging folder for OUT, under OUT's lock, for the `with` block; removed if
-    the block raises. `publish` renames it to OUT inside the block."""
-    lock_path = lock_of(out)
-    lock = filelock.FileLock(str(lock_path), timeout=timeout)
+    the block raises. `publish` puts it in place as OUT inside the block."""
+    place = place_of(out)
+    try:
+        _check_again(place)  # first without the lock: not even a lock file in a finished OUT
+    except OSError as exc:
+        raise os_failure(exc, place.base, output_option=False) from exc
+    lock = filelock.FileLock(str(place.lock), timeout=timeout)
     try:
         lock.acquire()
     except filelock.Timeout as exc:
         raise LockTimeout(
-            f"another convert is writing {out} (it holds {lock_path})",
+            f"another convert is writing {out} (it holds {place.lock})",
             fix="wait for it to finish; a killed one releases the lock at once",
         ) from exc
     except OSError as exc:
-        raise os_failure(exc, out.parent, output_option=False) from exc
-    staging = staging_of(out)
+        raise os_failure(exc, place.base, output_option=False) from exc
     try:
-        _clear_stale(staging)
         try:
-            staging.mkdir()
-            (staging / MARKER).write_bytes(b"")
+            _clear_stale(place)
+            _check_again(place)
+            atomic_write_text(place.claim, _CLAIM_HEAD + "\n")
+            place.staging.mkdir()
         except OSError as exc:
-            raise os_failure(exc, out.parent, output_option=False) from exc
+            raise os_failure(exc, place.base, output_option=False) from exc
         try:
-            yield staging
+            yield place.staging
         except BaseException:
-            with contextlib.suppress(OSError):
-                if staging.is_dir():
-                    shutil.rmtree(staging)
+            with contextlib.suppress(OSError, KvprepError):
+                _clear_stale(place)
             raise
     finally:
         with contextlib.suppress(OSError):
-            lock_path.unlink()  # while held: a waiter then finds OUT complete and refuses
+            place.lock.unlink()  # while held: a waiter then finds OUT complete and refuses
         lock.release()
 
 
-def _clear_stale(staging: Path) -> None:
-    if not os.path.lexists(staging):
+def _check_again(place: Place) -> None:
+    """Under the lock: OUT is still free. Another convert may have finished it since
+    check_out, while this one was reading DIR."""
+    out = place.out
+    if place.inside:
+        entries = _foreign(place)
+        if not entries:
+            return
+    elif not os.path.lexists(out):
         return
-    if staging.is_symlink() or not (staging / MARKER).is_file():
-        raise UsageError(
-            f"{staging} exists and was not made by convert: it is left alone",
-            fix=f"move it away (it is the name convert stages OUT in): mv "
-            f"{shlex.quote(str(staging))} SOMEWHERE",
-        )
-    try:
-        shutil.rmtree(staging)  # a killed run's partial output: start afresh
-    except OSError as exc:
-        raise os_failure(exc, staging.parent, output_option=False) from exc
+    else:
+        entries = []
+    raise RefusedError(
+        f"another convert finished {out} while this one was checking DIR: nothing was "
+        "written by this one"
+        + (f" (OUT now holds {', '.join(sorted(entries)[:3])})" if entries else ""),
+        fix=f"use {shlex.quote(str(out))} as it is (its provenance.json says what it was "
+        "made from), or name a new OUT",
+    )
 
 
-def publish(staging: Path, out: Path) -> None:
-    """Rename the complete staging folder to OUT (replacing an empty OUT folder)."""
-    (staging / MARKER).unlink()
-    fsync_dir(staging)
+def _clear_stale(place: Place) -> None:
+    """Remove what a killed run left: its staging folder and the files its claim lists,
+    then the claim. A staging folder without our claim is not ours: refused."""
+    staging = place.staging
+    claimed = _claimed(place)
+    claim = claimed is not None
+    if os.path.lexists(staging):
+        legacy = (staging / MARKER).is_file() and not staging.is_symlink()
+        if staging.is_symlink() or not staging.is_dir() or not (claim or legacy):
+            raise UsageError(
+                f"{staging} exists and was not made by convert: it is left alone",
+                fix=f"move it away (it is the name convert stages OUT in): mv "
+                f"{shlex.quote(str(staging))} SOMEWHERE",
+            )
+        try:
+            shutil.rmtree(staging)  # a killed run's partial output: start afresh
+        except OSError as exc:
+            raise os_failure(exc, place.base, output_option=False) from exc
+    for name in claimed or []:  # moved into OUT by a publish that a kill cut short
+        path = place.out / name
+        with contextlib.suppress(FileNotFoundError):
+            if stat.S_ISREG(os.lstat(path).st_mode):
+                path.unlink()
+    if claim:
+        place.claim.unlink()
+        fsync_dir(place.base)
+    if place.inside:  # an atomic write of the claim cut short
+        for name in os.listdir(place.out):
+            temp = TEMP_NAME.match(name)
+            if temp is not None and f".{temp.group(1)}" == place.claim.name:
+                with contextlib.suppress(FileNotFoundError):
+                    (place.out / name).unlink()
+
+
+def source_modes(src: Path, weight_files: Iterable[str]) -> tuple[int, int]:
+    """The permission bits OUT's files may have at most: (weights, other files), from
+    DIR's weight files and DIR's config.json (a link is followed: the bytes' own file).
+    Who may read follows DIR; the owner's write bit stays (a read-only DIR, a mounted
+    snapshot say, does not make OUT's files read-only to the user who made them)."""
+
+    def bits(path: Path) -> int:
+        try:
+            return stat.S_IMODE(os.stat(path).st_mode) & 0o666 | 0o200
+        except OSError:
+            return 0o644
+
+    weights = 0o666
+    for name in weight_files:
+        weights &= bits(src / name)
+    return weights, bits(src / "config.json")
+
+
+def _restrict(staging: Path, modes: tuple[int, int]) -> None:
+    weights, others = modes
+    for entry in os.scandir(staging):
+        if not entry.is_file(follow_symlinks=False):
+            continue
+        cap = weights if entry.name.endswith((".safetensors", ".safetensors.index.json")) \
+            else others
+        mode = stat.S_IMODE(entry.stat(follow_symlinks=False).st_mode)
+        if mode & ~cap:
+            os.chmod(entry.path, mode & cap)
+
+
+def publish(staging: Path, out: Path, modes: Optional[tuple[int, int]] = None) -> None:
+    """Put the complete staging folder in place as OUT: renamed to OUT when new, its files
+    moved into OUT when OUT is an existing folder. `modes`: source_modes' caps."""
+    place = Place(out, staging.parent == out)
     try:
-        os.replace(staging, out)
+        if modes is not None:
+            _restrict(staging, modes)
+        fsync_dir(staging)
+        if place.inside:
+            names = sorted(os.listdir(staging), key=lambda n: (n == _LAST, n))
+            atomic_write_text(place.claim, "\n".join([_CLAIM_HEAD, *names]) + "\n")
+            for name in names:
+                os.rename(staging / name, out / name)
+            staging.rmdir()
+        else:
+            os.replace(staging, out)
+        fsync_dir(place.base)
+        place.claim.unlink()  # last: until then what is there is recognisably ours
+        fsync_dir(place.base)
     except OSError as exc:
-        (staging / MARKER).write_bytes(b"")  # still ours, still removable
-        raise os_failure(exc, out.parent, output_option=False) from exc
-    fsync_dir(out.parent)
+        raise os_failure(exc, place.base, output_option=False) from exc

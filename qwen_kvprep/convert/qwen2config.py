@@ -30,6 +30,7 @@ longer Qwen v1's model (see run.py's message).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Optional
@@ -88,8 +89,8 @@ def context(
             "--context-factor and --rope-scaling go together: give both (e.g. "
             "`--context-factor 2 --rope-scaling yarn`) or neither (exact, the default)"
         )
-    if factor is not None and factor <= 1:
-        raise UsageError(f"--context-factor {factor}: it must be more than 1")
+    if factor is not None and not 1 < factor < math.inf:  # nan fails both comparisons
+        raise UsageError(f"--context-factor {factor}: a finite number more than 1")
     if rope_scaling is not None and rope_scaling not in ROPE_KINDS:
         raise UsageError(f"--rope-scaling {rope_scaling}: one of {', '.join(ROPE_KINDS)}")
     return ContextPlan(seq, factor, rope_scaling)

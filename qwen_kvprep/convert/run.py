@@ -5,7 +5,7 @@ Order, every check before the first write:
    a Qwen v1 checkpoint, its config, index and shards sound); every tensor's header read and
    the mapping checked against the config (source.read_source); the options and the config
    for Qwen2 worked out; the free space on OUT's device checked against the output's size.
-2. Under OUT's lock, in the staging folder beside it: the tokenizer and generation config
+2. Under OUT's lock, in the staging folder (output.py): the tokenizer and generation config
    (convert.tokenizer / convert.chat: they check their inputs in seconds, so first), the
    weights (each source file hashed in a streamed pass, then read; each output shard
    written tensor by tensor), the index, quantize_config.json for GPTQ, config.json.
@@ -293,7 +293,7 @@ def convert(
             atomic_write_text(staging / PROVENANCE, record.dumps())
             files = [(n, r.size) for n, r in outputs.items()]
             files.append((PROVENANCE, (staging / PROVENANCE).stat().st_size))
-            output.publish(staging, out)
+            output.publish(staging, out, output.source_modes(directory, sp.files))
     except KvprepError:
         raise
     except OSError as exc:

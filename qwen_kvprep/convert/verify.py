@@ -19,7 +19,8 @@ DIR is never written. On transformers 4.54 and later Qwen's code loads only with
 qwen-kvprep's compatibility module (compat.py), so the original is loaded from a
 temporary folder of links to DIR's files in which modeling_qwen.py is a patched copy and
 the module sits beside it, with a modules cache of its own (HF_MODULES_CACHE); both go
-when the proof ends, whatever the child did.
+when the proof ends, whatever the child did, or, when this process was killed, with the
+next proof's start.
 """
 
 from __future__ import annotations
@@ -27,14 +28,19 @@ from __future__ import annotations
 import importlib.metadata
 import os
 import sys
-import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional, cast
 
 from qwen_kvprep import compat
-from qwen_kvprep.childproc import ChildOutcome, ShownEvent, child_env, run_events_child
+from qwen_kvprep.childproc import (
+    ChildOutcome,
+    ShownEvent,
+    child_env,
+    owned_tempdir,
+    run_events_child,
+)
 from qwen_kvprep.common import COMPAT_FILE, MODELING_FILE, STATE_DIRNAME
 from qwen_kvprep.convert import context as ctx
 from qwen_kvprep.convert.verify_protocol import (
@@ -186,8 +192,9 @@ def verify(
             phase = str(event.get("phase"))
             on_phase(PHASE_WORDS.get(phase, phase))
 
-    # no dot in any name: transformers imports the code as a module named after the folder
-    with tempfile.TemporaryDirectory(prefix="qwen_kvprep_verify_") as tmp:
+    # no dot in any name: transformers imports the code as a module named after the folder;
+    # what a killed run left under this prefix goes first (owned_tempdir)
+    with owned_tempdir("qwen_kvprep_verify_") as tmp:
         original = Path(tmp) / "original"
         try:
             prepare_original(src, original)
