@@ -15,7 +15,7 @@ from qwen_kvprep.convert.gptq import GptqLayout, gptq_pieces, layout
 from qwen_kvprep.convert.mapping import plan
 from qwen_kvprep.convert.pieces import TensorInfo
 from qwen_kvprep.convert.provenance import read as read_provenance
-from qwen_kvprep.convert.run import ConvertOptions, convert
+from qwen_kvprep.convert.run import ConvertOptions, convert, summary
 from qwen_kvprep.convert.source import read_source
 from qwen_kvprep.errors import CheckpointError, RefusedError, StateError, UsageError
 from qwen_kvprep.probe.checkpoint import probe_checkpoint
@@ -132,6 +132,10 @@ def test_context_factor_sets_rope_scaling_and_says_it_is_not_exact(
         assert rec.exact_up_to == 2048 and doc["exact_up_to"] == 2048
     raw = json.loads((tmp_path / "out" / "provenance.json").read_text())
     assert raw["exact"] == result.exact_words == rec.exact_words
+    text = list(summary(result))
+    read = text[: text.index("serve it with:")]  # the command lines are copied whole
+    assert all(len(line) <= 100 for line in read), max(read, key=len)
+    assert "exact" in " ".join(read)
 
 
 def test_context_factor_needs_its_rope_scaling(tmp_path: Path) -> None:

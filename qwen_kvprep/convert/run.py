@@ -23,6 +23,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import platform
+import textwrap
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -362,6 +363,9 @@ def summary(result: ConvertResult) -> Sequence[str]:
     lines.append(f"{result.exact_words} (max_position_embeddings {result.ctx.max_positions:,})")
     for f in result.findings:
         lines.append(f"{f.severity.value}: {f.message}")
+    # a person reads these: wrapped (the serving lines below are copied whole)
+    lines = [w for line in lines for w in textwrap.wrap(line, 100, subsequent_indent="    ")
+             or [line]]
     if result.serving:
         lines.append("serve it with:")
         lines += [f"  {engine}: {command}" for engine, command in result.serving]
