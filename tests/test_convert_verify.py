@@ -399,6 +399,14 @@ def test_a_modeling_file_that_is_not_utf8_is_named_as_such(tmp_path: Path) -> No
     assert "not UTF-8" in f.message and "e9" in f.message
     assert "not UTF-8" in result.headline and "does not behave" not in result.headline
     assert f.fix is not None and "timeout" not in f.fix
+    # convert refuses it before it writes anything, rather than after the weights
+    from qwen_kvprep.convert.run import ConvertOptions, convert
+    from qwen_kvprep.errors import CheckpointError
+
+    with pytest.raises(CheckpointError) as info:
+        convert(src, tmp_path / "out", ConvertOptions())
+    assert "not UTF-8" in info.value.message and "offset" in info.value.message
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out*"))
 
 
 @pytest.mark.slow

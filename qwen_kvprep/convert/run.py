@@ -246,6 +246,9 @@ def convert(
     groups = reading_order(sp.plan.pieces, sp.file_of, sp.files)
     shards = plan_shards(groups, sp.plan.sources, options.max_shard_size)
     output.check_space(out, sum(s.size for s in shards) + _SLACK)
+    proof = _optional("verify") if options.verify else None
+    if proof is not None:
+        proof.check_code(directory)  # type: ignore[attr-defined]
     findings: list[Finding] = []
     sources: dict[str, FileRecord] = {}
 

@@ -47,7 +47,7 @@ from qwen_kvprep.convert.verify_protocol import (
     Proof,
     VerifyChildResult,
 )
-from qwen_kvprep.errors import UsageError
+from qwen_kvprep.errors import CheckpointError, UsageError
 from qwen_kvprep.findings import Finding, Severity, fail, info, ok, skip, warn
 from qwen_kvprep.untrusted import read_regular
 
@@ -220,17 +220,32 @@ def verify(
     return judge(cast("ChildOutcome[VerifyChildResult]", outcome), timeout=timeout, rerun=rerun)
 
 
-def _not_utf8(path: Path, exc: UnicodeDecodeError) -> VerifyResult:
+def _not_utf8_words(path: Path, exc: UnicodeDecodeError) -> tuple[str, str]:
     bad = exc.object[exc.start:exc.end].hex(" ") if isinstance(exc.object, bytes) else "?"
     what = (f"{path} is not UTF-8 text (bytes {bad} at offset {exc.start:,}): Python, and "
             "so transformers, cannot import the original's code")
-    f = fail(
-        "verify.original", what,
-        fix=f"restore the model's own {MODELING_FILE} (download it again from the model's "
-        "repository), or convert without the proof: --no-verify (the tensors are still "
-        "compared bit for bit)",
-        paths=[path],
-    )
+    fix = (f"restore the model's own {MODELING_FILE} (download it again from the model's "
+           "repository), or convert without the proof: --no-verify (the tensors are still "
+           "compared bit for bit)")
+    return what, fix
+
+
+def check_code(src: Path) -> None:
+    """Refuse (CheckpointError), before convert writes anything, a modeling_qwen.py the
+    proof could not import: one that is not UTF-8 text."""
+    path = Path(src) / MODELING_FILE
+    try:
+        read_regular(path, limit=_MODELING_LIMIT).decode("utf-8")
+    except UnicodeDecodeError as exc:
+        what, fix = _not_utf8_words(path, exc)
+        raise CheckpointError.failing("verify.original", what, fix, [path]) from None
+    except OSError:
+        return  # the proof says what is wrong with it, in its own words
+
+
+def _not_utf8(path: Path, exc: UnicodeDecodeError) -> VerifyResult:
+    what, fix = _not_utf8_words(path, exc)
+    f = fail("verify.original", what, fix=fix, paths=[path])
     return VerifyResult(False, [f], [f"proof: FAILED: {what}"],
                         headline=f"{MODELING_FILE} is not UTF-8 text, so the proof could not "
                         "load the original")
