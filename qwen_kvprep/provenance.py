@@ -12,8 +12,8 @@ plain relative name (never a path that climbs out of OUT or DIR).
       "source": {"path": "/abs/DIR", "spelt": "ORG/NAME or the folder as given",
                  "files": {"config.json": {"sha256": "...", "size": N, "mtime_ns": N}, ...}},
       "outputs": {"model-00001-of-00002.safetensors": {"sha256": "...", "size": N}, ...},
-      "exact_up_to": 8192,
-      "exact": "exact up to 8,192 tokens",
+      "exact_up_to": 8192 | null (yarn: exact at no length),
+      "exact": "exact up to 8,192 tokens" (the words convert printed),
       "context": {"factor": null | F, "rope_scaling": null | "yarn" | "dynamic",
                   "max_position_embeddings": N},
       "options": {...},
@@ -23,8 +23,10 @@ plain relative name (never a path that climbs out of OUT or DIR).
 
 from __future__ import annotations
 
+import hashlib
 import json
-from collections.abc import Mapping
+import os
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -36,6 +38,7 @@ from qwen_kvprep.untrusted import describe_json_error, read_record, relpath_prob
 PROVENANCE = "provenance.json"
 FORMAT = 1
 _LIMIT = 4 << 20  # an 82-shard checkpoint's record is about 30 KB
+_WORDS_LIMIT = 2000  # "exact" as read back: convert's own sentence is some 200 characters
 
 
 @dataclass(frozen=True)
@@ -56,11 +59,20 @@ class Provenance:
     source_path: str
     source_files: Mapping[str, FileRecord]
     outputs: Mapping[str, FileRecord]
-    exact_up_to: int
+    exact_up_to: Optional[int]  # None: exact at no length (yarn)
     weights: tuple[str, ...] = ()
     spelt: Optional[str] = None
     tool_version: str = ""
     extra: Mapping[str, JSON] = field(default_factory=dict)  # versions, context, options
+    exact: Optional[str] = None  # the words; None: "exact up to N tokens"
+
+    @property
+    def exact_words(self) -> str:
+        if self.exact is not None:
+            return self.exact
+        if self.exact_up_to is None:
+            return "exact at no length"
+        return f"exact up to {self.exact_up_to:,} tokens"
 
     def to_json(self) -> JSONObject:
         out: JSONObject = {
@@ -77,7 +89,7 @@ class Provenance:
         out["outputs"] = {k: v.to_json() for k, v in sorted(self.outputs.items())}
         out["weights"] = list(self.weights)
         out["exact_up_to"] = self.exact_up_to
-        out["exact"] = f"exact up to {self.exact_up_to:,} tokens"
+        out["exact"] = self.exact_words
         return out
 
     def dumps(self) -> str:
@@ -131,8 +143,13 @@ def read(out: Path) -> Provenance:
     if not isinstance(source, dict) or not isinstance(source.get("path"), str):
         raise _bad(path, "has no source path")
     exact = data.get("exact_up_to")
-    if isinstance(exact, bool) or not isinstance(exact, int) or exact <= 0:
+    if exact is not None and (isinstance(exact, bool) or not isinstance(exact, int) or exact <= 0):
         raise _bad(path, "has no exact_up_to length")
+    words = data.get("exact")
+    if exact is None and "exact_up_to" not in data:
+        raise _bad(path, "has no exact_up_to length")
+    if not isinstance(words, str) or len(words) > _WORDS_LIMIT or not words.isprintable():
+        words = None
     weights = data.get("weights", [])
     if not isinstance(weights, list) or not all(isinstance(w, str) for w in weights):
         raise _bad(path, "has a malformed weights list")
@@ -148,4 +165,45 @@ def read(out: Path) -> Provenance:
         spelt=spelt if isinstance(spelt, str) else None,
         tool_version=version if isinstance(version, str) else "",
         extra=extra,
+        exact=words,
+    )
+
+
+# -- DIR's files besides the weights, as convert read them ---------------------------------
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def snapshot(directory: Path, names: Iterable[str]) -> dict[str, FileRecord]:
+    """The files of `names` that `directory` holds, hashed now. Taken before convert reads
+    them and again at its end (`changed`): equal records mean the bytes convert read are
+    the bytes the record names."""
+    out: dict[str, FileRecord] = {}
+    for name in names:
+        path = directory / name
+        try:
+            st = os.stat(path)
+            if not os.path.isfile(path):
+                continue  # a FIFO, a folder: the file's own check says what is wrong
+            out[name] = FileRecord(_sha256(path), st.st_size, st.st_mtime_ns)
+        except OSError:
+            continue  # absent or unreadable: the file's own check says so
+    return out
+
+
+def changed(
+    directory: Path, names: Iterable[str], before: Mapping[str, FileRecord]
+) -> list[str]:
+    """The names of `names` whose file is not what `before` recorded: changed, removed,
+    or there now and not then."""
+    now = snapshot(directory, names)
+    return sorted(
+        n for n in set(before) | set(now)
+        if n not in before or n not in now or now[n].sha256 != before[n].sha256
     )

@@ -14,9 +14,9 @@ from qwen_kvprep.convert.compare import compare
 from qwen_kvprep.convert.gptq import GptqLayout, gptq_pieces, layout
 from qwen_kvprep.convert.mapping import plan
 from qwen_kvprep.convert.pieces import TensorInfo
-from qwen_kvprep.convert.run import ConvertOptions, convert
+from qwen_kvprep.convert.run import ConvertOptions, convert, summary
 from qwen_kvprep.convert.source import read_source
-from qwen_kvprep.errors import CheckpointError, StateError, UsageError
+from qwen_kvprep.errors import CheckpointError, RefusedError, StateError, UsageError
 from qwen_kvprep.probe.checkpoint import probe_checkpoint
 from qwen_kvprep.provenance import read as read_provenance
 from qwen_kvprep.tiny import generate_checkpoint
@@ -120,7 +120,22 @@ def test_context_factor_sets_rope_scaling_and_says_it_is_not_exact(
         assert cfg["rope_scaling"] == scaling
     assert result.ctx.serving_length == 8192
     said = " ".join(f.message for f in result.findings)
-    assert "exact up to 2,048 tokens, NOT exact past 2,048" in said
+    rec = read_provenance(tmp_path / "out")
+    doc = result.to_json()
+    if kind == "yarn":  # yarn rescales every position: exact at no length, and said so
+        assert "exact at no length" in said and "exact up to" not in said
+        assert rec.exact_up_to is None and doc["exact_up_to"] is None
+        assert "exact up to" not in rec.exact_words and "exact up to" not in result.exact_words
+    else:  # transformers' dynamic NTK starts past max_position_embeddings
+        assert "exact up to 2,048 tokens in transformers" in said
+        assert "exact at no length in vLLM" in said
+        assert rec.exact_up_to == 2048 and doc["exact_up_to"] == 2048
+    raw = json.loads((tmp_path / "out" / "provenance.json").read_text())
+    assert raw["exact"] == result.exact_words == rec.exact_words
+    text = list(summary(result))
+    read = text[: text.index("serve it with:")]  # the command lines are copied whole
+    assert all(len(line) <= 100 for line in read), max(read, key=len)
+    assert "exact" in " ".join(read)
 
 
 def test_context_factor_needs_its_rope_scaling(tmp_path: Path) -> None:
@@ -293,3 +308,57 @@ def test_a_bin_in_torch_legacy_format_is_read_whole(tmp_path: Path) -> None:
     convert(ckpt, tmp_path / "out", NO_VERIFY)
     got, exp = load_out(tmp_path / "out"), expected_dense(whole, 2)
     assert all(bits_equal(got[n], t) for n, t in exp.items())
+
+
+# -- what convert read, and inputs that do not fit each other -----------------------------
+
+
+def test_a_side_file_changed_during_the_convert_is_refused(tmp_path: Path) -> None:
+    """provenance.json names the bytes convert read: a generation_config.json rewritten
+    while the weights are written is caught at the end, and nothing is published."""
+    ckpt = generate_checkpoint(tmp_path / "ckpt", shards=1)
+    gen = ckpt / "generation_config.json"
+
+    def log(message: str) -> None:
+        if message.startswith("comparing every tensor"):  # after OUT's copy was written
+            data = json.loads(gen.read_text())
+            data["top_p"] = 0.5
+            gen.write_text(json.dumps(data))
+
+    with pytest.raises(RefusedError) as info:
+        convert(ckpt, tmp_path / "out", NO_VERIFY, log=log)
+    assert "generation_config.json" in info.value.message and "changed" in info.value.message
+    assert not (tmp_path / "out").exists()
+    # unchanged, the record holds the hashes of the files read
+    out = convert(ckpt, tmp_path / "again", NO_VERIFY).out
+    rec = read_provenance(out)
+    assert rec.source_files["generation_config.json"].sha256 == weights.sha256_stream(gen)
+    assert json.loads((out / "generation_config.json").read_text())["top_p"] == 0.5
+
+
+def test_a_tiktoken_with_more_ids_than_the_embedding_has_rows_is_refused(
+    tmp_path: Path,
+) -> None:
+    """512 + 60 ranks and the 208 special tokens are 780 ids; the embedding has 768 rows:
+    refused before anything is written, with --no-verify too."""
+    ckpt = generate_checkpoint(tmp_path / "ckpt", shards=1)
+    bigger = generate_checkpoint(tmp_path / "bigger", shards=1, vocab_merges=316)
+    (ckpt / "qwen.tiktoken").write_bytes((bigger / "qwen.tiktoken").read_bytes())
+    (ckpt / "generation_config.json").unlink()  # no eos id of its own to disagree with
+    out = tmp_path / "out"
+    with pytest.raises(CheckpointError) as info:
+        convert(ckpt, out, NO_VERIFY)
+    message = info.value.message
+    assert "572 ranks" in message and "780 ids" in message and "768 rows" in message
+    assert info.value.fix and "--force-download" in info.value.fix
+    assert not out.exists() and not list(tmp_path.glob(".out*"))
+
+
+def test_without_a_generation_config_both_configs_stop_on_endoftext(tmp_path: Path) -> None:
+    ckpt = generate_checkpoint(tmp_path / "ckpt", shards=1)
+    (ckpt / "generation_config.json").unlink()
+    out = convert(ckpt, tmp_path / "out", NO_VERIFY).out
+    config = json.loads((out / "config.json").read_text())
+    gen = json.loads((out / "generation_config.json").read_text())
+    assert config["eos_token_id"] == gen["eos_token_id"] == 512  # <|endoftext|>
+    assert config["bos_token_id"] == 512

@@ -326,3 +326,131 @@ def test_a_transformers_without_qwen2_is_named_not_a_failed_load(
     (child,) = _by_id(result, "verify.child")
     assert "transformers 4.32.0 cannot load OUT natively" in child.message
     assert child.fix is not None and "--no-verify" in child.fix
+
+
+# -- failure headlines name their cause; NaN is said, never passed ---------------------------
+
+
+def test_nan_in_the_original_s_logits_fails_and_is_named() -> None:
+    nan = float("nan")
+    # what a child reports for NaN logits: NaN everywhere, max_rel 0 (NaN > 0 is false)
+    bad = {"positions": 10, "max_abs": nan, "max_rel": 0.0, "scale": nan,
+           "nonfinite_original": 3, "nonfinite_converted": 3}
+    r = _judge(_measured(logits=bad))
+    assert not r.ok
+    (f, _) = _by_id(r, "verify.logits")
+    assert f.severity is Severity.FAIL and "NaN" in f.message and " ok" not in f.message
+    assert r.headline.startswith("logits (padded batch): the original's own logits are NaN")
+    assert "does not behave" not in r.headline
+    # a child of before the counts: the NaN alone fails
+    old = {"positions": 10, "max_abs": nan, "max_rel": 0.0, "scale": nan}
+    assert not _judge(_measured(logits=old)).ok
+
+
+def test_nan_weights_equal_bit_for_bit_are_equal_and_named() -> None:
+    import torch
+
+    from qwen_kvprep.convert.verify_child import bits_equal, nan_where
+
+    t = torch.zeros(6, 4)
+    t[4, 1] = float("nan")
+    assert bits_equal(t.clone(), t) and not bits_equal(t + 1, t)
+    assert nan_where("transformer.wte.weight", t) == "transformer.wte.weight: 1 NaN value (row 4)"
+    assert nan_where("x", torch.zeros(3)) is None
+    r = _judge(_measured(weights={"compared": 5, "differ": [], "skipped": None,
+                                  "nan": ["transformer.wte.weight: 1 NaN value (row 4)"]}))
+    assert r.ok and r.headline == ""
+    (note,) = _by_id(r, "verify.nan")
+    assert note.severity is Severity.WARN and "row 4" in note.message
+
+
+@pytest.mark.slow
+def test_an_unused_nan_row_is_proven_equal_and_named(tmp_path: Path) -> None:
+    """A NaN in an embedding row no token reaches (the padding past the 720 ids): the
+    same bits in OUT, so the proof passes and says where the NaN is."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    _needs_qwen2()
+    src = _tiny(tmp_path, "fp32")
+    for shard in sorted(src.glob("*.safetensors")):
+        tensors = load_file(str(shard))
+        if "transformer.wte.weight" in tensors:
+            tensors["transformer.wte.weight"][740, 3] = float("nan")
+            save_file(tensors, str(shard), metadata={"format": "pt"})
+    assert torch.isnan(
+        next(load_file(str(p)) for p in sorted(src.glob("*.safetensors"))
+             if "transformer.wte.weight" in load_file(str(p)))["transformer.wte.weight"]
+    ).any()
+    result = verify(src, converted(src, tmp_path / "out"), timeout=600, context_factor=None)
+    assert result.ok, "\n".join(result.lines)
+    (note,) = _by_id(result, "verify.nan")
+    assert "transformer.wte.weight: 1 NaN value (row 740)" in note.message
+
+
+def test_a_modeling_file_that_is_not_utf8_is_named_as_such(tmp_path: Path) -> None:
+    _needs_qwen2()
+    src = _tiny(tmp_path, "fp32")
+    modeling = src / "modeling_qwen.py"
+    modeling.write_bytes(modeling.read_bytes() + b"\n# caf\xe9\n")
+    result = verify(src, tmp_path / "out", timeout=60, context_factor=None)
+    assert not result.ok
+    (f,) = result.checks
+    assert "not UTF-8" in f.message and "e9" in f.message
+    assert "not UTF-8" in result.headline and "does not behave" not in result.headline
+    assert f.fix is not None and "timeout" not in f.fix
+    # convert refuses it before it writes anything, rather than after the weights
+    from qwen_kvprep.convert.run import ConvertOptions, convert
+    from qwen_kvprep.errors import CheckpointError
+
+    with pytest.raises(CheckpointError) as info:
+        convert(src, tmp_path / "out", ConvertOptions())
+    assert "not UTF-8" in info.value.message and "offset" in info.value.message
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out*"))
+
+
+@pytest.mark.slow
+def test_a_convert_whose_proof_times_out_says_so_first(tmp_path: Path) -> None:
+    from qwen_kvprep.convert.run import ConvertOptions, convert
+    from qwen_kvprep.errors import RefusedError
+
+    _needs_qwen2()
+    src = _tiny(tmp_path, "fp32")
+    with pytest.raises(RefusedError) as info:
+        convert(src, tmp_path / "out", ConvertOptions(verify_timeout=0.5))
+    assert info.value.message.startswith("the proof did not finish in 0.5 s")
+    assert "does not behave" not in info.value.message
+    assert not (tmp_path / "out").exists()
+
+
+# -- lines a person reads ----------------------------------------------------------------
+
+
+def test_the_proof_s_lines_are_short_and_its_details_are_kept() -> None:
+    from qwen_kvprep.convert.verify import WIDTH
+    from qwen_kvprep.convert.verify_child import _as_proof
+
+    class Said:
+        ok = False
+
+        def lines(self) -> list[str]:
+            return ["tokenizer: 3 mismatches " + "x" * 150,
+                    *(f"  text {i}: " + "ids differ " * 30 for i in range(3))]
+
+        def to_json(self) -> dict[str, object]:
+            return {"mismatches": 3}
+
+    proof = _as_proof(Said())
+    assert proof["message"].startswith("tokenizer: 3 mismatches") and "text 0" not in proof[
+        "message"]
+    assert proof["details"] == {"mismatches": 3} and len(proof.get("lines", [])) == 3
+    r = _judge(_measured(tokenizer=proof, template={
+        "status": "ok", "details": None,
+        "message": "chat template: 9 of 9 conversations give make_context's ids and text; "
+        + "; ".join(["a documented difference of some length"] * 10)}))
+    assert not r.ok
+    assert all(len(line) <= WIDTH for line in r.lines), max(r.lines, key=len)
+    text = "\n".join(r.lines)
+    assert "text 2:" in text  # every line is there, wrapped, not dropped
+    (tok,) = _by_id(r, "verify.tokenizer")
+    assert tok.details["proof"] == {"mismatches": 3}

@@ -522,14 +522,18 @@ def test_cli_json(tmp_path: Path) -> None:
 def test_cli_says_when_the_int8_figures_are_the_fast_path_s(tmp_path: Path) -> None:
     """A folder whose model code imports the fast path is planned with its buffers of whole
     blocks, and says so; the same folder without it is planned as the model's own code."""
+    from qwen_kvprep import compat
     from qwen_kvprep.fastkv import patched
     from qwen_kvprep.resources import templates_dir
 
     d = generate_checkpoint(tmp_path / "tiny", layers=2, heads=4, head_dim=128)
     args = ("plan", str(d), "--gpu-memory", "80GiB", "--batch", "4", "--tokens", "200")
-    plain = document(kvprep(*args, "--json"))["plan"]
     modeling = d / "modeling_qwen.py"
-    modeling.write_text(patched(modeling.read_text(encoding="utf-8")), encoding="utf-8")
+    original = modeling.read_text(encoding="utf-8")
+    # as `fix --no-fast-path` leaves it: its compatibility lines, no fast path
+    modeling.write_text(compat.patched(original), encoding="utf-8")
+    plain = document(kvprep(*args, "--json"))["plan"]
+    modeling.write_text(patched(original), encoding="utf-8")
     (d / "qwen_kvprep_kv.py").write_bytes((templates_dir() / "qwen_kvprep_kv.py").read_bytes())
     fast = document(kvprep(*args, "--json"))["plan"]
     assert (plain["fast_path"], fast["fast_path"]) == (False, True)
@@ -555,6 +559,20 @@ def test_fp32_fast_path_per_token_bytes_are_the_table_s(tmp_path: Path) -> None:
     assert fast["kv_bytes_per_token"]["int8"] == 2 * 2 * 4 * (16 + 2 * 2)  # fp16 scales
     out = kvprep(*args).stdout
     assert "320 B with Int8" in out and "384" not in out, out
+
+
+def test_a_folder_not_fixed_yet_is_planned_as_fix_will_leave_it(tmp_path: Path) -> None:
+    """fix installs the fast path by default: an fp32 folder planned before fix gets the
+    fast path's bytes a token (fp16 scales: 320 B, what smoke measures after fix), and the
+    text names the --no-fast-path figure (fp32 scales: 384 B)."""
+    d = generate_checkpoint(tmp_path / "tiny", layers=2, heads=4, head_dim=16, dtype="fp32")
+    args = ("plan", str(d), "--gpu-memory", "80GiB", "--batch", "4", "--tokens", "200")
+    plan = document(kvprep(*args, "--json"))["plan"]
+    assert plan["fast_path"] is True and plan["fast_path_pending"] is True
+    assert plan["kv_bytes_per_token"]["int8"] == 2 * 2 * 4 * (16 + 2 * 2)  # 320
+    assert any("not installed yet" in a for a in plan["assumptions"])
+    out = kvprep(*args).stdout
+    assert "320 B with Int8" in out and "`fix --no-fast-path`: 384 B" in out, out
 
 
 def test_fp32_fast_path_cards_share_the_header_s_bytes_a_token(

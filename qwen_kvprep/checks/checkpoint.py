@@ -43,7 +43,6 @@ from qwen_kvprep.probe.checkpoint import (
 )
 from qwen_kvprep.probe.env import version_tuple
 from qwen_kvprep.probe.facts import Facts
-from qwen_kvprep.provenance import PROVENANCE
 
 # Used in fix commands when the checkpoint's repo is unknown; the fix says to replace it.
 PLACEHOLDER_REPO = "Qwen/Qwen-7B-Chat"

@@ -48,7 +48,7 @@ def provenance(facts: Facts) -> FindingsLike:
             again, paths=[cv.path], files={s.name: s.state for s in bad_out},
         )
     words = f"written by qwen-kvprep convert {rec.tool_version} from {rec.source_path}"
-    exact = f"exact up to {rec.exact_up_to:,} tokens"
+    exact = rec.exact_words
     if not cv.source_exists:
         return warn(
             f"{words}; the source is no longer there, so whether it still matches cannot be "

@@ -13,8 +13,8 @@ from enum import Enum
 from typing import Optional
 
 from qwen_kvprep.configjson import CONFIG
-from qwen_kvprep.convert.provenance import PROVENANCE
 from qwen_kvprep.probe.checkpoint import REMOTE_CODE_FILES, TIKTOKEN, CheckpointFacts
+from qwen_kvprep.provenance import PROVENANCE
 
 
 class Kind(Enum):

@@ -75,7 +75,6 @@ def record(facts: Facts) -> FindingsLike:
     if caches.state is None and caches.journal_present and caches.journal_error is None:
         # the journal is written before each change and the state last: a fix that stopped
         # in between (a full disk, an error, a kill) leaves exactly this
-        here = shlex.quote(str(directory))
         out.append(
             warn(
                 f"fix changed files here ({caches.state_dir}/journal.json records them) but "
@@ -84,7 +83,7 @@ def record(facts: Facts) -> FindingsLike:
                 "folder again",
                 f"qwen-kvprep fix {here}  (finishes it; `qwen-kvprep revert {here}` undoes "
                 "what it changed)",
-                paths=[caches.state_dir or directory],
+                paths=[records_dir],
             )
         )
         return out

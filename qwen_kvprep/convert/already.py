@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from qwen_kvprep.convert.provenance import PROVENANCE, Provenance
 from qwen_kvprep.probe.converted import ConvertedFacts, FileState, probe_converted
+from qwen_kvprep.provenance import PROVENANCE, Provenance
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,14 @@ from pathlib import Path
 from typing import Optional, Union
 
 from qwen_kvprep import hubcli
-from qwen_kvprep.convert.bpe import ENDOFTEXT, IM_END, TIKTOKEN, Vocabulary, read_tiktoken
+from qwen_kvprep.convert.bpe import (
+    ENDOFTEXT,
+    IM_END,
+    SPECIAL_TOKENS,
+    TIKTOKEN,
+    Vocabulary,
+    read_tiktoken,
+)
 from qwen_kvprep.errors import CheckpointError
 from qwen_kvprep.fsutil import atomic_write_text
 from qwen_kvprep.jsontypes import JSON, JSONObject
@@ -160,6 +167,28 @@ def check_special_ids(src: Path, gen: SourceGeneration, vocab: Vocabulary) -> No
                 f"has {key} {value}, but <|endoftext|> is {expected} in qwen.tiktoken "
                 f"({vocab.size:,} ranks): the two files are not of one checkpoint",
             )
+
+
+def end_of_text_id(src: Path, rows: int) -> int:
+    """<|endoftext|>'s id in src's qwen.tiktoken, once the ranks and the special tokens
+    after them are known to fit the embedding's `rows` (CheckpointError otherwise: every
+    special id would index past the weights, and the tokenizer, the configs and the model
+    would disagree). Called before convert writes anything."""
+    path = src / TIKTOKEN
+    vocab = read_tiktoken(path, merges=False)
+    ids = vocab.size + len(SPECIAL_TOKENS)
+    if ids > rows:
+        raise CheckpointError.failing(
+            "convert.tiktoken",
+            f"{path} has {vocab.size:,} ranks; with the {len(SPECIAL_TOKENS)} special tokens "
+            f"after them that is {ids:,} ids, but the embedding has {rows:,} rows: "
+            f"<|endoftext|> would be id {vocab.size:,} and {ids - rows:,} special ids would "
+            "have no row. The tokenizer and the weights are not of one checkpoint",
+            f"restore the model's own file: `{hubcli.download()} <repo> {TIKTOKEN} "
+            f"--local-dir {shlex.quote(str(src))} --force-download`",
+            [path],
+        )
+    return vocab.special_ids()[ENDOFTEXT]
 
 
 def generation_config(gen: SourceGeneration, vocab: Vocabulary) -> JSONObject:

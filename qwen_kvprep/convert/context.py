@@ -185,3 +185,21 @@ def original_rules(config: dict[str, object]) -> list[str]:
     if config.get("use_logn_attn") is True:
         rules.append("logn attention")
     return rules
+
+
+def within_words(measured: object) -> Optional[str]:
+    """The drift measured within seq_length (the 1x row), for the exactness claim:
+    "measured within 2,048 tokens: max |Δlogit| 0.0042, top-1 agreement 99.2%"; None
+    where nothing was measured there. `measured`: the verify child's result, or None."""
+    context = measured.get("context") if isinstance(measured, dict) else None
+    if not isinstance(context, dict):
+        return None
+    for row in context.get("rows", []):
+        if row.get("times") == 1.0 and row.get("max_abs") is not None:
+            agree = row.get("top1_agreement")
+            share = f", top-1 agreement {100 * agree:.1f}%" if agree is not None else ""
+            return (
+                f"measured within {row['tokens']:,} tokens: max |Δlogit| "
+                f"{row['max_abs']:.2g}{share}"
+            )
+    return None

@@ -69,8 +69,38 @@ class ContextPlan:
         return self.serving_length
 
     @property
+    def exact_up_to(self) -> Optional[int]:
+        """The length up to which OUT computes Qwen v1's logits (in transformers): None
+        with yarn, which rescales the rotary angles of every position, the first ones too.
+        transformers' dynamic NTK changes nothing up to max_position_embeddings."""
+        return None if self.rope_scaling == "yarn" else self.seq_length
+
+    @property
     def exact_words(self) -> str:
+        if self.rope_scaling == "yarn":
+            return "exact at no length: yarn rescales the rotary angles of every position"
+        if self.rope_scaling == "dynamic":
+            # vLLM and SGLang compute one rotary base for seq_length x F and use it from
+            # the first position on; transformers scales only past max_position_embeddings
+            return (
+                f"exact up to {self.seq_length:,} tokens in transformers (its dynamic NTK "
+                "starts past that); exact at no length in vLLM and SGLang, which apply the "
+                "extended rotary base at every position"
+            )
         return f"exact up to {self.seq_length:,} tokens"
+
+    def caveat(self) -> Optional[str]:
+        """What a context factor costs, for convert's warning; None without one."""
+        if self.factor is None:
+            return None
+        past = (
+            f"past {self.seq_length:,} tokens it is not Qwen v1's model either (Qwen's code "
+            "uses dynamic NTK and logn attention there, which Qwen2 does not have)"
+        )
+        return (
+            f"OUT is meant for {self.serving_length:,} tokens with {self.rope_scaling} rope "
+            f"scaling (factor {self.factor:g}): it is {self.exact_words}; {past}"
+        )
 
 
 def context(
@@ -132,11 +162,15 @@ def qwen2_config(
     *,
     generation: Optional[Mapping[str, JSON]] = None,
     quantization: Optional[JSONObject] = None,
+    end_of_text: Optional[int] = None,
 ) -> JSONObject:
     """The Qwen2 config.json object. `generation`: DIR's generation_config.json (where the
-    end-of-text id lives in Qwen v1 checkpoints); `quantization`: the GPTQ config to keep."""
+    end-of-text id lives in Qwen v1 checkpoints); `end_of_text`: <|endoftext|>'s id in
+    qwen.tiktoken, the id OUT's generation_config.json stops on where DIR has none;
+    `quantization`: the GPTQ config to keep."""
     gen = generation or {}
-    eos = _token_id(config.get("eos_token_id"), gen.get("eos_token_id"))
+    eos = _token_id(config.get("eos_token_id"), gen.get("eos_token_id"),
+                    end_of_text if end_of_text is not None else -1)
     bos = _token_id(config.get("bos_token_id"), eos)  # Qwen2's configs: <|endoftext|>
     out: JSONObject = {
         "architectures": ["Qwen2ForCausalLM"],

@@ -23,6 +23,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import platform
+import textwrap
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -32,6 +33,7 @@ from typing import Callable, Optional, Protocol
 from qwen_kvprep import __version__
 from qwen_kvprep.convert import already, output
 from qwen_kvprep.convert.compare import TensorProof, compare
+from qwen_kvprep.convert.context import within_words
 from qwen_kvprep.convert.qwen2config import (
     ContextPlan,
     context,
@@ -53,7 +55,7 @@ from qwen_kvprep.findings import Finding, fail, info, warn
 from qwen_kvprep.fsutil import atomic_write_bytes, atomic_write_text
 from qwen_kvprep.gptqconfig import QUANTIZE_CONFIG
 from qwen_kvprep.jsontypes import JSON, JSONObject
-from qwen_kvprep.provenance import PROVENANCE, FileRecord, Provenance
+from qwen_kvprep.provenance import PROVENANCE, FileRecord, Provenance, changed, snapshot
 from qwen_kvprep.steps import validate
 from qwen_kvprep.untrusted import read_record
 
@@ -62,6 +64,7 @@ _INPUTS = (
     "config.json", "generation_config.json", "qwen.tiktoken", "tokenizer_config.json",
     QUANTIZE_CONFIG, ST_INDEX, "pytorch_model.bin.index.json",
 )  # fmt: skip
+_NOT_THE_SAME = "the converted model does not behave as the original"
 _SLACK = 32 << 20  # the tokenizer files (a few MB for Qwen's vocabulary), configs, the record
 
 
@@ -98,13 +101,13 @@ class ConvertResult:
 
     @property
     def exact_words(self) -> str:
-        return self.ctx.exact_words
+        return exact_words(self.ctx, self.verify)
 
     def to_json(self) -> dict[str, object]:
         return {
             "out": str(self.out),
             "files": [{"name": n, "size": s} for n, s in self.files],
-            "exact_up_to": self.ctx.seq_length,
+            "exact_up_to": self.ctx.exact_up_to,
             "exact": self.exact_words,
             "max_position_embeddings": self.ctx.max_positions,
             "serving_length": self.ctx.serving_length,
@@ -146,6 +149,24 @@ def _generation(directory: Path) -> Optional[dict[str, JSON]]:
     except (OSError, ValueError):
         return None  # its own check (and convert.chat) say what is wrong with it
     return data if isinstance(data, dict) else None
+
+
+def exact_words(ctx: ContextPlan, verified: Optional[VerifyLike]) -> str:
+    """What is exact, and with a context factor what the proof measured within seq_length."""
+    measured = within_words(getattr(verified, "measured", None))
+    if ctx.factor is None or measured is None:
+        return ctx.exact_words
+    return f"{ctx.exact_words} ({measured})"
+
+
+def _end_of_text(sp: SourcePlan) -> Optional[int]:
+    """<|endoftext|>'s id, once qwen.tiktoken is known to fit the embedding (refused
+    otherwise, before anything is written)."""
+    chat = _optional("chat")
+    if chat is None:
+        return None
+    eot: int = chat.end_of_text_id(sp.directory, sp.shape.vocab)  # type: ignore[attr-defined]
+    return eot
 
 
 def _record(path: Path, sha: Optional[str] = None) -> FileRecord:
@@ -219,6 +240,8 @@ def convert(
         if why:  # OUT is a conversion, but not this one: say which difference
             exc.message += f"; it holds a conversion, but not the one asked for: {why}"
         raise
+    # hashed before anything reads them, and again at the end (provenance names these bytes)
+    inputs = snapshot(directory, _INPUTS)
     facts, _advice = validate.check(directory)  # fix's advice (kernels...) is not convert's
     assert facts.checkpoint is not None
     sp = read_source(facts.checkpoint)
@@ -232,11 +255,15 @@ def convert(
             in_config if isinstance(in_config, dict) else None, sp.quantize_file
         )
     config = qwen2_config(
-        sp.config, sp.shape, ctx, dtype, generation=_generation(directory), quantization=quant
+        sp.config, sp.shape, ctx, dtype, generation=_generation(directory), quantization=quant,
+        end_of_text=_end_of_text(sp),
     )
     groups = reading_order(sp.plan.pieces, sp.file_of, sp.files)
     shards = plan_shards(groups, sp.plan.sources, options.max_shard_size)
     output.check_space(out, sum(s.size for s in shards) + _SLACK)
+    check_code = getattr(_optional("verify"), "check_code", None) if options.verify else None
+    if check_code is not None:
+        check_code(directory)  # a modeling_qwen.py the proof could not import: refused now
     findings: list[Finding] = []
     sources: dict[str, FileRecord] = {}
 
@@ -270,14 +297,20 @@ def convert(
             verified = _verify(sp, staging, ctx, options, findings, say)
             if verified is not None and not verified.ok:
                 raise RefusedError(
-                    "the converted model does not behave as the original: OUT was not "
+                    f"{getattr(verified, 'headline', '') or _NOT_THE_SAME}: OUT was not "
                     "written", fix="see the checks above; `--no-verify` skips this step",
                     findings=list(getattr(verified, "checks", []))
                     or [fail("convert.verify", line) for line in verified.lines[:20]],
                 )
-            for name in _INPUTS:
-                if name not in sources and (directory / name).is_file():
-                    sources[name] = _record(directory / name)
+            moved = changed(directory, _INPUTS, inputs)
+            if moved:
+                raise RefusedError(
+                    f"{', '.join(moved)} in {directory} changed while convert read it: OUT "
+                    "would not be what provenance.json says it was made from; OUT was not "
+                    "written",
+                    fix="run convert again once nothing writes DIR",
+                )
+            sources.update({n: r for n, r in inputs.items() if n not in sources})
             hashes = {w.name: w.sha256 for w in written}
             outputs = {
                 p.name: _record(p, hashes.get(p.name))
@@ -286,7 +319,8 @@ def convert(
             }
             record = Provenance(
                 source_path=str(directory), source_files=sources, outputs=outputs,
-                exact_up_to=ctx.seq_length, weights=tuple(w.name for w in written),
+                exact_up_to=ctx.exact_up_to, exact=exact_words(ctx, verified),
+                weights=tuple(w.name for w in written),
                 spelt=options.spelt, tool_version=__version__,
                 extra=_extra(ctx, options, dtype),
             )
@@ -298,14 +332,9 @@ def convert(
         raise
     except OSError as exc:
         raise output.no_space(exc, out) from exc
-    if ctx.factor is not None:
-        findings.append(warn(
-            "convert.context",
-            f"OUT is meant for {ctx.serving_length:,} tokens with {ctx.rope_scaling} rope "
-            f"scaling (factor {ctx.factor:g}): it is {ctx.exact_words}, NOT exact past "
-            f"{ctx.seq_length:,} (Qwen v1 uses dynamic NTK and logn attention there, which "
-            "Qwen2 does not have)",
-        ))
+    caveat = ctx.caveat()
+    if caveat is not None:
+        findings.append(warn("convert.context", caveat))
     result = ConvertResult(out, sorted(files), ctx, dtype, gptq, comparison, verified, findings)
     serving = _optional("serving")
     if serving is not None:
@@ -320,12 +349,13 @@ def _unchanged(out: Path, rec: Provenance) -> ConvertResult:
     raw = rec.extra.get("context")
     ctx_rec = raw if isinstance(raw, dict) else {}
     factor, rope = ctx_rec.get("factor"), ctx_rec.get("rope_scaling")
-    ctx = ContextPlan(
-        rec.exact_up_to,
-        float(factor) if isinstance(factor, (int, float)) and not isinstance(factor, bool)
-        else None,
-        rope if isinstance(rope, str) else None,
-    )
+    scale = (float(factor) if isinstance(factor, (int, float)) and not isinstance(factor, bool)
+             else None)
+    seq = rec.exact_up_to
+    length = ctx_rec.get("serving_length")
+    if seq is None:  # yarn, exact nowhere: seq_length is what the factor scaled
+        seq = round(length / scale) if isinstance(length, int) and scale else 0
+    ctx = ContextPlan(seq, scale, rope if isinstance(rope, str) else None)
     raw = rec.extra.get("options")
     dtype = raw.get("dtype") if isinstance(raw, dict) else None
     gptq = QUANTIZE_CONFIG in rec.outputs
@@ -388,6 +418,9 @@ def summary(result: ConvertResult) -> Sequence[str]:
     lines.append(f"{result.exact_words} (max_position_embeddings {result.ctx.max_positions:,})")
     for f in result.findings:
         lines.append(f"{f.severity.value}: {f.message}")
+    # a person reads these: wrapped (the serving lines below are copied whole)
+    lines = [w for line in lines for w in textwrap.wrap(line, 100, subsequent_indent="    ")
+             or [line]]
     if result.serving:
         lines.append("serve it with:")
         lines += [f"  {engine}: {command}" for engine, command in result.serving]

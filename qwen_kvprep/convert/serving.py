@@ -19,7 +19,7 @@ VLLM_FP8 = "vLLM (fp8 KV cache)"
 VLLM_INT8 = "vLLM (int8 KV cache, per token and head)"
 SGLANG = "SGLang (fp8 KV cache)"
 LMDEPLOY = "LMDeploy (int8 KV cache)"
-TRANSFORMERS = "transformers (static cache, torch.compile)"
+TRANSFORMERS = "transformers (static cache from 4.45; torch.compile on a GPU)"
 
 # vLLM's value for its int8 cache with one scale per token and head; releases before it
 # refuse the value (the fp8 line works on every release that serves Qwen2).
@@ -27,20 +27,29 @@ VLLM_INT8_DTYPE = "int8_per_token_head"
 
 
 def _transformers_snippet(out: str) -> str:
-    """A python -c program: OUT with a static cache, the forward compiled by
-    torch.compile, one chat turn generated greedily (transformers 4.45 or later)."""
+    """A python -c program: OUT loaded natively, one turn generated greedily. It runs on
+    every transformers release that serves OUT (4.37 on): a chat model's turn through
+    its chat template rendered as text and then tokenized (4.37's apply_chat_template
+    has no return_dict), a base model (no template) on plain text; the static cache from
+    4.45, where generate takes it whole; the forward compiled with torch.compile only on a
+    GPU, where CUDA graphs (mode reduce-overhead) pay for the compile."""
     program = (
-        "import torch\n"
+        "import torch, transformers\n"
         "from transformers import AutoModelForCausalLM, AutoTokenizer\n"
         f"path = {json.dumps(out)}\n"
         'device = "cuda" if torch.cuda.is_available() else "cpu"\n'
         "tok = AutoTokenizer.from_pretrained(path)\n"
         'model = AutoModelForCausalLM.from_pretrained(path, torch_dtype="auto").to(device)\n'
-        'model.generation_config.cache_implementation = "static"\n'
-        'model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)\n'
+        'release = tuple(int(p) for p in transformers.__version__.split(".")[:2])\n'
+        "if release >= (4, 45):\n"
+        '    model.generation_config.cache_implementation = "static"\n'
+        '    if device == "cuda":\n'
+        "        model.forward = torch.compile(model.forward, mode=\"reduce-overhead\", "
+        "fullgraph=True)\n"
         'msgs = [{"role": "user", "content": "Hello"}]\n'
-        "enc = tok.apply_chat_template(msgs, add_generation_prompt=True, return_dict=True,\n"
-        '                              return_tensors="pt").to(device)\n'
+        "text = (tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)\n"
+        '        if tok.chat_template else "Hello")\n'
+        'enc = tok(text, return_tensors="pt", add_special_tokens=False).to(device)\n'
         "out = model.generate(**enc, max_new_tokens=64, do_sample=False)\n"
         'print(tok.decode(out[0, enc["input_ids"].shape[1]:], skip_special_tokens=True))\n'
     )

@@ -134,6 +134,10 @@ def tokenizer_config(
         "clean_up_tokenization_spaces": False,
         "add_prefix_space": False,
         "split_special_tokens": False,
+        # what the model's forward takes: PreTrainedTokenizerFast would add token_type_ids
+        # on transformers 4.x, which generate(**tok(text)) refuses for Qwen2 (4.37: "The
+        # following `model_kwargs` are not used by the model: ['token_type_ids']")
+        "model_input_names": ["input_ids", "attention_mask"],
         # all of them, so that skip_special_tokens and all_special_ids cover every id past
         # the ranks, as Qwen's decode does
         "additional_special_tokens": list(SPECIAL_TOKENS),

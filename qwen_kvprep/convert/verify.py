@@ -26,8 +26,10 @@ next proof's start.
 from __future__ import annotations
 
 import importlib.metadata
+import math
 import os
 import sys
+import textwrap
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,7 +53,7 @@ from qwen_kvprep.convert.verify_protocol import (
     Proof,
     VerifyChildResult,
 )
-from qwen_kvprep.errors import UsageError
+from qwen_kvprep.errors import CheckpointError, UsageError
 from qwen_kvprep.findings import Finding, Severity, fail, info, ok, skip, warn
 from qwen_kvprep.untrusted import read_regular
 
@@ -99,10 +101,13 @@ class VerifyResult:
     checks: list[Finding] = field(default_factory=list)
     lines: list[str] = field(default_factory=list)
     measured: Optional[VerifyChildResult] = None
+    # what convert's refusal says first: the cause, in a few words ("" when ok)
+    headline: str = ""
 
     def to_json(self) -> dict[str, object]:
         return {
             "ok": self.ok,
+            "headline": self.headline,
             "checks": [f.to_json() for f in self.checks],
             "lines": list(self.lines),
             "measured": dict(self.measured) if self.measured is not None else None,
@@ -184,7 +189,7 @@ def verify(
             fix="pip install -U \"transformers>=4.37\" and run convert again, or skip the proof "
             "with --no-verify (the tensors are still compared bit for bit)",
         )
-        return VerifyResult(False, [f], [f"proof: FAILED: {f.message}"])
+        return VerifyResult(False, [f], [f"proof: FAILED: {f.message}"], headline=f.message)
     measure = context_factor is not None if measure_context is None else measure_context
 
     def on_event(event: ShownEvent) -> None:
@@ -198,11 +203,16 @@ def verify(
         original = Path(tmp) / "original"
         try:
             prepare_original(src, original)
-        except (OSError, UnicodeDecodeError, ValueError, UsageError) as exc:
+        except UnicodeDecodeError as exc:
+            return _not_utf8(src / MODELING_FILE, exc)
+        except (OSError, ValueError, UsageError) as exc:
             why = exc.message if isinstance(exc, UsageError) else f"{type(exc).__name__}: {exc}"
+            own = exc.fix if isinstance(exc, UsageError) else None
             f = fail("verify.original", f"the original's code could not be prepared: {why}",
-                     fix=rerun)
-            return VerifyResult(False, [f], [f"proof: FAILED: {f.message}"])
+                     fix=own or "see the message; --no-verify converts without the proof "
+                     "(the tensors are still compared bit for bit)")
+            return VerifyResult(False, [f], [f"proof: FAILED: {f.message}"],
+                                headline=f"the proof could not start: {why}")
         env = child_env({"HF_MODULES_CACHE": str(Path(tmp) / "modules")})
         outcome = run_events_child(
             lambda fd: child_command(
@@ -217,7 +227,50 @@ def verify(
     return judge(cast("ChildOutcome[VerifyChildResult]", outcome), timeout=timeout, rerun=rerun)
 
 
+def _not_utf8_words(path: Path, exc: UnicodeDecodeError) -> tuple[str, str]:
+    bad = exc.object[exc.start:exc.end].hex(" ") if isinstance(exc.object, bytes) else "?"
+    what = (f"{path} is not UTF-8 text (bytes {bad} at offset {exc.start:,}): Python, and "
+            "so transformers, cannot import the original's code")
+    fix = (f"restore the model's own {MODELING_FILE} (download it again from the model's "
+           "repository), or convert without the proof: --no-verify (the tensors are still "
+           "compared bit for bit)")
+    return what, fix
+
+
+def check_code(src: Path) -> None:
+    """Refuse (CheckpointError), before convert writes anything, a modeling_qwen.py the
+    proof could not import: one that is not UTF-8 text."""
+    path = Path(src) / MODELING_FILE
+    try:
+        read_regular(path, limit=_MODELING_LIMIT).decode("utf-8")
+    except UnicodeDecodeError as exc:
+        what, fix = _not_utf8_words(path, exc)
+        raise CheckpointError.failing("verify.original", what, fix, [path]) from None
+    except OSError:
+        return  # the proof says what is wrong with it, in its own words
+
+
+def _not_utf8(path: Path, exc: UnicodeDecodeError) -> VerifyResult:
+    what, fix = _not_utf8_words(path, exc)
+    f = fail("verify.original", what, fix=fix, paths=[path])
+    return VerifyResult(False, [f], [f"proof: FAILED: {what}"],
+                        headline=f"{MODELING_FILE} is not UTF-8 text, so the proof could not "
+                        "load the original")
+
+
 # -- judging ---------------------------------------------------------------------------------
+
+# the width the proof's lines are wrapped to (a terminal's, with room for the indent)
+WIDTH = 100
+
+
+def wrapped(line: str, width: int = WIDTH) -> list[str]:
+    """`line` in lines of at most `width` characters, continued four columns further in."""
+    indent = line[: len(line) - len(line.lstrip(" "))]
+    return textwrap.wrap(
+        line, width, initial_indent="", subsequent_indent=indent + "    ",
+        break_long_words=True, break_on_hyphens=False, drop_whitespace=True,
+    ) or [line]
 
 
 def _g(x: float) -> str:
@@ -229,6 +282,22 @@ def tolerance(dtype: str, gptq: bool) -> float:
 
 
 def _logit_finding(what: str, diff: LogitDiff, tol: float, dtype: str) -> Finding:
+    bad_a, bad_b = diff.get("nonfinite_original", 0), diff.get("nonfinite_converted", 0)
+    if bad_a or bad_b or not math.isfinite(diff["max_abs"]) or not math.isfinite(diff["scale"]):
+        # NaN compares as no difference: such logits prove nothing, whichever side has them
+        who = (
+            f"the original's own logits are NaN or infinite at {bad_a} of {diff['positions']} "
+            "positions" if bad_a else
+            f"OUT's logits are NaN or infinite at {bad_b} of {diff['positions']} positions "
+            "where the original's are finite" if bad_b else
+            "the logits' difference is NaN"
+        )
+        return fail(
+            "verify.logits", f"{what}: {who}: nothing was compared there",
+            fix="look for NaN in the weights (the weights line above names them) or for an "
+            "overflow of the dtype; --no-verify converts without the proof",
+            details=dict(diff),
+        )
     words = (
         f"{what}: max |Δlogit| {_g(diff['max_abs'])} over {diff['positions']} positions, "
         f"{_g(diff['max_rel'])} of the largest logit ({dtype} allows {_g(tol)})"
@@ -248,11 +317,12 @@ def _proof_finding(id: str, what: str, proof: Proof) -> Finding:
     status = proof["status"]
     message = proof["message"]
     words = message if message.startswith(f"{what}:") else f"{what}: {message}"
+    details = {"proof": proof["details"], "proof_lines": list(proof.get("lines", []))}
     if status == "ok":
-        return ok(id, words, details={"proof": proof["details"]})
+        return ok(id, words, details=details)
     if status == "unavailable":
         return skip(id, f"{what} not run: {proof['message']}")
-    return fail(id, words, details={"proof": proof["details"]})
+    return fail(id, words, details=details)
 
 
 def judge(
@@ -263,7 +333,8 @@ def judge(
         phase = PHASE_WORDS.get(outcome.phase, outcome.phase)
         msg = f"the proof did not finish within {timeout:g} s (it was {phase})"
         f = fail("verify.timeout", msg, fix=rerun, details={"phase": outcome.phase})
-        return VerifyResult(False, [f], [f"proof: FAILED: {msg}; {rerun}"])
+        return VerifyResult(False, [f], [f"proof: FAILED: {msg}; {rerun}"],
+                            headline=f"the proof did not finish in {timeout:g} s")
     result = outcome.result
     if result is None:
         if outcome.error is not None:
@@ -275,7 +346,8 @@ def judge(
                    f"{PHASE_WORDS.get(outcome.phase, outcome.phase)}, without a result")
         tail = outcome.log_tail[-5:]
         f = fail("verify.child", msg, details={"log_tail": tail})
-        return VerifyResult(False, [f], [f"proof: FAILED: {msg}", *(f"  | {t}" for t in tail)])
+        return VerifyResult(False, [f], [f"proof: FAILED: {msg}", *(f"  | {t}" for t in tail)],
+                            headline=msg)
     return _judge_result(result)
 
 
@@ -322,6 +394,16 @@ def _judge_result(r: VerifyChildResult) -> VerifyResult:
             "verify.weights",
             f"weights: all {w['compared']} loaded tensors equal the original's bit for bit",
         ))
+    if w.get("nan"):
+        nan = w.get("nan", [])
+        checks.append(warn(
+            "verify.nan",
+            f"the original's weights hold NaN, and OUT the same bits: {'; '.join(nan[:3])}"
+            + (f" (and {len(nan) - 3} more)" if len(nan) > 3 else "")
+            + ": a token that reads such a row gets NaN logits in both",
+            fix="if those rows are the padding past the tokenizer's ids, no text reaches them",
+            nan=nan,
+        ))
     checks.append(_logit_finding("logits (padded batch)", r["logits"], tol, dtype))
     checks.append(_logit_finding("logits (greedy steps)", r["steps"], tol, dtype))
     checks.append(_greedy_finding(r, tol))
@@ -346,9 +428,23 @@ def _judge_result(r: VerifyChildResult) -> VerifyResult:
             continue
         mark = {Severity.FAIL: "FAILED: ", Severity.WARN: "note: ", Severity.SKIP: "skipped: "}
         lines.append(f"  {mark.get(f.severity, '')}{f.message}")
+        proof = f.details.get("proof_lines")
+        lines += [f"    {x.strip()}" for x in proof if isinstance(x, str)] if isinstance(
+            proof, list) else []
     lines += context_lines
     lines.append("proof: " + ("OK" if passed else "FAILED"))
-    return VerifyResult(passed, checks, lines, r)
+    return VerifyResult(passed, checks, [w for x in lines for w in wrapped(x)], r,
+                        headline="" if passed else _headline(checks))
+
+
+def _headline(checks: list[Finding]) -> str:
+    """The cause of a failed proof, first: NaN logits are not a difference of the models."""
+    failed = [f for f in checks if f.severity is Severity.FAIL]
+    for f in failed:
+        if f.id == "verify.logits" and "NaN" in f.message:
+            return f.message.split(": nothing was compared", 1)[0]
+    first = failed[0].message if failed else "a check failed"
+    return f"the converted model does not behave as the original ({first})"
 
 
 def _greedy_finding(r: VerifyChildResult, tol: float) -> Finding:

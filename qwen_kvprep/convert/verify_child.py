@@ -260,6 +260,38 @@ def expected(original: dict[str, torch.Tensor]) -> dict[str, tuple[str, torch.Te
     return out
 
 
+def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal bit for bit (a NaN equals the same NaN; `==` would call every NaN different)."""
+    import torch
+
+    if a.dtype != b.dtype:
+        a = a.to(b.dtype)
+    if a.is_floating_point() and a.element_size() in _INT_OF_SIZE:
+        ints = getattr(torch, _INT_OF_SIZE[a.element_size()])
+        return torch.equal(a.contiguous().view(ints), b.contiguous().view(ints))
+    return torch.equal(a, b)
+
+
+_INT_OF_SIZE = {1: "int8", 2: "int16", 4: "int32", 8: "int64"}
+
+
+def nan_where(name: str, tensor: torch.Tensor) -> Optional[str]:
+    """"name: N NaN values (rows 3, 17)" where `tensor` holds NaN, else None."""
+    if not tensor.is_floating_point():
+        return None
+    mask = tensor.isnan()
+    count = int(mask.sum())
+    if count == 0:
+        return None
+    where = ""
+    if mask.dim() == 2:
+        rows = mask.any(dim=1).nonzero().flatten().tolist()
+        shown = ", ".join(str(r) for r in rows[:5]) + (
+            f" and {len(rows) - 5} more" if len(rows) > 5 else "")
+        where = f" (row{'s' if len(rows) > 1 else ''} {shown})"
+    return f"{name}: {count:,} NaN value{'s' if count > 1 else ''}{where}"
+
+
 def compare_weights(original: PreTrainedModel, converted: PreTrainedModel, gptq: bool) -> Weights:
     if gptq:
         return {
@@ -268,7 +300,9 @@ def compare_weights(original: PreTrainedModel, converted: PreTrainedModel, gptq:
             "skipped": "GPTQ backends repack the Int4 tensors at load; convert's own "
             "comparison checks them in the files",
         }
-    want = expected(dict(original.state_dict()))
+    state = dict(original.state_dict())
+    nan = [w for w in (nan_where(n, t) for n, t in sorted(state.items())) if w is not None]
+    want = expected(state)
     have = dict(converted.state_dict())
     differ: list[str] = []
     compared = 0
@@ -290,23 +324,32 @@ def compare_weights(original: PreTrainedModel, converted: PreTrainedModel, gptq:
             differ.append(
                 f"{name}: shape {list(got.shape)}, the original's {source} {list(tensor.shape)}"
             )
-        elif not bool((got.to(tensor.dtype) == tensor).all()):
+        elif not bits_equal(got, tensor):
             differ.append(f"{name}: differs from the original's {source}")
-    return {"compared": compared, "differ": differ, "skipped": None}
+    return {"compared": compared, "differ": differ, "skipped": None, "nan": nan}
 
 
 # -- logits and tokens ------------------------------------------------------------------------
 
 
 def _diff(a: torch.Tensor, b: torch.Tensor) -> LogitDiff:
+    import torch
+
     a, b = a.float(), b.float()
     scale = float(a.abs().max()) if a.numel() else 0.0
     max_abs = float((a - b).abs().max()) if a.numel() else 0.0
+
+    def nonfinite(x: torch.Tensor) -> int:
+        return int((~torch.isfinite(x)).reshape(x.shape[0], -1).any(dim=1).sum()) if (
+            x.numel() and x.dim()) else 0
+
     return {
         "positions": int(a.shape[0]) if a.dim() else 0,
         "max_abs": max_abs,
         "max_rel": max_abs / scale if scale > 0 else 0.0,
         "scale": scale,
+        "nonfinite_original": nonfinite(a),
+        "nonfinite_converted": nonfinite(b),
     }
 
 
@@ -394,9 +437,9 @@ def _as_proof(result: object) -> Proof:
     details: object = to_json() if callable(to_json) else str(result)
     lines = getattr(result, "lines", None)
     text = lines() if callable(lines) else lines
-    message = "; ".join(str(x).strip() for x in text) if isinstance(text, (list, tuple)) else str(
-        result)
-    return {"status": "ok" if ok else "fail", "message": message, "details": details}
+    said = [str(x) for x in text] if isinstance(text, (list, tuple)) and text else [str(result)]
+    return {"status": "ok" if ok else "fail", "message": said[0].strip(), "details": details,
+            "lines": said[1:]}
 
 
 def prove_tokenizers(

@@ -60,13 +60,20 @@ class Fit(TypedDict):
     reason: Optional[str]  # why fewer layers run than the model has
 
 
-class LogitDiff(TypedDict):
-    """Logits of the same inputs, the original's against OUT's."""
-
+class _LogitDiffBase(TypedDict):
     positions: int
     max_abs: float
     max_rel: float  # max_abs over the largest |logit| of the original at those positions
     scale: float
+
+
+class LogitDiff(_LogitDiffBase, total=False):
+    """Logits of the same inputs, the original's against OUT's."""
+
+    # positions whose logits hold NaN or an infinity, in each model: such positions
+    # compare as nothing (NaN is no difference to a max), so they are counted apart
+    nonfinite_original: int
+    nonfinite_converted: int
 
 
 class Greedy(TypedDict):
@@ -77,16 +84,26 @@ class Greedy(TypedDict):
     margin: Optional[float]  # the original's top-1 minus top-2 logit where they diverged
 
 
-class Weights(TypedDict):
+class _WeightsBase(TypedDict):
     compared: int
     differ: list[str]  # "OUT name: why", for every tensor that differs or is missing
     skipped: Optional[str]  # why they were not compared
 
 
-class Proof(TypedDict):
+class Weights(_WeightsBase, total=False):
+    # "name: N NaN values (rows 3, 17)", for every original tensor holding NaN (the same
+    # bits in OUT are equal: the comparison is of bits, not of values)
+    nan: list[str]
+
+
+class _ProofBase(TypedDict):
     status: Literal["ok", "fail", "unavailable", "error"]
-    message: str
+    message: str  # one line: the verdict
     details: object
+
+
+class Proof(_ProofBase, total=False):
+    lines: list[str]  # the proof's own lines after the first (examples, differences)
 
 
 class ContextRow(TypedDict):

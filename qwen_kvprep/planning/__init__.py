@@ -9,10 +9,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
+from qwen_kvprep import compat
 from qwen_kvprep.chart import check_target
 from qwen_kvprep.common import FAST_FILE, MODELING_FILE
 from qwen_kvprep.errors import UsageError
-from qwen_kvprep.fastkv import is_patched
+from qwen_kvprep.fastkv import is_patched, recognise
 from qwen_kvprep.findings import Finding, warn
 from qwen_kvprep.planning.capacity import Scenario, make_plan
 from qwen_kvprep.planning.gpu import card_memory, find_card, visible_gpu_memory
@@ -52,16 +53,33 @@ def plan_text(planned: CheckpointPlan, shown: str) -> str:
     return text if planned.plot is None else f"{text}\n\nPlot: {planned.plot}"
 
 
-def fast_path_installed(directory: Path) -> bool:
+def fast_path_installed(directory: Path) -> Optional[bool]:
     """Whether DIR's model code runs the Int8 cache through qwen-kvprep's fast path:
-    modeling_qwen.py carries fix's block and the module it imports is there."""
-    if not (Path(directory) / FAST_FILE).is_file():
-        return False
+    True when modeling_qwen.py carries fix's block and the module it imports is there;
+    False when it carries fix's other lines without it (`fix --no-fast-path`, or code the
+    fast path does not know); None when fix has not run (nor the file reads)."""
     try:
         text = read_prefix(Path(directory) / MODELING_FILE, 16 << 20)[0]
     except OSError:
         return False
-    return is_patched(text.decode("utf-8", errors="replace"))
+    code = text.decode("utf-8", errors="replace")
+    if is_patched(code):
+        return (Path(directory) / FAST_FILE).is_file()
+    return False if compat.is_patched(code) else None
+
+
+def fast_path_planned(directory: Path) -> tuple[bool, bool]:
+    """(fast path, pending): the Int8 cache's path the plan is for. A folder `fix` has not
+    prepared yet is planned as fix's defaults will leave it: the fast path, where fix knows
+    the model's code (fastkv.recognise); `pending` says so."""
+    installed = fast_path_installed(directory)
+    if installed is not None:
+        return installed, False
+    try:
+        text = read_prefix(Path(directory) / MODELING_FILE, 16 << 20)[0]
+    except OSError:
+        return False, False
+    return recognise(text.decode("utf-8", errors="replace")) is None, True
 
 
 def plan_checkpoint(
@@ -84,12 +102,14 @@ def plan_checkpoint(
     if gpu_memory is None:
         gpu_memory = visible_gpu_memory()
     memory, gpu_source = gpu_memory
+    fast_path, pending = fast_path_planned(directory)
     scenario = Scenario(
         prompt_tokens=prompt_tokens,
         prefill_chunk=prefill_chunk,
         gpu_memory_bytes=memory,
         softmax_in_fp32=facts.softmax_in_fp32,
-        fast_path=fast_path_installed(directory),
+        fast_path=fast_path,
+        fast_path_pending=pending,
         gpus=gpus,
         leaf_margin=leaf_margin(installed_release("transformers")),
     )

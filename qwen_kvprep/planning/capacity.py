@@ -26,6 +26,8 @@ class Scenario:
     gpu_memory_bytes: int
     softmax_in_fp32: bool = False
     fast_path: bool = False  # the Int8 cache runs through qwen-kvprep's fast path
+    # the folder is not fixed yet: fast_path is what `fix` will install by default
+    fast_path_pending: bool = False
     gpus: int = 1  # cards of gpu_memory_bytes each, the model split as device_map="auto" does
     leaf_margin: bool = True  # ... by transformers 5.18 or later (split.leaf_margin)
 

@@ -59,6 +59,7 @@ class PlanJSON(TypedDict):
     max_tokens: dict[str, int]  # per mode, at max_tokens_at_batch
     max_tokens_at_batch: int
     fast_path: bool  # the Int8 figures are those of qwen-kvprep's fast path
+    fast_path_pending: bool  # ... which fix has not installed yet (it will by default)
     gpus: int
     weights_fit: bool  # the weights alone fit the cards
     cards: list[CardJSON]
@@ -86,9 +87,12 @@ def assumptions(facts: ModelFacts, plan: PlanResult) -> list[str]:
         + (", softmax in fp32" if s.softmax_in_fp32 else ""),
         *(
             [
-                "the Int8 cache: qwen-kvprep's fast path (installed by fix): per layer, buffers "
-                f"of whole blocks of {FAST_BLOCK} tokens appended in place, grown with a copy "
-                "while the old ones are alive; fp16 scales and zero points"
+                "the Int8 cache: qwen-kvprep's fast path ("
+                + ("not installed yet: fix installs it by default" if s.fast_path_pending
+                   else "installed by fix")
+                + f"): per layer, buffers of whole blocks of {FAST_BLOCK} tokens appended in "
+                "place, grown with a copy while the old ones are alive; fp16 scales and zero "
+                "points"
             ]
             if s.fast_path
             else []
@@ -167,6 +171,7 @@ def payload(facts: ModelFacts, plan: PlanResult, gpu_source: str) -> PlanJSON:
         "max_tokens": dict(plan.max_tokens),
         "max_tokens_at_batch": plan.batches[0],
         "fast_path": plan.scenario.fast_path,
+        "fast_path_pending": plan.scenario.fast_path_pending,
         "gpus": plan.scenario.gpus,
         "weights_fit": plan.split.holds_weights,
         "cards": split_json(plan),
@@ -283,6 +288,12 @@ def render_text(
             f"; Int8 through qwen-kvprep's fast path (buffers of whole {FAST_BLOCK}-token "
             "blocks)"
             if s.fast_path
+            else ""
+        )
+        + (
+            ", which fix installs by default (not yet here; `fix --no-fast-path`: "
+            f"{human(kv_bytes_per_token(shape, 'int8'))} per token with Int8)"
+            if s.fast_path and s.fast_path_pending
             else ""
         ),
         (

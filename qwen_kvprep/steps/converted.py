@@ -11,9 +11,9 @@ import shlex
 from pathlib import Path
 from typing import Optional
 
-from qwen_kvprep.convert.provenance import Provenance, read
 from qwen_kvprep.convert.serving import commands
 from qwen_kvprep.errors import CheckpointError, KvprepError
+from qwen_kvprep.provenance import Provenance, read
 
 
 def _record(directory: Path) -> tuple[Optional[Provenance], str]:
@@ -27,7 +27,7 @@ def _record(directory: Path) -> tuple[Optional[Provenance], str]:
 
 def _serve_line(directory: Path, rec: Optional[Provenance]) -> str:
     """The first of convert's serving lines (vLLM), at the length OUT is meant for."""
-    length = rec.exact_up_to if rec is not None else 0
+    length = (rec.exact_up_to or 0) if rec is not None else 0  # None: yarn, exact nowhere
     context = rec.extra.get("context") if rec is not None else None
     if isinstance(context, dict):
         serving = context.get("serving_length")

@@ -15,10 +15,10 @@ from pathlib import Path
 from typing import Optional
 
 from qwen_kvprep.checks.identity import identify
-from qwen_kvprep.convert.provenance import PROVENANCE
 from qwen_kvprep.errors import KvprepError, UsageError
 from qwen_kvprep.findings import Finding, failed, info
 from qwen_kvprep.probe.checkpoint import probe_checkpoint
+from qwen_kvprep.provenance import PROVENANCE
 from qwen_kvprep.quickstart import Planting, Request, say, state_mismatch
 from qwen_kvprep.steps.converted import prestart_line
 from qwen_kvprep.steps.fix import FixOptions, run_fix
