@@ -255,9 +255,11 @@ def convert(
                 )
             verified = _verify(sp, staging, ctx, options, findings, say)
             if verified is not None and not verified.ok:
+                message, fix = getattr(verified, "blocked", None) or (
+                    "the converted model does not behave as the original",
+                    "see the checks above; `--no-verify` skips this step")
                 raise RefusedError(
-                    "the converted model does not behave as the original: OUT was not "
-                    "written", fix="see the checks above; `--no-verify` skips this step",
+                    f"{message}: OUT was not written", fix=fix,
                     findings=list(getattr(verified, "checks", []))
                     or [fail("convert.verify", line) for line in verified.lines[:20]],
                 )
@@ -341,6 +343,8 @@ def summary(result: ConvertResult) -> Sequence[str]:
     if result.serving:
         lines.append("serve it with:")
         lines += [f"  {engine}: {command}" for engine, command in result.serving]
+        note = getattr(_optional("serving"), "sampling_note", lambda _out: None)(result.out)
+        lines += [f"  {note}"] if note else []
     return lines
 
 

@@ -114,7 +114,7 @@ def _child_failure(what: str, outcome: ChildOutcome[object], timeout: float) -> 
         return fail("engine.child", f"{what} did not finish within {timeout:g} s (it was "
                     f"{phase})", fix="run the smoke again with a larger --timeout")
     err = outcome.error
-    text = "\n".join([err["message"], err["traceback"]] if err else []) + "\n".join(
+    text = "\n".join([err["message"], err["traceback"]]) if err else "\n".join(
         outcome.log_tail)
     companion = broken_companion(text)
     if companion is not None:
