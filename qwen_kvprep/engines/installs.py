@@ -82,8 +82,9 @@ def vllm_command_problem() -> Optional[tuple[str, str]]:
                 f"vLLM is installed as the distribution {dist} {release}, and its `vllm` "
                 "command dies with `PackageNotFoundError: No package metadata was found "
                 "for vllm` (it looks its version up under that name)",
-                "serve with `python -m vllm.entrypoints.openai.api_server --model OUT ...` "
-                "(the same options as `vllm serve OUT ...`), or use vLLM's Python API "
+                "run `python -m vllm.entrypoints.openai.api_server --model OUT ...` where "
+                "a line says `vllm serve OUT ...` (OUT after --model: that entry point "
+                "ignores a bare OUT and loads its default model), or use vLLM's Python API "
                 "(vllm.LLM)",
             )
     return None
