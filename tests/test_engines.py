@@ -212,6 +212,9 @@ def test_engine_smoke_needs_a_folder_convert_wrote(tmp_path: Path) -> None:
     res = kvprep("smoke", str(src), "--engine", "vllm")
     assert res.returncode == 2, res.stderr
     assert "provenance.json" in res.stderr and "qwen-kvprep convert" in res.stderr
+    (src / "provenance.json").write_text("{}")
+    res = kvprep("smoke", str(src), "--engine", "vllm", "--prompt", "Hi")
+    assert res.returncode == 2 and "--prompt" in res.stderr, res.stderr
 
 
 @pytest.mark.slow

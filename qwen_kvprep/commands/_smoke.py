@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 from pathlib import Path
-from typing import NoReturn
+from typing import NoReturn, Optional
 
 from qwen_kvprep.commands._common import finish, output_options
 from qwen_kvprep.engines.installs import vllm_command_problem
@@ -18,7 +18,17 @@ from qwen_kvprep.render import emit
 from qwen_kvprep.smoke.progress import log_phases, phase_progress, step_log
 
 
-def engine_smoke(path: Path, engine: str, new_tokens: int, timeout: float) -> NoReturn:
+def engine_smoke(
+    path: Path, engine: str, new_tokens: int, timeout: float, *, prompt: Optional[str],
+    device: str,
+) -> NoReturn:
+    if prompt is not None or device == "cuda":
+        raise UsageError(
+            f"{'--prompt' if prompt is not None else '--device cuda'} is for the Int8 cache's "
+            f"smoke of a Qwen (v1) folder; the engine smoke of {path} reads convert's proof "
+            "prompts, on the engine's own device",
+            fix=f"qwen-kvprep smoke {path} --engine {engine} (without that option)",
+        )
     options = EngineSmokeOptions(engine=engine, new_tokens=new_tokens, timeout=timeout)
     with step_log("smoke") or nullcontext() as log:
         on_phase = phase_progress(output_options().as_json) if log is None else log_phases(log)

@@ -78,7 +78,7 @@ def smoke(
     compare greedy output with the unquantized cache, and measure what it saves."""
     path, spelt = checkpoint_dir(directory, revision)
     if engine != "transformers" or (path / PROVENANCE).is_file():
-        engine_smoke(path, engine, max_new_tokens, timeout)
+        engine_smoke(path, engine, max_new_tokens, timeout, prompt=prompt, device=device)
     # what would make the child fail for a reason that is not the cache's, said before it
     # starts (a failed smoke replaces a passing verdict in the state)
     validate_checkpoint(path)
