@@ -149,6 +149,20 @@ def test_the_proof_says_the_install_is_broken_not_that_the_model_differs() -> No
     assert "does not behave" not in " ".join(result.lines)
 
 
+def test_the_engine_smoke_says_the_install_is_broken_too() -> None:
+    from qwen_kvprep.engines.runner import _child_failure
+
+    outcome: ChildOutcome[object] = ChildOutcome(returncode=1, phase="load-original")
+    outcome.error = {"event": "error", "phase": "load-original", "type": "RuntimeError",
+                     "message": "operator torchvision::nms does not exist", "traceback": ""}
+    f = _child_failure("the transformers run", outcome, 60)
+    assert f.id == "engine.install" and "torchvision" in f.message
+    assert "loading the original through its own code" in f.message
+    assert f.fix is not None and "pip uninstall -y" in f.fix
+    outcome.error = {**outcome.error, "message": "shape mismatch"}
+    assert _child_failure("the transformers run", outcome, 60).id == "engine.child"
+
+
 # -- the serving lines -----------------------------------------------------------------------
 
 
