@@ -253,6 +253,12 @@ def _judge(report: EngineSmokeReport, ref: ReferenceResult, engine: Optional[Vll
     if ref["original"] is not None:
         pairs.append(_pair("transformers", "original",
                            cmp.compare(ref["original"], converted, tie)))
+    if not pairs and good:
+        report.findings.append(warn(
+            "engine.parity", f"OUT loaded and generated in {options.engine}, but with the "
+            "original not compared there was nothing to compare it with",
+            fix="run the smoke where the checkpoint OUT was made from is still at the path "
+            "provenance.json names, or add --engine vllm"))
     for pair in pairs:
         partings = cast("list[cmp.Parting]", pair.pop("_partings"))
         name = f"{pair['a']} against {pair['b']}"
