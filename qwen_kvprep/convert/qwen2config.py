@@ -30,9 +30,11 @@ longer Qwen v1's model (see run.py's message).
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from importlib import metadata
 from typing import Optional
 
 from qwen_kvprep.convert.mapping import QwenDims
@@ -209,6 +211,10 @@ def qwen2_config(
         out["rope_scaling"] = scaling
     if quantization is not None:
         out["quantization_config"] = quantization
+    # transformers (5.19) warns on every load of a config.json that does not say which
+    # release wrote it; the release installed here is the one that will read it first
+    with contextlib.suppress(metadata.PackageNotFoundError):
+        out["transformers_version"] = metadata.version("transformers")
     return out
 
 

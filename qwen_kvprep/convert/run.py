@@ -296,9 +296,11 @@ def convert(
                 )
             verified = _verify(sp, staging, ctx, options, findings, say)
             if verified is not None and not verified.ok:
+                message, fix = getattr(verified, "blocked", None) or (
+                    getattr(verified, "headline", "") or _NOT_THE_SAME,
+                    "see the checks above; `--no-verify` skips this step")
                 raise RefusedError(
-                    f"{getattr(verified, 'headline', '') or _NOT_THE_SAME}: OUT was not "
-                    "written", fix="see the checks above; `--no-verify` skips this step",
+                    f"{message}: OUT was not written", fix=fix,
                     findings=list(getattr(verified, "checks", []))
                     or [fail("convert.verify", line) for line in verified.lines[:20]],
                 )
@@ -424,6 +426,8 @@ def summary(result: ConvertResult) -> Sequence[str]:
     if result.serving:
         lines.append("serve it with:")
         lines += [f"  {engine}: {command}" for engine, command in result.serving]
+        note = getattr(_optional("serving"), "sampling_note", lambda _out: None)(result.out)
+        lines += [f"  {note}"] if note else []
     return lines
 
 

