@@ -232,3 +232,21 @@ def test_every_arch_build_reads_is_taken(command: str, arch: str) -> None:
     args = ["--arch", arch] if command == "build" else ["DIR", "--arch", arch]
     ctx = cli.commands[command].make_context(command, args)
     assert ctx.params["arch"] == arch
+
+
+@pytest.mark.parametrize("args", [
+    ("fix", "DIR", "--smoke-timeout"),
+    ("demo", "--smoke-timeout"),
+    ("profile", "DIR", "--timeout"),
+    ("smoke", "DIR", "--timeout"),
+], ids=lambda a: " ".join(a))
+@pytest.mark.parametrize("value", ["nan", "inf"])
+def test_seconds_that_are_not_numbers_are_usage_errors(
+    tmp_path: Path, args: tuple[str, ...], value: str
+) -> None:
+    """nan passes every comparison of a range and inf reads as no limit: both refused at
+    the option, before DIR is even looked at."""
+    argv = [str(tmp_path / "absent") if a == "DIR" else a for a in args]
+    res = invoke(*argv, value)
+    assert res.returncode == 2, res.stderr
+    assert args[-1] in res.stderr and "not a finite number" in res.stderr, res.stderr

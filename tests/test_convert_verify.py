@@ -405,7 +405,9 @@ def test_a_modeling_file_that_is_not_utf8_is_named_as_such(tmp_path: Path) -> No
 
     with pytest.raises(CheckpointError) as info:
         convert(src, tmp_path / "out", ConvertOptions())
-    assert "not UTF-8" in info.value.message and "offset" in info.value.message
+    # (as fix validates the checkpoint: checkpoint.remote_code names the byte and its line)
+    said = " ".join([info.value.message, *(f.message for f in info.value.findings)])
+    assert "not UTF-8" in said and "0xe9" in said, said
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out*"))
 
 

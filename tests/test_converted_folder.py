@@ -129,7 +129,7 @@ def test_the_same_convert_again_is_a_no_op(pair: tuple[Path, Path], tmp_path: Pa
     link.symlink_to(ckpt)
     res = invoke("convert", str(link), str(out), "--no-verify")
     assert res.returncode == 0, res.stderr
-    assert "nothing was written" in res.stdout
+    assert "nothing was written" in " ".join(res.stdout.split())  # lines are wrapped
     assert snapshot(out, mtimes=True) == before
 
 

@@ -12,6 +12,7 @@ from qwen_kvprep.commands._common import (
     json_option,
     output_options,
 )
+from qwen_kvprep.commands._numbers import FiniteFloatRange
 from qwen_kvprep.commands._options import cache_dir_option
 from qwen_kvprep.render import emit, render_demo
 from qwen_kvprep.smoke.progress import wants_progress
@@ -22,7 +23,7 @@ from qwen_kvprep.smoke.progress import wants_progress
 @cache_dir_option()
 @click.option(
     "--smoke-timeout",
-    type=click.FloatRange(min=1.0),
+    type=FiniteFloatRange(min=1.0),
     metavar="S",
     help="Seconds the smoke child may take before it is killed.",
 )

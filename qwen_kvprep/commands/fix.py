@@ -13,6 +13,7 @@ from qwen_kvprep.commands._common import (
     json_option,
     output_options,
 )
+from qwen_kvprep.commands._numbers import FiniteFloatRange
 from qwen_kvprep.commands._options import NONEMPTY, arch_option, cache_dir_option, quiet_option
 from qwen_kvprep.errors import UsageError
 from qwen_kvprep.render import print_fix
@@ -34,9 +35,8 @@ from qwen_kvprep.smoke.progress import step_log
               help="Fast path: quantize a prompt with one scale per token instead of the "
               "model's one per prompt (much smaller error where token norms vary; not the "
               "model's own numbers).")
-@click.option("--smoke-timeout", type=click.FloatRange(min=1.0), metavar="S",
-              help="Seconds the smoke child process may take before it is killed (default "
-              "900).")
+@click.option("--smoke-timeout", type=FiniteFloatRange(min=1.0), metavar="S",
+              help="Seconds the smoke child process may take before it is killed (default 900).")
 @json_option
 @quiet_option
 @click.option("--source", type=click.Choice(["auto", "vendored", "hub"]), default="auto",

@@ -12,6 +12,7 @@ from qwen_kvprep.commands._common import (
     json_option,
     output_options,
 )
+from qwen_kvprep.commands._numbers import FiniteFloatRange
 from qwen_kvprep.profile import (
     BUILTIN_PASSAGE,
     ProfileOptions,
@@ -46,7 +47,7 @@ from qwen_kvprep.render import emit
               metavar="[TEXTFILE]",
               help="Also compare the two caches teacher-forced over a text (the built-in "
               "passage, or TEXTFILE).")
-@click.option("--timeout", type=click.FloatRange(min=1.0), default=DEFAULT_TIMEOUT_S,
+@click.option("--timeout", type=FiniteFloatRange(min=1.0), default=DEFAULT_TIMEOUT_S,
               show_default=True, metavar="S", help="Seconds one run may take before it is "
               "killed.")
 @click.option("--no-cudnn-attention", "no_cudnn_attention", is_flag=True,

@@ -13,6 +13,7 @@ from qwen_kvprep.commands._common import (
     json_option,
     output_options,
 )
+from qwen_kvprep.commands._numbers import FiniteFloatRange
 from qwen_kvprep.commands._smoke import device_available, engine_smoke
 from qwen_kvprep.engines.protocol import ENGINES
 from qwen_kvprep.findings import warn
@@ -53,7 +54,7 @@ from qwen_kvprep.steps.validate import check as validate_checkpoint
 )
 @click.option(
     "--timeout",
-    type=click.FloatRange(min=1.0),
+    type=FiniteFloatRange(min=1.0),
     default=DEFAULT_TIMEOUT_S,
     show_default=True,
     metavar="S",
