@@ -190,7 +190,8 @@ def _verify(
         return None
     say("verifying: the original and OUT on the same prompts, in a child process")
     result: VerifyLike = mod.verify(  # type: ignore[attr-defined]
-        sp.directory, staging, timeout=options.verify_timeout, context_factor=ctx.factor
+        sp.directory, staging, timeout=options.verify_timeout, context_factor=ctx.factor,
+        on_phase=lambda words: say(f"proof: {words}"),
     )
     return result
 
