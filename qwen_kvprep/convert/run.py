@@ -7,11 +7,13 @@ Order, every check before the first write:
    for Qwen2 worked out; the free space on OUT's device checked against the output's size.
 2. Under OUT's lock, in the staging folder beside it: the tokenizer and generation config
    (convert.tokenizer / convert.chat: they check their inputs in seconds, so first), the
-   weights (each source file hashed in a streamed pass, then read; each output shard
-   written tensor by tensor), the index, quantize_config.json for GPTQ, config.json.
-3. The bit-for-bit comparison of every output tensor with its source slice (compare.py),
-   then, unless asked not to, the verification child (convert.verify): the original through
-   its remote code and the output natively. Either failing: nothing is published.
+   weights (each source file read once, front to back, hashed on the way; each output
+   shard written tensor by tensor and hashed), the index, quantize_config.json for GPTQ,
+   config.json.
+3. The bit-for-bit check (compare.check_written: each output shard read back once against
+   the hash of what was written), then, unless asked not to, the verification child
+   (convert.verify): the original through its remote code and the output natively, block
+   by block. Either failing: nothing is published.
 4. provenance.json, then the rename to OUT. The serving command lines (convert.serving)
    come with the result.
 
@@ -31,7 +33,7 @@ from typing import Callable, Optional, Protocol
 
 from qwen_kvprep import __version__
 from qwen_kvprep.convert import output
-from qwen_kvprep.convert.compare import TensorProof, compare
+from qwen_kvprep.convert.compare import TensorProof, check_written
 from qwen_kvprep.convert.provenance import PROVENANCE, FileRecord, Provenance
 from qwen_kvprep.convert.qwen2config import (
     ContextPlan,
@@ -43,6 +45,7 @@ from qwen_kvprep.convert.qwen2config import (
 from qwen_kvprep.convert.source import SourcePlan, read_source
 from qwen_kvprep.convert.weights import (
     ST_INDEX,
+    by_offset,
     index_json,
     plan_shards,
     reading_order,
@@ -221,7 +224,7 @@ def convert(
     config = qwen2_config(
         sp.config, sp.shape, ctx, dtype, generation=_generation(directory), quantization=quant
     )
-    groups = reading_order(sp.plan.pieces, sp.file_of, sp.files)
+    groups = by_offset(directory, sp.files, reading_order(sp.plan.pieces, sp.file_of, sp.files))
     shards = plan_shards(groups, sp.plan.sources, options.max_shard_size)
     output.check_space(out, sum(s.size for s in shards) + _SLACK)
     findings: list[Finding] = []
@@ -243,8 +246,8 @@ def convert(
             if gptq and sp.quantize_file is not None:
                 atomic_write_text(staging / QUANTIZE_CONFIG, _dumps(dict(sp.quantize_file)))
             atomic_write_text(staging / "config.json", _dumps(config))
-            say("comparing every tensor with its source, bit for bit")
-            comparison = compare(sp, staging, progress=say)
+            say("checking every tensor written, bit for bit (OUT read back once)")
+            comparison = check_written(staging, shards, written, progress=say)
             if not comparison.ok:
                 raise RefusedError(
                     f"the written tensors differ from DIR's: {comparison.problems[0]}"
