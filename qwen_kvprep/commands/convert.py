@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Optional
 
@@ -75,6 +76,7 @@ def convert(
     local Hub cache."""
     # here, not at the top: torch and safetensors cost every start of the CLI, --help included
     from qwen_kvprep.convert import run
+    from qwen_kvprep.convert.progress import ConvertLog
 
     as_json = output_options().as_json
     path, _ = checkpoint_dir(directory, revision, quiet=quiet)
@@ -85,12 +87,13 @@ def convert(
         command=command_line_without("--json"),
     )
 
-    def log(message: str) -> None:
-        click.echo(f"qwen-kvprep: {message}", err=True)
-
-    result = run.convert(
-        path, Path(out), options, log=None if as_json or quiet else log
-    )
+    # stderr, with --json too: stdout holds the result alone
+    log = None if quiet else ConvertLog(sys.stderr, tty=sys.stderr.isatty())
+    try:
+        result = run.convert(path, Path(out), options, log=log)
+    finally:
+        if log is not None:
+            log.close()
     if as_json:
         doc = {"ok": True, **result.to_json(),
                "findings": [f.to_json() for f in result.findings]}
