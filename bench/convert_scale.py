@@ -3,8 +3,8 @@
     python bench/convert_scale.py --shape 7b --work DIR [--rounds 1] [--keep]
 
 A checkpoint of the shape's real dimensions (Qwen-1.8B, 7B or 14B: hidden size, layers,
-heads, MLP width, vocabulary; 8 safetensors shards of random bf16 weights, std 0.02: windows of one pool of
-64 Mi random values) is
+heads, MLP width, vocabulary; 8 safetensors shards of random bf16 weights, std 0.02,
+windows of one pool of 64 Mi random values) is
 written into DIR with the tiny checkpoint's tokenizer, generation config and stand-in
 remote code (Qwen's own modeling_qwen.py is not in the repository). Then, alternately,
 each round:

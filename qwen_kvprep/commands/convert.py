@@ -15,6 +15,7 @@ from qwen_kvprep.commands._common import (
     output_options,
 )
 from qwen_kvprep.commands._options import NONEMPTY, quiet_option
+from qwen_kvprep.convert.progress import ConvertLog
 from qwen_kvprep.errors import UsageError
 from qwen_kvprep.render import emit
 
@@ -76,7 +77,6 @@ def convert(
     local Hub cache."""
     # here, not at the top: torch and safetensors cost every start of the CLI, --help included
     from qwen_kvprep.convert import run
-    from qwen_kvprep.convert.progress import ConvertLog
 
     as_json = output_options().as_json
     path, _ = checkpoint_dir(directory, revision, quiet=quiet)

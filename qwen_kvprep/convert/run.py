@@ -33,7 +33,7 @@ from typing import Callable, Optional, Protocol
 
 from qwen_kvprep import __version__
 from qwen_kvprep.convert import output
-from qwen_kvprep.convert.compare import TensorProof, check_written
+from qwen_kvprep.convert.compare import TensorProof, WrittenCheck
 from qwen_kvprep.convert.provenance import PROVENANCE, FileRecord, Provenance
 from qwen_kvprep.convert.qwen2config import (
     ContextPlan,
@@ -238,16 +238,22 @@ def convert(
         with output.staged(out) as staging:
             # first: they read and check their own inputs, in seconds, before hours of weights
             _side_files(sp, staging, findings)
-            written = write_weights(
-                directory, sp.files, groups, shards, staging, on_source=on_source, progress=say
-            )
+            check = WrittenCheck(staging, progress=say)  # each shard read back once written
+            try:
+                written = write_weights(
+                    directory, sp.files, groups, shards, staging, on_source=on_source,
+                    progress=say, on_written=check.submit,
+                )
+            except BaseException:
+                check.close()
+                raise
             if len(shards) > 1:
                 atomic_write_bytes(staging / ST_INDEX, index_json(shards))
             if gptq and sp.quantize_file is not None:
                 atomic_write_text(staging / QUANTIZE_CONFIG, _dumps(dict(sp.quantize_file)))
             atomic_write_text(staging / "config.json", _dumps(config))
-            say("checking every tensor written, bit for bit (OUT read back once)")
-            comparison = check_written(staging, shards, written, progress=say)
+            say("checking every tensor written, bit for bit (each shard read back once)")
+            comparison = check.result(shards)
             if not comparison.ok:
                 raise RefusedError(
                     f"the written tensors differ from DIR's: {comparison.problems[0]}"

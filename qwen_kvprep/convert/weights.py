@@ -458,11 +458,12 @@ def write_weights(
     staging: Path,
     on_source: Optional[Callable[[str, str], None]] = None,
     progress: Optional[Callable[[str], None]] = None,
+    on_written: Optional[Callable[[OutShard, WrittenFile], None]] = None,
 ) -> list[WrittenFile]:
     """Stream every piece from DIR's weight `files` (in that order; `groups`: each one's
     pieces, from reading_order) into `shards` in `staging`. `on_source(name, sha256)` is
-    told each source file's hash (read in a streamed pass just before the file is
-    converted)."""
+    told each source file's hash (computed as the file is read, once), `on_written(shard,
+    file)` each output shard as soon as it is complete."""
     written: list[WrittenFile] = []
     queue = list(shards)
     writer: Optional[ShardWriter] = None
@@ -483,6 +484,8 @@ def write_weights(
                             sha = writer.finish()
                             size = writer.path.stat().st_size
                             written.append(WrittenFile(writer.shard.name, size, sha))
+                            if on_written is not None:
+                                on_written(writer.shard, written[-1])
                             writer = None
                     del tensor
                 source_sha = digest()
