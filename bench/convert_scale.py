@@ -169,6 +169,7 @@ def measure(argv: list[str], *, json_out: bool = False) -> dict[str, object]:
         "peak_rss_gb": round(usage.ru_maxrss * 1024 / 1e9, 2),
         "longest_silence_s": round(max(gaps), 1),
         "stdout": stdout if json_out else stdout[-2000:], "stderr_tail": lines[-8:],
+        "stderr": lines,
     }
 
 
@@ -184,6 +185,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--keep", action="store_true", help="keep the generated checkpoint")
     p.add_argument("--source", type=Path, help="an existing generated checkpoint")
+    p.add_argument("--no-default", action="store_true",
+                   help="leave out the default convert (the proof)")
+    p.add_argument("--logs", type=Path, help="write each run's stderr here")
     p.add_argument("--generate-only", type=Path, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.generate_only is not None:
@@ -215,10 +219,18 @@ def main(argv: Optional[list[str]] = None) -> int:
                 ("convert", [cli, "convert", str(src), str(out), "--json"], out),
             ]
             for label, cmd, target in runs:
+                if args.no_default and label == "convert":
+                    continue
                 _rm(target)
                 subprocess.run(["sync"], check=True)
                 row = measure(cmd, json_out=label == "convert")
                 row["what"], row["round"] = label, r + 1
+                if args.logs is not None:
+                    args.logs.mkdir(parents=True, exist_ok=True)
+                    log = args.logs / f"{label.replace(' ', '_')}-{r + 1}.log"
+                    log.write_text("\n".join(row.pop("stderr")) + "\n")
+                else:
+                    row.pop("stderr")
                 if label == "convert" and row["rc"] == 0:
                     doc = json.loads(str(row["stdout"]))
                     verify = doc.get("verify") or {}
