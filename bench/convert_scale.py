@@ -187,6 +187,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--source", type=Path, help="an existing generated checkpoint")
     p.add_argument("--no-default", action="store_true",
                    help="leave out the default convert (the proof)")
+    p.add_argument("--no-no-verify", action="store_true",
+                   help="leave out convert --no-verify")
     p.add_argument("--logs", type=Path, help="write each run's stderr here")
     p.add_argument("--generate-only", type=Path, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -219,7 +221,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                 ("convert", [cli, "convert", str(src), str(out), "--json"], out),
             ]
             for label, cmd, target in runs:
-                if args.no_default and label == "convert":
+                if (args.no_default and label == "convert") or (
+                        args.no_no_verify and label == "convert --no-verify"):
                     continue
                 _rm(target)
                 subprocess.run(["sync"], check=True)

@@ -2,7 +2,8 @@
 
 Both models are built as skeletons of one block (their own classes: the original through
 its remote code, OUT as transformers' Qwen2ForCausalLM) with a vocabulary of a few rows, so
-building them costs one block each. Then, on the prompts' padded batch:
+building them costs one block each. Then, on the prompts, each alone (no padding: every
+position computed is compared):
 
 1. each model's embedding is loaded from its files and the model's own forward runs until
    its first block is called: the hidden states and every other argument the model gives
@@ -185,7 +186,8 @@ class Side:
     compute: torch.dtype
     layers: int
     shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)  # block-relative
-    call: Optional[tuple[tuple[object, ...], dict[str, object]]] = None
+    # what the model gave its first block, for each row
+    calls: list[tuple[tuple[object, ...], dict[str, object]]] = field(default_factory=list)
 
     @property
     def block(self) -> nn.Module:
@@ -195,8 +197,9 @@ class Side:
     def block_names(self, i: int) -> list[str]:
         return [f"{self.blocks_prefix}{i}.{k}" for k in self.shapes]
 
-    def start(self, ids: torch.Tensor) -> torch.Tensor:
-        """The hidden states the model gives its first block (and the other arguments)."""
+    def start(self, rows: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The hidden states the model gives its first block for each row (and the other
+        arguments, kept for the blocks)."""
         embed = self.model.get_submodule(self.embed)
         weight_name = f"{self.embed}.weight"
         weight = self.files.read([weight_name])[weight_name]
@@ -208,25 +211,30 @@ class Side:
             embed.register_forward_hook(lambda _m, _i, o: o.to(self.compute)),
             self.block.register_forward_pre_hook(_capture, with_kwargs=True),
         ]
+        hidden: list[torch.Tensor] = []
         try:
-            self.model(input_ids=ids, use_cache=False)
-        except _Captured as got:
-            self.call = got.call
+            for ids in rows:
+                try:
+                    self.model(input_ids=ids, use_cache=False)
+                except _Captured as got:
+                    self.calls.append(got.call)
+                    args, kwargs = got.call
+                    hidden.append(_tensor(args[0] if args else kwargs["hidden_states"]))
+                else:
+                    raise RuntimeError(
+                        f"{type(self.model).__name__} never called its first block")
         finally:
             for h in hooks:
                 h.remove()
             _put(embed, "weight", _placeholder(stored))
-        if self.call is None:
-            raise RuntimeError(f"{type(self.model).__name__} never called its first block")
-        args, kwargs = self.call
-        return _tensor(args[0] if args else kwargs["hidden_states"])
+        return hidden
 
-    def run_block(self, tensors: dict[str, torch.Tensor], i: int, hidden: torch.Tensor) -> (
-        torch.Tensor
-    ):
+    def run_block(
+        self, tensors: dict[str, torch.Tensor], i: int, hidden: list[torch.Tensor]
+    ) -> list[torch.Tensor]:
+        """Block i (its tensors loaded, widened, then dropped) on each row's states."""
         import torch
 
-        assert self.call is not None
         prefix = f"{self.blocks_prefix}{i}."
         block = self.block
         for rel, shape in self.shapes.items():
@@ -235,21 +243,26 @@ class Side:
                 raise ValueError(f"{prefix + rel} has shape {list(t.shape)}, not {list(shape)}")
             module, _, leaf = rel.rpartition(".")
             _put(block.get_submodule(module) if module else block, leaf, t.to(self.compute))
-        args, kwargs = self.call
-        if args:
-            args = (hidden, *args[1:])
-        else:
-            kwargs = {**kwargs, "hidden_states": hidden}
+        out: list[torch.Tensor] = []
         with torch.inference_mode():
-            out = block(*args, **kwargs)
+            for state, (args, kwargs) in zip(hidden, self.calls):
+                if args:
+                    args = (state, *args[1:])
+                else:
+                    kwargs = {**kwargs, "hidden_states": state}
+                got = block(*args, **kwargs)
+                out.append(_tensor(got[0] if isinstance(got, tuple) else got))
         for rel in self.shapes:
             module, _, leaf = rel.rpartition(".")
             owner = block.get_submodule(module) if module else block
             _put(owner, leaf, _placeholder(self.compute))
-        return _tensor(out[0] if isinstance(out, tuple) else out)
+        return out
 
-    def logits(self, tensors: dict[str, torch.Tensor], hidden: torch.Tensor) -> torch.Tensor:
-        """The model's own final norm, then its head (a plain matmul in both) in slices."""
+    def logits(
+        self, tensors: dict[str, torch.Tensor], hidden: list[torch.Tensor]
+    ) -> torch.Tensor:
+        """The model's own final norm, then its head (a plain matmul in both) in slices:
+        every row's positions, one after another."""
         import torch
 
         norm = self.model.get_submodule(self.norm)
@@ -257,7 +270,7 @@ class Side:
         _put(norm, "weight", tensors[w_name].to(self.compute))
         head = tensors[f"{self.head}.weight"]
         with torch.inference_mode():
-            normed = norm(hidden)
+            normed = torch.cat([norm(h)[0] for h in hidden])
             parts = [
                 torch.nn.functional.linear(normed, head[r:r + _HEAD_ROWS].to(self.compute))
                 for r in range(0, head.shape[0], _HEAD_ROWS)
@@ -358,6 +371,7 @@ class BlockProof:
     layers_run: int
     weights: Weights
     blocks: list[LogitDiff]  # the hidden states after each block, the original's against OUT's
+    # `logits`: every position of every prompt
     logits: LogitDiff
     compute_dtype: str
     stored_dtype: str
@@ -372,14 +386,14 @@ def prove(
     original: Path,
     out: Path,
     rows: list[list[int]],
-    pad: int,
     *,
     layers_total: int,
     layers: Optional[int] = None,
     device: str = "cpu",
     on_block: Optional[Callable[[int, int], None]] = None,
 ) -> BlockProof:
-    """Run the padded batch `rows` through both models block by block (module doc)."""
+    """Run the prompts `rows` (token ids) through both models block by block (module
+    doc), each alone."""
     import torch
 
     n = layers_total if layers is None else min(layers, layers_total)
@@ -391,10 +405,8 @@ def prove(
     where = torch.device(device)
     a.model.to(where)  # type: ignore[arg-type]
     b.model.to(where)  # type: ignore[arg-type]
-    width = max(len(r) for r in rows)
-    ids = torch.tensor([r + [pad] * (width - len(r)) for r in rows], device=where)
-    real = torch.tensor([[True] * len(r) + [False] * (width - len(r)) for r in rows],
-                        device=where)
+    # each prompt alone, unpadded: no position is computed that is not compared
+    batch = [torch.tensor([r], device=where) for r in rows]
     compared, differ = 0, []
     converted_dtype = stored
 
@@ -411,14 +423,14 @@ def prove(
 
     embed_a, embed_b = f"{a.embed}.weight", f"{b.embed}.weight"
     check([embed_a], [embed_b])  # dropped: each side reads its own again, one at a time
-    ha, hb = a.start(ids), b.start(ids)
+    ha, hb = a.start(batch), b.start(batch)
     blocks: list[LogitDiff] = []
     for i in range(n):
         ta, tb = check(a.block_names(i), b.block_names(i))
         ha = a.run_block(ta, i, ha)
         hb = b.run_block(tb, i, hb)
         del ta, tb
-        blocks.append(diff(ha[real], hb[real]))
+        blocks.append(diff(torch.cat([h[0] for h in ha]), torch.cat([h[0] for h in hb])))
         if on_block is not None:
             on_block(i + 1, n)
     tops_a = [f"{a.norm}.weight", f"{a.head}.weight"]
@@ -434,7 +446,7 @@ def prove(
     differ.extend(f"{name}: in OUT, with no counterpart in the original" for name in extra)
     weights: Weights = {"compared": compared, "differ": differ, "skipped": None}
     return BlockProof(
-        layers_total, n, weights, blocks, diff(logits_a[real], logits_b[real]),
+        layers_total, n, weights, blocks, diff(logits_a, logits_b),
         str(compute).replace("torch.", ""), stored, converted_dtype,
     )
 

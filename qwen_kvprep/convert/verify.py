@@ -380,7 +380,7 @@ def block_findings(r: VerifyChildResult) -> list[Finding]:
             f"{_g(tol)}), every block run one at a time in {compute}",
             details={"blocks": blocks},
         )
-    logits = _logit_finding("logits (padded batch)", r["logits"], tol, compute)
+    logits = _logit_finding("logits (each prompt alone)", r["logits"], tol, compute)
     return [found, logits]
 
 

@@ -541,7 +541,7 @@ def blockwise(out_config: JSONObject, context: bool) -> bool:
 
 
 def run_blockwise(args: argparse.Namespace, ev: Events, device: str) -> VerifyChildResult:
-    """Weights and the padded batch block by block; the greedy steps on the whole models
+    """Weights and the prompts block by block; the greedy steps on the whole models
     where both fit, else said not run."""
     import torch
     import transformers
@@ -561,12 +561,10 @@ def run_blockwise(args: argparse.Namespace, ev: Events, device: str) -> VerifyCh
         str(original_path), trust_remote_code=True
     )
     prompts = [list(tokenizer.encode(p)) for p in PROMPTS]
-    eod = getattr(tokenizer, "eod_id", None)
-    pad = int(eod) if isinstance(eod, int) else 0
 
     ev.start(PHASE_BLOCKS)
     proof = blockproof.prove(
-        original_path, out_path, prompts, pad, layers_total=shape.layers, layers=n,
+        original_path, out_path, prompts, layers_total=shape.layers, layers=n,
         device=device,
         on_block=lambda done, total: ev.send(
             {"event": "progress", "phase": PHASE_BLOCKS, "done": done, "total": total}),
