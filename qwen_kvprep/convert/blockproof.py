@@ -19,6 +19,9 @@ model at a time, a slice of the head, the activations of the batch. On a CPU the
 compute in float32 (bf16 weights widen exactly; a bf16 matmul runs at a fifth of float32's
 speed on CPUs without bf16 units), so the comparison is float32's, tighter than the model's
 own dtype.
+
+Not accelerate's disk offload: it is not installed everywhere the proof runs, and it runs
+one model at a time, so the blocks could not be compared as they go.
 """
 
 from __future__ import annotations
