@@ -107,19 +107,23 @@ def _file_of(out: Path, name: str) -> Path:
 
 def corrupt(out: Path, how: str) -> str:
     """Change OUT's weights: "weight" adds 1e-2 to one element of layer 0's down_proj,
-    "swap-qk" exchanges layer 0's q_proj and k_proj. Returns the tensor name concerned."""
+    "swap-qk" exchanges layer 0's q_proj and k_proj, "scale-o-last" multiplies the last
+    layer's o_proj by 1.5. Returns the tensor name concerned."""
     from safetensors.torch import load_file, save_file
 
-    name = (
-        "model.layers.0.mlp.down_proj.weight" if how == "weight"
-        else "model.layers.0.self_attn.q_proj.weight"
-    )
+    last = json.loads((out / "config.json").read_text())["num_hidden_layers"] - 1
+    name = {
+        "weight": "model.layers.0.mlp.down_proj.weight",
+        "scale-o-last": f"model.layers.{last}.self_attn.o_proj.weight",
+    }.get(how, "model.layers.0.self_attn.q_proj.weight")
     path = _file_of(out, name)
     tensors = load_file(str(path))
     if how == "weight":
         t = tensors[name].clone()
         t.view(-1)[7] += 1e-2
         tensors[name] = t
+    elif how == "scale-o-last":
+        tensors[name] = tensors[name] * 1.5
     elif how == "swap-qk":
         k = "model.layers.0.self_attn.k_proj.weight"
         assert _file_of(out, k) == path

@@ -75,6 +75,9 @@ def test_a_converted_fp32_folder_is_proven_equal_and_dir_is_untouched(
     assert all(g["original"] == g["converted"] for g in m["greedy"])
     assert len(set(m["prompt_tokens"])) > 1  # a batch of different lengths
     assert "context" not in m
+    # every layer ran, one block at a time, and the greedy steps on the whole models
+    assert m["fit"]["layers_run"] == m["fit"]["layers_total"] == len(m["blocks"]) == 2
+    assert m["compute_dtype"] == "float32" and "greedy_skipped" not in m
     assert result.lines[-1] == "proof: OK"
 
 
@@ -106,6 +109,29 @@ def test_a_corrupted_folder_fails_naming_the_tensor(
     assert any(f.severity is Severity.FAIL for f in _by_id(result, "verify.logits"))
     assert result.lines[-1] == "proof: FAILED"
     assert any(name in line for line in result.lines)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["swap-qk", "scale-o-last"])
+def test_the_block_by_block_proof_names_the_block_where_the_models_part(
+    fp32: tuple[Path, Path], tmp_path: Path, how: str
+) -> None:
+    src, good = fp32
+    out = tmp_path / "out"
+    shutil.copytree(good, out)
+    name = corrupt(out, how)
+    result = verify(src, out, timeout=600, context_factor=None)
+    assert not result.ok and result.lines[-1] == "proof: FAILED"
+    (weights,) = _by_id(result, "verify.weights")
+    assert weights.severity is Severity.FAIL and name in weights.message
+    (blocks,) = _by_id(result, "verify.blocks")
+    layer = int(name.split(".")[2])  # 0 for the swap, the last (1) for the scaled o_proj
+    assert blocks.severity is Severity.FAIL
+    assert f"part after block {layer} of 2" in blocks.message
+    m = result.measured
+    assert m is not None and len(m["blocks"]) == 2
+    assert all(d["max_rel"] <= 1e-5 for d in m["blocks"][:layer])  # before it: equal
+    assert any(f.severity is Severity.FAIL for f in _by_id(result, "verify.logits"))
 
 
 @pytest.mark.slow
@@ -236,6 +262,23 @@ def test_tokens_may_part_only_at_a_tie_the_dtype_cannot_decide() -> None:
     bad = _judge(parted(0.5))
     assert not bad.ok
     assert "parts at token 1" in _by_id(bad, "verify.greedy")[0].message
+
+
+def test_greedy_steps_that_do_not_fit_are_a_skip_and_the_blocks_are_judged() -> None:
+    diff = {"positions": 10, "max_abs": 1e-7, "max_rel": 1e-8, "scale": 10.0}
+    far = {"positions": 10, "max_abs": 1.0, "max_rel": 0.1, "scale": 10.0}
+    m = _measured(blocks=[diff, diff], compute_dtype="float32", greedy=[],
+                  greedy_skipped="both whole models need about 34 GiB and 20 GiB are free")
+    result = _judge(m)
+    assert result.ok, result.lines
+    (greedy,) = _by_id(result, "verify.greedy")
+    assert greedy.severity is Severity.SKIP and "34 GiB" in greedy.message
+    assert _by_id(result, "verify.blocks")[0].severity is Severity.OK
+    # bf16 weights computed in float32: float32's tolerance
+    bad = _judge(_measured(blocks=[diff, far], compute_dtype="float32",
+                           dtype_original="bfloat16", dtype_converted="bfloat16"))
+    (blocks,) = _by_id(bad, "verify.blocks")
+    assert not bad.ok and "part after block 1 of 2" in blocks.message
 
 
 def test_logit_tolerance_follows_the_dtype() -> None:

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from pathlib import Path
 from typing import Optional
 
@@ -16,6 +17,7 @@ from qwen_kvprep.commands._common import (
 )
 from qwen_kvprep.commands._numbers import FiniteFloatRange
 from qwen_kvprep.commands._options import NONEMPTY, quiet_option
+from qwen_kvprep.convert.progress import ConvertLog
 from qwen_kvprep.errors import UsageError
 from qwen_kvprep.render import emit
 
@@ -89,12 +91,13 @@ def convert(
         command=command_line_without("--json"),
     )
 
-    def log(message: str) -> None:
-        click.echo(f"qwen-kvprep: {message}", err=True)
-
-    result = run.convert(
-        path, Path(out), options, log=None if as_json or quiet else log
-    )
+    # stderr, with --json too: stdout holds the result alone
+    log = None if quiet else ConvertLog(sys.stderr, tty=sys.stderr.isatty())
+    try:
+        result = run.convert(path, Path(out), options, log=log)
+    finally:
+        if log is not None:
+            log.close()
     if as_json:
         doc = {"ok": True, **result.to_json(),
                "findings": [f.to_json() for f in result.findings]}

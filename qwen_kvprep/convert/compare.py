@@ -9,16 +9,30 @@ shards are memory-mapped by `safe_open`. Nothing is written.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Optional
 
+from qwen_kvprep.convert.pieces import TensorInfo
 from qwen_kvprep.convert.source import SourcePlan
-from qwen_kvprep.convert.weights import ST_INDEX, ST_SINGLE, cut, open_source
+from qwen_kvprep.convert.weights import (
+    ST_INDEX,
+    ST_SINGLE,
+    ST_TO_TORCH,
+    OutShard,
+    WrittenFile,
+    cut,
+    nbytes,
+    open_source,
+    sha256_stream,
+)
 from qwen_kvprep.untrusted import describe_json_error, read_record, relpath_problem
 
 if TYPE_CHECKING:
+    from concurrent.futures import Future
+
     import torch
 
 _INDEX_LIMIT = 64 << 20
@@ -142,3 +156,96 @@ def compare(
                             )
                     del tensor
     return result
+
+
+class WrittenCheck:
+    """The bit-for-bit proof without reading DIR again: each of OUT's shards is read back
+    once, whole, as soon as it is written (while the page cache still holds it, on a
+    thread of its own, as the next shard is converted); its sha256 must be the one of the
+    bytes written (each tensor's the cut of its source tensor as it was read, hashed on
+    the way), and the header safetensors parses from it must give every planned tensor
+    its planned dtype and shape (the offsets are in the same hashed bytes)."""
+
+    def __init__(self, out: Path, progress: Optional[Callable[[str], None]] = None) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.out = out
+        self.progress = progress
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvprep-check")
+        self._checks: list[tuple[OutShard, Future[list[str]]]] = []
+
+    def submit(self, shard: OutShard, written: WrittenFile) -> None:
+        self._checks.append((shard, self._pool.submit(self._one, shard, written.sha256)))
+
+    def _one(self, shard: OutShard, sha: str) -> list[str]:
+        path = self.out / shard.name
+        if sha256_stream(path) != sha:
+            return [f"{shard.name} is not the file written (its sha256 differs)"]
+        return _header_problems(path, shard)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+    def result(self, shards: Sequence[OutShard]) -> TensorProof:
+        """Once every shard and the index are written: OUT's tensor names, then each
+        shard's check."""
+        result = TensorProof()
+        try:
+            where = out_weight_map(self.out)
+        except (OSError, ValueError) as exc:
+            result.problems.append(f"OUT's weights cannot be listed: {exc}")
+            return result
+        planned = {p.target: s.name for s in shards for p in s.pieces}
+        for name in sorted(set(where) - set(planned)):
+            result.problems.append(f"{name} is in OUT but is no tensor of the mapping")
+        for name in sorted(set(planned) - set(where)):
+            result.problems.append(f"{name} is missing from OUT")
+        checked = {s.name: f for s, f in self._checks}
+        for number, shard in enumerate(shards, 1):
+            future = checked.get(shard.name)
+            problems = future.result() if future is not None else [
+                f"{shard.name} was not checked"]
+            result.problems += problems
+            if not problems:
+                result.tensors += len(shard.pieces)
+                result.bytes += sum(nbytes(i) for i in shard.infos)
+            if self.progress is not None:
+                self.progress(f"checked {number}/{len(shards)} {shard.name}")
+        self.close()
+        return result
+
+
+def check_written(
+    out: Path,
+    shards: Sequence[OutShard],
+    written: Sequence[WrittenFile],
+    progress: Optional[Callable[[str], None]] = None,
+) -> TensorProof:
+    """WrittenCheck on shards already written."""
+    check = WrittenCheck(out, progress)
+    try:
+        for shard, w in zip(shards, written):
+            check.submit(shard, w)
+        return check.result(shards)
+    finally:
+        check.close()
+
+
+def _header_problems(path: Path, shard: OutShard) -> list[str]:
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as fh:
+            names: list[str] = fh.keys()
+            got = {}
+            for n in names:
+                sl = fh.get_slice(n)
+                got[n] = TensorInfo(ST_TO_TORCH.get(sl.get_dtype(), sl.get_dtype()),
+                                    tuple(sl.get_shape()))
+    except Exception as exc:  # SafetensorError is not an OSError
+        return [f"{shard.name} cannot be read: {exc}"]
+    want = {p.target: i for p, i in zip(shard.pieces, shard.infos)}
+    if got != want:
+        wrong = sorted(n for n in set(got) | set(want) if got.get(n) != want.get(n))
+        return [f"{shard.name}: {n} is {got.get(n)}, planned {want.get(n)}" for n in wrong]
+    return []

@@ -7,11 +7,13 @@ Order, every check before the first write:
    for Qwen2 worked out; the free space on OUT's device checked against the output's size.
 2. Under OUT's lock, in the staging folder (output.py): the tokenizer and generation config
    (convert.tokenizer / convert.chat: they check their inputs in seconds, so first), the
-   weights (each source file hashed in a streamed pass, then read; each output shard
-   written tensor by tensor), the index, quantize_config.json for GPTQ, config.json.
-3. The bit-for-bit comparison of every output tensor with its source slice (compare.py),
-   then, unless asked not to, the verification child (convert.verify): the original through
-   its remote code and the output natively. Either failing: nothing is published.
+   weights (each source file read once, front to back, hashed on the way; each output
+   shard written tensor by tensor and hashed), the index, quantize_config.json for GPTQ,
+   config.json.
+3. The bit-for-bit check (compare.check_written: each output shard read back once against
+   the hash of what was written), then, unless asked not to, the verification child
+   (convert.verify): the original through its remote code and the output natively, block
+   by block. Either failing: nothing is published.
 4. provenance.json, then the rename to OUT. The serving command lines (convert.serving)
    come with the result.
 
@@ -32,7 +34,7 @@ from typing import Callable, Optional, Protocol
 
 from qwen_kvprep import __version__
 from qwen_kvprep.convert import already, output
-from qwen_kvprep.convert.compare import TensorProof, compare
+from qwen_kvprep.convert.compare import TensorProof, WrittenCheck
 from qwen_kvprep.convert.context import within_words
 from qwen_kvprep.convert.qwen2config import (
     ContextPlan,
@@ -44,6 +46,7 @@ from qwen_kvprep.convert.qwen2config import (
 from qwen_kvprep.convert.source import SourcePlan, read_source
 from qwen_kvprep.convert.weights import (
     ST_INDEX,
+    by_offset,
     index_json,
     plan_shards,
     reading_order,
@@ -213,7 +216,8 @@ def _verify(
         return None
     say("verifying: the original and OUT on the same prompts, in a child process")
     result: VerifyLike = mod.verify(  # type: ignore[attr-defined]
-        sp.directory, staging, timeout=options.verify_timeout, context_factor=ctx.factor
+        sp.directory, staging, timeout=options.verify_timeout, context_factor=ctx.factor,
+        on_phase=lambda words: say(f"proof: {words}"),
     )
     return result
 
@@ -258,7 +262,7 @@ def convert(
         sp.config, sp.shape, ctx, dtype, generation=_generation(directory), quantization=quant,
         end_of_text=_end_of_text(sp),
     )
-    groups = reading_order(sp.plan.pieces, sp.file_of, sp.files)
+    groups = by_offset(directory, sp.files, reading_order(sp.plan.pieces, sp.file_of, sp.files))
     shards = plan_shards(groups, sp.plan.sources, options.max_shard_size)
     output.check_space(out, sum(s.size for s in shards) + _SLACK)
     check_code = getattr(_optional("verify"), "check_code", None) if options.verify else None
@@ -275,16 +279,22 @@ def convert(
         with output.staged(out) as staging:
             # first: they read and check their own inputs, in seconds, before hours of weights
             _side_files(sp, staging, findings)
-            written = write_weights(
-                directory, sp.files, groups, shards, staging, on_source=on_source, progress=say
-            )
+            check = WrittenCheck(staging, progress=say)  # each shard read back once written
+            try:
+                written = write_weights(
+                    directory, sp.files, groups, shards, staging, on_source=on_source,
+                    progress=say, on_written=check.submit,
+                )
+            except BaseException:
+                check.close()
+                raise
             if len(shards) > 1:
                 atomic_write_bytes(staging / ST_INDEX, index_json(shards))
             if gptq and sp.quantize_file is not None:
                 atomic_write_text(staging / QUANTIZE_CONFIG, _dumps(dict(sp.quantize_file)))
             atomic_write_text(staging / "config.json", _dumps(config))
-            say("comparing every tensor with its source, bit for bit")
-            comparison = compare(sp, staging, progress=say)
+            say("checking every tensor written, bit for bit (each shard read back once)")
+            comparison = check.result(shards)
             if not comparison.ok:
                 raise RefusedError(
                     f"the written tensors differ from DIR's: {comparison.problems[0]}"

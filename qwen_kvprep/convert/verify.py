@@ -197,9 +197,13 @@ def verify(
     measure = context_factor is not None if measure_context is None else measure_context
 
     def on_event(event: ShownEvent) -> None:
-        if on_phase is not None and event.get("event") == "phase":
-            phase = str(event.get("phase"))
+        if on_phase is None:
+            return
+        phase = str(event.get("phase"))
+        if event.get("event") == "phase":
             on_phase(PHASE_WORDS.get(phase, phase))
+        elif event.get("event") == "progress":
+            on_phase(f"block {event.get('done')}/{event.get('total')}")
 
     # no dot in any name: transformers imports the code as a module named after the folder;
     # what a killed run left under this prefix goes first (owned_tempdir)
@@ -415,9 +419,15 @@ def _judge_result(r: VerifyChildResult) -> VerifyResult:
             fix="if those rows are the padding past the tokenizer's ids, no text reaches them",
             nan=nan,
         ))
-    checks.append(_logit_finding("logits (padded batch)", r["logits"], tol, dtype))
-    checks.append(_logit_finding("logits (greedy steps)", r["steps"], tol, dtype))
-    checks.append(_greedy_finding(r, tol))
+    if "blocks" in r:
+        checks += block_findings(r)
+    else:
+        checks.append(_logit_finding("logits (padded batch)", r["logits"], tol, dtype))
+    if "greedy_skipped" in r:
+        checks.append(skip("verify.greedy", f"greedy steps not run: {r['greedy_skipped']}"))
+    else:
+        checks.append(_logit_finding("logits (greedy steps)", r["steps"], tol, dtype))
+        checks.append(_greedy_finding(r, tol))
     checks.append(_proof_finding("verify.tokenizer", "tokenizer", r["tokenizer"]))
     checks.append(_proof_finding("verify.template", "chat template", r["template"]))
     if r["scaling_set_aside"] is not None:
@@ -456,6 +466,36 @@ def _headline(checks: list[Finding]) -> str:
             return f.message.split(": nothing was compared", 1)[0]
     first = failed[0].message if failed else "a check failed"
     return f"the converted model does not behave as the original ({first})"
+
+
+def block_findings(r: VerifyChildResult) -> list[Finding]:
+    """The block-by-block proof: the hidden states after every block, then the logits,
+    within the rounding of the dtype both computed in."""
+    compute = r.get("compute_dtype", r["dtype_original"])
+    tol = tolerance(compute, r["gptq"])
+    blocks = r.get("blocks", [])
+    parted = [i for i, d in enumerate(blocks) if d["max_rel"] > tol]
+    worst = max((d["max_rel"] for d in blocks), default=0.0)
+    if parted:
+        first = parted[0]
+        found = fail(
+            "verify.blocks",
+            f"blocks: the hidden states part after block {first} of {len(blocks)} "
+            f"({_g(blocks[first]['max_rel'])} of the largest, {compute} allows {_g(tol)}): "
+            "OUT does not compute what the original computes from there",
+            fix="convert again into a new folder; if it fails again, report it with this output",
+            details={"blocks": blocks},
+        )
+    else:
+        found = ok(
+            "verify.blocks",
+            f"blocks: the hidden states after each of the {len(blocks)} blocks agree "
+            f"(largest difference {_g(worst)} of the largest value, {compute} allows "
+            f"{_g(tol)}), every block run one at a time in {compute}",
+            details={"blocks": blocks},
+        )
+    logits = _logit_finding("logits (each prompt alone)", r["logits"], tol, compute)
+    return [found, logits]
 
 
 def _greedy_finding(r: VerifyChildResult, tol: float) -> Finding:

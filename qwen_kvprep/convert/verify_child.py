@@ -27,9 +27,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
 from qwen_kvprep.childproc import Events, child_main, exit_child
+from qwen_kvprep.convert import blockproof, tokproof
 from qwen_kvprep.convert import context as ctx
-from qwen_kvprep.convert import tokproof
 from qwen_kvprep.convert.verify_protocol import (
+    PHASE_BLOCKS,
     PHASE_CONTEXT,
     PHASE_FIT,
     PHASE_GREEDY,
@@ -484,6 +485,9 @@ def run(args: argparse.Namespace, ev: Events) -> VerifyChildResult:
     seconds: dict[str, float] = {}
     t0 = time.perf_counter()
     device = resolve_device(args.device)
+    early_config = _read_config(out_path)
+    if blockwise(early_config, args.context):
+        return run_blockwise(args, ev, device)
     ev.start(PHASE_FIT)
     sized = fit(original_path, device, args.layers)
     layers = sized["layers_run"]
@@ -568,6 +572,107 @@ def run(args: argparse.Namespace, ev: Events) -> VerifyChildResult:
             original_rules=ctx.original_rules(dict(src_config)),
         )
         seconds["context"] = time.perf_counter() - t4
+    return result
+
+
+def blockwise(out_config: JSONObject, context: bool) -> bool:
+    """Whether the proof runs block by block (blockproof.py): every layer in the memory
+    of one block of each. Not for GPTQ (the backend's kernels come with the whole model),
+    nor with rope scaling declared or the context measured (both read whole models)."""
+    gptq = isinstance(out_config.get("quantization_config"), dict)
+    return not gptq and not context and declared_scaling(out_config) is None
+
+
+def run_blockwise(args: argparse.Namespace, ev: Events, device: str) -> VerifyChildResult:
+    """Weights and the prompts block by block; the greedy steps on the whole models
+    where both fit, else said not run."""
+    import torch
+    import transformers
+    from transformers import AutoTokenizer
+
+    original_path, out_path = Path(args.original), Path(args.out)
+    seconds: dict[str, float] = {}
+    t0 = time.perf_counter()
+    ev.start(PHASE_FIT)
+    facts = read_model(original_path)
+    shape = facts.shape
+    embeddings = 2 * shape.vocab * shape.hidden * _DTYPE_BYTES.get(facts.dtype, 2)
+    available = free_memory(device)
+    whole, why = layers_that_fit(shape.weights_bytes, shape.layers, embeddings, available)
+    n = shape.layers if args.layers is None else max(1, min(args.layers, shape.layers))
+    tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(
+        str(original_path), trust_remote_code=True
+    )
+    prompts = [list(tokenizer.encode(p)) for p in PROMPTS]
+
+    ev.start(PHASE_BLOCKS)
+    proof = blockproof.prove(
+        original_path, out_path, prompts, layers_total=shape.layers, layers=n,
+        device=device,
+        on_block=lambda done, total: ev.send(
+            {"event": "progress", "phase": PHASE_BLOCKS, "done": done, "total": total}),
+    )
+    seconds["blocks"] = time.perf_counter() - t0
+    sized: Fit = {
+        "device": device, "layers_total": shape.layers, "layers_run": proof.layers_run,
+        "weights_bytes": shape.weights_bytes, "available_bytes": available,
+        "reason": f"--layers {args.layers} asked for" if n < shape.layers else None,
+    }
+    gc.collect()
+    runs: list[Greedy] = []
+    steps: LogitDiff = {"positions": 0, "max_abs": 0.0, "max_rel": 0.0, "scale": 0.0}
+    skipped: Optional[str] = None
+    dtype_original = dtype_converted = proof.stored_dtype
+    if whole == shape.layers:
+        ev.start(PHASE_LOAD_ORIGINAL)
+        t1 = time.perf_counter()
+        tokenizer, original = load_original(original_path, n, device)
+        ev.start(PHASE_LOAD_CONVERTED)
+        out_config = _read_config(out_path)
+        converted = load_converted(out_path, n, device, out_config, exact=True)
+        dtype_original, dtype_converted = _dtype_name(original), _dtype_name(converted)
+        ev.start(PHASE_GREEDY)
+        runs, steps = greedy_both(
+            original, converted, prompts, args.new_tokens, torch.device(device)
+        )
+        del original, converted
+        gc.collect()
+        seconds["greedy"] = time.perf_counter() - t1
+    else:
+        skipped = f"the greedy steps need both whole models and {why}"
+
+    ev.start(PHASE_TOKENIZER)
+    t3 = time.perf_counter()
+    if args.tokenizer:
+        tok_proof, template_proof = prove_tokenizers(tokenizer, out_path)
+    else:
+        tok_proof = template_proof = {
+            "status": "unavailable", "message": "not asked for (--no-tokenizer)", "details": None
+        }
+    seconds["tokenizer"] = time.perf_counter() - t3
+    result: VerifyChildResult = {
+        "result_version": RESULT_VERSION,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "device": device,
+        "dtype_original": dtype_original,
+        "dtype_converted": dtype_converted,
+        "gptq": False,
+        "scaling_set_aside": None,
+        "fit": sized,
+        "prompt_tokens": [len(p) for p in prompts],
+        "logits": proof.logits,
+        "steps": steps,
+        "greedy": runs,
+        "weights": proof.weights,
+        "tokenizer": tok_proof,
+        "template": template_proof,
+        "seconds": seconds,
+        "blocks": proof.blocks,
+        "compute_dtype": proof.compute_dtype,
+    }
+    if skipped is not None:
+        result["greedy_skipped"] = skipped
     return result
 
 

@@ -14,6 +14,7 @@ RESULT_VERSION = 1
 
 PHASE_START = "start"
 PHASE_FIT = "fit"
+PHASE_BLOCKS = "blocks"
 PHASE_LOAD_ORIGINAL = "load-original"
 PHASE_LOAD_CONVERTED = "load-converted"
 PHASE_WEIGHTS = "weights"
@@ -25,6 +26,7 @@ PHASE_DONE = "done"
 PHASE_WORDS = {
     PHASE_START: "starting (importing torch and transformers)",
     PHASE_FIT: "sizing the models against this machine's memory",
+    PHASE_BLOCKS: "running both models block by block",
     PHASE_LOAD_ORIGINAL: "loading the original through its own code",
     PHASE_LOAD_CONVERTED: "loading the converted folder as Qwen2ForCausalLM",
     PHASE_WEIGHTS: "comparing the loaded weights",
@@ -145,3 +147,9 @@ class _ResultBase(TypedDict):
 
 class VerifyChildResult(_ResultBase, total=False):
     context: ContextMeasure  # only when asked (convert --context-factor)
+    # the block-by-block proof (blockproof.py): the hidden states after each block, and
+    # the dtype both computed in; `logits` and `weights` are then its own
+    blocks: list[LogitDiff]
+    compute_dtype: str
+    # why the greedy steps did not run (both whole models do not fit); `greedy` is empty
+    greedy_skipped: str

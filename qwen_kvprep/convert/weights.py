@@ -25,16 +25,19 @@ import json
 import os
 import struct
 import sys
-from collections.abc import Iterator, Mapping, Sequence
+import time
+from collections.abc import Generator, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Optional, Protocol
+from typing import IO, TYPE_CHECKING, Callable, Optional, Protocol
 
 from qwen_kvprep.convert.pieces import Piece, TensorInfo
 from qwen_kvprep.errors import CheckpointError
 
 if TYPE_CHECKING:
+    from concurrent.futures import Future
+
     import torch
 
 ST_INDEX = "model.safetensors.index.json"
@@ -142,6 +145,130 @@ def open_source(path: Path) -> Iterator[WeightFile]:
         ) from exc
     with handle:
         yield _Safetensors(handle)
+
+
+class BackgroundHash:
+    """A sha256 fed from the caller's thread and computed on another (hashlib lets go of
+    the interpreter lock for large buffers), so that hashing a shard overlaps reading and
+    writing the next tensor. Each buffer must stay unchanged until the next `update`."""
+
+    def __init__(self) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        self._digest = hashlib.sha256()
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvprep-sha256")
+        self._pending: Optional[Future[None]] = None
+
+    def update(self, data: object) -> None:
+        self._wait()
+        self._pending = self._pool.submit(self._digest.update, data)  # type: ignore[arg-type]
+
+    def _wait(self) -> None:
+        if self._pending is not None:
+            self._pending.result()
+            self._pending = None
+
+    def hexdigest(self) -> str:
+        self._wait()
+        self._pool.shutdown()
+        return self._digest.hexdigest()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+_HEADER_LIMIT = 100 << 20  # safetensors' own limit on a header
+
+
+def safetensors_layout(path: Path) -> dict[str, tuple[str, tuple[int, ...], int, int]]:
+    """name -> (torch dtype name, shape, start, end) from the file's header, the offsets
+    absolute in the file (CheckpointError if the header is unsound)."""
+    with open(path, "rb") as fh:
+        return _layout(fh, path)
+
+
+def _layout(fh: IO[bytes], path: Path) -> dict[str, tuple[str, tuple[int, ...], int, int]]:
+    head = fh.read(8)
+    size = os.fstat(fh.fileno()).st_size
+    if len(head) != 8:
+        raise CheckpointError(f"{path.name} is too short for a safetensors file")
+    (n,) = struct.unpack("<Q", head)
+    if n > min(_HEADER_LIMIT, size - 8):
+        raise CheckpointError(f"{path.name}: its safetensors header claims {n} bytes")
+    raw = fh.read(n)
+    try:
+        header = json.loads(raw)
+    except ValueError as exc:
+        raise CheckpointError(f"{path.name}: its safetensors header is not JSON: {exc}") from exc
+    out: dict[str, tuple[str, tuple[int, ...], int, int]] = {}
+    base = 8 + n
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path.name}: its safetensors header is not an object")
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype = ST_TO_TORCH[entry["dtype"]]
+            shape = tuple(int(d) for d in entry["shape"])
+            start, end = (int(x) for x in entry["data_offsets"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CheckpointError(f"{path.name}: header entry {name!r} is unsound") from exc
+        if not 0 <= start <= end <= size - base or end - start != nbytes(
+                TensorInfo(dtype, shape)):
+            raise CheckpointError(f"{path.name}: {name} lies outside the file or is cut short")
+        out[name] = (dtype, shape, base + start, base + end)
+    return out
+
+
+def stream_safetensors(
+    path: Path, wanted: set[str], digest: BackgroundHash
+) -> Generator[tuple[str, torch.Tensor], None, None]:
+    """The `wanted` tensors of a safetensors file in the order they lie in it, the file
+    read once from start to end, every byte (header, gaps, tensors) into `digest`."""
+    import torch
+
+    with open(path, "rb") as fh:
+        layout = _layout(fh, path)
+        base = fh.tell()
+        fh.seek(0)
+        head = fh.read(base)
+        digest.update(head)
+        pos = len(head)
+        for name, (dtype, shape, start, end) in sorted(layout.items(), key=lambda kv: kv[1][2]):
+            if start < pos:
+                raise CheckpointError(f"{path.name}: {name} overlaps another tensor")
+            if start > pos:
+                digest.update(fh.read(start - pos))
+            buf = bytearray(end - start)
+            if fh.readinto(buf) != len(buf):
+                raise CheckpointError(f"{path.name} changed while it was read (it is shorter)",
+                                      fix="run convert again once nothing writes DIR")
+            digest.update(buf)
+            pos = end
+            if name in wanted:
+                kind = getattr(torch, dtype)
+                tensor = (torch.frombuffer(buf, dtype=torch.uint8).view(kind).reshape(shape)
+                          if buf else torch.empty(shape, dtype=kind))
+                yield name, tensor
+        for chunk in iter(lambda: fh.read(_CHUNK), b""):
+            digest.update(chunk)
+
+
+def by_offset(
+    directory: Path, files: Sequence[str], groups: Sequence[Sequence[Piece]]
+) -> list[list[Piece]]:
+    """Each safetensors file's pieces in the order their tensors lie in the file (it is
+    then read once, front to back); a .bin file's as they are."""
+    out: list[list[Piece]] = []
+    for fname, group in zip(files, groups):
+        if fname.endswith(".bin"):
+            out.append(list(group))
+            continue
+        layout = safetensors_layout(directory / fname)
+        first = {p.source: layout.get(p.source, ("", (), 0, 0))[2] for p in group}
+        out.append(sorted(group, key=lambda p: first[p.source]))  # stable: a source's
+        # pieces keep their order
+    return out
 
 
 def sha256_stream(path: Path) -> str:
@@ -267,13 +394,13 @@ class ShardWriter:
         self.path = path
         self.shard = shard
         self._next = 0
-        self._digest = hashlib.sha256()
+        self._digest = BackgroundHash()  # hashed while the next tensor is read and written
         self._fh = open(path, "xb")  # noqa: SIM115 (closed by finish/abort)
         self._write(_header(shard))
 
     def _write(self, data: object) -> None:
         self._fh.write(data)  # type: ignore[arg-type]
-        self._digest.update(data)  # type: ignore[arg-type]
+        self._digest.update(data)
 
     @property
     def done(self) -> bool:
@@ -302,6 +429,7 @@ class ShardWriter:
 
     def abort(self) -> None:
         self._fh.close()
+        self._digest.close()
 
 
 @dataclass(frozen=True)
@@ -330,24 +458,22 @@ def write_weights(
     staging: Path,
     on_source: Optional[Callable[[str, str], None]] = None,
     progress: Optional[Callable[[str], None]] = None,
+    on_written: Optional[Callable[[OutShard, WrittenFile], None]] = None,
 ) -> list[WrittenFile]:
     """Stream every piece from DIR's weight `files` (in that order; `groups`: each one's
     pieces, from reading_order) into `shards` in `staging`. `on_source(name, sha256)` is
-    told each source file's hash (read in a streamed pass just before the file is
-    converted)."""
+    told each source file's hash (computed as the file is read, once), `on_written(shard,
+    file)` each output shard as soon as it is complete."""
     written: list[WrittenFile] = []
     queue = list(shards)
     writer: Optional[ShardWriter] = None
     try:
-        for fname, pieces in zip(files, groups):
+        for number, (fname, pieces) in enumerate(zip(files, groups), 1):
             path = directory / fname
-            if on_source is not None:
-                on_source(fname, sha256_stream(path))
-            if progress is not None:
-                progress(f"reading {fname}")
-            with open_source(path) as src:
+            started = time.monotonic()
+            with _source_tensors(path, pieces) as (tensors, digest):
                 for source_name, group in _grouped(pieces):
-                    tensor = src.get(source_name)
+                    tensor = tensors(source_name)
                     for piece in group:
                         if writer is None:
                             writer = ShardWriter(staging / queue[0].name, queue.pop(0))
@@ -355,11 +481,21 @@ def write_weights(
                             raise AssertionError("output shards out of the reading order")
                         writer.add(cut(tensor, piece))
                         if writer.done:
-                            digest = writer.finish()
+                            sha = writer.finish()
                             size = writer.path.stat().st_size
-                            written.append(WrittenFile(writer.shard.name, size, digest))
+                            written.append(WrittenFile(writer.shard.name, size, sha))
+                            if on_written is not None:
+                                on_written(writer.shard, written[-1])
                             writer = None
                     del tensor
+                source_sha = digest()
+            if on_source is not None:
+                on_source(fname, source_sha)
+            if progress is not None:
+                mb = path.stat().st_size / 1e6
+                took = max(time.monotonic() - started, 1e-6)
+                progress(f"shard {number}/{len(files)} {fname}: {mb:,.0f} MB in {took:.1f} s "
+                         f"({mb / took:,.0f} MB/s)")
     except BaseException:
         if writer is not None:
             writer.abort()
@@ -367,6 +503,42 @@ def write_weights(
     if writer is not None or queue:
         raise AssertionError("some planned output shards were not written")
     return written
+
+
+@contextmanager
+def _source_tensors(
+    path: Path, pieces: Sequence[Piece]
+) -> Iterator[tuple[Callable[[str], torch.Tensor], Callable[[], str]]]:
+    """(tensor by name, the file's sha256 once all were taken). A safetensors file is
+    read once, front to back, hashed on the way (`pieces` in its order: by_offset); a
+    .bin file is hashed in a pass of its own, then loaded."""
+    if path.name.endswith(".bin"):
+        sha = sha256_stream(path)
+        with open_source(path) as src:
+            yield src.get, lambda: sha
+        return
+    digest = BackgroundHash()
+    stream = stream_safetensors(path, {p.source for p in pieces}, digest)
+
+    def tensor(name: str) -> torch.Tensor:
+        got = next(stream, None)
+        if got is None:
+            raise CheckpointError(f"{path.name} changed while it was read (no {name} in it)",
+                                  fix="run convert again once nothing writes DIR")
+        if got[0] != name:
+            raise AssertionError(f"{path.name}: pieces not in the file's order (by_offset)")
+        return got[1]
+
+    def finished() -> str:
+        for _rest in stream:  # the bytes after the last wanted tensor, hashed
+            pass
+        return digest.hexdigest()
+
+    try:
+        yield tensor, finished
+    finally:
+        stream.close()
+        digest.close()
 
 
 def _grouped(pieces: Sequence[Piece]) -> Iterator[tuple[str, list[Piece]]]:
