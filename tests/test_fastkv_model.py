@@ -4,6 +4,7 @@ buffers, beam search, streaming, padding, and two continuations of one cached pr
 
 from __future__ import annotations
 
+import importlib
 import os
 import sys
 from collections.abc import Iterator
@@ -44,13 +45,20 @@ def model(tmp_path_factory: pytest.TempPathFactory, shared_build_cache: Path) ->
     # transformers appends its modules cache to sys.path, after any an earlier load in this
     # process appended: first here, so that `transformers_modules` is this cache's package
     # (transformers 5.17 imports the model's relative imports through it)
-    sys.path.insert(0, env["HF_MODULES_CACHE"])
+    # and alone: a modules cache an earlier in-process load of this worker appended holds a
+    # regular `transformers_modules` package, which the import system prefers to the one
+    # here wherever this one is still only a folder (ModuleNotFoundError for this model)
+    saved_path = list(sys.path)
+    sys.path[:] = [env["HF_MODULES_CACHE"]] + [
+        p for p in saved_path if not os.path.isdir(os.path.join(p, "transformers_modules"))
+    ]
+    importlib.invalidate_caches()
     try:
         m = AutoModelForCausalLM.from_pretrained(str(ckpt), trust_remote_code=True).eval()
         m.tokenizer = AutoTokenizer.from_pretrained(str(ckpt), trust_remote_code=True)
         yield m
     finally:
-        sys.path.remove(env["HF_MODULES_CACHE"])
+        sys.path[:] = saved_path
         dmu.HF_MODULES_CACHE = saved_root
         for k, v in saved.items():
             if v is None:
