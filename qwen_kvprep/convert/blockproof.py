@@ -87,9 +87,13 @@ def expected(original: dict[str, torch.Tensor]) -> dict[str, tuple[str, torch.Te
 
 
 def compare_tensors(
-    want: dict[str, tuple[str, torch.Tensor]], have: dict[str, torch.Tensor]
+    want: dict[str, tuple[str, torch.Tensor]],
+    have: dict[str, torch.Tensor],
+    equal: Optional[Callable[[torch.Tensor, torch.Tensor], bool]] = None,
 ) -> tuple[int, list[str]]:
-    """(compared, differ) for OUT's tensors `have` against what `expected` says they hold."""
+    """(compared, differ) for OUT's tensors `have` against what `expected` says they hold;
+    `equal` judges two tensors of one shape (by default: the same dtype and the same bits)."""
+    same = equal or _same_dtype_and_bits
     differ: list[str] = []
     compared = 0
     for name in sorted(set(want) | set(have)):
@@ -110,9 +114,13 @@ def compare_tensors(
             differ.append(
                 f"{name}: shape {list(got.shape)}, the original's {source} {list(tensor.shape)}"
             )
-        elif got.dtype != tensor.dtype or not _same_bits(got, tensor):
+        elif not same(got, tensor):
             differ.append(f"{name}: differs from the original's {source}")
     return compared, differ
+
+
+def _same_dtype_and_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and _same_bits(a, b)
 
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
