@@ -26,6 +26,7 @@ Light imports only: the CLI imports this module without torch.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import fcntl
 import json
@@ -416,6 +417,28 @@ def exit_child(code: int) -> NoReturn:
         with contextlib.suppress(Exception):
             stream.flush()
     os._exit(code)
+
+
+def child_parser(prog: str) -> argparse.ArgumentParser:
+    """A model child's options, --fd (where its events go) among them."""
+    parser = argparse.ArgumentParser(prog=prog)
+    parser.add_argument(
+        "--fd", type=int, default=None, help="event descriptor (stdout if unset)"
+    )
+    return parser
+
+
+def offline_child_main(
+    argv: Optional[list[str]],
+    parse: Callable[[list[str]], argparse.Namespace],
+    work: Callable[[argparse.Namespace, Events], object],
+) -> int:
+    """child_main for a child that loads models, on its options `argv` (the command
+    line's when None): no accidental downloads (the parent sets HF_HUB_OFFLINE too; a child
+    run by hand gets it here)."""
+    args = parse(sys.argv[1:] if argv is None else argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    return child_main(args.fd, lambda ev: work(args, ev))
 
 
 def child_main(fd: Optional[int], work: Callable[[Events], object]) -> int:

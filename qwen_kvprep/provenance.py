@@ -23,7 +23,6 @@ plain relative name (never a path that climbs out of OUT or DIR).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from collections.abc import Iterable, Mapping
@@ -31,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from qwen_kvprep.common import sha256_file
 from qwen_kvprep.errors import StateError
 from qwen_kvprep.jsontypes import JSON, JSONObject
 from qwen_kvprep.untrusted import describe_json_error, read_record, relpath_problem
@@ -172,14 +172,6 @@ def read(out: Path) -> Provenance:
 # -- DIR's files besides the weights, as convert read them ---------------------------------
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def snapshot(directory: Path, names: Iterable[str]) -> dict[str, FileRecord]:
     """The files of `names` that `directory` holds, hashed now. Taken before convert reads
     them and again at its end (`changed`): equal records mean the bytes convert read are
@@ -191,7 +183,7 @@ def snapshot(directory: Path, names: Iterable[str]) -> dict[str, FileRecord]:
             st = os.stat(path)
             if not os.path.isfile(path):
                 continue  # a FIFO, a folder: the file's own check says what is wrong
-            out[name] = FileRecord(_sha256(path), st.st_size, st.st_mtime_ns)
+            out[name] = FileRecord(sha256_file(path), st.st_size, st.st_mtime_ns)
         except OSError:
             continue  # absent or unreadable: the file's own check says so
     return out

@@ -87,9 +87,13 @@ def expected(original: dict[str, torch.Tensor]) -> dict[str, tuple[str, torch.Te
 
 
 def compare_tensors(
-    want: dict[str, tuple[str, torch.Tensor]], have: dict[str, torch.Tensor]
+    want: dict[str, tuple[str, torch.Tensor]],
+    have: dict[str, torch.Tensor],
+    equal: Optional[Callable[[torch.Tensor, torch.Tensor], bool]] = None,
 ) -> tuple[int, list[str]]:
-    """(compared, differ) for OUT's tensors `have` against what `expected` says they hold."""
+    """(compared, differ) for OUT's tensors `have` against what `expected` says they hold;
+    `equal` judges two tensors of one shape (by default: the same dtype and the same bits)."""
+    same = equal or _same_dtype_and_bits
     differ: list[str] = []
     compared = 0
     for name in sorted(set(want) | set(have)):
@@ -110,9 +114,13 @@ def compare_tensors(
             differ.append(
                 f"{name}: shape {list(got.shape)}, the original's {source} {list(tensor.shape)}"
             )
-        elif got.dtype != tensor.dtype or not _same_bits(got, tensor):
+        elif not same(got, tensor):
             differ.append(f"{name}: differs from the original's {source}")
     return compared, differ
+
+
+def _same_dtype_and_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and _same_bits(a, b)
 
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -332,7 +340,7 @@ def _finish(model: PreTrainedModel, compute: torch.dtype, prefix: str) -> dict[s
 
 
 def original_side(path: Path, compute: torch.dtype, layers: int) -> Side:
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(str(path), trust_remote_code=True)
     config.use_cache_quantization = False
@@ -341,28 +349,34 @@ def original_side(path: Path, compute: torch.dtype, layers: int) -> Side:
     # the skeleton is built in float32 and set to `compute`; Qwen's code would otherwise
     # pick bf16 or fp16 for itself
     config.bf16, config.fp16, config.fp32 = False, False, True
-    _skeleton_config(config, layers)
-    model = AutoModelForCausalLM.from_config(  # type: ignore[no-untyped-call]
-        config, trust_remote_code=True
-    )
-    prefix = "transformer.h."
-    shapes = _finish(model, compute, prefix)
-    return Side(model, FolderTensors(path), prefix, "transformer.wte", "transformer.ln_f",
-                "lm_head", compute, layers, shapes)
+    names = ("transformer.h.", "transformer.wte", "transformer.ln_f")
+    return _side(path, config, compute, layers, names, remote_code=True)
 
 
 def converted_side(path: Path, compute: torch.dtype, layers: int) -> Side:
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(str(path), trust_remote_code=False)
+    names = ("model.layers.", "model.embed_tokens", "model.norm")
+    return _side(path, config, compute, layers, names, remote_code=False)
+
+
+def _side(
+    path: Path, config: PretrainedConfig, compute: torch.dtype, layers: int,
+    names: tuple[str, str, str], remote_code: bool,
+) -> Side:
+    """One model's skeleton from its `config`; `names`: the prefix of its blocks, its
+    embedding and its final norm."""
+    from transformers import AutoModelForCausalLM
+
     _skeleton_config(config, layers)
     model = AutoModelForCausalLM.from_config(  # type: ignore[no-untyped-call]
-        config, trust_remote_code=False
+        config, trust_remote_code=remote_code
     )
-    prefix = "model.layers."
+    prefix, embed, norm = names
     shapes = _finish(model, compute, prefix)
-    return Side(model, FolderTensors(path), prefix, "model.embed_tokens", "model.norm",
-                "lm_head", compute, layers, shapes)
+    return Side(model, FolderTensors(path), prefix, embed, norm, "lm_head", compute, layers,
+                shapes)
 
 
 # -- the proof -------------------------------------------------------------------------------

@@ -180,23 +180,27 @@ def _record(path: Path, sha: Optional[str] = None) -> FileRecord:
 def _side_files(sp: SourcePlan, staging: Path, findings: list[Finding]) -> None:
     """The tokenizer and generation config, from the modules that own them where this
     build has them."""
-    tok = _optional("tokenizer")
-    if tok is not None:
-        tok.write_tokenizer(sp.directory, staging)  # type: ignore[attr-defined]
-    else:
+    if not _written_by("tokenizer", "write_tokenizer", sp.directory, staging):
         findings.append(warn(
             "convert.tokenizer",
             "no tokenizer was written: this qwen-kvprep has no convert.tokenizer, so OUT "
             "holds the weights and config only (engines need a tokenizer to serve it)",
         ))
-    chat = _optional("chat")
-    if chat is not None:
-        chat.write_generation_config(sp.directory, staging)  # type: ignore[attr-defined]
-    else:
+    if not _written_by("chat", "write_generation_config", sp.directory, staging):
         findings.append(warn(
             "convert.generation",
             "no generation_config.json was written: this qwen-kvprep has no convert.chat",
         ))
+
+
+def _written_by(module: str, writer: str, source: Path, staging: Path) -> bool:
+    """`writer(source, staging)` of `qwen_kvprep.convert.<module>`; False where this build
+    has no such module."""
+    found = _optional(module)
+    if found is None:
+        return False
+    getattr(found, writer)(source, staging)
+    return True
 
 
 def _verify(

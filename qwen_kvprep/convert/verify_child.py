@@ -20,13 +20,11 @@ from __future__ import annotations
 
 import argparse
 import gc
-import os
-import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
-from qwen_kvprep.childproc import Events, child_main, exit_child
+from qwen_kvprep.childproc import Events, child_parser, exit_child, offline_child_main
 from qwen_kvprep.convert import blockproof, tokproof
 from qwen_kvprep.convert import context as ctx
 from qwen_kvprep.convert.verify_protocol import (
@@ -219,48 +217,6 @@ def _dtype_name(model: PreTrainedModel) -> str:
 
 # -- weights --------------------------------------------------------------------------------
 
-# Qwen (v1) module -> Qwen2 module, per block and outside; c_attn is split in three.
-_BLOCK = {
-    "ln_1": "input_layernorm",
-    "ln_2": "post_attention_layernorm",
-    "attn.c_proj": "self_attn.o_proj",
-    "mlp.w1": "mlp.up_proj",
-    "mlp.w2": "mlp.gate_proj",
-    "mlp.c_proj": "mlp.down_proj",
-}
-_TOP = {
-    "transformer.wte": "model.embed_tokens",
-    "transformer.ln_f": "model.norm",
-    "lm_head": "lm_head",
-}
-_QKV = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
-
-
-def expected(original: dict[str, torch.Tensor]) -> dict[str, tuple[str, torch.Tensor]]:
-    """Qwen2 tensor name -> (the original's name and part, the tensor OUT must hold),
-    from the original's loaded state dict."""
-    out: dict[str, tuple[str, torch.Tensor]] = {}
-    for name, tensor in original.items():
-        module, _, leaf = name.rpartition(".")
-        if module in _TOP:
-            out[f"{_TOP[module]}.{leaf}"] = (name, tensor)
-            continue
-        parts = module.split(".")
-        if len(parts) < 4 or parts[:2] != ["transformer", "h"]:
-            out[f"?{name}"] = (name, tensor)  # nothing in OUT can match it
-            continue
-        block, rest = parts[2], ".".join(parts[3:])
-        prefix = f"model.layers.{block}."
-        if rest == "attn.c_attn":
-            for which, (target, piece) in enumerate(zip(_QKV, tensor.chunk(3, dim=0))):
-                out[f"{prefix}{target}.{leaf}"] = (f"{name} {'qkv'[which]} third", piece)
-        elif rest in _BLOCK:
-            out[f"{prefix}{_BLOCK[rest]}.{leaf}"] = (name, tensor)
-        else:
-            out[f"?{name}"] = (name, tensor)
-    return out
-
-
 def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Equal bit for bit (a NaN equals the same NaN; `==` would call every NaN different)."""
     import torch
@@ -303,30 +259,11 @@ def compare_weights(original: PreTrainedModel, converted: PreTrainedModel, gptq:
         }
     state = dict(original.state_dict())
     nan = [w for w in (nan_where(n, t) for n, t in sorted(state.items())) if w is not None]
-    want = expected(state)
-    have = dict(converted.state_dict())
-    differ: list[str] = []
-    compared = 0
-    for name in sorted(set(want) | set(have)):
-        if name not in have:
-            differ.append(
-                f"{want[name][0]}: no tensor in OUT holds it"
-                if name.startswith("?")
-                else f"{name}: missing from OUT (the original's {want[name][0]})"
-            )
-            continue
-        if name not in want:
-            differ.append(f"{name}: in OUT, with no counterpart in the original")
-            continue
-        source, tensor = want[name]
-        got = have[name]
-        compared += 1
-        if got.shape != tensor.shape:
-            differ.append(
-                f"{name}: shape {list(got.shape)}, the original's {source} {list(tensor.shape)}"
-            )
-        elif not bits_equal(got, tensor):
-            differ.append(f"{name}: differs from the original's {source}")
+    # the same mapping and report as the block-by-block proof's, with NaN-aware equality
+    # across a dtype OUT may have been loaded in
+    compared, differ = blockproof.compare_tensors(
+        blockproof.expected(state), dict(converted.state_dict()), bits_equal
+    )
     return {"compared": compared, "differ": differ, "skipped": None, "nan": nan}
 
 
@@ -443,6 +380,24 @@ def _as_proof(result: object) -> Proof:
             "lines": said[1:]}
 
 
+def tokenizer_phase(
+    args: argparse.Namespace, ev: Events, original_tok: PreTrainedTokenizerBase, out: Path,
+    seconds: dict[str, float],
+) -> tuple[Proof, Proof]:
+    """The tokenizer phase of either proof: both proofs, or said not asked for."""
+    ev.start(PHASE_TOKENIZER)
+    t0 = time.perf_counter()
+    if args.tokenizer:
+        proofs = prove_tokenizers(original_tok, out)
+    else:
+        skipped: Proof = {
+            "status": "unavailable", "message": "not asked for (--no-tokenizer)", "details": None
+        }
+        proofs = skipped, skipped
+    seconds["tokenizer"] = time.perf_counter() - t0
+    return proofs
+
+
 def prove_tokenizers(
     original_tok: PreTrainedTokenizerBase, out: Path
 ) -> tuple[Proof, Proof]:
@@ -479,7 +434,6 @@ def _read_config(path: Path) -> JSONObject:
 
 def run(args: argparse.Namespace, ev: Events) -> VerifyChildResult:
     import torch
-    import transformers
 
     original_path, out_path = Path(args.original), Path(args.out)
     seconds: dict[str, float] = {}
@@ -517,35 +471,12 @@ def run(args: argparse.Namespace, ev: Events) -> VerifyChildResult:
     runs, steps = greedy_both(original, converted, prompts, args.new_tokens, where)
     seconds["compare"] = time.perf_counter() - t2
 
-    ev.start(PHASE_TOKENIZER)
-    t3 = time.perf_counter()
-    if args.tokenizer:
-        tok_proof, template_proof = prove_tokenizers(tokenizer, out_path)
-    else:
-        tok_proof = template_proof = {
-            "status": "unavailable", "message": "not asked for (--no-tokenizer)", "details": None
-        }
-    seconds["tokenizer"] = time.perf_counter() - t3
-
-    result: VerifyChildResult = {
-        "result_version": RESULT_VERSION,
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "device": device,
-        "dtype_original": _dtype_name(original),
-        "dtype_converted": _dtype_name(converted),
-        "gptq": gptq,
-        "scaling_set_aside": scaling,
-        "fit": sized,
-        "prompt_tokens": [len(p) for p in prompts],
-        "logits": logits,
-        "steps": steps,
-        "greedy": runs,
-        "weights": weights,
-        "tokenizer": tok_proof,
-        "template": template_proof,
-        "seconds": seconds,
-    }
+    proofs = tokenizer_phase(args, ev, tokenizer, out_path, seconds)
+    result = _result(
+        device, (_dtype_name(original), _dtype_name(converted)), sized, prompts,
+        logits=logits, steps=steps, greedy=runs, weights=weights, proofs=proofs,
+        seconds=seconds, gptq=gptq, scaling=scaling,
+    )
     if args.context:
         ev.start(PHASE_CONTEXT)
         t4 = time.perf_counter()
@@ -575,6 +506,37 @@ def run(args: argparse.Namespace, ev: Events) -> VerifyChildResult:
     return result
 
 
+def _result(
+    device: str, dtypes: tuple[str, str], sized: Fit, prompts: list[list[int]], *,
+    logits: LogitDiff, steps: LogitDiff, greedy: list[Greedy], weights: Weights,
+    proofs: tuple[Proof, Proof], seconds: dict[str, float], gptq: bool = False,
+    scaling: Optional[dict[str, object]] = None,
+) -> VerifyChildResult:
+    """What either proof reports (the block-by-block one adds its blocks)."""
+    import torch
+    import transformers
+
+    return {
+        "result_version": RESULT_VERSION,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "device": device,
+        "dtype_original": dtypes[0],
+        "dtype_converted": dtypes[1],
+        "gptq": gptq,
+        "scaling_set_aside": scaling,
+        "fit": sized,
+        "prompt_tokens": [len(p) for p in prompts],
+        "logits": logits,
+        "steps": steps,
+        "greedy": greedy,
+        "weights": weights,
+        "tokenizer": proofs[0],
+        "template": proofs[1],
+        "seconds": seconds,
+    }
+
+
 def blockwise(out_config: JSONObject, context: bool) -> bool:
     """Whether the proof runs block by block (blockproof.py): every layer in the memory
     of one block of each. Not for GPTQ (the backend's kernels come with the whole model),
@@ -587,7 +549,6 @@ def run_blockwise(args: argparse.Namespace, ev: Events, device: str) -> VerifyCh
     """Weights and the prompts block by block; the greedy steps on the whole models
     where both fit, else said not run."""
     import torch
-    import transformers
     from transformers import AutoTokenizer
 
     original_path, out_path = Path(args.original), Path(args.out)
@@ -641,46 +602,22 @@ def run_blockwise(args: argparse.Namespace, ev: Events, device: str) -> VerifyCh
     else:
         skipped = f"the greedy steps need both whole models and {why}"
 
-    ev.start(PHASE_TOKENIZER)
-    t3 = time.perf_counter()
-    if args.tokenizer:
-        tok_proof, template_proof = prove_tokenizers(tokenizer, out_path)
-    else:
-        tok_proof = template_proof = {
-            "status": "unavailable", "message": "not asked for (--no-tokenizer)", "details": None
-        }
-    seconds["tokenizer"] = time.perf_counter() - t3
-    result: VerifyChildResult = {
-        "result_version": RESULT_VERSION,
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "device": device,
-        "dtype_original": dtype_original,
-        "dtype_converted": dtype_converted,
-        "gptq": False,
-        "scaling_set_aside": None,
-        "fit": sized,
-        "prompt_tokens": [len(p) for p in prompts],
-        "logits": proof.logits,
-        "steps": steps,
-        "greedy": runs,
-        "weights": proof.weights,
-        "tokenizer": tok_proof,
-        "template": template_proof,
-        "seconds": seconds,
-        "blocks": proof.blocks,
-        "compute_dtype": proof.compute_dtype,
-    }
+    proofs = tokenizer_phase(args, ev, tokenizer, out_path, seconds)
+    result = _result(
+        device, (dtype_original, dtype_converted), sized, prompts, logits=proof.logits,
+        steps=steps, greedy=runs, weights=proof.weights, proofs=proofs, seconds=seconds,
+    )
+    result["blocks"] = proof.blocks
+    result["compute_dtype"] = proof.compute_dtype
     if skipped is not None:
         result["greedy_skipped"] = skipped
     return result
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m qwen_kvprep.convert.verify_child")
+    p = child_parser("python -m qwen_kvprep.convert.verify_child")
     p.add_argument("--original", required=True, help="the prepared view of DIR")
     p.add_argument("--out", required=True, help="the converted folder")
-    p.add_argument("--fd", type=int, default=None, help="event descriptor (stdout if unset)")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     p.add_argument("--layers", type=int, default=None, help="run at most this many layers")
     p.add_argument("--new-tokens", type=int, default=8)
@@ -690,10 +627,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    args = parse(sys.argv[1:] if argv is None else argv)
-    # no accidental downloads: the parent sets these too; a child run by hand gets them
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    return child_main(args.fd, lambda ev: run(args, ev))
+    return offline_child_main(argv, parse, run)
 
 
 if __name__ == "__main__":

@@ -10,13 +10,11 @@ the engine's.
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
-from qwen_kvprep.childproc import Events, child_main, exit_child
+from qwen_kvprep.childproc import Events, child_parser, exit_child, offline_child_main
 from qwen_kvprep.convert.verify_child import greedy
 from qwen_kvprep.convert.verify_protocol import PROMPTS
 from qwen_kvprep.engines.protocol import (
@@ -124,18 +122,15 @@ def run(args: argparse.Namespace, ev: Events) -> ReferenceResult:
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m qwen_kvprep.engines.reference_child")
+    p = child_parser("python -m qwen_kvprep.engines.reference_child")
     p.add_argument("--out", required=True, help="the converted folder")
     p.add_argument("--original", default=None, help="the prepared view of DIR (optional)")
-    p.add_argument("--fd", type=int, default=None, help="event descriptor (stdout if unset)")
     p.add_argument("--new-tokens", type=int, default=16)
     return p.parse_args(argv)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    args = parse(sys.argv[1:] if argv is None else argv)
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    return child_main(args.fd, lambda ev: run(args, ev))
+    return offline_child_main(argv, parse, run)
 
 
 if __name__ == "__main__":

@@ -16,12 +16,11 @@ import argparse
 import gc
 import json
 import os
-import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional, TypedDict
 
-from qwen_kvprep.childproc import Events, child_main, exit_child
+from qwen_kvprep.childproc import Events, child_parser, exit_child, offline_child_main
 from qwen_kvprep.engines.protocol import (
     DTYPE,
     PHASE_GENERATE,
@@ -142,10 +141,9 @@ def run(args: argparse.Namespace, ev: Events) -> VllmChildResult:
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m qwen_kvprep.engines.vllm_child")
+    p = child_parser("python -m qwen_kvprep.engines.vllm_child")
     p.add_argument("--out", required=True, help="the converted folder")
     p.add_argument("--prompts", required=True, help="a JSON file: a list of token id lists")
-    p.add_argument("--fd", type=int, default=None, help="event descriptor (stdout if unset)")
     p.add_argument("--new-tokens", type=int, default=16)
     p.add_argument("--max-len", type=int, required=True, help="max_model_len")
     p.add_argument("--kv-bytes", type=int, required=True, help="kv_cache_memory_bytes")
@@ -154,14 +152,12 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    args = parse(sys.argv[1:] if argv is None else argv)
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     # the engine core in this process: one process group for the parent to bound and kill
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     # no pinning of OpenMP threads to cores: on a shared machine a pinned, spinning thread
     # waits for its core (16 greedy tokens took 41 s pinned, 8 s unpinned on 2 busy cores)
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-    return child_main(args.fd, lambda ev: run(args, ev))
+    return offline_child_main(argv, parse, run)
 
 
 if __name__ == "__main__":

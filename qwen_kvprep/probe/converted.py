@@ -9,12 +9,12 @@ that cannot be trusted becomes `error`, never an exception.
 
 from __future__ import annotations
 
-import hashlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from qwen_kvprep.common import sha256_file
 from qwen_kvprep.errors import KvprepError
 from qwen_kvprep.provenance import PROVENANCE, FileRecord, Provenance, read
 
@@ -39,14 +39,6 @@ class ConvertedFacts:
     unrecorded: tuple[str, ...] = ()  # files in OUT that the record does not list
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def judge(path: Path, name: str, rec: FileRecord) -> FileState:
     try:
         st = os.stat(path)
@@ -60,7 +52,7 @@ def judge(path: Path, name: str, rec: FileRecord) -> FileState:
     if quick:
         return FileState(name, "same", "size and modification time")
     try:
-        same = _sha256(path) == rec.sha256
+        same = sha256_file(path) == rec.sha256
     except OSError as exc:
         return FileState(name, "unreadable", exc.strerror or str(exc))
     return FileState(name, "same" if same else "changed", "sha256")
