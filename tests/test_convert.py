@@ -320,7 +320,7 @@ def test_a_side_file_changed_during_the_convert_is_refused(tmp_path: Path) -> No
     gen = ckpt / "generation_config.json"
 
     def log(message: str) -> None:
-        if message.startswith("comparing every tensor"):  # after OUT's copy was written
+        if message.startswith("checking every tensor"):  # after OUT's copy was written
             data = json.loads(gen.read_text())
             data["top_p"] = 0.5
             gen.write_text(json.dumps(data))

@@ -86,6 +86,23 @@ def expected(original: dict[str, torch.Tensor]) -> dict[str, tuple[str, torch.Te
     return out
 
 
+def nan_where(name: str, tensor: torch.Tensor) -> Optional[str]:
+    """"name: N NaN values (rows 3, 17)" where `tensor` holds NaN, else None."""
+    if not tensor.is_floating_point():
+        return None
+    mask = tensor.isnan()
+    count = int(mask.sum())
+    if count == 0:
+        return None
+    where = ""
+    if mask.dim() == 2:
+        rows = mask.any(dim=1).nonzero().flatten().tolist()
+        shown = ", ".join(str(r) for r in rows[:5]) + (
+            f" and {len(rows) - 5} more" if len(rows) > 5 else "")
+        where = f" (row{'s' if len(rows) > 1 else ''} {shown})"
+    return f"{name}: {count:,} NaN value{'s' if count > 1 else ''}{where}"
+
+
 def compare_tensors(
     want: dict[str, tuple[str, torch.Tensor]],
     have: dict[str, torch.Tensor],
@@ -425,6 +442,7 @@ def prove(
     # each prompt alone, unpadded: no position is computed that is not compared
     batch = [torch.tensor([r], device=where) for r in rows]
     compared, differ = 0, []
+    nan: list[str] = []  # the original's tensors that hold NaN (OUT's then hold the same bits)
     converted_dtype = stored
 
     def check(names_a: list[str], names_b: list[str]) -> tuple[
@@ -436,6 +454,7 @@ def prove(
         c, d = compare_tensors(expected(ta), tb)
         compared += c
         differ.extend(d)
+        nan.extend(w for w in (nan_where(k, t) for k, t in sorted(ta.items())) if w is not None)
         return ta, tb
 
     embed_a, embed_b = f"{a.embed}.weight", f"{b.embed}.weight"
@@ -461,7 +480,7 @@ def prove(
         if not name.startswith(b.blocks_prefix) and name not in (embed_b, *tops_b)
     )
     differ.extend(f"{name}: in OUT, with no counterpart in the original" for name in extra)
-    weights: Weights = {"compared": compared, "differ": differ, "skipped": None}
+    weights: Weights = {"compared": compared, "differ": differ, "skipped": None, "nan": nan}
     return BlockProof(
         layers_total, n, weights, blocks, diff(logits_a, logits_b),
         str(compute).replace("torch.", ""), stored, converted_dtype,
