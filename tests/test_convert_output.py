@@ -516,7 +516,10 @@ def test_what_a_killed_run_left_in_tmpdir_goes_with_the_next_run(
 
     from qwen_kvprep import childproc
     from qwen_kvprep.convert import verify
+    from tests.remote_code import transformers_release
 
+    if transformers_release() < (4, 37):  # the proof stops at the release, before its folder
+        needs.skip("transformers-4.37", "this transformers has no Qwen2ForCausalLM")
     tmp = tmp_path / "tmp"
     tmp.mkdir()
     env = {**os.environ, "TMPDIR": str(tmp)}
