@@ -1,12 +1,15 @@
-"""convert at scale: each source byte read once (hashed on the way), OUT read back once
-against the hash of what was written, and a line on stderr for every step."""
+"""convert at scale: each source byte read once (hashed on the way), each byte of OUT read
+back once as it is written and compared with the byte meant to be there, and a line on
+stderr for every step."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import io
 import json
 import struct
+import time
 from pathlib import Path
 
 import pytest
@@ -16,6 +19,7 @@ from safetensors.torch import load_file, save_file
 from qwen_kvprep.convert import weights
 from qwen_kvprep.convert.compare import check_written
 from qwen_kvprep.convert.progress import ConvertLog
+from qwen_kvprep.convert.readback import ReadBack
 from qwen_kvprep.convert.run import ConvertOptions, convert
 from qwen_kvprep.convert.source import read_source
 from qwen_kvprep.convert.weights import BackgroundHash, by_offset, reading_order
@@ -68,7 +72,38 @@ def test_the_pieces_are_written_in_the_order_their_tensors_lie_in_the_file(
         assert t.numel() > 0, name
 
 
-def test_the_read_back_check_finds_a_changed_byte_and_a_changed_header(
+def test_the_read_back_finds_a_changed_byte_a_short_file_and_a_longer_one(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "shard"
+    meant = bytes(range(256)) * 40_000  # more than one read-back chunk
+    for on_disk, problem in [
+        (meant, None),
+        (meant[:9_999] + bytes([meant[9_999] ^ 1]) + meant[10_000:], "byte 9,999 differs"),
+        (meant[:-5], "shorter than what was written (at byte 10,239,995)"),
+        (meant + b"x", "longer than what was written"),
+    ]:
+        path.unlink(missing_ok=True)
+        readback = ReadBack(window=1 << 20)
+        try:
+            with open(path, "xb") as fh:
+                readback.begin(path)
+                fh.write(on_disk)
+                fh.flush()
+                readback.wrote(meant[:100])
+                readback.wrote(memoryview(meant)[100:])
+            readback.end(open(path, "ab"))  # noqa: SIM115 (closed by the read-back)
+            (got,) = readback.results()
+        finally:
+            readback.close()
+        if problem is None:
+            assert got.problems == [] and got.size == len(meant)
+            assert got.sha256 == hashlib.sha256(meant).hexdigest()
+        else:
+            assert len(got.problems) == 1 and problem in got.problems[0], got.problems
+
+
+def test_the_written_check_finds_a_changed_header_and_a_read_back_problem(
     tmp_path: Path,
 ) -> None:
     ckpt = generate_checkpoint(tmp_path / "ckpt", shards=1, dtype="fp32")
@@ -78,24 +113,40 @@ def test_the_read_back_check_finds_a_changed_byte_and_a_changed_header(
     staging = tmp_path / "staging"
     staging.mkdir()
     written = weights.write_weights(ckpt, sp.files, groups, shards, staging)
-    assert check_written(staging, shards, written).ok
     shard = staging / shards[0].name
-    data = bytearray(shard.read_bytes())
-    data[-3] ^= 1  # one bit of the last tensor
-    shard.write_bytes(bytes(data))
-    result = check_written(staging, shards, written)
-    assert result.problems == [f"{shards[0].name} is not the file written (its sha256 differs)"]
-    # the same bytes under a header giving a tensor another shape, its hash recorded as
-    # if written so
+    assert written[0].sha256 == hashlib.sha256(shard.read_bytes()).hexdigest()
+    assert check_written(staging, shards, written).ok
+    told = [dataclasses.replace(written[0], problems=("model.safetensors differs",))]
+    assert check_written(staging, shards, told).problems == ["model.safetensors differs"]
+    # the same bytes under a header giving a tensor another shape
     tensors = load_file(str(shard))
     first = shards[0].pieces[0].target
     tensors[first] = tensors[first].reshape(-1)
     save_file(tensors, str(shard))
-    forged = [weights.WrittenFile(w.name, w.size, weights.sha256_stream(shard)) for w in written]
-    result = check_written(staging, shards, forged)
+    result = check_written(staging, shards, written)
     assert len(result.problems) == 1 and result.problems[0].startswith(
         f"{shards[0].name}: {first} is TensorInfo"), result.problems
     assert "planned" in result.problems[0]
+
+
+def test_a_failed_fsync_of_a_shard_reaches_the_writer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import errno
+    import os
+
+    def no_space(fd: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", no_space)
+    ckpt = generate_checkpoint(tmp_path / "ckpt", shards=2, dtype="fp32")
+    sp = read_source(probe_checkpoint(ckpt))
+    groups = by_offset(ckpt, sp.files, reading_order(sp.plan.pieces, sp.file_of, sp.files))
+    shards = weights.plan_shards(groups, sp.plan.sources, None)
+    staging = tmp_path / "staging"
+    staging.mkdir()
+    with pytest.raises(OSError, match="No space left"):
+        weights.write_weights(ckpt, sp.files, groups, shards, staging)
 
 
 def test_a_source_changed_between_planning_and_reading_is_refused(tmp_path: Path) -> None:
@@ -127,6 +178,24 @@ def test_counted_steps_say_the_time_left_and_draw_a_bar_on_a_terminal() -> None:
         assert log.decorated("proof: block 4/4").endswith("] proof: block 4/4")
     finally:
         log.close()
+
+
+def test_the_heartbeat_after_a_finished_shard_speaks_of_the_next_one() -> None:
+    now = [0.0]
+    stream = io.StringIO()
+    log = ConvertLog(stream, tty=False, clock=lambda: now[0])
+    try:
+        log("shard 1/2 a.safetensors: 10 MB in 1.0 s (10 MB/s)")
+        now[0] = 12.0
+        deadline = time.monotonic() + 5
+        while "still" not in stream.getvalue() and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        log.close()
+    lines = stream.getvalue().splitlines()
+    assert lines[0].endswith("shard 1/2 a.safetensors: 10 MB in 1.0 s (10 MB/s), about 0 s "
+                             "left ...")
+    assert lines[1].endswith("still shard 2/2 (12 s)"), lines
 
 
 def test_json_keeps_stdout_for_the_document_and_quiet_keeps_only_the_result(

@@ -9,6 +9,8 @@ Modules, one job each:
   qzeros by packed columns, g_idx shared);
 - `weights`: streamed reading of DIR's weight files and tensor-by-tensor writing of the
   output shards and their index;
+- `readback`: each output shard read back as it is written, compared byte for byte with
+  what was meant to be there, hashed and fsynced on a thread of its own;
 - `source`: DIR's config, weight files and headers, read into the plan;
 - `qwen2config`: config.json for Qwen2ForCausalLM, the context option and the GPTQ config;
 - `output`: OUT's rules, the staging folder beside it, its lock and the final rename;

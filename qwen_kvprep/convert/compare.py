@@ -26,13 +26,10 @@ from qwen_kvprep.convert.weights import (
     cut,
     nbytes,
     open_source,
-    sha256_stream,
 )
 from qwen_kvprep.untrusted import describe_json_error, read_record, relpath_problem
 
 if TYPE_CHECKING:
-    from concurrent.futures import Future
-
     import torch
 
 _INDEX_LIMIT = 64 << 20
@@ -158,77 +155,40 @@ def compare(
     return result
 
 
-class WrittenCheck:
-    """The bit-for-bit proof without reading DIR again: each of OUT's shards is read back
-    once, whole, as soon as it is written (while the page cache still holds it, on a
-    thread of its own, as the next shard is converted); its sha256 must be the one of the
-    bytes written (each tensor's the cut of its source tensor as it was read, hashed on
-    the way), and the header safetensors parses from it must give every planned tensor
-    its planned dtype and shape (the offsets are in the same hashed bytes)."""
-
-    def __init__(self, out: Path, progress: Optional[Callable[[str], None]] = None) -> None:
-        from concurrent.futures import ThreadPoolExecutor
-
-        self.out = out
-        self.progress = progress
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvprep-check")
-        self._checks: list[tuple[OutShard, Future[list[str]]]] = []
-
-    def submit(self, shard: OutShard, written: WrittenFile) -> None:
-        self._checks.append((shard, self._pool.submit(self._one, shard, written.sha256)))
-
-    def _one(self, shard: OutShard, sha: str) -> list[str]:
-        path = self.out / shard.name
-        if sha256_stream(path) != sha:
-            return [f"{shard.name} is not the file written (its sha256 differs)"]
-        return _header_problems(path, shard)
-
-    def close(self) -> None:
-        self._pool.shutdown(wait=True, cancel_futures=True)
-
-    def result(self, shards: Sequence[OutShard]) -> TensorProof:
-        """Once every shard and the index are written: OUT's tensor names, then each
-        shard's check."""
-        result = TensorProof()
-        try:
-            where = out_weight_map(self.out)
-        except (OSError, ValueError) as exc:
-            result.problems.append(f"OUT's weights cannot be listed: {exc}")
-            return result
-        planned = {p.target: s.name for s in shards for p in s.pieces}
-        for name in sorted(set(where) - set(planned)):
-            result.problems.append(f"{name} is in OUT but is no tensor of the mapping")
-        for name in sorted(set(planned) - set(where)):
-            result.problems.append(f"{name} is missing from OUT")
-        checked = {s.name: f for s, f in self._checks}
-        for number, shard in enumerate(shards, 1):
-            future = checked.get(shard.name)
-            problems = future.result() if future is not None else [
-                f"{shard.name} was not checked"]
-            result.problems += problems
-            if not problems:
-                result.tensors += len(shard.pieces)
-                result.bytes += sum(nbytes(i) for i in shard.infos)
-            if self.progress is not None:
-                self.progress(f"checked {number}/{len(shards)} {shard.name}")
-        self.close()
-        return result
-
-
 def check_written(
     out: Path,
     shards: Sequence[OutShard],
     written: Sequence[WrittenFile],
     progress: Optional[Callable[[str], None]] = None,
 ) -> TensorProof:
-    """WrittenCheck on shards already written."""
-    check = WrittenCheck(out, progress)
+    """The bit-for-bit proof without reading DIR or OUT again: OUT's tensor names are the
+    plan's; each shard was read back as it was written and held the bytes meant to be
+    there (`written`, from convert/readback.py: each tensor's the cut of its source tensor
+    as it was read, hashed on the way); and the header safetensors parses from it gives
+    every planned tensor its planned dtype and shape."""
+    result = TensorProof()
     try:
-        for shard, w in zip(shards, written):
-            check.submit(shard, w)
-        return check.result(shards)
-    finally:
-        check.close()
+        where = out_weight_map(out)
+    except (OSError, ValueError) as exc:
+        result.problems.append(f"OUT's weights cannot be listed: {exc}")
+        return result
+    planned = {p.target: s.name for s in shards for p in s.pieces}
+    for name in sorted(set(where) - set(planned)):
+        result.problems.append(f"{name} is in OUT but is no tensor of the mapping")
+    for name in sorted(set(planned) - set(where)):
+        result.problems.append(f"{name} is missing from OUT")
+    by_name = {w.name: w for w in written}
+    for number, shard in enumerate(shards, 1):
+        got = by_name.get(shard.name)
+        problems = (list(got.problems) or _header_problems(out / shard.name, shard)
+                    if got is not None else [f"{shard.name} was not read back"])
+        result.problems += problems
+        if not problems:
+            result.tensors += len(shard.pieces)
+            result.bytes += sum(nbytes(i) for i in shard.infos)
+        if progress is not None:
+            progress(f"checked {number}/{len(shards)} {shard.name}")
+    return result
 
 
 def _header_problems(path: Path, shard: OutShard) -> list[str]:

@@ -8,12 +8,13 @@ Order, every check before the first write:
 2. Under OUT's lock, in the staging folder (output.py): the tokenizer and generation config
    (convert.tokenizer / convert.chat: they check their inputs in seconds, so first), the
    weights (each source file read once, front to back, hashed on the way; each output
-   shard written tensor by tensor and hashed), the index, quantize_config.json for GPTQ,
-   config.json.
-3. The bit-for-bit check (compare.check_written: each output shard read back once against
-   the hash of what was written), then, unless asked not to, the verification child
-   (convert.verify): the original through its remote code and the output natively, block
-   by block. Either failing: nothing is published.
+   shard written tensor by tensor, read back as it is written, compared byte for byte with
+   what was meant to be there and hashed: convert/readback.py), the index,
+   quantize_config.json for GPTQ, config.json.
+3. The bit-for-bit check (compare.check_written: OUT's tensor names and headers are the
+   plan's, and the read-back found no difference), then, unless asked not to, the
+   verification child (convert.verify): the original through its remote code and the
+   output natively, block by block. Either failing: nothing is published.
 4. provenance.json, then the rename to OUT. The serving command lines (convert.serving)
    come with the result.
 
@@ -34,7 +35,7 @@ from typing import Callable, Optional, Protocol
 
 from qwen_kvprep import __version__
 from qwen_kvprep.convert import already, output
-from qwen_kvprep.convert.compare import TensorProof, WrittenCheck
+from qwen_kvprep.convert.compare import TensorProof, check_written
 from qwen_kvprep.convert.context import within_words
 from qwen_kvprep.convert.qwen2config import (
     ContextPlan,
@@ -283,22 +284,18 @@ def convert(
         with output.staged(out) as staging:
             # first: they read and check their own inputs, in seconds, before hours of weights
             _side_files(sp, staging, findings)
-            check = WrittenCheck(staging, progress=say)  # each shard read back once written
-            try:
-                written = write_weights(
-                    directory, sp.files, groups, shards, staging, on_source=on_source,
-                    progress=say, on_written=check.submit,
-                )
-            except BaseException:
-                check.close()
-                raise
+            written = write_weights(
+                directory, sp.files, groups, shards, staging, on_source=on_source,
+                progress=say,
+            )  # each shard read back and compared as it was written
             if len(shards) > 1:
                 atomic_write_bytes(staging / ST_INDEX, index_json(shards))
             if gptq and sp.quantize_file is not None:
                 atomic_write_text(staging / QUANTIZE_CONFIG, _dumps(dict(sp.quantize_file)))
             atomic_write_text(staging / "config.json", _dumps(config))
-            say("checking every tensor written, bit for bit (each shard read back once)")
-            comparison = check.result(shards)
+            say("checking every tensor written, bit for bit (each shard was read back as it "
+                "was written)")
+            comparison = check_written(staging, shards, written, progress=say)
             if not comparison.ok:
                 raise RefusedError(
                     f"the written tensors differ from DIR's: {comparison.problems[0]}"

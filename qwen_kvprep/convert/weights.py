@@ -9,8 +9,8 @@ Writing: each output shard is a safetensors file written by this module, header 
 plan gives every output tensor's dtype and shape before a byte is read, so the header (and
 every tensor's offset) is known up front and each tensor is written as soon as it is cut
 from its source, then dropped. Resident memory is one source tensor and its slice, plus the
-page cache's own pages of what the mmaps touched, whatever the model's size. The shard's
-sha256 is computed on the way out.
+page cache's own pages of what the mmaps touched, whatever the model's size. Each shard
+is read back as it is written (convert/readback.py), which gives its sha256.
 
 The format written is safetensors' own (8-byte little-endian header length, the JSON
 header with `data_offsets`, padded with spaces to 8 bytes, then the tensors' bytes in
@@ -29,10 +29,12 @@ import time
 from collections.abc import Generator, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from io import BufferedWriter
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Callable, Optional, Protocol
+from typing import IO, TYPE_CHECKING, Callable, Optional, Protocol, Union
 
 from qwen_kvprep.convert.pieces import Piece, TensorInfo
+from qwen_kvprep.convert.readback import ReadBack
 from qwen_kvprep.errors import CheckpointError
 
 if TYPE_CHECKING:
@@ -386,21 +388,29 @@ def _tensor_bytes(tensor: torch.Tensor) -> memoryview:
 
 
 class ShardWriter:
-    """Writes one output shard at `path`: its header at once, then each tensor in order."""
+    """Writes one output shard at `path`: its header at once, then each tensor in order,
+    each buffer handed to `readback` as soon as it is in the file."""
 
-    def __init__(self, path: Path, shard: OutShard) -> None:
+    def __init__(self, path: Path, shard: OutShard, readback: ReadBack) -> None:
         if sys.byteorder != "little":
             raise CheckpointError("convert writes safetensors on little-endian machines only")
         self.path = path
         self.shard = shard
         self._next = 0
-        self._digest = BackgroundHash()  # hashed while the next tensor is read and written
-        self._fh = open(path, "xb")  # noqa: SIM115 (closed by finish/abort)
-        self._write(_header(shard))
+        self._readback = readback
+        self._fh: Optional[BufferedWriter] = open(path, "xb")  # noqa: SIM115 (finish/abort)
+        readback.begin(path)
+        self._written(_header(shard))
 
-    def _write(self, data: object) -> None:
-        self._fh.write(data)  # type: ignore[arg-type]
-        self._digest.update(data)
+    def _write(self, data: Union[bytes, memoryview]) -> None:
+        assert self._fh is not None
+        self._fh.write(data)
+
+    def _written(self, data: Union[bytes, memoryview]) -> None:
+        self._write(data)
+        assert self._fh is not None
+        self._fh.flush()  # the read-back reads through a descriptor of its own
+        self._readback.wrote(data)
 
     @property
     def done(self) -> bool:
@@ -417,26 +427,30 @@ class ShardWriter:
                 f"{self.expects().source} changed while it was read ({got} instead of {info})",
                 fix="run convert again once nothing writes DIR",
             )
-        self._write(_tensor_bytes(tensor))
+        self._written(_tensor_bytes(tensor))
         self._next += 1
 
-    def finish(self) -> str:
-        """Flush and fsync; the shard's sha256."""
-        self._fh.flush()
-        os.fsync(self._fh.fileno())
-        self._fh.close()
-        return self._digest.hexdigest()
+    def finish(self) -> None:
+        """Hand the file to the read-back, which fsyncs and closes it."""
+        assert self._fh is not None
+        fh, self._fh = self._fh, None
+        self._readback.end(fh)
 
     def abort(self) -> None:
-        self._fh.close()
-        self._digest.close()
+        if self._fh is not None:
+            self._fh.close()
+            self._fh = None
 
 
 @dataclass(frozen=True)
 class WrittenFile:
+    """An output shard as read back: its size, sha256 and what differed from the bytes
+    meant to be there (nothing, normally)."""
+
     name: str
     size: int
     sha256: str
+    problems: tuple[str, ...] = ()
 
 
 def reading_order(
@@ -458,15 +472,14 @@ def write_weights(
     staging: Path,
     on_source: Optional[Callable[[str, str], None]] = None,
     progress: Optional[Callable[[str], None]] = None,
-    on_written: Optional[Callable[[OutShard, WrittenFile], None]] = None,
 ) -> list[WrittenFile]:
     """Stream every piece from DIR's weight `files` (in that order; `groups`: each one's
-    pieces, from reading_order) into `shards` in `staging`. `on_source(name, sha256)` is
-    told each source file's hash (computed as the file is read, once), `on_written(shard,
-    file)` each output shard as soon as it is complete."""
-    written: list[WrittenFile] = []
+    pieces, from reading_order) into `shards` in `staging`, each shard read back and
+    compared as it is written (convert/readback.py). `on_source(name, sha256)` is told
+    each source file's hash (computed as the file is read, once)."""
     queue = list(shards)
     writer: Optional[ShardWriter] = None
+    readback = ReadBack()
     try:
         for number, (fname, pieces) in enumerate(zip(files, groups), 1):
             path = directory / fname
@@ -476,16 +489,13 @@ def write_weights(
                     tensor = tensors(source_name)
                     for piece in group:
                         if writer is None:
-                            writer = ShardWriter(staging / queue[0].name, queue.pop(0))
+                            writer = ShardWriter(staging / queue[0].name, queue.pop(0),
+                                                 readback)
                         if writer.expects() != piece:
                             raise AssertionError("output shards out of the reading order")
                         writer.add(cut(tensor, piece))
                         if writer.done:
-                            sha = writer.finish()
-                            size = writer.path.stat().st_size
-                            written.append(WrittenFile(writer.shard.name, size, sha))
-                            if on_written is not None:
-                                on_written(writer.shard, written[-1])
+                            writer.finish()
                             writer = None
                     del tensor
                 source_sha = digest()
@@ -496,13 +506,14 @@ def write_weights(
                 took = max(time.monotonic() - started, 1e-6)
                 progress(f"shard {number}/{len(files)} {fname}: {mb:,.0f} MB in {took:.1f} s "
                          f"({mb / took:,.0f} MB/s)")
-    except BaseException:
+        if writer is not None or queue:
+            raise AssertionError("some planned output shards were not written")
+        return [WrittenFile(r.name, r.size, r.sha256, tuple(r.problems))
+                for r in readback.results()]
+    finally:
         if writer is not None:
             writer.abort()
-        raise
-    if writer is not None or queue:
-        raise AssertionError("some planned output shards were not written")
-    return written
+        readback.close()
 
 
 @contextmanager
