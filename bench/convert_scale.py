@@ -14,11 +14,13 @@ each round:
 - `qwen-kvprep convert SRC OUT --no-verify`;
 - `qwen-kvprep convert SRC OUT` (the default: the proof, every layer);
 
-each in a fresh process, timed, with its peak resident set (wait4's ru_maxrss: the largest
-of the process and the children it waited for, so the proof's child is in it) and the
-longest silence between two of its stderr lines. The proof's coverage is read from
-convert's --json document. Everything written under DIR is deleted at the end (--keep
-keeps the source checkpoint). Figures print as JSON lines and a table.
+each in a fresh process (after `sync`, and with --drop-caches an empty page cache, so
+that no run reads what the one before left in memory), timed, with its peak resident set
+(wait4's ru_maxrss: the largest of the process and the children it waited for, so the
+proof's child is in it) and the longest silence between two of its stderr lines. The
+proof's coverage is read from convert's --json document. Everything written under DIR
+is deleted at the end (--keep keeps the source checkpoint). Figures print as JSON lines
+and a table.
 """
 
 from __future__ import annotations
@@ -190,6 +192,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--no-no-verify", action="store_true",
                    help="leave out convert --no-verify")
     p.add_argument("--logs", type=Path, help="write each run's stderr here")
+    p.add_argument("--drop-caches", action="store_true",
+                   help="empty the page cache before each run (root): every run then reads "
+                        "the source from the disk, as a first convert of a download does")
     p.add_argument("--generate-only", type=Path, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.generate_only is not None:
@@ -226,6 +231,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                     continue
                 _rm(target)
                 subprocess.run(["sync"], check=True)
+                if args.drop_caches:
+                    Path("/proc/sys/vm/drop_caches").write_text("3\n")
                 row = measure(cmd, json_out=label == "convert")
                 row["what"], row["round"] = label, r + 1
                 if args.logs is not None:

@@ -129,6 +129,44 @@ def test_the_written_check_finds_a_changed_header_and_a_read_back_problem(
     assert "planned" in result.problems[0]
 
 
+def test_a_buffer_is_read_into_again_only_once_the_read_back_compared_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a read-back far behind the writer: were a buffer taken again too early, the bytes
+    # compared would be the next tensor's and the check would fail
+    slow = ReadBack._compare
+
+    def lagging(self: ReadBack, *args: object) -> None:
+        time.sleep(0.01)
+        slow(self, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(ReadBack, "_compare", lagging)
+    ckpt = generate_checkpoint(tmp_path / "ckpt", shards=2, dtype="fp32")
+    sp = read_source(probe_checkpoint(ckpt))
+    groups = by_offset(ckpt, sp.files, reading_order(sp.plan.pieces, sp.file_of, sp.files))
+    shards = weights.plan_shards(groups, sp.plan.sources, None)
+    staging = tmp_path / "staging"
+    staging.mkdir()
+    taken: list[int] = []
+    take = weights.Buffers.take
+
+    def counting(self: weights.Buffers, n: int) -> object:
+        taken.append(n)
+        return take(self, n)
+
+    monkeypatch.setattr(weights.Buffers, "take", counting)
+    written = weights.write_weights(ckpt, sp.files, groups, shards, staging)
+    assert len(taken) == sum(len(weights.safetensors_layout(ckpt / f)) for f in sp.files)
+    (staging / weights.ST_INDEX).write_bytes(weights.index_json(shards))
+    result = check_written(staging, shards, written)
+    assert result.ok, result.problems
+    for shard in shards:
+        mine = load_file(str(staging / shard.name))
+        for piece in shard.pieces:
+            source = load_file(str(ckpt / sp.file_of[piece.source]))[piece.source]
+            assert torch.equal(mine[piece.target], weights.cut(source, piece)), piece.target
+
+
 def test_a_failed_fsync_of_a_shard_reaches_the_writer(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

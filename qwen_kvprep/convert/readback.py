@@ -48,7 +48,8 @@ class ReadBack:
     def __init__(self, window: int = _WINDOW) -> None:
         self._window = window
         self._items: queue.Queue[Optional[tuple[str, object]]] = queue.Queue()
-        self._pending = 0  # bytes told but not yet compared
+        self._told = 0  # bytes told, all shards together
+        self._compared = 0  # of those, bytes compared (or dropped) and let go of
         self._cond = threading.Condition()
         self._error: Optional[BaseException] = None  # an OSError of fsync, raised to the writer
         self._done: list[ReadBackResult] = []
@@ -69,12 +70,25 @@ class ReadBack:
         n = memoryview(data).nbytes
         with self._cond:
             self._cond.wait_for(
-                lambda: self._pending == 0 or self._pending + n <= self._window
+                lambda: self._told == self._compared
+                or self._told - self._compared + n <= self._window
                 or self._error is not None
             )
-            self._pending += n
+            self._told += n
         self._raise()
         self._items.put(("data", data))
+
+    @property
+    def told(self) -> int:
+        """Bytes told so far, all shards together: a position for `wait_compared`."""
+        return self._told
+
+    def wait_compared(self, position: int) -> None:
+        """Wait until every buffer told before `position` was compared and let go of (its
+        memory may then be used again)."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._compared >= position or self._error is not None)
+        self._raise()
 
     def end(self, fh: IO[bytes]) -> None:
         """The current shard is complete: flushed, fsynced and closed on the thread."""
@@ -186,7 +200,7 @@ class ReadBack:
 
     def _release(self, n: int) -> None:
         with self._cond:
-            self._pending -= n
+            self._compared += n
             self._cond.notify_all()
 
     def _fail(self, exc: BaseException) -> None:
