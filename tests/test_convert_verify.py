@@ -407,6 +407,20 @@ def test_nan_weights_equal_bit_for_bit_are_equal_and_named() -> None:
     assert note.severity is Severity.WARN and "row 4" in note.message
 
 
+def test_nan_is_counted_piece_by_piece_across_the_pieces_edges(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import torch
+
+    from qwen_kvprep.convert import blockproof
+
+    monkeypatch.setattr(blockproof, "_NAN_CHUNK", 5)  # pieces end inside rows
+    t = torch.zeros(6, 4, dtype=torch.bfloat16)
+    t[0, 0] = t[1, 0] = t[5, 3] = float("nan")  # elements 0, 4 (first piece) and 23 (last)
+    assert blockproof.nan_where("w", t) == "w: 3 NaN values (rows 0, 1, 5)"
+    assert blockproof.nan_where("w", torch.zeros(6, 4, dtype=torch.bfloat16)) is None
+
+
 @pytest.mark.slow
 def test_an_unused_nan_row_is_proven_equal_and_named(tmp_path: Path) -> None:
     """A NaN in an embedding row no token reaches (the padding past the 720 ids): the

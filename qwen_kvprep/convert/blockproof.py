@@ -86,14 +86,23 @@ def expected(original: dict[str, torch.Tensor]) -> dict[str, tuple[str, torch.Te
     return out
 
 
+# elements looked at for NaN at once: a mask of the whole embedding is 620 MB at Qwen-7B's
+# shape, and summing a bool mask widens it to int64 (5 GB) first
+_NAN_CHUNK = 1 << 24
+
+
 def nan_where(name: str, tensor: torch.Tensor) -> Optional[str]:
     """"name: N NaN values (rows 3, 17)" where `tensor` holds NaN, else None."""
+    import torch
+
     if not tensor.is_floating_point():
         return None
-    mask = tensor.isnan()
-    count = int(mask.sum())
+    flat = tensor.reshape(-1)
+    count = sum(int(torch.count_nonzero(flat[i:i + _NAN_CHUNK].isnan()))
+                for i in range(0, flat.numel(), _NAN_CHUNK))
     if count == 0:
         return None
+    mask = tensor.isnan()  # only where there is NaN to place
     where = ""
     if mask.dim() == 2:
         rows = mask.any(dim=1).nonzero().flatten().tolist()
