@@ -8,8 +8,8 @@ the file, and every byte of it was compared with the byte meant to be there. Eac
 byte was hashed once as it was read (weights.stream_safetensors), each written byte is
 hashed once as it is read back: two passes of sha256 over the model, no third.
 
-The thread also fsyncs and closes each finished shard, so the disk writes one shard while
-the next is read and converted. The writer waits while more than `window` bytes are
+Each finished shard is fsynced and closed on a third thread, so the disk writes one shard
+while the next is read, converted and compared. The writer waits while more than `window` bytes are
 written but not yet compared (one larger buffer alone is let through): the buffers it holds
 are memory, and the thread must not fall a whole shard behind.
 """
@@ -20,6 +20,7 @@ import hashlib
 import os
 import queue
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from io import BufferedReader
 from pathlib import Path
@@ -54,6 +55,9 @@ class ReadBack:
         self._error: Optional[BaseException] = None  # an OSError of fsync, raised to the writer
         self._done: list[ReadBackResult] = []
         self._stop = False
+        # a shard's fsync waits for the disk: on a thread of its own, the read-back goes on
+        # with the next shard meanwhile (as `cp -r && sync` lets the disk write while it reads)
+        self._sync = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvprep-fsync")
         self._thread = threading.Thread(target=self._run, name="kvprep-readback", daemon=True)
         self._thread.start()
 
@@ -99,6 +103,7 @@ class ReadBack:
         """Every shard's result, once the thread has caught up (raises an fsync's OSError)."""
         self._items.put(None)
         self._thread.join()
+        self._sync.shutdown(wait=True)
         self._raise()
         return list(self._done)
 
@@ -107,6 +112,7 @@ class ReadBack:
         self._stop = True
         self._items.put(None)
         self._thread.join()
+        self._sync.shutdown(wait=True)
         while not self._items.empty():  # left behind by a thread that failed
             item = self._items.get_nowait()
             if item is not None and item[0] == "end":
@@ -182,6 +188,16 @@ class ReadBack:
 
     def _finish(self, fh: IO[bytes], reader: Optional[BufferedReader],
                 current: Optional[ReadBackResult], digest: Any) -> None:
+        self._sync.submit(self._fsync, fh)
+        if reader is not None:
+            if current is not None and not current.problems and reader.read(1):
+                current.problems.append(f"{current.name} is longer than what was written")
+            reader.close()
+        if current is not None and not self._stop:
+            current.sha256 = digest.hexdigest()
+            self._done.append(current)
+
+    def _fsync(self, fh: IO[bytes]) -> None:
         try:
             if not self._stop:
                 fh.flush()
@@ -190,13 +206,6 @@ class ReadBack:
             self._fail(exc)
         finally:
             fh.close()
-        if reader is not None:
-            if current is not None and not current.problems and reader.read(1):
-                current.problems.append(f"{current.name} is longer than what was written")
-            reader.close()
-        if current is not None and not self._stop:
-            current.sha256 = digest.hexdigest()
-            self._done.append(current)
 
     def _release(self, n: int) -> None:
         with self._cond:
