@@ -18,10 +18,11 @@ from safetensors.torch import load_file, save_file
 
 from qwen_kvprep.convert import weights
 from qwen_kvprep.convert.compare import check_written
+from qwen_kvprep.convert.pieces import Piece
 from qwen_kvprep.convert.progress import ConvertLog
 from qwen_kvprep.convert.readback import ReadBack
 from qwen_kvprep.convert.run import ConvertOptions, convert
-from qwen_kvprep.convert.source import read_source
+from qwen_kvprep.convert.source import SourcePlan, read_source
 from qwen_kvprep.convert.weights import BackgroundHash, by_offset, reading_order
 from qwen_kvprep.errors import CheckpointError, RefusedError
 from qwen_kvprep.probe.checkpoint import probe_checkpoint
@@ -29,6 +30,19 @@ from qwen_kvprep.tiny import generate_checkpoint
 from tests.cli import kvprep
 
 NO_VERIFY = ConvertOptions(verify=False)
+
+
+def _planned(
+    ckpt: Path, tmp_path: Path
+) -> tuple[SourcePlan, list[list[Piece]], list[weights.OutShard], Path]:
+    """DIR's plan, its pieces in reading order, the output shards and an empty staging
+    folder: what write_weights takes."""
+    sp = read_source(probe_checkpoint(ckpt))
+    groups = by_offset(ckpt, sp.files, reading_order(sp.plan.pieces, sp.file_of, sp.files))
+    shards = weights.plan_shards(groups, sp.plan.sources, None)
+    staging = tmp_path / "staging"
+    staging.mkdir()
+    return sp, groups, shards, staging
 
 
 def test_a_streamed_file_gives_safe_opens_tensors_in_file_order_and_its_sha256(
@@ -107,11 +121,7 @@ def test_the_written_check_finds_a_changed_header_and_a_read_back_problem(
     tmp_path: Path,
 ) -> None:
     ckpt = generate_checkpoint(tmp_path / "ckpt", shards=1, dtype="fp32")
-    sp = read_source(probe_checkpoint(ckpt))
-    groups = by_offset(ckpt, sp.files, reading_order(sp.plan.pieces, sp.file_of, sp.files))
-    shards = weights.plan_shards(groups, sp.plan.sources, None)
-    staging = tmp_path / "staging"
-    staging.mkdir()
+    sp, groups, shards, staging = _planned(ckpt, tmp_path)
     written = weights.write_weights(ckpt, sp.files, groups, shards, staging)
     shard = staging / shards[0].name
     assert written[0].sha256 == hashlib.sha256(shard.read_bytes()).hexdigest()
@@ -142,11 +152,7 @@ def test_a_buffer_is_read_into_again_only_once_the_read_back_compared_it(
 
     monkeypatch.setattr(ReadBack, "_compare", lagging)
     ckpt = generate_checkpoint(tmp_path / "ckpt", shards=2, dtype="fp32")
-    sp = read_source(probe_checkpoint(ckpt))
-    groups = by_offset(ckpt, sp.files, reading_order(sp.plan.pieces, sp.file_of, sp.files))
-    shards = weights.plan_shards(groups, sp.plan.sources, None)
-    staging = tmp_path / "staging"
-    staging.mkdir()
+    sp, groups, shards, staging = _planned(ckpt, tmp_path)
     taken: list[int] = []
     take = weights.Buffers.take
 
@@ -178,11 +184,7 @@ def test_a_failed_fsync_of_a_shard_reaches_the_writer(
 
     monkeypatch.setattr(os, "fsync", no_space)
     ckpt = generate_checkpoint(tmp_path / "ckpt", shards=2, dtype="fp32")
-    sp = read_source(probe_checkpoint(ckpt))
-    groups = by_offset(ckpt, sp.files, reading_order(sp.plan.pieces, sp.file_of, sp.files))
-    shards = weights.plan_shards(groups, sp.plan.sources, None)
-    staging = tmp_path / "staging"
-    staging.mkdir()
+    sp, groups, shards, staging = _planned(ckpt, tmp_path)
     with pytest.raises(OSError, match="No space left"):
         weights.write_weights(ckpt, sp.files, groups, shards, staging)
 
