@@ -45,6 +45,7 @@ LAYERS: dict[str, int] = {
     "qwen_kvprep.fastkv": BASE,  # which model code the fast path applies to (pure text work)
     "qwen_kvprep.chart": BASE,
     "qwen_kvprep.provenance": BASE,  # provenance.json: convert writes it, doctor's probe reads it
+    "qwen_kvprep.kvjudge": BASE,  # a KV cache judged by KL and top-1 (pure numbers)
     "qwen_kvprep.probe": PROBE,
     "qwen_kvprep.checks": CHECKS,
     "qwen_kvprep.buildcache.arch": CHECKS,  # pure decisions over probed toolchain facts
