@@ -9,6 +9,7 @@ import json
 import shlex
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -17,8 +18,9 @@ from qwen_kvprep.convert.qwen2config import qwen2_config
 from qwen_kvprep.convert.serving import VLLM_INT8, commands, sampling_note
 from qwen_kvprep.convert.verify import judge
 from qwen_kvprep.engines import compare as cmp
+from qwen_kvprep.engines import runner
 from qwen_kvprep.engines.installs import broken_companion, explain_companion
-from qwen_kvprep.engines.protocol import Backend, ReferenceResult, Run
+from qwen_kvprep.engines.protocol import Backend, EngineResult, ReferenceResult, Run
 from qwen_kvprep.engines.runner import EngineSmokeOptions, EngineSmokeReport, _judge, kv_budget
 from qwen_kvprep.engines.vllm_child import VllmChildResult
 from qwen_kvprep.tiny import generate_checkpoint
@@ -49,21 +51,126 @@ def test_a_parting_at_a_near_tie_is_a_tie_and_elsewhere_is_not() -> None:
     assert cmp.first_divergence([1, 2], [1, 2, 3]) == 2
 
 
-def test_kv_rows_mark_a_cache_that_does_not_quantize_or_breaks_at_once_unusable() -> None:
-    auto = _backend([_run(i, [1, 2, 3, 4, 5]) for i in range(4)])
-    same = cmp.kv_row("fp8", auto, auto, "fp8_e4m3", None)
+def _positions(n: int, top: int = 3, shift: float = 0.0) -> list[dict[int, float]]:
+    """n positions, each a top-3 (token 1 most likely, by 1.0 in log p), token `top` moved
+    up by `shift`."""
+    return [{1: -0.5, 2: -1.5, 3: -2.5, top: (-0.5 if top == 1 else -1.5) + shift}
+            for _ in range(n)]
+
+
+def _scored(positions: list[dict[int, float]], resolved: str = "fp8_e4m3",
+            scales: str = "1.0", reference: bool = False) -> EngineResult:
+    return {"result_version": 1, "engine": "vllm", "version": "0.32.0", "kv_cache_dtype":
+            resolved, "resolved_kv_cache_dtype": resolved, "dtype": "float32",
+            "scales": scales, "reference": reference, "backend": None,
+            "scored": [{str(k): v for k, v in p.items()} for p in positions], "chunk": 32,
+            "engine_k_scale": [2.5, 3.0], "engine_v_scale": [1.5, 1.0]}
+
+
+def _row(dtype: str, got: EngineResult | None, declared: tuple[str, ...] = (
+        "auto", "fp8", "fp8_e4m3", "fp8_e5m2"), error: str | None = None) -> cmp.KvRow:
+    return cmp.kv_row(dtype, got["scales"] if got else "1.0", _positions(500), got, error,
+                      list(declared), lambda r: 1.0 if r not in (None, "auto") else 2.0)
+
+
+def test_kv_rows_are_judged_by_what_the_cache_changes_on_the_passage() -> None:
+    reference = _row("auto", _scored(_positions(500), "auto", reference=True))
+    assert reference["usable"] and reference["kl_mean"] == 0.0
+    assert reference["top1_agree"] == 1.0 and reference["tokens_scored"] == 500
+    # every log-probability moved a little, the same token on top: usable, with its numbers
+    near = _row("fp8_e4m3", _scored([{k: v - 0.01 * k for k, v in p.items()}
+                                     for p in _positions(500)], scales="checkpoint"))
+    assert near["usable"] and 0.0 < (near["kl_mean"] or 0.0) < 1e-3, near
+    assert near["engine_k_scale"] == [2.5, 3.0] and near["scales"] == "checkpoint"
+    assert near["chunk"] == 32 and near["bytes_per_value"] == 1.0
+    # token 2 on top at every position: the next-token choice is another model's
+    flipped = _row("fp8_e4m3", _scored(_positions(500, top=2, shift=1.5)))
+    assert not flipped["usable"] and flipped["top1_agree"] == 0.0
+    assert "top-1 agreement 0" in (flipped["why"] or "")
+    # bit for bit the unquantized numbers: it does not quantize
+    same = _row("fp8", _scored(_positions(500), "fp8"))
     assert not same["usable"] and "does not quantize" in (same["why"] or "")
-    broken = _backend([_run(i, [7, 2, 3, 4, 5], lp=-3.0) for i in range(3)] + [_run(3, [1, 9])])
-    row = cmp.kv_row("int8_per_token_head", auto, broken, "int8_per_token_head", None)
-    assert not row["usable"] and row["first_divergence"] == [0, 0, 0, 1]
-    assert "step 0 on 3 of 4" in (row["why"] or "")
-    moved = _backend([_run(i, [1, 2, 3, 8, 5], lp=-0.51) for i in range(4)])
-    good = cmp.kv_row("fp8_e5m2", auto, moved, "fp8_e5m2", None)
-    assert good["usable"] and good["same"] == 0 and good["first_divergence"] == [3] * 4
-    assert good["max_logprob_delta"] == pytest.approx(0.01)
-    refused = cmp.kv_row("fp8", auto, None, None, "NotImplementedError: needs AVX-512")
-    assert not refused["accepted"] and not refused["usable"] and "AVX-512" in str(refused["why"])
-    assert cmp.kv_row("auto", auto, auto, "auto", None)["usable"]
+    refused = _row("fp8", None, error="NotImplementedError: needs AVX-512")
+    assert not refused["accepted"] and not refused["usable"] and "AVX-512" in str(
+        refused["why"])
+
+
+def test_a_dtype_the_backend_does_not_declare_is_never_usable() -> None:
+    perfect = _scored([{k: v - 0.001 * k for k, v in p.items()} for p in _positions(500)],
+                      "int8_per_token_head")
+    row = _row("int8_per_token_head", perfect)
+    assert row["top1_agree"] == 1.0 and not row["usable"] and row["declared"] is False
+    assert "does not declare int8_per_token_head" in (row["why"] or "")
+    assert _row("int8_per_token_head", perfect, declared=("auto", "int8_per_token_head"))[
+        "usable"]
+
+
+def test_the_recommendation_is_the_usable_row_that_saves_most() -> None:
+    base: dict[str, Any] = {"usable": True, "kl_mean": 0.01, "resolved": "fp8_e4m3"}
+    rows = [{**base, "dtype": "auto", "scales": "1.0", "bytes_per_value": 2.0, "kl_mean": 0.0,
+             "resolved": "auto"},
+            {**base, "dtype": "auto", "scales": "checkpoint", "bytes_per_value": 1.0},
+            {**base, "dtype": "fp8", "scales": "checkpoint", "bytes_per_value": 1.0},
+            {**base, "dtype": "fp8_e5m2", "scales": "1.0", "bytes_per_value": 1.0,
+             "kl_mean": 0.001, "usable": False},
+            {**base, "dtype": "fp8_e4m3", "scales": "1.0", "bytes_per_value": 1.0,
+             "kl_mean": 0.02}]
+    best = cmp.recommend(rows)  # type: ignore[arg-type]
+    assert best is not None and (best["dtype"], best["scales"]) == ("fp8", "checkpoint")
+    assert cmp.recommend(rows[:1]) is rows[0]  # type: ignore[arg-type, comparison-overlap]
+    assert cmp.recommend([{**rows[2], "usable": False}]) is None  # type: ignore[list-item]
+    assert cmp.cache_bytes("int8_per_token_head", 2.0, 128) == 1.0 + 4.0 / 128
+
+
+def _scaled_folder(root: Path, mixed: bool = False) -> Path:
+    import torch
+    from safetensors.torch import save_file
+
+    root.mkdir()
+    weights = {"model.embed_tokens.weight": torch.zeros(2, 2)}
+    scales = {"model.layers.0.self_attn.k_scale": torch.tensor(2.5),
+              "model.layers.0.self_attn.v_scale": torch.tensor(3.0)}
+    if mixed:
+        save_file({**weights, **scales}, str(root / "model.safetensors"))
+    else:
+        save_file(weights, str(root / "model.safetensors"))
+        save_file(scales, str(root / "kv_scales.safetensors"))
+        (root / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
+            **{k: "model.safetensors" for k in weights},
+            **{k: "kv_scales.safetensors" for k in scales}}}))
+    (root / "config.json").write_text(json.dumps({"hidden_size": 2, "quantization_config": {
+        "quant_method": "compressed-tensors", "config_groups": {},
+        "kv_cache_scheme": {"num_bits": 8, "type": "float"}}}))
+    (root / "tokenizer.json").write_text("{}")
+    return root
+
+
+def test_the_unit_scale_rows_serve_a_view_of_out_without_its_scales(tmp_path: Path) -> None:
+    from qwen_kvprep.engines.scales import has_scales, kv_scheme_only, unscaled_view
+
+    out = _scaled_folder(tmp_path / "out")
+    config = json.loads((out / "config.json").read_text())
+    assert has_scales(config) and not kv_scheme_only({"quant_method": "gptq", "bits": 4})
+    view = tmp_path / "view"
+    view.mkdir()
+    assert unscaled_view(out, view) is None
+    assert sorted(p.name for p in view.iterdir()) == [
+        "config.json", "model.safetensors", "model.safetensors.index.json", "tokenizer.json"]
+    assert "quantization_config" not in json.loads((view / "config.json").read_text())
+    assert json.loads((view / "model.safetensors.index.json").read_text())["weight_map"] == {
+        "model.embed_tokens.weight": "model.safetensors"}
+    assert (view / "model.safetensors").resolve() == (out / "model.safetensors").resolve()
+    assert json.loads((out / "config.json").read_text()) == config  # OUT untouched
+    mixed = _scaled_folder(tmp_path / "mixed", mixed=True)
+    (tmp_path / "view2").mkdir()
+    why = unscaled_view(mixed, tmp_path / "view2")
+    assert why is not None and "model.safetensors holds the KV scales and weights" in why
+    plan = [(r["dtype"], r["scales"], r["folder"] == str(out))
+            for r in runner.plan(("auto", "fp8", "int8_per_token_head"), out, view)]
+    assert plan == [("auto", "1.0", False), ("auto", "checkpoint", True),
+                    ("fp8", "checkpoint", True), ("fp8", "1.0", False),
+                    ("int8_per_token_head", "1.0", False)]
+    assert [r["dtype"] for r in runner.plan(("auto", "fp8"), out, None)] == ["auto", "fp8"]
 
 
 def _reference(original_tokens: list[int], gap: float) -> ReferenceResult:
@@ -75,15 +182,13 @@ def _reference(original_tokens: list[int], gap: float) -> ReferenceResult:
 
 def _engine(tokens: list[int]) -> VllmChildResult:
     auto = _backend([_run(0, tokens), _run(1, [5, 6, 7, 8])], scale=0.0)
-    fp8 = _backend([_run(0, [1, 2, 3, 4], lp=-0.6), _run(1, [5, 6, 9, 8], lp=-0.6)])
-    run = {"result_version": 1, "engine": "vllm", "version": "0.32.0", "dtype": "float32"}
+    reference = {**_scored(_positions(500), "auto", reference=True), "backend": auto}
+    fp8 = _scored([{k: v - 0.01 * k for k, v in p.items()} for p in _positions(500)], "fp8")
     return {"version": "0.32.0", "offered": ["auto", "fp8", "fp8_e4m3", "int8_per_token_head"],
-            "declared": ["auto", "fp8"], "refused": [
-                {"kv_cache_dtype": "fp8_e4m3", "error": "NotImplementedError: AVX-512"}],
-            "runs": [{**run, "kv_cache_dtype": "auto", "resolved_kv_cache_dtype": "auto",  # type: ignore[typeddict-item]
-                      "backend": auto},
-                     {**run, "kv_cache_dtype": "fp8", "resolved_kv_cache_dtype": "fp8",
-                      "backend": fp8}]}
+            "declared": ["auto", "fp8"], "passage_tokens": 501, "refused": [
+                {"kv_cache_dtype": "fp8_e4m3", "scales": "1.0",
+                 "error": "NotImplementedError: AVX-512"}],
+            "runs": [reference, fp8]}  # type: ignore[list-item]
 
 
 def _judged(ref: ReferenceResult, engine: VllmChildResult) -> EngineSmokeReport:
@@ -95,12 +200,12 @@ def _judged(ref: ReferenceResult, engine: VllmChildResult) -> EngineSmokeReport:
 def test_the_engine_smoke_fails_where_tokens_part_at_no_tie_and_tables_the_caches() -> None:
     good = _judged(_reference([1, 2, 3, 4], gap=0.5), _engine([1, 2, 3, 4]))
     assert good.ok and good.parity["ok"] is True
-    assert [r["dtype"] for r in good.kv_cache] == ["auto", "fp8", "fp8_e4m3",
-                                                   "int8_per_token_head"]
     usable = {r["dtype"]: r["usable"] for r in good.kv_cache}
-    assert usable == {"auto": True, "fp8": True, "fp8_e4m3": False,
-                      "int8_per_token_head": False}
-    assert any("KV cache dtypes against auto" in line for line in good.lines)
+    assert usable == {"auto": True, "fp8": True, "fp8_e4m3": False}
+    assert list(usable) == ["auto", "fp8", "fp8_e4m3"]
+    assert any("KV cache dtypes against the unquantized cache" in line for line in good.lines)
+    assert good.recommended is not None and good.recommended["dtype"] == "fp8"
+    assert "recommended: --kv-cache-dtype fp8" in good.lines[-1]
     bad = _judged(_reference([1, 2, 3, 4], gap=0.5), _engine([1, 2, 9, 4]))
     assert not bad.ok and bad.parity["ok"] is False
     (f,) = [f for f in bad.findings if f.severity.value == "fail"]

@@ -1,6 +1,7 @@
-"""Pure comparisons of greedy runs: where two backends part, whether that is a tie, and
-what a KV cache dtype does to the engine's own tokens (no model, no engine: testable on
-made-up runs).
+"""Pure comparisons: of greedy runs, where two backends part and whether that is a tie;
+of KV caches, what each does to the passage's next-token distributions against the
+unquantized cache (kvjudge), and which one to serve with (no model, no engine: testable
+on made-up numbers).
 
 A tie is a step where the reference's top two logits are closer than float32 rounding of
 two different implementations (convert's proof's own tolerance, relative to the largest
@@ -11,14 +12,11 @@ compute different models.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, TypedDict
+from typing import Callable, Optional, TypedDict
 
-from qwen_kvprep.engines.protocol import Backend, Run
-
-# A quantized cache that moves the first token of most prompts does not hold the cache it
-# was given: the first token comes from the prompt's own attention, which only reads back
-# what the cache-write kernel stored.
-BROKEN_AT_STEP = 0
+from qwen_kvprep.engines.protocol import Backend, EngineResult, Run
+from qwen_kvprep.kvjudge import verdict
+from qwen_kvprep.kvjudge.metrics import score
 
 
 @dataclass(frozen=True)
@@ -62,58 +60,95 @@ def agrees(partings: list[Parting]) -> bool:
     return all(p.step is None or p.tie for p in partings)
 
 
-def identical(a: Backend, b: Backend) -> bool:
-    """The same tokens and the very same log-probabilities for every prompt: a cache that
-    quantizes moves the log-probabilities at least in their last bits."""
-    theirs = {r["prompt"]: r for r in b["runs"]}
-    return len(theirs) == len(a["runs"]) and all(
-        r["prompt"] in theirs and r["tokens"] == theirs[r["prompt"]]["tokens"]
-        and r["logprobs"] == theirs[r["prompt"]]["logprobs"]
-        for r in a["runs"]
-    )
+# Bytes one cached K or V value takes, per dtype (auto: the model's dtype, `model_bytes`).
+# int8_per_token_head also keeps a float32 scale per token and head, which `cache_bytes`
+# adds per value of the head.
+QUANTIZED_BYTES = {"fp8": 1.0, "fp8_e4m3": 1.0, "fp8_e5m2": 1.0, "int8_per_token_head": 1.0}
+PER_HEAD_SCALE = {"int8_per_token_head": 4.0}
+
+
+def cache_bytes(resolved: Optional[str], model_bytes: float, head_dim: int) -> float:
+    """Bytes a cached value takes with the dtype the engine's cache config resolved to."""
+    base = QUANTIZED_BYTES.get(resolved or "auto", model_bytes)
+    return base + PER_HEAD_SCALE.get(resolved or "auto", 0.0) / max(head_dim, 1)
 
 
 class KvRow(TypedDict):
-    """One KV cache dtype against the engine's unquantized cache (auto)."""
+    """One KV cache dtype (and scales) against the engine's unquantized cache (auto on
+    OUT without its scales), on the passage (kvjudge.passage)."""
 
     dtype: str
-    accepted: bool  # the engine started with it and generated
+    scales: str  # "checkpoint" (OUT's k_scale/v_scale) or "1.0"
+    accepted: bool  # the engine started with it and scored the passage
     resolved: Optional[str]  # the dtype the engine's cache config holds
+    declared: bool  # the engine's attention backend here declares the dtype
     usable: bool
     why: Optional[str]  # why it is not usable
-    prompts: int
-    same: int  # prompts whose tokens all equal auto's
-    first_divergence: list[Optional[int]]  # per prompt
-    gap: list[Optional[float]]  # auto's top-2 gap where the prompt parted
-    max_logprob_delta: Optional[float]  # over the steps before parting, all prompts
-    seconds: Optional[float]
+    kl_mean: Optional[float]
+    kl_p99: Optional[float]
+    top1_agree: Optional[float]
+    tokens_scored: int
+    chunk: Optional[int]  # prompt tokens a step read: later chunks read earlier ones back
+    engine_k_scale: list[float]  # per layer, as the engine's attention layers hold them
+    engine_v_scale: list[float]
+    bytes_per_value: Optional[float]  # what one cached K or V value takes
+
+
+def positions(scored: list[dict[str, float]]) -> list[dict[int, float]]:
+    return [{int(t): lp for t, lp in step.items()} for step in scored]
 
 
 def kv_row(
-    dtype: str, auto: Backend, got: Optional[Backend], resolved: Optional[str],
-    error: Optional[str],
+    dtype: str, scales: str, reference: list[dict[int, float]], got: Optional[EngineResult],
+    error: Optional[str], declared: list[str], value_bytes: Callable[[Optional[str]], float],
 ) -> KvRow:
-    """Judge one dtype. `got` None: the engine refused it or failed (`error` says how)."""
-    if got is None:
-        return {"dtype": dtype, "accepted": False, "resolved": resolved, "usable": False,
-                "why": error or "the engine did not run with it", "prompts": 0, "same": 0,
-                "first_divergence": [], "gap": [], "max_logprob_delta": None,
-                "seconds": None}
-    partings = compare(auto, got, tie_below=0.0)
-    steps = [p.step for p in partings]
-    why: Optional[str] = None
-    if dtype != "auto" and identical(auto, got):
-        why = ("accepted but it does not quantize: every token and log-probability is "
-               "auto's, bit for bit")
-    else:
-        early = sum(1 for s in steps if s is not None and s <= BROKEN_AT_STEP)
-        if dtype != "auto" and early * 2 > len(steps):
-            why = (f"tokens part from auto at step {BROKEN_AT_STEP} on {early} of "
-                   f"{len(steps)} prompts: the cache does not hold what was written to it")
-    return {
-        "dtype": dtype, "accepted": True, "resolved": resolved, "usable": why is None,
-        "why": why, "prompts": len(partings), "same": sum(1 for s in steps if s is None),
-        "first_divergence": steps, "gap": [p.gap for p in partings],
-        "max_logprob_delta": max((p.logprob_delta for p in partings), default=0.0),
-        "seconds": got["seconds"],
+    """Judge one engine start against the reference. `got` None: the engine refused it or
+    failed (`error` says how). `declared`: the dtypes the engine's attention backend here
+    declares (empty when unknown: then nothing is refused for it)."""
+    is_declared = not declared or dtype in declared
+    row: KvRow = {
+        "dtype": dtype, "scales": scales, "accepted": got is not None,
+        "resolved": got["resolved_kv_cache_dtype"] if got else None,
+        "declared": is_declared, "usable": False,
+        "why": None if got else (error or "the engine did not run with it"),
+        "kl_mean": None, "kl_p99": None, "top1_agree": None, "tokens_scored": 0,
+        "chunk": got["chunk"] if got else None,
+        "engine_k_scale": list(got["engine_k_scale"]) if got else [],
+        "engine_v_scale": list(got["engine_v_scale"]) if got else [],
+        "bytes_per_value": value_bytes(got["resolved_kv_cache_dtype"]) if got else None,
     }
+    if got is None:
+        return row
+    test = positions(got["scored"])
+    try:
+        s = score(reference, test)
+    except ValueError as exc:
+        row["why"] = f"the passage could not be scored: {exc}"
+        return row
+    row["kl_mean"], row["kl_p99"] = s.kl_mean, s.kl_p99
+    row["top1_agree"], row["tokens_scored"] = s.top1_agree, s.tokens_scored
+    quantized = row["resolved"] not in (None, "auto")
+    if not is_declared:
+        row["why"] = (f"the engine's attention backend here does not declare {dtype} "
+                      f"(it declares {', '.join(declared)}): whatever it computes is "
+                      "not a supported cache")
+    elif quantized and test == reference:
+        row["why"] = ("accepted but it does not quantize: every log-probability is the "
+                      "unquantized cache's, bit for bit")
+    elif not verdict.usable(s):
+        row["why"] = (f"top-1 agreement {s.top1_agree:.3g} (at least "
+                      f"{verdict.TOP1_AGREE_MIN:g} is usable), mean KL {s.kl_mean:.2g} (at "
+                      f"most {verdict.KL_MEAN_MAX:g})")
+    row["usable"] = row["why"] is None
+    return row
+
+
+def recommend(rows: list[KvRow]) -> Optional[KvRow]:
+    """The usable row that saves the most memory (fewest bytes a value); among equals the
+    one closest to the unquantized cache (lowest mean KL), then one that names its dtype
+    (`auto` on a folder with scales is fp8 too, said less plainly), then the first listed."""
+    usable = [r for r in rows if r["usable"] and r["bytes_per_value"] is not None]
+    if not usable:
+        return None
+    return min(usable, key=lambda r: (r["bytes_per_value"], r["kl_mean"] or 0.0,
+                                      r["dtype"] == "auto"))

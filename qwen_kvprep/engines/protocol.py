@@ -26,6 +26,7 @@ PHASE_LOAD_ORIGINAL = "load-original"
 PHASE_GENERATE = "generate"
 PHASE_IMPORT_ENGINE = "import-engine"
 PHASE_START_ENGINE = "start-engine"
+PHASE_SCORE = "score"
 PHASE_WORDS = {
     "start": "starting (importing torch and transformers)",
     PHASE_LOAD_CONVERTED: "loading OUT as Qwen2ForCausalLM in transformers",
@@ -33,6 +34,7 @@ PHASE_WORDS = {
     PHASE_GENERATE: "generating greedily",
     PHASE_IMPORT_ENGINE: "importing the engine",
     PHASE_START_ENGINE: "starting the engine (loading OUT, sizing its KV cache)",
+    PHASE_SCORE: "scoring the passage through the KV cache",
     "done": "done",
 }
 
@@ -69,6 +71,21 @@ class ReferenceResult(TypedDict):
     original: Optional[Backend]
 
 
+# KV scales a run serves with: the folder's own (config.json's kv_cache_scheme and its
+# k_scale/v_scale tensors), or none (the engine then takes 1.0)
+SCALES_CHECKPOINT = "checkpoint"
+SCALES_UNIT = "1.0"
+
+
+class EngineRun(TypedDict):
+    """One engine start the parent asks for."""
+
+    dtype: str  # the KV cache dtype
+    folder: str  # OUT, or OUT's view without its KV scales
+    scales: str  # SCALES_CHECKPOINT or SCALES_UNIT
+    reference: bool  # the unquantized cache: also generates the prompts greedily (parity)
+
+
 class EngineResult(TypedDict):
     """vllm_child.py: one engine start with one KV cache dtype."""
 
@@ -78,4 +95,13 @@ class EngineResult(TypedDict):
     kv_cache_dtype: str  # as asked for
     resolved_kv_cache_dtype: str  # as the engine's cache config holds it
     dtype: str
-    backend: Backend
+    scales: str
+    reference: bool
+    backend: Optional[Backend]  # the greedy runs, for the reference only
+    # the passage's prompt log-probabilities: per position from the second, token id (as
+    # a string: JSON) -> log-probability, for the engine's top-k there
+    scored: list[dict[str, float]]
+    chunk: int  # the most prompt tokens a step read (max_num_batched_tokens)
+    # the scales the engine's attention layers hold after loading, in layer order
+    engine_k_scale: list[float]
+    engine_v_scale: list[float]

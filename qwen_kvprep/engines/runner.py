@@ -1,11 +1,13 @@
 """`smoke OUT --engine ...` on a folder convert wrote: OUT as an engine serves it, compared
 with transformers' Qwen2 on OUT and with the original through its own code, in float32;
-and, for an engine, what each of its KV cache dtypes does to its own tokens.
+and, for an engine, what each of its KV cache dtypes does to a passage's next-token
+distributions against its unquantized cache (kvjudge), with OUT's own KV scales where it
+carries them and at 1.0.
 
 Two children (qwen_kvprep.childproc: own session, bounded in time, killed with the
 parent): reference_child.py (transformers) and vllm_child.py (one vLLM start per KV cache
-dtype). They measure; this module judges (compare.py) and never raises for what a child
-does.
+dtype and scales). They measure; this module judges (compare.py) and never raises for what
+a child does.
 """
 
 from __future__ import annotations
@@ -28,13 +30,19 @@ from qwen_kvprep.engines.protocol import (
     DEFAULT_TIMEOUT_S,
     DTYPE,
     PHASE_WORDS,
+    SCALES_CHECKPOINT,
+    SCALES_UNIT,
     Backend,
+    EngineResult,
+    EngineRun,
     ReferenceResult,
 )
-from qwen_kvprep.engines.tables import parity_lines
+from qwen_kvprep.engines.scales import has_scales, kv_scheme_only, unscaled_view
+from qwen_kvprep.engines.tables import kv_lines, parity_lines
 from qwen_kvprep.engines.vllm_child import VllmChildResult
 from qwen_kvprep.errors import UsageError
 from qwen_kvprep.findings import Finding, Severity, fail, info, ok, warn
+from qwen_kvprep.kvjudge.passage import PASSAGE_TOKENS
 from qwen_kvprep.probe.converted import probe_converted
 from qwen_kvprep.probe.facts import Facts
 from qwen_kvprep.untrusted import read_record
@@ -45,6 +53,10 @@ PhaseCallback = Callable[[str], None]
 # cache first (the others are judged against it), the fp8 variants, then the int8 cache
 # with a scale per token and head (the one closest to Qwen's own Int8 cache).
 VLLM_KV_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8_per_token_head")
+# the dtypes that take the checkpoint's k_scale/v_scale (int8_per_token_head computes its
+# own, per token and head)
+_SCALED = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+_MODEL_BYTES = {"float32": 4.0, "bfloat16": 2.0, "float16": 2.0}
 # vLLM's CPU attention kernels take these head sizes (CPUAttentionBackend in 0.32)
 _MIN_HEAD_SIZE = 32
 _KV_FLOOR = 16 << 20
@@ -64,6 +76,7 @@ class EngineSmokeReport:
     findings: list[Finding] = field(default_factory=list)
     parity: dict[str, object] = field(default_factory=dict)
     kv_cache: list[cmp.KvRow] = field(default_factory=list)
+    recommended: Optional[cmp.KvRow] = None
     lines: list[str] = field(default_factory=list)
 
     @property
@@ -71,7 +84,11 @@ class EngineSmokeReport:
         return not any(f.severity is Severity.FAIL for f in self.findings)
 
     def to_json(self) -> dict[str, object]:
-        return {"engine": self.engine, "parity": self.parity, "kv_cache": list(self.kv_cache)}
+        best = self.recommended
+        return {"engine": self.engine, "parity": self.parity, "kv_cache": list(self.kv_cache),
+                "kv_cache_recommended": None if best is None else {
+                    "dtype": best["dtype"], "scales": best["scales"],
+                    "bytes_per_value": best["bytes_per_value"]}}
 
 
 def _config(out: Path) -> dict[str, object]:
@@ -100,6 +117,30 @@ def kv_budget(config: dict[str, object], prompts: int, max_len: int) -> int:
     head_dim = _int(config, "hidden_size") // heads
     per_token = 2 * _int(config, "num_hidden_layers") * kv * head_dim * 4
     return max(_KV_FLOOR, 2 * per_token * prompts * (max_len + 64))
+
+
+def plan(dtypes: tuple[str, ...], out: Path, view: Optional[Path]) -> list[EngineRun]:
+    """The engine starts: the reference (auto, unquantized: on the view without scales when
+    OUT carries them, since there auto resolves to fp8) first; with scales, each dtype that
+    takes them on OUT and at 1.0 on the view, the others on the view."""
+    plain = view or out
+    runs: list[EngineRun] = [{"dtype": "auto", "folder": str(plain), "scales": SCALES_UNIT,
+                              "reference": True}]
+    for dtype in dtypes:
+        if view is not None and dtype in _SCALED:
+            runs.append({"dtype": dtype, "folder": str(out), "scales": SCALES_CHECKPOINT,
+                         "reference": False})
+        if dtype != "auto":
+            runs.append({"dtype": dtype, "folder": str(plain), "scales": SCALES_UNIT,
+                         "reference": False})
+    return runs
+
+
+def _value_bytes(config: dict[str, object]) -> Callable[[Optional[str]], float]:
+    dtype = config.get("torch_dtype") or config.get("dtype")
+    model = _MODEL_BYTES.get(dtype, 2.0) if isinstance(dtype, str) else 2.0
+    head_dim = _int(config, "hidden_size") // _int(config, "num_attention_heads")
+    return lambda resolved: cmp.cache_bytes(resolved, model, head_dim)
 
 
 def _phase_words(phase: str) -> str:
@@ -150,7 +191,8 @@ def engine_smoke(
             f"{options.engine}",
         )
     config = _config(out)
-    if isinstance(config.get("quantization_config"), dict):
+    quantization = config.get("quantization_config")
+    if isinstance(quantization, dict) and not kv_scheme_only(quantization):
         raise UsageError(
             f"{out} holds GPTQ weights: the engine smoke compares in float32, and GPTQ "
             "kernels run in float16",
@@ -191,10 +233,12 @@ def engine_smoke(
                 "engine.original", "the original is not compared: the checkpoint OUT was "
                 "made from is not where provenance.json says, or has changed"))
         env = child_env({"HF_MODULES_CACHE": str(Path(tmp) / "modules")})
+        plain = _plain(out, config, Path(tmp) / "unscaled")
 
         def ref_cmd(fd: int) -> list[str]:
+            # OUT without its KV scales: the model, not a cache, is compared
             cmd = [sys.executable, "-m", "qwen_kvprep.engines.reference_child", "--out",
-                   str(out), "--fd", str(fd), "--new-tokens", str(options.new_tokens)]
+                   str(plain or out), "--fd", str(fd), "--new-tokens", str(options.new_tokens)]
             return cmd + (["--original", str(view)] if view is not None else [])
 
         outcome = _run(ref_cmd, options.timeout, on_phase, env, "transformers")
@@ -208,18 +252,20 @@ def engine_smoke(
         if options.engine == "vllm":
             prompts_file = Path(tmp) / "prompts.json"
             prompts_file.write_text(json.dumps(ref["prompt_tokens"]), encoding="utf-8")
+            plan_file = Path(tmp) / "plan.json"
+            plan_file.write_text(json.dumps(plan(options.kv_cache_dtypes, out, plain)),
+                                 encoding="utf-8")
             longest = max(len(p) for p in ref["prompt_tokens"])
-            max_len = longest + options.new_tokens + 16
+            passage = passage_length(config)
+            max_len = max(longest + options.new_tokens + 16, passage + 1)
             kv_bytes = kv_budget(config, len(ref["prompt_tokens"]), max_len)
 
             def vllm_cmd(fd: int) -> list[str]:
-                cmd = [sys.executable, "-m", "qwen_kvprep.engines.vllm_child", "--out",
-                       str(out), "--prompts", str(prompts_file), "--fd", str(fd),
-                       "--new-tokens", str(options.new_tokens), "--max-len", str(max_len),
-                       "--kv-bytes", str(kv_bytes)]
-                for d in options.kv_cache_dtypes:
-                    cmd += ["--kv-cache-dtype", d]
-                return cmd
+                return [sys.executable, "-m", "qwen_kvprep.engines.vllm_child", "--out",
+                        str(out), "--prompts", str(prompts_file), "--plan", str(plan_file),
+                        "--fd", str(fd), "--new-tokens", str(options.new_tokens),
+                        "--passage-tokens", str(passage), "--max-len", str(max_len),
+                        "--kv-bytes", str(kv_bytes)]
 
             left = max(1.0, deadline - time.monotonic())
             vout = _run(vllm_cmd, left, on_phase, env, "vllm")
@@ -227,20 +273,49 @@ def engine_smoke(
                 report.findings.append(_child_failure("the vLLM run", vout, left))
             else:
                 engine = cast(VllmChildResult, vout.result)
-    _judge(report, ref, engine, options)
+    _judge(report, ref, engine, options, _value_bytes(config))
     return report
 
 
+def passage_length(config: dict[str, object]) -> int:
+    """The passage's tokens: PASSAGE_TOKENS, within the context OUT declares."""
+    context = config.get("max_position_embeddings")
+    if isinstance(context, int) and not isinstance(context, bool) and context > 2:
+        return min(PASSAGE_TOKENS, context - 1)
+    return PASSAGE_TOKENS
+
+
+def _plain(out: Path, config: dict[str, object], dest: Path) -> Optional[Path]:
+    """OUT's view without its KV scales, when it carries them (else None)."""
+    if not has_scales(config):
+        return None
+    dest.mkdir()
+    try:
+        why = unscaled_view(out, dest)
+    except (OSError, ValueError) as exc:
+        why = f"it could not be prepared ({exc})"
+    if why is not None:
+        raise UsageError(
+            f"{out} carries KV cache scales, and the engine smoke measures it with them and "
+            f"without them, but {why}",
+            fix="keep the k_scale/v_scale tensors in a shard of their own, named in "
+            "model.safetensors.index.json (as llm-compressor writes them)")
+    return dest
+
+
 def _judge(report: EngineSmokeReport, ref: ReferenceResult, engine: Optional[VllmChildResult],
-           options: EngineSmokeOptions) -> None:
+           options: EngineSmokeOptions,
+           value_bytes: Optional[Callable[[Optional[str]], float]] = None) -> None:
+    """Judge what the children measured into `report`. `value_bytes`: what a cached value
+    takes with a resolved KV cache dtype (default: a bf16 model with heads of 128)."""
     converted = ref["converted"]
     tie = tolerance(DTYPE, False) * float(converted["scale"] or 0.0)
     pairs: list[dict[str, object]] = []
     good = True
-    auto: Optional[Backend] = None
+    reference: Optional[EngineResult] = None
     if engine is not None:
-        auto = next((r["backend"] for r in engine["runs"] if r["kv_cache_dtype"] == "auto"),
-                    None)
+        reference = next((r for r in engine["runs"] if r["reference"]), None)
+    auto: Optional[Backend] = reference["backend"] if reference is not None else None
     if options.engine == "vllm":
         if auto is None:
             refused = next((r["error"] for r in (engine or {"refused": []})["refused"]
@@ -281,19 +356,38 @@ def _judge(report: EngineSmokeReport, ref: ReferenceResult, engine: Optional[Vll
                      "new_tokens": options.new_tokens, "pairs": pairs,
                      "transformers": ref["transformers"], "torch": ref["torch"],
                      "engine_version": engine["version"] if engine is not None else None}
-    if engine is not None and auto is not None:
-        report.kv_cache = _kv_rows(engine, auto, options)
-        usable = [r["dtype"] for r in report.kv_cache if r["usable"] and r["dtype"] != "auto"]
-        broken = [r["dtype"] for r in report.kv_cache if r["accepted"] and not r["usable"]]
-        if broken:
-            report.findings.append(warn(
-                "engine.kv_cache", f"vLLM {engine['version']} accepts the KV cache dtype(s) "
-                f"{', '.join(broken)} here, but they are unusable on this device (see the "
-                "table)", fix="do not serve OUT with them on this device"))
-        report.findings.append(info(
-            "engine.kv_cache", "quantized KV caches usable on this device: "
-            + (", ".join(usable) if usable else "none (only auto)")))
-    report.lines = parity_lines(report.engine, report.parity, report.kv_cache)
+    if engine is not None and reference is not None:
+        report.kv_cache = _kv_rows(engine, reference, options, value_bytes or (
+            lambda resolved: cmp.cache_bytes(resolved, 2.0, 128)))
+        report.recommended = cmp.recommend(report.kv_cache)
+        _kv_findings(report, engine["version"])
+    report.lines = parity_lines(report.engine, report.parity)
+    report.lines += kv_lines(report.kv_cache, report.recommended,
+                             engine["passage_tokens"] if engine is not None else 0)
+
+
+def _named(row: cmp.KvRow) -> str:
+    return f"{row['dtype']} (scales {row['scales']})"
+
+
+def _kv_findings(report: EngineSmokeReport, version: str) -> None:
+    quantized = [r for r in report.kv_cache if r["resolved"] not in (None, "auto")]
+    broken = [_named(r) for r in quantized if not r["usable"]]
+    if broken:
+        report.findings.append(warn(
+            "engine.kv_cache", f"vLLM {version} accepts the KV cache dtype(s) "
+            f"{', '.join(broken)} here, but they are unusable on this device (see the "
+            "table)", fix="do not serve OUT with them on this device"))
+    usable = [_named(r) for r in quantized if r["usable"]]
+    best = report.recommended
+    advice = None
+    if best is not None and best["resolved"] not in (None, "auto"):
+        advice = (f"serve with --kv-cache-dtype {best['dtype']}"
+                  + (" and OUT's own scales (as it is)" if best["scales"] == SCALES_CHECKPOINT
+                     else " (scales 1.0)"))
+    report.findings.append(info(
+        "engine.kv_cache", "quantized KV caches usable on this device: "
+        + (", ".join(usable) if usable else "none (only the unquantized cache)"), fix=advice))
 
 
 def _pair(a: str, b: str, partings: list[cmp.Parting]) -> dict[str, object]:
@@ -301,16 +395,22 @@ def _pair(a: str, b: str, partings: list[cmp.Parting]) -> dict[str, object]:
             "prompts": [p.to_json() for p in partings], "_partings": partings}
 
 
-def _kv_rows(engine: VllmChildResult, auto: Backend,
-             options: EngineSmokeOptions) -> list[cmp.KvRow]:
-    got = {r["kv_cache_dtype"]: r for r in engine["runs"]}
-    refused = {r["kv_cache_dtype"]: r["error"] for r in engine["refused"]}
-    rows = []
+def _kv_rows(engine: VllmChildResult, reference: EngineResult, options: EngineSmokeOptions,
+             value_bytes: Callable[[Optional[str]], float]) -> list[cmp.KvRow]:
+    """The reference's row first, then each dtype asked for (in that order) with OUT's
+    scales and at 1.0, as far as they were started; a dtype this release lacks has none."""
+    got = {(r["kv_cache_dtype"], r["scales"]): r for r in engine["runs"]}
+    refused = {(r["kv_cache_dtype"], r["scales"]): r["error"] for r in engine["refused"]}
+    ref = cmp.positions(reference["scored"])
+    rows = [cmp.kv_row("auto", reference["scales"], ref, reference, None, engine["declared"],
+                       value_bytes)]
     for dtype in options.kv_cache_dtypes:
-        if dtype not in engine["offered"]:
-            continue  # not in this release
-        run = got.get(dtype)
-        rows.append(cmp.kv_row(dtype, auto, run["backend"] if run else None,
-                               run["resolved_kv_cache_dtype"] if run else None,
-                               refused.get(dtype)))
+        for scales in (SCALES_CHECKPOINT, SCALES_UNIT):
+            key = (dtype, scales)
+            run = got.get(key)
+            if dtype not in engine["offered"] or run is reference or (
+                    run is None and key not in refused):
+                continue
+            rows.append(cmp.kv_row(dtype, scales, ref, run, refused.get(key),
+                                   engine["declared"], value_bytes))
     return rows

@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import cast
+from typing import Optional, cast
 
 from qwen_kvprep.engines.compare import KvRow
+from qwen_kvprep.kvjudge import verdict
+from qwen_kvprep.kvjudge.passage import TOP_K
 
 
 def _g(x: object) -> str:
     return f"{x:.2g}" if isinstance(x, float) else "-"
 
 
-def parity_lines(engine: str, p: Mapping[str, object], kv_cache: Sequence[KvRow]) -> list[str]:
+def parity_lines(engine: str, p: Mapping[str, object]) -> list[str]:
     lines = [f"engine smoke: {engine}, {p.get('dtype')}, {p.get('new_tokens')} greedy "
              f"tokens per prompt (ties: top two within {_g(p.get('tie_below'))})"]
     for pair in cast("list[dict[str, object]]", p.get("pairs", [])):
@@ -25,14 +27,36 @@ def parity_lines(engine: str, p: Mapping[str, object], kv_cache: Sequence[KvRow]
                 + (" (a tie)" if row["tie"] else ""))
             lines.append(f"    prompt {cast(int, row['prompt']) + 1}: {where}; max |Δ log p| "
                          f"{_g(row['max_logprob_delta'])}")
-    if kv_cache:
-        lines.append("KV cache dtypes against auto (the same prompts, greedy):")
-        lines.append(f"  {'dtype':<22}{'usable':<8}{'same':<7}{'first parting':<18}"
-                     f"{'max |Δ log p|':<15}note")
-        for r in kv_cache:
-            steps = ",".join("-" if s is None else str(s) for s in r["first_divergence"])
-            same = f"{r['same']}/{r['prompts']}" if r["accepted"] else "-"
-            note = r["why"] or ""
-            lines.append(f"  {r['dtype']:<22}{'yes' if r['usable'] else 'NO':<8}{same:<7}"
-                         f"{steps or '-':<18}{_g(r['max_logprob_delta']):<15}{note}")
+    return lines
+
+
+def _scale(values: Sequence[float]) -> str:
+    return f"{values[0]:.3g}" if values else "-"
+
+
+def kv_lines(kv_cache: Sequence[KvRow], best: Optional[KvRow], tokens: int) -> list[str]:
+    """The KV cache table: each dtype and scales against the unquantized cache, on the
+    passage read through the cache in chunks."""
+    if not kv_cache:
+        return []
+    chunk = next((r["chunk"] for r in kv_cache if r["chunk"]), None)
+    lines = [f"KV cache dtypes against the unquantized cache (a passage of {tokens} tokens "
+             f"read {chunk or '?'} at a time; KL over its top {TOP_K}; usable: top-1 "
+             f"agreement >= {verdict.TOP1_AGREE_MIN:g} and mean KL <= "
+             f"{verdict.KL_MEAN_MAX:g}):",
+             f"  {'dtype':<21}{'scales':<12}{'usable':<8}{'kl_mean':<10}{'kl_p99':<10}"
+             f"{'top1':<7}{'k/v scale, layer 0':<20}note"]
+    for r in kv_cache:
+        top1 = f"{r['top1_agree']:.3f}" if r["top1_agree"] is not None else "-"
+        scale = (f"{_scale(r['engine_k_scale'])}/{_scale(r['engine_v_scale'])}"
+                 if r["accepted"] else "-")
+        lines.append(f"  {r['dtype']:<21}{r['scales']:<12}{'yes' if r['usable'] else 'NO':<8}"
+                     f"{_g(r['kl_mean']):<10}{_g(r['kl_p99']):<10}{top1:<7}{scale:<20}"
+                     f"{r['why'] or ''}")
+    if best is None or best["resolved"] in (None, "auto"):
+        lines.append("recommended: the unquantized cache (no quantized one is usable here)")
+    else:
+        where = ("OUT's own scales" if best["scales"] == "checkpoint" else "scales 1.0")
+        lines.append(f"recommended: --kv-cache-dtype {best['dtype']} with {where} "
+                     f"({best['bytes_per_value']:g} bytes a cached value)")
     return lines
