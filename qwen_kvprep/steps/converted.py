@@ -11,7 +11,7 @@ import shlex
 from pathlib import Path
 from typing import Optional
 
-from qwen_kvprep.convert.serving import commands
+from qwen_kvprep.convert.serving import commands, vllm_launch
 from qwen_kvprep.errors import CheckpointError, KvprepError
 from qwen_kvprep.provenance import Provenance, read
 
@@ -35,7 +35,7 @@ def _serve_line(directory: Path, rec: Optional[Provenance]) -> str:
             length = serving
     gptq = rec is not None and "quantize_config.json" in rec.outputs
     if length < 1:
-        return f"vllm serve {shlex.quote(str(directory))} --kv-cache-dtype fp8"
+        return f"{vllm_launch(shlex.quote(str(directory)))} --kv-cache-dtype fp8"
     return commands(directory, gptq=gptq, max_len=length)[0][1]
 
 
