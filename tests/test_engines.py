@@ -96,6 +96,18 @@ def test_kv_rows_are_judged_by_what_the_cache_changes_on_the_passage() -> None:
         refused["why"])
 
 
+def test_the_passage_is_the_texts_first_tokens_repeated_where_short() -> None:
+    from qwen_kvprep.kvjudge.passage import passage_ids
+
+    def encode(text: str) -> list[int]:
+        return [ord(c) for c in text]
+
+    assert passage_ids(encode, ["ab", "c"], 4) == [97, 98, 10, 10]
+    assert passage_ids(encode, ["ab"], 5) == [97, 98, 10, 10, 97]
+    with pytest.raises(ValueError):
+        passage_ids(encode, [""], 4)
+
+
 def test_a_dtype_the_backend_does_not_declare_is_never_usable() -> None:
     perfect = _scored([{k: v - 0.001 * k for k, v in p.items()} for p in _positions(500)],
                       "int8_per_token_head")

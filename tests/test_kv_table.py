@@ -41,11 +41,12 @@ def measured_scales(out: Path) -> dict[str, float]:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from qwen_kvprep.convert.corpus import fixed
     from qwen_kvprep.kvjudge.passage import passage_ids
 
     tok = AutoTokenizer.from_pretrained(str(out))
     model = AutoModelForCausalLM.from_pretrained(str(out), torch_dtype=torch.float32)
-    ids = passage_ids(lambda t: list(tok.encode(t, add_special_tokens=False)), 512)
+    ids = passage_ids(lambda t: list(tok.encode(t, add_special_tokens=False)), fixed(), 512)
     with torch.no_grad():
         cache = model(torch.tensor([ids]), use_cache=True).past_key_values
     scales: dict[str, float] = {}

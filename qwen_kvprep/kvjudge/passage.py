@@ -1,7 +1,8 @@
 """The passage every KV cache is scored on, and how it is read.
 
-The text is convert's proof corpus's hand-written part (many scripts, code, whitespace,
-emoji), so a model meets its own tokenizer's full range. It is read in chunks of
+The text is convert's proof corpus's hand-written part (`convert.corpus.fixed()`, given by
+the caller: many scripts, code, whitespace, emoji), so a model meets its own tokenizer's
+full range. It is read in chunks of
 CHUNK_TOKENS with the cache quantized: each chunk's attention reads every earlier chunk back
 from the cache, so what the cache stores is what is scored (a single pass over the whole
 passage would attend to the unquantized K and V of its own forward). TOP_K log-probabilities
@@ -10,6 +11,7 @@ a position are what vLLM returns by default (max_logprobs 20).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Callable
 
 PASSAGE_TOKENS = 512
@@ -19,18 +21,13 @@ CHUNK_TOKENS = 32
 TOP_K = 20
 
 
-def passage_text() -> str:
-    from qwen_kvprep.convert.corpus import fixed
-
-    return "\n\n".join(fixed())
-
-
-def passage_ids(encode: Callable[[str], list[int]], limit: int = PASSAGE_TOKENS) -> list[int]:
-    """The passage's first `limit` token ids as `encode` gives them (the text repeated when
-    a tokenizer packs it into fewer)."""
+def passage_ids(encode: Callable[[str], list[int]], texts: Sequence[str],
+                limit: int = PASSAGE_TOKENS) -> list[int]:
+    """The first `limit` token ids of `texts` joined by blank lines, as `encode` gives them
+    (the text repeated when a tokenizer packs it into fewer)."""
     if limit < 2:
         raise ValueError(f"a passage needs at least 2 tokens, not {limit}")
-    text = passage_text()
+    text = "\n\n".join(texts)
     ids = list(encode(text))
     if not ids:
         raise ValueError("the tokenizer encodes the passage as no tokens")
