@@ -51,12 +51,14 @@ from qwen_kvprep.runtime import has_accelerate as _has_accelerate
 from qwen_kvprep.runtime import legacy_cache as _legacy
 from qwen_kvprep.runtime import rss_peak_bytes as _rss_peak_bytes
 from qwen_kvprep.runtime import tensors_in as _tensors
+from qwen_kvprep.smoke.kvscore import measure_passage
 from qwen_kvprep.smoke.numbers import loaded_numbers
 from qwen_kvprep.smoke.protocol import (
     DEFAULT_MAX_NEW_TOKENS,
     DEFAULT_PROMPT,
     DEVICES,
     PHASE_INSPECT,
+    PHASE_KV_PASSAGE,
     PHASE_LOAD,
     PHASE_OWN_CODE,
     PHASE_QUANTIZED,
@@ -68,6 +70,7 @@ from qwen_kvprep.smoke.protocol import (
     Comparison,
     FirstStep,
     GptqModules,
+    KvPassage,
     LayerRow,
     ModeRun,
     OwnCode,
@@ -422,6 +425,11 @@ def smoke(
         own = own_code(model, layers, input_ids, q, device)
     ev.start(PHASE_UNQUANTIZED)
     u = run_mode(model, input_ids, new_tokens, device, quantized=False)
+    # the Int8 cache judged as the engine smoke judges vLLM's caches (kvjudge)
+    passage: Optional[KvPassage] = None
+    if quantized_on:
+        ev.start(PHASE_KV_PASSAGE)
+        passage = measure_passage(model, tokenizer)
 
     first_step, comparison = compare_runs(q, u)
     result: SmokeResult = {
@@ -459,6 +467,8 @@ def smoke(
         result["own_code"] = own
     if per_token:
         result["per_token_prefill"] = True
+    if passage is not None:
+        result["kv_passage"] = passage
     return result
 
 

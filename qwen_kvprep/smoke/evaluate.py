@@ -31,6 +31,7 @@ from typing import Optional, TypedDict
 
 from qwen_kvprep.common import fix_command, gptq_install
 from qwen_kvprep.findings import Finding, Severity, fail, info, ok, skip, warn
+from qwen_kvprep.smoke.kvtable import KvScore, judge_passage
 from qwen_kvprep.smoke.protocol import (
     FALLBACK_WARNINGS,
     LOAD_PHASES,
@@ -120,6 +121,7 @@ class SmokeSummary(_SummaryHead, SmokeNumbers, total=False):
 
     phase: str
     error: str
+    kv_cache: list[KvScore]  # the Int8 cache's passage score, where it is on
     device: Optional[str]
     device_name: Optional[str]
     torch: Optional[str]
@@ -739,8 +741,8 @@ def evaluate(
     outcome: SmokeOutcome, options: SmokeOptions, directory: str
 ) -> tuple[list[Finding], SmokeSummary]:
     """Findings (ids smoke.load, smoke.run, smoke.numbers, smoke.quantization, smoke.kernel,
-    smoke.gptq for GPTQ checkpoints, smoke.agreement, smoke.measure) and the summary object
-    for --json and the state."""
+    smoke.gptq for GPTQ checkpoints, smoke.agreement, smoke.measure, smoke.kv_score where
+    the Int8 cache is on) and the summary object for --json and the state."""
     summary: SmokeSummary = {
         "ok": False,
         "device_requested": options.device,
@@ -778,6 +780,11 @@ def evaluate(
     findings.append(_measure(m, result))
     layers = result.get("layers") or []
     summary.update({"gptq": gptq} if gptq is not None else {})
+    passage = result.get("kv_passage")
+    if passage is not None:
+        scored, row = judge_passage(passage)
+        findings.append(scored)
+        summary["kv_cache"] = [row]
     return findings, {
         **summary,
         "ok": not any(f.severity is Severity.FAIL for f in findings),

@@ -37,6 +37,7 @@ PHASE_INSPECT = "inspect"
 PHASE_WARMUP = "warm-up"
 PHASE_QUANTIZED = "generate-quantized"
 PHASE_OWN_CODE = "generate-own-code"
+PHASE_KV_PASSAGE = "kv-passage"
 PHASE_UNQUANTIZED = "generate-unquantized"
 PHASE_DONE = "done"
 LOAD_PHASES = (PHASE_START, PHASE_LOAD)
@@ -48,6 +49,7 @@ PHASE_WORDS = {
     PHASE_QUANTIZED: "generating with the quantized cache",
     PHASE_OWN_CODE: "generating with the model's own Int8 code (the fast path set aside)",
     PHASE_UNQUANTIZED: "generating with the unquantized cache",
+    PHASE_KV_PASSAGE: "scoring a passage through the Int8 cache and the unquantized one",
     PHASE_DONE: "done",
 }
 
@@ -183,6 +185,17 @@ class LoadedNumbers(TypedDict):
     seconds: float
 
 
+class KvPassage(TypedDict):
+    """The passage (kvjudge.passage) read through the model's cache in chunks, its Int8
+    cache on and off: per position from the second, token id (a string: JSON) ->
+    log-probability, for the top-k there."""
+
+    tokens: int
+    chunk: int
+    quantized: list[dict[str, float]]
+    unquantized: list[dict[str, float]]
+
+
 class _SmokeResultBase(TypedDict):
 
     result_version: int
@@ -214,8 +227,9 @@ class SmokeResult(_SmokeResultBase, total=False):
     """Everything the child measured (the "result" event); `gptq` for GPTQ checkpoints;
     `own_code` where the quantized run went through the fast path, unless
     `per_token_prefill` (fix --per-token-prefill: other numbers than the model's by
-    design) left the comparison out."""
+    design) left the comparison out; `kv_passage` where the Int8 cache is on."""
 
     gptq: GptqModules
     own_code: OwnCode
     per_token_prefill: bool
+    kv_passage: KvPassage
