@@ -25,7 +25,7 @@ def _passage(shift: float) -> KvPassage:
 def test_the_int8_cache_is_judged_by_the_kv_tables_numbers_and_thresholds() -> None:
     good, row = judge_passage(_passage(0.01))
     assert good.severity.value == "ok" and row["usable"] and row["tokens_scored"] == 450
-    assert row["top1_agree"] == 1.0 and 0 < (row["kl_mean"] or 0) <= verdict.KL_MEAN_MAX
+    assert row["top1_agree"] == 1.0 and 0 < (row["kl_mean"] or 0) <= verdict.MAX_KL_MEAN
     assert "kl_mean" in good.message and "top1_agree 1.000" in good.message
     bad, row = judge_passage(_passage(2.0))  # token 2 overtakes token 1 everywhere
     assert bad.severity.value == "warn" and not row["usable"] and row["top1_agree"] == 0.0

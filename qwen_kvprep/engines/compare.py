@@ -135,10 +135,8 @@ def kv_row(
     elif quantized and test == reference:
         row["why"] = ("accepted but it does not quantize: every log-probability is the "
                       "unquantized cache's, bit for bit")
-    elif not verdict.usable(s):
-        row["why"] = (f"top-1 agreement {s.top1_agree:.3g} (at least "
-                      f"{verdict.TOP1_AGREE_MIN:g} is usable), mean KL {s.kl_mean:.2g} (at "
-                      f"most {verdict.KL_MEAN_MAX:g})")
+    else:
+        row["why"] = verdict.why_unusable(s)
     row["usable"] = row["why"] is None
     return row
 

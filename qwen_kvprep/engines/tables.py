@@ -42,8 +42,8 @@ def kv_lines(kv_cache: Sequence[KvRow], best: Optional[KvRow], tokens: int) -> l
     chunk = next((r["chunk"] for r in kv_cache if r["chunk"]), None)
     lines = [f"KV cache dtypes against the unquantized cache (a passage of {tokens} tokens "
              f"read {chunk or '?'} at a time; KL over its top {TOP_K}; usable: top-1 "
-             f"agreement >= {verdict.TOP1_AGREE_MIN:g} and mean KL <= "
-             f"{verdict.KL_MEAN_MAX:g}):",
+             f"agreement >= {verdict.MIN_TOP1_AGREE:g} and mean KL <= "
+             f"{verdict.MAX_KL_MEAN:g}):",
              f"  {'dtype':<21}{'scales':<12}{'usable':<8}{'kl_mean':<10}{'kl_p99':<10}"
              f"{'top1':<7}{'k/v scale, layer 0':<20}note"]
     for r in kv_cache:

@@ -47,9 +47,8 @@ def judge_passage(passage: KvPassage) -> tuple[Finding, KvScore]:
              f"{passage['tokens']} tokens read {passage['chunk']} at a time: kl_mean "
              f"{s.kl_mean:.2g}, kl_p99 {s.kl_p99:.2g}, top1_agree {s.top1_agree:.3f} (as "
              "`smoke OUT --engine vllm` judges vLLM's caches")
-    if verdict.usable(s):
+    row["why"] = verdict.why_unusable(s)
+    if row["why"] is None:
         row["usable"] = True
         return ok("smoke.kv_score", words + ": usable)", **row), row
-    row["why"] = (f"top-1 agreement {s.top1_agree:.3g} (at least {verdict.TOP1_AGREE_MIN:g} "
-                  f"is usable), mean KL {s.kl_mean:.2g} (at most {verdict.KL_MEAN_MAX:g})")
     return warn("smoke.kv_score", words + f": not usable, {row['why']})", **row), row
