@@ -57,6 +57,7 @@ def kv_lines(kv_cache: Sequence[KvRow], best: Optional[KvRow], tokens: int) -> l
         lines.append("recommended: the unquantized cache (no quantized one is usable here)")
     else:
         where = ("OUT's own scales" if best["scales"] == "checkpoint" else "scales 1.0")
+        size = best["bytes_per_value"] or 0.0
         lines.append(f"recommended: --kv-cache-dtype {best['dtype']} with {where} "
-                     f"({best['bytes_per_value']:g} bytes a cached value)")
+                     f"({size:g} byte{'' if size == 1 else 's'} a cached value)")
     return lines
