@@ -141,7 +141,11 @@ def engine_smoke(
 ) -> EngineSmokeReport:
     """Judge OUT (a folder convert wrote) as `options.engine` serves it. UsageError before
     any child starts when OUT is not such a folder or the engine cannot run it here."""
-    facts = probe_converted(out)
+    if on_phase is not None:
+        on_phase("record: hashing OUT's files and its source's against provenance.json")
+    # every byte, before anything else: a shard changed with its size and time kept passes
+    # doctor's quick look, and a failed record is told before any child starts
+    facts = probe_converted(out, full=True)
     if facts is None:
         raise UsageError(
             f"{out} holds no provenance.json: the engine smoke runs on a folder "
@@ -149,6 +153,14 @@ def engine_smoke(
             fix=f"qwen-kvprep convert DIR OUT, then qwen-kvprep smoke OUT --engine "
             f"{options.engine}",
         )
+    report = EngineSmokeReport(options.engine)
+    found = provenance(Facts(converted=facts))
+    report.findings += [found] if isinstance(found, Finding) else list(found)  # type: ignore[arg-type]
+    if not report.ok:
+        report.parity = {"ok": False, "dtype": DTYPE, "pairs": []}
+        report.lines = [f"engine smoke: {options.engine}: not run, {out} is not what its "
+                        "provenance.json records (see convert.provenance)"]
+        return report
     config = _config(out)
     if isinstance(config.get("quantization_config"), dict):
         raise UsageError(
@@ -170,9 +182,6 @@ def engine_smoke(
                 f"{_MIN_HEAD_SIZE} and more, so vLLM cannot serve it on this machine",
                 fix="run the engine smoke on a GPU machine, or on a model with larger heads",
             )
-    report = EngineSmokeReport(options.engine)
-    found = provenance(Facts(converted=facts))
-    report.findings += [found] if isinstance(found, Finding) else list(found)  # type: ignore[arg-type]
     usable_source = (facts.provenance is not None and facts.source_exists
                      and all(s.state == "same" for s in facts.sources))
     deadline = time.monotonic() + options.timeout
