@@ -236,16 +236,36 @@ def engine_smoke(
                 report.findings.append(_child_failure("the vLLM run", vout, left))
             else:
                 engine = cast(VllmChildResult, vout.result)
-    _judge(report, ref, engine, options)
+    _judge(report, ref, engine, options, _int(config, "vocab_size"))
     return report
 
 
+def _absurd_logits(ref: ReferenceResult) -> list[Finding]:
+    """A fail for each transformers run whose logits are NaN, infinite or past what any
+    model's head gives: rounding proves nothing there."""
+    found = []
+    for what, backend in (("OUT", ref["converted"]), ("the original", ref["original"])):
+        if backend is not None and cmp.absurd(backend["scale"]):
+            found.append(fail(
+                "engine.parity", f"{what}'s logits reach {backend['scale']:.2g} in transformers "
+                f"(the largest |logit| over the prompts): past ±{cmp.LOGIT_LIMIT:g} float32 "
+                "rounding explains nothing, and no trained model's head gives such logits (a "
+                "corrupt weight or an overflow)",
+                fix="see `qwen-kvprep doctor OUT`; convert again into a new folder"))
+    return found
+
+
 def _judge(report: EngineSmokeReport, ref: ReferenceResult, engine: Optional[VllmChildResult],
-           options: EngineSmokeOptions) -> None:
+           options: EngineSmokeOptions, vocab: int) -> None:
     converted = ref["converted"]
-    tie = tolerance(DTYPE, False) * float(converted["scale"] or 0.0)
+    # relative to the original's logits where it runs: its files were just hashed against
+    # the source's record, and a corrupt OUT must not widen the bounds it is judged by
+    measured = ref["original"] if ref["original"] is not None else converted
+    bound = cmp.bounds(tolerance(DTYPE, False), float(measured["scale"] or 0.0), vocab)
+    tie = bound.tie
     pairs: list[dict[str, object]] = []
-    good = True
+    report.findings += _absurd_logits(ref)
+    good = report.ok
     auto: Optional[Backend] = None
     if engine is not None:
         auto = next((r["backend"] for r in engine["runs"] if r["kv_cache_dtype"] == "auto"),
@@ -258,10 +278,11 @@ def _judge(report: EngineSmokeReport, ref: ReferenceResult, engine: Optional[Vll
                                         f"unquantized cache: {refused}"))
             good = False
         else:
-            pairs.append(_pair("vllm", "transformers", cmp.compare(converted, auto, tie)))
+            pairs.append(_pair("vllm", "transformers", cmp.compare(converted, auto, tie),
+                               bound))
     if ref["original"] is not None:
         pairs.append(_pair("transformers", "original",
-                           cmp.compare(ref["original"], converted, tie)))
+                           cmp.compare(ref["original"], converted, tie), bound))
     if not pairs and good:
         report.findings.append(warn(
             "engine.parity", f"OUT loaded and generated in {options.engine}, but with the "
@@ -270,23 +291,12 @@ def _judge(report: EngineSmokeReport, ref: ReferenceResult, engine: Optional[Vll
             "provenance.json names, or add --engine vllm"))
     for pair in pairs:
         partings = cast("list[cmp.Parting]", pair.pop("_partings"))
-        name = f"{pair['a']} against {pair['b']}"
-        if cmp.agrees(partings):
-            parted = [p for p in partings if p.step is not None]
-            note = f" (parting only at {len(parted)} near tie(s))" if parted else ""
-            report.findings.append(ok("engine.parity", f"{name}: the same {options.new_tokens}"
-                                      f" greedy tokens for each of the {len(partings)} "
-                                      f"prompts in {DTYPE}{note}"))
-        else:
-            good = False
-            bad = [p for p in partings if p.step is not None and not p.tie]
-            words = "; ".join(f"prompt {p.prompt + 1} at token {p.step} (top two "
-                              f"{(p.gap or 0.0):.2g} apart)" for p in bad)
-            report.findings.append(fail(
-                "engine.parity", f"{name}: the tokens part where the model is not tied: "
-                f"{words}", fix="see `qwen-kvprep doctor OUT`; convert again into a new "
-                "folder; if it persists, report it with this output"))
+        found = _pair_finding(f"{pair['a']} against {pair['b']}", partings, bound,
+                              options.new_tokens)
+        good = good and found.severity is not Severity.FAIL
+        report.findings.append(found)
     report.parity = {"ok": good and report.ok, "dtype": DTYPE, "tie_below": tie,
+                     "logprob_below": bound.logprob, "logit_scale": bound.scale,
                      "new_tokens": options.new_tokens, "pairs": pairs,
                      "transformers": ref["transformers"], "torch": ref["torch"],
                      "engine_version": engine["version"] if engine is not None else None}
@@ -305,9 +315,36 @@ def _judge(report: EngineSmokeReport, ref: ReferenceResult, engine: Optional[Vll
     report.lines = parity_lines(report.engine, report.parity, report.kv_cache)
 
 
-def _pair(a: str, b: str, partings: list[cmp.Parting]) -> dict[str, object]:
-    return {"a": a, "b": b, "ok": cmp.agrees(partings),
+def _pair(a: str, b: str, partings: list[cmp.Parting], bound: cmp.Bounds) -> dict[str, object]:
+    return {"a": a, "b": b, "ok": cmp.agrees(partings, bound.logprob),
             "prompts": [p.to_json() for p in partings], "_partings": partings}
+
+
+def _pair_finding(name: str, partings: list[cmp.Parting], bound: cmp.Bounds,
+                  new_tokens: int) -> Finding:
+    """engine.parity for one pair: ok when the tokens part only at ties and the
+    log-probabilities before stay within float32 rounding."""
+    again = ("see `qwen-kvprep doctor OUT`; convert again into a new folder; if it "
+             "persists, report it with this output")
+    bad = [p for p in partings if p.step is not None and not p.tie]
+    if bad:
+        words = "; ".join(f"prompt {p.prompt + 1} at token {p.step} (top two "
+                          f"{(p.gap or 0.0):.2g} apart)" for p in bad)
+        return fail("engine.parity", f"{name}: the tokens part where the model is not tied: "
+                    f"{words}", fix=again)
+    moved = cmp.moved(partings, bound.logprob)
+    if moved:
+        worst = max(moved, key=lambda p: p.logprob_delta)
+        return fail(
+            "engine.parity", f"{name}: the same greedy tokens, but their log-probabilities "
+            f"differ by up to {worst.logprob_delta:.2g} (prompt {worst.prompt + 1}) where "
+            f"float32 rounding explains at most {bound.logprob:.2g}: the two compute "
+            "different models", fix=again)
+    parted = [p for p in partings if p.step is not None]
+    note = f" (parting only at {len(parted)} near tie(s))" if parted else ""
+    return ok("engine.parity", f"{name}: the same {new_tokens} greedy tokens for each of the "
+              f"{len(partings)} prompts in {DTYPE}{note}, their log-probabilities within "
+              f"{bound.logprob:.2g} (float32 rounding)")
 
 
 def _kv_rows(engine: VllmChildResult, auto: Backend,
