@@ -37,6 +37,7 @@ from qwen_kvprep.untrusted import describe_json_error, read_record, relpath_prob
 
 PROVENANCE = "provenance.json"
 FORMAT = 1
+TOOL = "qwen-kvprep"  # a provenance.json is ours only when its "tool" says so
 _LIMIT = 4 << 20  # an 82-shard checkpoint's record is about 30 KB
 _WORDS_LIMIT = 2000  # "exact" as read back: convert's own sentence is some 200 characters
 
@@ -77,7 +78,7 @@ class Provenance:
     def to_json(self) -> JSONObject:
         out: JSONObject = {
             "format": FORMAT,
-            "tool": "qwen-kvprep",
+            "tool": TOOL,
             "tool_version": self.tool_version,
         }
         out.update(self.extra)
@@ -126,6 +127,27 @@ def _files(path: Path, value: JSON, what: str) -> dict[str, FileRecord]:
             raise _bad(path, f"has a malformed {what} record for {name}")
         out[name] = FileRecord(sha, size, mtime)
     return out
+
+
+def foreign(out: Path) -> Optional[str]:
+    """Why OUT's provenance.json is not a record convert wrote (another tool's file of that
+    common name), in words; None when there is none, or when its content names qwen-kvprep
+    as the tool that wrote it (`read` then judges the rest)."""
+    path = out / PROVENANCE
+    try:
+        data = read_record(path, _LIMIT)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as exc:
+        return f"it cannot be read as a JSON record ({describe_json_error(exc)})"
+    if not isinstance(data, dict) or data.get("tool") != TOOL:
+        return f'it does not name {TOOL} as the tool that wrote it ("tool": "{TOOL}")'
+    return None
+
+
+def ours(out: Path) -> bool:
+    """OUT holds a provenance.json that says convert wrote it."""
+    return os.path.lexists(out / PROVENANCE) and foreign(out) is None
 
 
 def read(out: Path) -> Provenance:

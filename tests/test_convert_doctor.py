@@ -82,7 +82,8 @@ def test_a_missing_source_warns_and_a_damaged_record_fails(pair: tuple[Path, Pat
     shutil.rmtree(ckpt)
     prov = _doctor(out)["convert.provenance"]
     assert prov["severity"] == "warn" and "no longer there" in prov["message"]
-    (out / "provenance.json").write_text('{"format": 1, "source": {"path": 3}}')
+    damaged = '{"format": 1, "tool": "qwen-kvprep", "source": {"path": 3}}'
+    (out / "provenance.json").write_text(damaged)
     prov = _doctor(out)["convert.provenance"]
     assert prov["severity"] == "fail" and "has no source path" in prov["message"]
 

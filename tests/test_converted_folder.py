@@ -154,3 +154,27 @@ def test_a_conversion_that_differs_is_still_refused_and_says_why(
     res = invoke("convert", str(ckpt), str(out), "--no-verify")
     assert res.returncode == 2
     assert "DIR's files changed since: generation_config.json (changed)" in res.stderr
+
+
+FOREIGN = '{"generated_by": "someone else\'s pipeline", "format": 1}\n'
+
+
+def test_a_foreign_provenance_json_is_named_and_otherwise_ignored(
+    pair: tuple[Path, Path], tmp_path: Path
+) -> None:
+    ckpt, out = pair
+    # a Qwen (v1) checkpoint holding another tool's provenance.json: judged as any other
+    (ckpt / "provenance.json").write_text(FOREIGN)
+    res = invoke("doctor", str(ckpt), "--json", "--check", "convert.provenance",
+                 "--check", "checkpoint.identity")
+    found = {f["id"]: f for f in document(res)["findings"]}
+    assert found["convert.provenance"]["severity"] == "info", found
+    assert "is not a record qwen-kvprep convert wrote" in found["convert.provenance"]["message"]
+    assert found["checkpoint.identity"]["severity"] == "ok", found
+    # a Qwen2 folder holding one is not a folder convert wrote
+    (out / "provenance.json").write_text(FOREIGN)
+    res = invoke("fix", "--no-build", str(out))
+    assert res.returncode != 0
+    assert "wrote from" not in res.stderr and "another tool's" in res.stderr, res.stderr
+    res = kvprep("prestart", str(out), "--", "sh", "-c", "exit 0")
+    assert "wrote from" not in res.stderr and "another tool's" in res.stderr, res.stderr

@@ -6,10 +6,11 @@ from __future__ import annotations
 import shlex
 
 from qwen_kvprep.checks.registry import CONVERTED, check, converted_of
-from qwen_kvprep.checks.verdicts import fail, ok, warn
+from qwen_kvprep.checks.verdicts import fail, info, ok, warn
 from qwen_kvprep.findings import FindingsLike
 from qwen_kvprep.probe.converted import HASH_LIMIT, QUICK, FileState
 from qwen_kvprep.probe.facts import Facts
+from qwen_kvprep.provenance import PROVENANCE
 
 # a change to one of these changes the model; the others (configs, tokenizer) may be edits
 _WEIGHTS = (".safetensors", ".bin")
@@ -28,6 +29,12 @@ def _names(states: list[FileState]) -> str:
 def provenance(facts: Facts) -> FindingsLike:
     cv = converted_of(facts)
     out = shlex.quote(str(cv.path))
+    if cv.foreign is not None:
+        return info(
+            f"{cv.path / PROVENANCE} is not a record qwen-kvprep convert wrote ({cv.foreign}): "
+            "it is ignored, and the folder is judged as any other",
+            paths=[cv.path],
+        )
     if cv.provenance is None:
         return fail(
             f"{cv.error}",

@@ -101,7 +101,7 @@ def completed(directory: Path, out: Path, asked: Asked) -> tuple[Optional[Proven
     if os.path.islink(out) or not os.path.isdir(out):
         return None, ""
     cv = probe_converted(out)
-    if cv is None:
+    if cv is None or cv.foreign is not None:
         return None, ""
     why = mismatch(directory, cv, asked)
     return (cv.provenance, "") if why is None else (None, why)

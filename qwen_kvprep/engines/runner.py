@@ -146,9 +146,11 @@ def engine_smoke(
     # every byte, before anything else: a shard changed with its size and time kept passes
     # doctor's quick look, and a failed record is told before any child starts
     facts = probe_converted(out, full=True)
-    if facts is None:
+    if facts is None or facts.foreign is not None:
+        held = ("no provenance.json" if facts is None else
+                f"a provenance.json that is not convert's ({facts.foreign})")
         raise UsageError(
-            f"{out} holds no provenance.json: the engine smoke runs on a folder "
+            f"{out} holds {held}: the engine smoke runs on a folder "
             "`qwen-kvprep convert` wrote",
             fix=f"qwen-kvprep convert DIR OUT, then qwen-kvprep smoke OUT --engine "
             f"{options.engine}",

@@ -18,7 +18,7 @@ from typing import Optional
 
 from qwen_kvprep.common import sha256_file
 from qwen_kvprep.errors import KvprepError
-from qwen_kvprep.provenance import PROVENANCE, FileRecord, Provenance, read
+from qwen_kvprep.provenance import PROVENANCE, FileRecord, Provenance, foreign, read
 
 HASH_LIMIT = 64 << 20  # files up to this size are always hashed
 QUICK = "size and modification time"
@@ -40,6 +40,8 @@ class ConvertedFacts:
     sources: tuple[FileState, ...] = ()
     outputs: tuple[FileState, ...] = ()
     unrecorded: tuple[str, ...] = ()  # files in OUT that the record does not list
+    # why the provenance.json here is another tool's, not convert's: it is then ignored
+    foreign: Optional[str] = None
 
 
 def judge(path: Path, name: str, rec: FileRecord, full: bool = False) -> FileState:
@@ -62,10 +64,14 @@ def judge(path: Path, name: str, rec: FileRecord, full: bool = False) -> FileSta
 
 
 def probe_converted(out: Path, full: bool = False) -> Optional[ConvertedFacts]:
-    """None when `out` holds no provenance.json (not a folder convert wrote). `full`: every
-    file recorded is hashed, however large."""
+    """None when `out` holds no provenance.json (not a folder convert wrote); `foreign` set
+    when the one it holds does not say convert wrote it. `full`: every file recorded is
+    hashed, however large."""
     if not os.path.lexists(out / PROVENANCE):
         return None
+    why = foreign(out)
+    if why is not None:
+        return ConvertedFacts(out, foreign=why)
     try:
         rec = read(out)
     except KvprepError as exc:
