@@ -205,6 +205,9 @@ def test_cli_text_json_and_exit_codes(tmp_path: Path, ckpt: Path) -> None:
     assert len([f for f in doc["files"] if f["name"].endswith(".safetensors")]) == 3
     bad = invoke("convert", str(ckpt), str(tmp_path / "o3"), "--max-shard-size", "lots")
     assert bad.returncode == 2 and "5GB" in bad.stderr
+    half = invoke("convert", str(ckpt), str(tmp_path / "o3"), "--max-shard-size", "0.5")
+    assert half.returncode == 2 and "at least one byte" in half.stderr, half.stderr
+    assert "positive" not in half.stderr  # 0.5 is positive: the words must not say it is not
     assert not os.path.exists(tmp_path / "o3")
     lost = invoke("convert", str(tmp_path / "nowhere"), str(tmp_path / "o4"))
     assert lost.returncode == 2, lost.stderr
