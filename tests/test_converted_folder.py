@@ -171,6 +171,8 @@ def test_a_foreign_provenance_json_is_named_and_otherwise_ignored(
     assert found["convert.provenance"]["severity"] == "info", found
     assert "is not a record qwen-kvprep convert wrote" in found["convert.provenance"]["message"]
     assert found["checkpoint.identity"]["severity"] == "ok", found
+    res = invoke("smoke", str(ckpt), "--engine", "vllm")
+    assert res.returncode == 2 and "a provenance.json that is not convert's" in res.stderr
     # a Qwen2 folder holding one is not a folder convert wrote
     (out / "provenance.json").write_text(FOREIGN)
     res = invoke("fix", "--no-build", str(out))
