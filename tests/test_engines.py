@@ -144,7 +144,9 @@ def test_the_same_tokens_with_log_probabilities_past_rounding_fail() -> None:
     close = _backend([_run(0, [1, 2, 3, 4], lp=-0.5 + 1e-6), _run(1, [5, 6, 7, 8])])
     assert _judged({**ref, "converted": close}, _engine([1, 2, 3, 4])).ok
     nan = _backend([_run(0, [1, 2, 3, 4], lp=math.nan), _run(1, [5, 6, 7, 8])])
-    assert not _judged({**ref, "converted": nan}, _engine([1, 2, 3, 4])).ok
+    report = _judged({**ref, "converted": nan}, _engine([1, 2, 3, 4]))
+    assert not report.ok
+    json.dumps(report.to_json(), allow_nan=False)  # strict JSON: null where it is NaN
 
 
 def test_a_corrupt_weight_cannot_widen_the_tie_limit() -> None:

@@ -62,8 +62,13 @@ class Parting:
     logprob_delta: float  # largest |Δ log p| of the tokens both chose before parting
 
     def to_json(self) -> dict[str, object]:
-        return {"prompt": self.prompt, "first_divergence": self.step, "gap": self.gap,
-                "tie": self.tie, "max_logprob_delta": self.logprob_delta}
+        # strict JSON has no inf or NaN: null there (the finding says what was wrong)
+        return {"prompt": self.prompt, "first_divergence": self.step, "gap": _finite(self.gap),
+                "tie": self.tie, "max_logprob_delta": _finite(self.logprob_delta)}
+
+
+def _finite(x: Optional[float]) -> Optional[float]:
+    return x if x is not None and math.isfinite(x) else None
 
 
 def first_divergence(a: list[int], b: list[int]) -> Optional[int]:
