@@ -567,6 +567,42 @@ def test_what_a_killed_run_left_in_tmpdir_goes_with_the_next_run(
     assert not live.exists()
 
 
+def test_what_a_killed_run_left_is_removed_without_crossing_a_mount(
+    tmp_path: Path, ckpt: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import tempfile
+
+    from qwen_kvprep import childproc
+
+    precious = tmp_path / "precious"
+    (precious / "sub").mkdir(parents=True)
+    (precious / "data").write_text("mine")
+    (precious / "sub" / "more").write_text("mine too")
+    tmp = tmp_path / "tmp"
+    stale = tmp / "qwen_kvprep_verify_dead"
+    stale.mkdir(parents=True)
+    (stale / OWNER).write_text("1\n")  # not locked: its run was killed
+    (stale / "scratch").write_text("left")
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp))
+    with _bind(precious, stale / "original" / "view") as view:
+        assert childproc.sweep_tempdirs("qwen_kvprep_verify_") == [stale]
+        assert (view / "data").read_text() == "mine"  # the mount was not entered
+        assert not (stale / "scratch").exists() and not (stale / OWNER).exists()
+    # the staging folder a killed convert left, with a mount inside it: refused, not emptied
+    out = tmp_path / "out"
+    staging = output.staging_of(out)
+    output.atomic_write_text(output.Place(out, False).claim, output._CLAIM_HEAD + "\n")
+    staging.mkdir()
+    (staging / "scratch").write_text("left")
+    with _bind(precious, staging / "view"), pytest.raises(
+        FileSystemError, match="cannot be removed entirely"
+    ):
+        convert(ckpt, out, NO_VERIFY)
+    assert (precious / "data").read_text() == "mine"
+    assert (precious / "sub" / "more").read_text() == "mine too"
+    assert not out.exists()
+
+
 def test_the_space_a_killed_run_holds_counts_as_free_for_the_rerun(
     tmp_path: Path, ckpt: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

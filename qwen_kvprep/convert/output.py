@@ -50,7 +50,7 @@ from qwen_kvprep.errors import (
     UsageError,
     os_failure,
 )
-from qwen_kvprep.fsutil import TEMP_NAME, atomic_write_text, fsync_dir
+from qwen_kvprep.fsutil import TEMP_NAME, atomic_write_text, fsync_dir, remove_tree
 
 STAGING_SUFFIX = ".convert-partial"
 LOCK_SUFFIX = ".convert-lock"
@@ -341,10 +341,13 @@ def _clear_stale(place: Place) -> None:
                 fix=f"move it away (it is the name convert stages OUT in): mv "
                 f"{shlex.quote(str(staging))} SOMEWHERE",
             )
-        try:
-            shutil.rmtree(staging)  # a killed run's partial output: start afresh
-        except OSError as exc:
-            raise os_failure(exc, place.base, output_option=False) from exc
+        if not remove_tree(staging):  # a killed run's partial output: start afresh
+            raise FileSystemError(
+                f"{staging}, what a killed convert left, cannot be removed entirely (a mount "
+                "inside it is never crossed, and stays)",
+                fix=f"see what is left there (ls -la {shlex.quote(str(staging))}), unmount or "
+                "move it away, then run the same command again",
+            )
     for name in claimed or []:  # moved into OUT by a publish that a kill cut short
         path = place.out / name
         with contextlib.suppress(FileNotFoundError):
