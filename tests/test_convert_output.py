@@ -152,14 +152,24 @@ convert(Path(sys.argv[1]), Path(sys.argv[2]), ConvertOptions(verify=False))
 """
 
 
+def _private_shards(ckpt: Path, config: int) -> None:
+    for shard in ckpt.glob("*.safetensors"):
+        shard.chmod(0o600)
+    (ckpt / "config.json").chmod(config)
+
+
+def _killed_after_first_shard(ckpt: Path, out: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", _KILL_AFTER_FIRST_SHARD, str(ckpt), str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+    )
+
+
 def test_a_killed_run_leaves_nothing_that_loads_and_the_same_command_finishes(
     tmp_path: Path, ckpt: Path
 ) -> None:
     out = tmp_path / "out"
-    child = subprocess.run(
-        [sys.executable, "-c", _KILL_AFTER_FIRST_SHARD, str(ckpt), str(out)],
-        cwd=REPO, capture_output=True, text=True, timeout=300,
-    )
+    child = _killed_after_first_shard(ckpt, out)
     assert child.returncode == -9, child.stderr
     staging = output.staging_of(out)
     assert not out.exists()
@@ -170,6 +180,29 @@ def test_a_killed_run_leaves_nothing_that_loads_and_the_same_command_finishes(
     assert not staging.exists() and not output.lock_of(out).exists()
     got, exp = load_out(out), expected_dense(load_source(ckpt), 2)
     assert set(got) == set(exp) and all(bits_equal(got[n], t) for n, t in exp.items())
+
+
+def test_staged_files_are_never_more_readable_than_in_out_even_after_a_kill(
+    tmp_path: Path, ckpt: Path
+) -> None:
+    _private_shards(ckpt, config=0o640)
+    out = tmp_path / "out"
+    child = _killed_after_first_shard(ckpt, out)
+    assert child.returncode == -9, child.stderr
+    staging = output.staging_of(out)
+    assert staging.stat().st_mode & 0o077 == 0, oct(staging.stat().st_mode)
+    staged = {p.name: p.stat().st_mode & 0o777 for p in staging.iterdir()}
+    assert {"model-00001-of-00002.safetensors", "tokenizer.json"} <= set(staged), staged
+    for name, mode in staged.items():
+        cap = 0o600 if name.endswith(".safetensors") else 0o640
+        assert mode & ~cap == 0, (name, oct(mode))
+    result = invoke("convert", str(ckpt), str(out), "--no-verify")
+    assert result.returncode == 0, result.stderr
+    assert out.stat().st_mode & 0o777 == 0o777 & ~output.umask()  # as a new folder gets
+    (tmp_path / "admins").mkdir(mode=0o750)
+    _killed_after_first_shard(ckpt, tmp_path / "admins")
+    inside = output.staging_of(tmp_path / "admins")
+    assert inside.parent == tmp_path / "admins" and inside.stat().st_mode & 0o077 == 0
 
 
 def test_a_folder_at_the_staging_name_that_is_not_ours_is_left_alone(
@@ -340,9 +373,7 @@ def test_out_an_empty_mounted_volume_is_written_in_place(tmp_path: Path, ckpt: P
 def test_an_admins_out_keeps_its_owner_and_mode_and_nothing_is_more_readable(
     tmp_path: Path, ckpt: Path
 ) -> None:
-    for shard in ckpt.glob("*.safetensors"):
-        shard.chmod(0o600)
-    (ckpt / "config.json").chmod(0o440)
+    _private_shards(ckpt, config=0o440)
     new = tmp_path / "new"
     convert(ckpt, new, NO_VERIFY)
     for path in new.iterdir():
@@ -607,10 +638,7 @@ def test_the_space_a_killed_run_holds_counts_as_free_for_the_rerun(
     tmp_path: Path, ckpt: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     out = tmp_path / "out"
-    child = subprocess.run(
-        [sys.executable, "-c", _KILL_AFTER_FIRST_SHARD, str(ckpt), str(out)],
-        cwd=REPO, capture_output=True, text=True, timeout=300,
-    )
+    child = _killed_after_first_shard(ckpt, out)
     assert child.returncode == -9, child.stderr
     staging = output.staging_of(out)
     held = sum(p.stat().st_blocks * 512 for p in staging.iterdir() if p.is_file())

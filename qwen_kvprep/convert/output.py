@@ -24,7 +24,9 @@
   second convert that waited says that another one finished OUT. A folder at the staging
   name without our claim is not ours: refused, never removed.
 - No output file is more readable than what it is made from: the weights keep at most the
-  modes of DIR's weight files, the other files at most those of DIR's config.json.
+  modes of DIR's weight files, the other files at most those of DIR's config.json. Not
+  even while staged: files are created with those modes, in a staging folder of mode 0700
+  (given a new folder's mode only as it becomes OUT), so a kill leaves nothing readable.
 """
 
 from __future__ import annotations
@@ -291,7 +293,9 @@ def staged(out: Path, timeout: float = 0.0) -> Iterator[Path]:
             _clear_stale(place)
             _check_again(place)
             atomic_write_text(place.claim, _CLAIM_HEAD + "\n")
-            place.staging.mkdir()
+            # the owner's alone until published: nobody else reads a file staged in it,
+            # during the run or after a kill (a setgid bit of the folder above stays)
+            place.staging.mkdir(0o700)
         except OSError as exc:
             raise os_failure(exc, place.base, output_option=False) from exc
         try:
@@ -382,6 +386,20 @@ def source_modes(src: Path, weight_files: Iterable[str]) -> tuple[int, int]:
     return weights, bits(src / "config.json")
 
 
+def umask() -> int:
+    """This process's umask, read without changing it where the kernel says it (a
+    change and a change back would race with a thread creating a file)."""
+    with contextlib.suppress(OSError, ValueError), open(
+        "/proc/self/status", encoding="ascii", errors="replace"
+    ) as fh:
+        for line in fh:
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def _restrict(staging: Path, modes: tuple[int, int]) -> None:
     weights, others = modes
     for entry in os.scandir(staging):
@@ -409,6 +427,8 @@ def publish(staging: Path, out: Path, modes: Optional[tuple[int, int]] = None) -
                 os.rename(staging / name, out / name)
             staging.rmdir()
         else:
+            # the folder's modes as a new folder of this user's gets them, as OUT
+            os.chmod(staging, 0o777 & ~umask() | stat.S_IMODE(os.stat(staging).st_mode) & 0o7000)
             os.replace(staging, out)
         fsync_dir(place.base)
         place.claim.unlink()  # last: until then what is there is recognisably ours

@@ -178,29 +178,29 @@ def _record(path: Path, sha: Optional[str] = None) -> FileRecord:
     return FileRecord(sha or sha256_stream(path), st.st_size, st.st_mtime_ns)
 
 
-def _side_files(sp: SourcePlan, staging: Path, findings: list[Finding]) -> None:
+def _side_files(sp: SourcePlan, staging: Path, findings: list[Finding], mode: int) -> None:
     """The tokenizer and generation config, from the modules that own them where this
-    build has them."""
-    if not _written_by("tokenizer", "write_tokenizer", sp.directory, staging):
+    build has them, created with `mode`."""
+    if not _written_by("tokenizer", "write_tokenizer", sp.directory, staging, mode):
         findings.append(warn(
             "convert.tokenizer",
             "no tokenizer was written: this qwen-kvprep has no convert.tokenizer, so OUT "
             "holds the weights and config only (engines need a tokenizer to serve it)",
         ))
-    if not _written_by("chat", "write_generation_config", sp.directory, staging):
+    if not _written_by("chat", "write_generation_config", sp.directory, staging, mode):
         findings.append(warn(
             "convert.generation",
             "no generation_config.json was written: this qwen-kvprep has no convert.chat",
         ))
 
 
-def _written_by(module: str, writer: str, source: Path, staging: Path) -> bool:
-    """`writer(source, staging)` of `qwen_kvprep.convert.<module>`; False where this build
-    has no such module."""
+def _written_by(module: str, writer: str, source: Path, staging: Path, mode: int) -> bool:
+    """`writer(source, staging, mode=mode)` of `qwen_kvprep.convert.<module>`; False where
+    this build has no such module."""
     found = _optional(module)
     if found is None:
         return False
-    getattr(found, writer)(source, staging)
+    getattr(found, writer)(source, staging, mode=mode)
     return True
 
 
@@ -275,6 +275,9 @@ def convert(
         check_code(directory)  # a modeling_qwen.py the proof could not import: refused now
     findings: list[Finding] = []
     sources: dict[str, FileRecord] = {}
+    # every file is created with its final mode, never more readable while staged
+    modes = output.source_modes(directory, sp.files)
+    index_mode, side_mode = 0o644 & modes[0], 0o644 & modes[1]
 
     def on_source(name: str, sha: str) -> None:
         sources[name] = _record(directory / name, sha)
@@ -283,16 +286,17 @@ def convert(
     try:
         with output.staged(out) as staging:
             # first: they read and check their own inputs, in seconds, before hours of weights
-            _side_files(sp, staging, findings)
+            _side_files(sp, staging, findings, side_mode)
             written = write_weights(
                 directory, sp.files, groups, shards, staging, on_source=on_source,
-                progress=say,
+                progress=say, mode=modes[0],
             )  # each shard read back and compared as it was written
             if len(shards) > 1:
-                atomic_write_bytes(staging / ST_INDEX, index_json(shards))
+                atomic_write_bytes(staging / ST_INDEX, index_json(shards), index_mode)
             if gptq and sp.quantize_file is not None:
-                atomic_write_text(staging / QUANTIZE_CONFIG, _dumps(dict(sp.quantize_file)))
-            atomic_write_text(staging / "config.json", _dumps(config))
+                atomic_write_text(staging / QUANTIZE_CONFIG, _dumps(dict(sp.quantize_file)),
+                                  side_mode)
+            atomic_write_text(staging / "config.json", _dumps(config), side_mode)
             say("checking every tensor written, bit for bit (each shard was read back as it "
                 "was written)")
             comparison = check_written(staging, shards, written, progress=say)
@@ -337,10 +341,10 @@ def convert(
                 spelt=options.spelt, tool_version=__version__,
                 extra=_extra(ctx, options, dtype),
             )
-            atomic_write_text(staging / PROVENANCE, record.dumps())
+            atomic_write_text(staging / PROVENANCE, record.dumps(), side_mode)
             files = [(n, r.size) for n, r in outputs.items()]
             files.append((PROVENANCE, (staging / PROVENANCE).stat().st_size))
-            output.publish(staging, out, output.source_modes(directory, sp.files))
+            output.publish(staging, out, modes)
     except KvprepError:
         raise
     except OSError as exc:

@@ -428,14 +428,17 @@ class ShardWriter:
     """Writes one output shard at `path`: its header at once, then each tensor in order,
     each buffer handed to `readback` as soon as it is in the file."""
 
-    def __init__(self, path: Path, shard: OutShard, readback: ReadBack) -> None:
+    def __init__(self, path: Path, shard: OutShard, readback: ReadBack,
+                 mode: int = 0o666) -> None:
         if sys.byteorder != "little":
             raise CheckpointError("convert writes safetensors on little-endian machines only")
         self.path = path
         self.shard = shard
         self._next = 0
         self._readback = readback
-        self._fh: Optional[BufferedWriter] = open(path, "xb")  # noqa: SIM115 (finish/abort)
+        # created with its final mode (`mode`, narrowed by the umask): never more readable
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
+        self._fh: Optional[BufferedWriter] = os.fdopen(fd, "wb")
         readback.begin(path)
         self._written(_header(shard))
 
@@ -509,11 +512,13 @@ def write_weights(
     staging: Path,
     on_source: Optional[Callable[[str, str], None]] = None,
     progress: Optional[Callable[[str], None]] = None,
+    mode: int = 0o666,
 ) -> list[WrittenFile]:
     """Stream every piece from DIR's weight `files` (in that order; `groups`: each one's
     pieces, from reading_order) into `shards` in `staging`, each shard read back and
     compared as it is written (convert/readback.py). `on_source(name, sha256)` is told
-    each source file's hash (computed as the file is read, once)."""
+    each source file's hash (computed as the file is read, once). `mode`: the shards'
+    (the umask narrows it)."""
     queue = list(shards)
     writer: Optional[ShardWriter] = None
     readback = ReadBack()
@@ -528,7 +533,7 @@ def write_weights(
                     for piece in group:
                         if writer is None:
                             writer = ShardWriter(staging / queue[0].name, queue.pop(0),
-                                                 readback)
+                                                 readback, mode)
                         if writer.expects() != piece:
                             raise AssertionError("output shards out of the reading order")
                         writer.add(cut(tensor, piece))
