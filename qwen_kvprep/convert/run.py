@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Callable, Optional, Protocol
 
 from qwen_kvprep import __version__
-from qwen_kvprep.convert import already, output
+from qwen_kvprep.convert import already, output, reads
 from qwen_kvprep.convert.compare import TensorProof, check_written
 from qwen_kvprep.convert.context import within_words
 from qwen_kvprep.convert.qwen2config import (
@@ -51,7 +51,6 @@ from qwen_kvprep.convert.weights import (
     index_json,
     plan_shards,
     reading_order,
-    sha256_stream,
     write_weights,
 )
 from qwen_kvprep.errors import KvprepError, RefusedError, UsageError
@@ -59,7 +58,7 @@ from qwen_kvprep.findings import Finding, fail, info, warn
 from qwen_kvprep.fsutil import atomic_write_bytes, atomic_write_text
 from qwen_kvprep.gptqconfig import QUANTIZE_CONFIG
 from qwen_kvprep.jsontypes import JSON, JSONObject
-from qwen_kvprep.provenance import PROVENANCE, FileRecord, Provenance, changed, snapshot
+from qwen_kvprep.provenance import PROVENANCE, Provenance
 from qwen_kvprep.steps import validate
 from qwen_kvprep.untrusted import read_record
 
@@ -173,11 +172,6 @@ def _end_of_text(sp: SourcePlan) -> Optional[int]:
     return eot
 
 
-def _record(path: Path, sha: Optional[str] = None) -> FileRecord:
-    st = path.stat()
-    return FileRecord(sha or sha256_stream(path), st.st_size, st.st_mtime_ns)
-
-
 def _side_files(sp: SourcePlan, staging: Path, findings: list[Finding], mode: int) -> None:
     """The tokenizer and generation config, from the modules that own them where this
     build has them, created with `mode`."""
@@ -250,7 +244,7 @@ def convert(
             exc.message += f"; it holds a conversion, but not the one asked for: {why}"
         raise
     # hashed before anything reads them, and again at the end (provenance names these bytes)
-    inputs = snapshot(directory, _INPUTS)
+    inputs = reads.snapshot(directory, _INPUTS)
     facts, _advice = validate.check(directory)  # fix's advice (kernels...) is not convert's
     assert facts.checkpoint is not None
     sp = read_source(facts.checkpoint)
@@ -274,13 +268,13 @@ def convert(
     if check_code is not None:
         check_code(directory)  # a modeling_qwen.py the proof could not import: refused now
     findings: list[Finding] = []
-    sources: dict[str, FileRecord] = {}
+    sources: dict[str, reads.Read] = {}  # each weight file as it was read
     # every file is created with its final mode, never more readable while staged
     modes = output.source_modes(directory, sp.files)
     index_mode, side_mode = 0o644 & modes[0], 0o644 & modes[1]
 
-    def on_source(name: str, sha: str) -> None:
-        sources[name] = _record(directory / name, sha)
+    def on_source(name: str, read: reads.Read) -> None:
+        sources[name] = read
 
     say(f"converting {directory} into {out} ({len(shards)} shard(s), {dtype})")
     try:
@@ -309,7 +303,11 @@ def convert(
                     "it with `qwen-kvprep doctor --report`",
                     findings=[fail("convert.compare", p) for p in comparison.problems[:20]],
                 )
+            # DIR still holds what was read: else the proof compares OUT with other bytes,
+            # and its verdict would blame the conversion for what happened to DIR
+            reads.check_dir(directory, {**inputs, **sources}, _INPUTS)
             verified = _verify(sp, staging, ctx, options, findings, say)
+            reads.check_dir(directory, {**inputs, **sources}, _INPUTS)
             if verified is not None and not verified.ok:
                 message, fix = getattr(verified, "blocked", None) or (
                     getattr(verified, "headline", "") or _NOT_THE_SAME,
@@ -319,31 +317,25 @@ def convert(
                     findings=list(getattr(verified, "checks", []))
                     or [fail("convert.verify", line) for line in verified.lines[:20]],
                 )
-            moved = changed(directory, _INPUTS, inputs)
-            if moved:
-                raise RefusedError(
-                    f"{', '.join(moved)} in {directory} changed while convert read it: OUT "
-                    "would not be what provenance.json says it was made from; OUT was not "
-                    "written",
-                    fix="run convert again once nothing writes DIR",
-                )
-            sources.update({n: r for n, r in inputs.items() if n not in sources})
-            hashes = {w.name: w.sha256 for w in written}
+            shards_read = {w.name: w.read for w in written}  # as read back, once fsynced
             outputs = {
-                p.name: _record(p, hashes.get(p.name))
+                p.name: shards_read.get(p.name) or reads.hash_file(p)
                 for p in sorted(staging.iterdir())
                 if p.is_file() and p.name not in (output.MARKER, PROVENANCE)
             }
             record = Provenance(
-                source_path=str(directory), source_files=sources, outputs=outputs,
+                source_path=str(directory),
+                source_files={n: r.record for n, r in {**inputs, **sources}.items()},
+                outputs={n: r.record for n, r in outputs.items()},
                 exact_up_to=ctx.exact_up_to, exact=exact_words(ctx, verified),
                 weights=tuple(w.name for w in written),
                 spelt=options.spelt, tool_version=__version__,
                 extra=_extra(ctx, options, dtype),
             )
             atomic_write_text(staging / PROVENANCE, record.dumps(), side_mode)
-            files = [(n, r.size) for n, r in outputs.items()]
+            files = [(n, r.ident[2]) for n, r in outputs.items()]
             files.append((PROVENANCE, (staging / PROVENANCE).stat().st_size))
+            reads.check_staged(staging, outputs)  # what is published is what is recorded
             output.publish(staging, out, modes)
     except KvprepError:
         raise
