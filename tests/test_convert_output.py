@@ -404,6 +404,9 @@ def killing(real):
     def call(src, dst, *a, **k):
         if Path(dst) == out or Path(dst).parent == out and not Path(dst).name.startswith("."):
             moved.append(dst)
+            if at == "renamed":  # published: a kill before the claim and lock are removed
+                real(src, dst, *a, **k)
+                os.kill(os.getpid(), signal.SIGKILL)
             if at == "rename" or len(moved) == 3:  # the third model file into OUT
                 os.kill(os.getpid(), signal.SIGKILL)
         return real(src, dst, *a, **k)
@@ -632,6 +635,26 @@ def test_what_a_killed_run_left_is_removed_without_crossing_a_mount(
     assert (precious / "data").read_text() == "mine"
     assert (precious / "sub" / "more").read_text() == "mine too"
     assert not out.exists()
+
+
+def test_a_kill_right_after_publishing_leaves_no_claim_or_lock_after_the_rerun(
+    tmp_path: Path, ckpt: Path
+) -> None:
+    out = tmp_path / "out"
+    child = subprocess.run([sys.executable, "-c", _KILL_AT, str(ckpt), str(out), "renamed"],
+                           cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert child.returncode == -9, child.stderr
+    assert sorted(os.listdir(tmp_path)) == [".out.convert-claim", ".out.convert-lock", "ckpt",
+                                            "out"]
+    result = invoke("convert", str(ckpt), str(out), "--no-verify")
+    assert result.returncode == 0, result.stderr
+    assert "kept" in result.stdout
+    assert sorted(os.listdir(tmp_path)) == ["ckpt", "out"]
+    # another convert of OUT running: its lock and claim stay
+    output.atomic_write_text(output.Place(out, False).claim, output._CLAIM_HEAD + "\n")
+    with output.filelock.FileLock(str(output.Place(out, False).lock)):
+        assert invoke("convert", str(ckpt), str(out), "--no-verify").returncode == 0
+        assert output.Place(out, False).claim.is_file()
 
 
 def test_the_space_a_killed_run_holds_counts_as_free_for_the_rerun(

@@ -22,7 +22,8 @@
   staging folder, the files its claim lists) is removed and the conversion starts afresh,
   so the same command finishes what a kill cut short; and OUT is checked again, so a
   second convert that waited says that another one finished OUT. A folder at the staging
-  name without our claim is not ours: refused, never removed.
+  name without our claim is not ours: refused, never removed. The claim and lock a kill
+  right after the rename left beside a complete OUT are removed by the next run (`tidy`).
 - No output file is more readable than what it is made from: the weights keep at most the
   modes of DIR's weight files, the other files at most those of DIR's config.json. Not
   even while staged: files are created with those modes, in a staging folder of mode 0700
@@ -307,6 +308,33 @@ def staged(out: Path, timeout: float = 0.0) -> Iterator[Path]:
     finally:
         with contextlib.suppress(OSError):
             place.lock.unlink()  # while held: a waiter then finds OUT complete and refuses
+        lock.release()
+
+
+def tidy(out: Path) -> None:
+    """Remove the claim and lock a convert killed right after its rename left beside the
+    complete OUT (the staging folder is OUT now: they mark nothing). Only under the lock,
+    taken without waiting: a convert that holds it is running, and its files stay. A claim
+    not ours stays too."""
+    place = Place(out, False)
+    if os.path.lexists(place.staging) or not (
+        os.path.lexists(place.claim) or os.path.lexists(place.lock)
+    ):
+        return  # a staging folder is for staged() to judge, under the lock
+    lock = filelock.FileLock(str(place.lock), timeout=0)
+    try:
+        lock.acquire()
+    except (filelock.Timeout, OSError):
+        return
+    try:
+        if _claimed(place) is not None:
+            place.claim.unlink()
+        if not os.path.lexists(place.claim):
+            place.lock.unlink()  # while held, as staged() does
+        fsync_dir(place.base)
+    except OSError:
+        pass  # a folder that is not writable: they stay, as harmless as before
+    finally:
         lock.release()
 
 

@@ -235,6 +235,8 @@ def convert(
         options.rope_scaling if options.context_factor is not None else None, options.verify,
     )
     done, why = already.completed(directory, out, asked)
+    if done is not None or why:
+        output.tidy(out)  # what a kill right after the rename left beside OUT
     if done is not None:
         return _unchanged(out, done)
     try:
