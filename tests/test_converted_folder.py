@@ -154,3 +154,38 @@ def test_a_conversion_that_differs_is_still_refused_and_says_why(
     res = invoke("convert", str(ckpt), str(out), "--no-verify")
     assert res.returncode == 2
     assert "DIR's files changed since: generation_config.json (changed)" in res.stderr
+
+
+def test_every_input_counts_for_the_same_convert_again(tmp_path: Path) -> None:
+    ckpt = generate_checkpoint(tmp_path / "ckpt", shards=2)
+    gen = (ckpt / "generation_config.json").read_bytes()
+    (ckpt / "generation_config.json").unlink()  # optional: a base model may lack it
+    out = tmp_path / "out"
+    convert(ckpt, out, ConvertOptions(verify=False))
+    source = json.loads((out / "provenance.json").read_text())["source"]
+    assert "generation_config.json" in source["absent"]  # considered, and absent
+    assert (source["device"], source["inode"]) == (ckpt.stat().st_dev, ckpt.stat().st_ino)
+    assert invoke("convert", str(ckpt), str(out), "--no-verify").returncode == 0
+    # DIR gains it: a fresh convert would write another OUT (chat template, eos ids)
+    (ckpt / "generation_config.json").write_bytes(gen)
+    res = invoke("convert", str(ckpt), str(out), "--no-verify")
+    assert res.returncode == 2, res.stdout
+    assert "generation_config.json (changed)" in res.stderr
+    (ckpt / "generation_config.json").unlink()
+    # an extra folder in OUT is not what convert wrote
+    (out / "extra").mkdir()
+    res = invoke("convert", str(ckpt), str(out), "--no-verify")
+    assert res.returncode == 2 and "files convert did not write: extra" in res.stderr
+    (out / "extra").rmdir()
+    # the same folder is the one recorded by device and inode, wherever it is now ...
+    moved = tmp_path / "moved"
+    ckpt.rename(moved)
+    res = invoke("convert", str(moved), str(out), "--no-verify")
+    assert res.returncode == 0, res.stderr
+    # ... and another folder put at the recorded path is not it, however alike
+    os.mkdir(ckpt)
+    for path in moved.iterdir():
+        os.link(path, ckpt / path.name)  # the very files, in another folder
+    res = invoke("convert", str(ckpt), str(out), "--no-verify")
+    assert res.returncode == 2
+    assert f"it was converted from {ckpt} (another folder than the one there now)" in res.stderr

@@ -32,6 +32,19 @@ class Asked:
     verify: bool = True
 
 
+def _same_source(rec: Provenance, directory: Path) -> bool:
+    """Whether `directory` is the folder OUT was made from: its device and inode as
+    recorded (however it is spelt or wherever it moved), else (an older record) the
+    folder at the recorded path."""
+    if rec.source_identity is None:
+        return same_place(Path(rec.source_path), directory)
+    try:
+        st = os.stat(directory)
+    except OSError:
+        return False
+    return (st.st_dev, st.st_ino) == rec.source_identity
+
+
 def same_place(a: Path, b: Path) -> bool:
     """Whether `a` and `b` are one folder (device and inode: links and spellings agree)."""
     try:
@@ -70,8 +83,10 @@ def mismatch(directory: Path, cv: ConvertedFacts, asked: Asked) -> Optional[str]
     rec = cv.provenance
     if rec is None:
         return f"its {PROVENANCE} cannot be trusted ({cv.error})"
-    if not same_place(Path(rec.source_path), directory):
-        return f"it was converted from {rec.source_path}, not from {directory}"
+    if not _same_source(rec, directory):
+        return f"it was converted from {rec.source_path}" + (
+            " (another folder than the one there now)" if same_place(
+                Path(rec.source_path), directory) else "") + f", not from {directory}"
     done = _recorded(rec)
     for what, was, now in (
         ("--max-shard-size", done.max_shard_size, asked.max_shard_size),
@@ -100,7 +115,7 @@ def completed(directory: Path, out: Path, asked: Asked) -> tuple[Optional[Proven
     OUT holds no conversion at all)."""
     if os.path.islink(out) or not os.path.isdir(out):
         return None, ""
-    cv = probe_converted(out)
+    cv = probe_converted(out, source=directory)
     if cv is None:
         return None, ""
     why = mismatch(directory, cv, asked)

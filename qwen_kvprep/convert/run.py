@@ -58,15 +58,10 @@ from qwen_kvprep.findings import Finding, fail, info, warn
 from qwen_kvprep.fsutil import atomic_write_bytes, atomic_write_text
 from qwen_kvprep.gptqconfig import QUANTIZE_CONFIG
 from qwen_kvprep.jsontypes import JSON, JSONObject
-from qwen_kvprep.provenance import PROVENANCE, Provenance
+from qwen_kvprep.provenance import INPUTS, PROVENANCE, Provenance
 from qwen_kvprep.steps import validate
 from qwen_kvprep.untrusted import read_record
 
-# DIR's files besides the weights that OUT is made from (hashed into provenance.json)
-_INPUTS = (
-    "config.json", "generation_config.json", "qwen.tiktoken", "tokenizer_config.json",
-    QUANTIZE_CONFIG, ST_INDEX, "pytorch_model.bin.index.json",
-)  # fmt: skip
 _NOT_THE_SAME = "the converted model does not behave as the original"
 _SLACK = 32 << 20  # the tokenizer files (a few MB for Qwen's vocabulary), configs, the record
 
@@ -246,7 +241,8 @@ def convert(
             exc.message += f"; it holds a conversion, but not the one asked for: {why}"
         raise
     # hashed before anything reads them, and again at the end (provenance names these bytes)
-    inputs = reads.snapshot(directory, _INPUTS)
+    inputs = reads.snapshot(directory, INPUTS)
+    dir_st = directory.stat()  # the same folder later is this device and inode
     facts, _advice = validate.check(directory)  # fix's advice (kernels...) is not convert's
     assert facts.checkpoint is not None
     sp = read_source(facts.checkpoint)
@@ -307,9 +303,9 @@ def convert(
                 )
             # DIR still holds what was read: else the proof compares OUT with other bytes,
             # and its verdict would blame the conversion for what happened to DIR
-            reads.check_dir(directory, {**inputs, **sources}, _INPUTS)
+            reads.check_dir(directory, {**inputs, **sources}, INPUTS)
             verified = _verify(sp, staging, ctx, options, findings, say)
-            reads.check_dir(directory, {**inputs, **sources}, _INPUTS)
+            reads.check_dir(directory, {**inputs, **sources}, INPUTS)
             if verified is not None and not verified.ok:
                 message, fix = getattr(verified, "blocked", None) or (
                     getattr(verified, "headline", "") or _NOT_THE_SAME,
@@ -327,7 +323,9 @@ def convert(
             }
             record = Provenance(
                 source_path=str(directory),
+                source_identity=(dir_st.st_dev, dir_st.st_ino),
                 source_files={n: r.record for n, r in {**inputs, **sources}.items()},
+                absent=tuple(n for n in INPUTS if n not in inputs),
                 outputs={n: r.record for n, r in outputs.items()},
                 exact_up_to=ctx.exact_up_to, exact=exact_words(ctx, verified),
                 weights=tuple(w.name for w in written),

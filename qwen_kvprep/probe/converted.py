@@ -19,6 +19,7 @@ from qwen_kvprep.errors import KvprepError
 from qwen_kvprep.provenance import PROVENANCE, FileRecord, Provenance, read
 
 HASH_LIMIT = 64 << 20  # files up to this size are always hashed
+LOST_FOUND = "lost+found"  # what mkfs (ext4, xfs) puts in a new volume
 
 
 @dataclass(frozen=True)
@@ -58,8 +59,9 @@ def judge(path: Path, name: str, rec: FileRecord) -> FileState:
     return FileState(name, "same" if same else "changed", "sha256")
 
 
-def probe_converted(out: Path) -> Optional[ConvertedFacts]:
-    """None when `out` holds no provenance.json (not a folder convert wrote)."""
+def probe_converted(out: Path, source: Optional[Path] = None) -> Optional[ConvertedFacts]:
+    """None when `out` holds no provenance.json (not a folder convert wrote). DIR's files
+    are judged in `source` (the folder a rerun names), else at the recorded path."""
     if not os.path.lexists(out / PROVENANCE):
         return None
     try:
@@ -68,14 +70,15 @@ def probe_converted(out: Path) -> Optional[ConvertedFacts]:
         return ConvertedFacts(out, error=exc.message)
     except OSError as exc:
         return ConvertedFacts(out, error=f"{out / PROVENANCE} cannot be read: {exc}")
-    src = Path(rec.source_path)
+    src = source if source is not None else Path(rec.source_path)
     exists = src.is_dir()
-    sources = tuple(judge(src / n, n, r) for n, r in sorted(rec.source_files.items())) if (
-        exists
-    ) else ()
+    sources = tuple(judge(src / n, n, r) for n, r in sorted(rec.source_files.items())) + tuple(
+        FileState(n, "changed", "there now, absent when converted")  # a fresh convert reads it
+        for n in rec.absent_inputs if os.path.lexists(src / n)
+    ) if exists else ()
     outputs = tuple(judge(out / n, n, r) for n, r in sorted(rec.outputs.items()))
-    try:
-        present = {p.name for p in out.iterdir() if p.is_file()}
+    try:  # a folder counts as much as a file; a fresh volume's lost+found is no one's
+        present = {p.name for p in out.iterdir() if p.name != LOST_FOUND or not p.is_dir()}
     except OSError:
         present = set()
     unrecorded = tuple(sorted(present - set(rec.outputs) - {PROVENANCE}))
