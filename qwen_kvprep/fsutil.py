@@ -146,6 +146,12 @@ def mount_points(mountinfo: str = "/proc/self/mountinfo") -> set[str]:
     return points
 
 
+def is_mount(path: PathLike) -> bool:
+    """Whether `path` is a mount point, a bind mount of a folder of the same file system
+    included (which os.path.ismount does not see)."""
+    return os.path.ismount(path) or os.path.realpath(path) in mount_points()
+
+
 def remove_tree(folder: PathLike) -> bool:
     """Remove `folder` and what it holds as `rm -r --one-file-system` does: a folder on
     another device or mounted there (a bind mount included), and all below it, is left

@@ -370,6 +370,44 @@ def test_out_an_empty_mounted_volume_is_written_in_place(tmp_path: Path, ckpt: P
         _same_model(ckpt, vol)
 
 
+def test_a_fresh_volume_holding_only_lost_found_is_an_empty_out(
+    tmp_path: Path, ckpt: Path
+) -> None:
+    with _tmpfs(tmp_path / "vol", "64m") as vol:
+        (vol / "lost+found").mkdir(mode=0o700)  # what mkfs.ext4 and mkfs.xfs leave
+        res = invoke("convert", str(ckpt), str(vol), "--no-verify")
+        assert res.returncode == 0, res.stderr
+        assert (vol / "lost+found").is_dir()
+        _same_model(ckpt, vol)
+        res = invoke("convert", str(ckpt), str(vol), "--no-verify")
+        assert res.returncode == 0 and "kept" in res.stdout, res.stderr
+    with _tmpfs(tmp_path / "used", "64m") as used:
+        (used / "lost+found").mkdir()
+        (used / "notes").write_text("mine")
+        res = invoke("convert", str(ckpt), str(used), "--no-verify")
+        assert res.returncode == 2 and "exists and is not empty (notes)" in res.stderr
+        # `rm -r` of a mount point removes lost+found, then fails: never advised
+        assert f"rm -r {used}" not in res.stderr and "it is a mount point" in res.stderr
+        assert "-exec rm -r --one-file-system" in res.stderr
+
+
+def test_a_full_volume_at_out_is_named_not_its_parent(
+    tmp_path: Path, ckpt: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real = output.shutil.disk_usage
+
+    def roomy(path: object) -> object:  # the check before writing is passed: the write fails
+        return real(path)._replace(free=1 << 40)  # type: ignore[arg-type]
+
+    with _tmpfs(tmp_path / "vol", "1m") as vol:
+        monkeypatch.setattr(output.shutil, "disk_usage", roomy)
+        with pytest.raises(FileSystemError) as err:
+            convert(ckpt, vol, NO_VERIFY)
+        assert f"no space left on the device holding {vol} " in err.value.message
+        assert f"df -h {vol}`" in (err.value.fix or "")
+        assert os.listdir(vol) == []
+
+
 def test_an_admins_out_keeps_its_owner_and_mode_and_nothing_is_more_readable(
     tmp_path: Path, ckpt: Path
 ) -> None:

@@ -53,7 +53,8 @@ from qwen_kvprep.errors import (
     UsageError,
     os_failure,
 )
-from qwen_kvprep.fsutil import TEMP_NAME, atomic_write_text, fsync_dir, remove_tree
+from qwen_kvprep.fsutil import TEMP_NAME, atomic_write_text, fsync_dir, is_mount, remove_tree
+from qwen_kvprep.probe.converted import LOST_FOUND
 
 STAGING_SUFFIX = ".convert-partial"
 LOCK_SUFFIX = ".convert-lock"
@@ -156,12 +157,19 @@ def _ours(place: Place, name: str, claimed: Sequence[str]) -> bool:
 
 
 def _foreign(place: Place) -> list[str]:
-    """OUT's entries that are not convert's own staging, lock and claim."""
+    """OUT's entries that are not convert's own staging, lock and claim, nor the
+    lost+found folder of a freshly formatted volume (ext4, xfs) mounted at OUT."""
     entries = os.listdir(place.out)
     if not place.inside:
         return entries
     claimed = _claimed(place) or []
-    return [e for e in entries if not _ours(place, e, claimed)]
+    fresh = LOST_FOUND in entries and _real_dir(place.out / LOST_FOUND) and is_mount(place.out)
+    return [e for e in entries if not _ours(place, e, claimed)
+            and not (fresh and e == LOST_FOUND)]
+
+
+def _real_dir(path: Path) -> bool:
+    return path.is_dir() and not path.is_symlink()
 
 
 def check_out(src: Path, out: Path) -> None:
@@ -208,11 +216,19 @@ def check_out(src: Path, out: Path) -> None:
 def _not_empty(out: Path, entries: list[str]) -> UsageError:
     q = shlex.quote
     shown = ", ".join(sorted(entries)[:3]) + (" ..." if len(entries) > 3 else "")
+    if is_mount(out):  # `rm -r` of it would empty it, lost+found too, then fail (EBUSY)
+        fix = (
+            f"name a new folder, or, if what it holds is not needed, empty it (it is a mount "
+            f"point: the folder itself stays): find {q(str(out))} -mindepth 1 -maxdepth 1 ! "
+            f"-name {LOST_FOUND} -exec rm -r --one-file-system {{}} +"
+        )
+    else:
+        fix = (f"name a new folder, or remove this one first (rm -r {q(str(out))}) if it "
+               "holds nothing you need")
     return UsageError(
         f"OUT {out} exists and is not empty ({shown}): convert writes a new folder "
         "and never mixes its files with others",
-        fix=f"name a new folder, or remove this one first (rm -r {q(str(out))}) if it "
-        "holds nothing you need",
+        fix=fix,
     )
 
 
@@ -259,12 +275,14 @@ def _size(n: int) -> str:
 
 
 def no_space(exc: OSError, out: Path) -> KvprepError:
-    """The error for a write refused with ENOSPC (or any OSError) while staging OUT."""
-    err = os_failure(exc, out.parent, output_option=False)
+    """The error for a write refused with ENOSPC (or any OSError) while staging OUT: the
+    device named is the one written, OUT's own when OUT exists (a mounted volume)."""
+    where = place_of(out).base
+    err = os_failure(exc, where, output_option=False)
     if "no space left" in err.message:
         err.fix = (
-            f"free some space on the device holding {out.parent} (`df -h "
-            f"{shlex.quote(str(out.parent))}`) and run the same command again: it starts "
+            f"free some space on the device holding {where} (`df -h "
+            f"{shlex.quote(str(where))}`) and run the same command again: it starts "
             "afresh (the partial output was removed)"
         )
     return err
