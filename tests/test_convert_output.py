@@ -442,10 +442,10 @@ def killing(real):
     def call(src, dst, *a, **k):
         if Path(dst) == out or Path(dst).parent == out and not Path(dst).name.startswith("."):
             moved.append(dst)
-            if at == "renamed":  # published: a kill before the claim and lock are removed
-                real(src, dst, *a, **k)
+            if at == "renamed" or Path(dst).name == "config.json" and at == "moved":
+                real(src, dst, *a, **k)  # published: killed before the claim and lock go
                 os.kill(os.getpid(), signal.SIGKILL)
-            if at == "rename" or len(moved) == 3:  # the third model file into OUT
+            if at == "rename" or at == "moves" and len(moved) == 3:  # the third into OUT
                 os.kill(os.getpid(), signal.SIGKILL)
         return real(src, dst, *a, **k)
     return call
@@ -688,6 +688,18 @@ def test_a_kill_right_after_publishing_leaves_no_claim_or_lock_after_the_rerun(
     assert result.returncode == 0, result.stderr
     assert "kept" in result.stdout
     assert sorted(os.listdir(tmp_path)) == ["ckpt", "out"]
+    # inside an existing OUT: every file moved in, then killed
+    admins = tmp_path / "admins"
+    admins.mkdir()
+    child = subprocess.run([sys.executable, "-c", _KILL_AT, str(ckpt), str(admins), "moved"],
+                           cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert child.returncode == -9, child.stderr
+    assert {".qwen-kvprep-convert-claim", ".qwen-kvprep-convert-lock"} <= set(
+        os.listdir(admins))
+    before = {n: (admins / n).stat().st_ino for n in os.listdir(admins) if n[0] != "."}
+    result = invoke("convert", str(ckpt), str(admins), "--no-verify")
+    assert result.returncode == 0 and "kept" in result.stdout, result.stderr
+    assert {n: (admins / n).stat().st_ino for n in os.listdir(admins)} == before
     # another convert of OUT running: its lock and claim stay
     output.atomic_write_text(output.Place(out, False).claim, output._CLAIM_HEAD + "\n")
     with output.filelock.FileLock(str(output.Place(out, False).lock)):

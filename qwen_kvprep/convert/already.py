@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from qwen_kvprep.convert.output import own_names
 from qwen_kvprep.probe.converted import ConvertedFacts, FileState, probe_converted
 from qwen_kvprep.provenance import PROVENANCE, Provenance
 
@@ -105,8 +106,9 @@ def mismatch(directory: Path, cv: ConvertedFacts, asked: Asked) -> Optional[str]
     out = _changed(cv.outputs)
     if out:
         return f"its files are no longer what convert wrote: {', '.join(out[:3])}"
-    if cv.unrecorded:
-        return f"it holds files convert did not write: {', '.join(cv.unrecorded[:3])}"
+    foreign = [n for n in cv.unrecorded if n not in own_names(cv.path)]  # a kill's: tidy()
+    if foreign:
+        return f"it holds files convert did not write: {', '.join(foreign[:3])}"
     return None
 
 

@@ -23,7 +23,7 @@
   so the same command finishes what a kill cut short; and OUT is checked again, so a
   second convert that waited says that another one finished OUT. A folder at the staging
   name without our claim is not ours: refused, never removed. The claim and lock a kill
-  right after the rename left beside a complete OUT are removed by the next run (`tidy`).
+  right after publishing left with a complete OUT are removed by the next run (`tidy`).
 - No output file is more readable than what it is made from: the weights keep at most the
   modes of DIR's weight files, the other files at most those of DIR's config.json. Not
   even while staged: files are created with those modes, in a staging folder of mode 0700
@@ -330,22 +330,35 @@ def staged(out: Path, timeout: float = 0.0) -> Iterator[Path]:
 
 
 def tidy(out: Path) -> None:
-    """Remove the claim and lock a convert killed right after its rename left beside the
-    complete OUT (the staging folder is OUT now: they mark nothing). Only under the lock,
-    taken without waiting: a convert that holds it is running, and its files stay. A claim
-    not ours stays too."""
-    place = Place(out, False)
-    if os.path.lexists(place.staging) or not (
-        os.path.lexists(place.claim) or os.path.lexists(place.lock)
-    ):
-        return  # a staging folder is for staged() to judge, under the lock
+    """Remove what a convert killed right after publishing left with the complete OUT:
+    the claim and lock beside it (its staging folder is OUT now), or inside it the claim,
+    the lock and the emptied staging folder. Only under the lock, taken without waiting:
+    a convert that holds it is running, and its files stay. What is not ours stays, and
+    so does a staging folder that still holds anything (staged() judges it)."""
+    for place in (Place(out, False), Place(out, True)):
+        if any(os.path.lexists(p) for p in (place.claim, place.lock, place.staging)):
+            _tidy(place)
+
+
+def own_names(out: Path) -> set[str]:
+    """The names of convert's own files inside an existing OUT (staging, claim, lock)."""
+    place = Place(out, True)
+    return {place.staging.name, place.claim.name, place.lock.name}
+
+
+def _tidy(place: Place) -> None:
     lock = filelock.FileLock(str(place.lock), timeout=0)
     try:
         lock.acquire()
     except (filelock.Timeout, OSError):
         return
     try:
-        if _claimed(place) is not None:
+        claimed = _claimed(place) is not None
+        if os.path.lexists(place.staging):
+            if not claimed or not _real_dir(place.staging) or os.listdir(place.staging):
+                return
+            place.staging.rmdir()
+        if claimed:
             place.claim.unlink()
         if not os.path.lexists(place.claim):
             place.lock.unlink()  # while held, as staged() does
