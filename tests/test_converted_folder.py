@@ -189,3 +189,19 @@ def test_every_input_counts_for_the_same_convert_again(tmp_path: Path) -> None:
     res = invoke("convert", str(ckpt), str(out), "--no-verify")
     assert res.returncode == 2
     assert f"it was converted from {ckpt} (another folder than the one there now)" in res.stderr
+
+
+def test_a_record_without_absent_inputs_or_dir_identity_still_serves(
+    pair: tuple[Path, Path]
+) -> None:
+    ckpt, out = pair  # as an older release wrote it: every input DIR had is in `files`
+    rec = json.loads((out / "provenance.json").read_text())
+    for key in ("absent", "device", "inode"):
+        del rec["source"][key]
+    (out / "provenance.json").write_text(json.dumps(rec))
+    res = invoke("convert", str(ckpt), str(out), "--no-verify")
+    assert res.returncode == 0 and "kept" in res.stdout, res.stderr
+    doc = document(invoke("doctor", str(out), "--json"))
+    assert {f["id"]: f["severity"] for f in doc["findings"]}["convert.provenance"] == "ok"
+    (ckpt / "extra_input").write_text("")  # not an input: nothing to say
+    assert invoke("convert", str(ckpt), str(out), "--no-verify").returncode == 0
