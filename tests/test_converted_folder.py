@@ -180,3 +180,54 @@ def test_a_foreign_provenance_json_is_named_and_otherwise_ignored(
     assert "wrote from" not in res.stderr and "another tool's" in res.stderr, res.stderr
     res = kvprep("prestart", str(out), "--", "sh", "-c", "exit 0")
     assert "wrote from" not in res.stderr and "another tool's" in res.stderr, res.stderr
+
+
+def test_every_input_counts_for_the_same_convert_again(tmp_path: Path) -> None:
+    ckpt = generate_checkpoint(tmp_path / "ckpt", shards=2)
+    gen = (ckpt / "generation_config.json").read_bytes()
+    (ckpt / "generation_config.json").unlink()  # optional: a base model may lack it
+    out = tmp_path / "out"
+    convert(ckpt, out, ConvertOptions(verify=False))
+    source = json.loads((out / "provenance.json").read_text())["source"]
+    assert "generation_config.json" in source["absent"]  # considered, and absent
+    assert (source["device"], source["inode"]) == (ckpt.stat().st_dev, ckpt.stat().st_ino)
+    assert invoke("convert", str(ckpt), str(out), "--no-verify").returncode == 0
+    # DIR gains it: a fresh convert would write another OUT (chat template, eos ids)
+    (ckpt / "generation_config.json").write_bytes(gen)
+    res = invoke("convert", str(ckpt), str(out), "--no-verify")
+    assert res.returncode == 2, res.stdout
+    assert "generation_config.json (changed)" in res.stderr
+    (ckpt / "generation_config.json").unlink()
+    # an extra folder in OUT is not what convert wrote
+    (out / "extra").mkdir()
+    res = invoke("convert", str(ckpt), str(out), "--no-verify")
+    assert res.returncode == 2 and "files convert did not write: extra" in res.stderr
+    (out / "extra").rmdir()
+    # the same folder is the one recorded by device and inode, wherever it is now ...
+    moved = tmp_path / "moved"
+    ckpt.rename(moved)
+    res = invoke("convert", str(moved), str(out), "--no-verify")
+    assert res.returncode == 0, res.stderr
+    # ... and another folder put at the recorded path is not it, however alike
+    os.mkdir(ckpt)
+    for path in moved.iterdir():
+        os.link(path, ckpt / path.name)  # the very files, in another folder
+    res = invoke("convert", str(ckpt), str(out), "--no-verify")
+    assert res.returncode == 2
+    assert f"it was converted from {ckpt} (another folder than the one there now)" in res.stderr
+
+
+def test_a_record_without_absent_inputs_or_dir_identity_still_serves(
+    pair: tuple[Path, Path]
+) -> None:
+    ckpt, out = pair  # as an older release wrote it: every input DIR had is in `files`
+    rec = json.loads((out / "provenance.json").read_text())
+    for key in ("absent", "device", "inode"):
+        del rec["source"][key]
+    (out / "provenance.json").write_text(json.dumps(rec))
+    res = invoke("convert", str(ckpt), str(out), "--no-verify")
+    assert res.returncode == 0 and "kept" in res.stdout, res.stderr
+    doc = document(invoke("doctor", str(out), "--json"))
+    assert {f["id"]: f["severity"] for f in doc["findings"]}["convert.provenance"] == "ok"
+    (ckpt / "extra_input").write_text("")  # not an input: nothing to say
+    assert invoke("convert", str(ckpt), str(out), "--no-verify").returncode == 0

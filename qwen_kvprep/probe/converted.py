@@ -22,6 +22,7 @@ from qwen_kvprep.provenance import PROVENANCE, FileRecord, Provenance, foreign, 
 
 HASH_LIMIT = 64 << 20  # files up to this size are always hashed
 QUICK = "size and modification time"
+LOST_FOUND = "lost+found"  # what mkfs (ext4, xfs) puts in a new volume
 
 
 @dataclass(frozen=True)
@@ -63,10 +64,13 @@ def judge(path: Path, name: str, rec: FileRecord, full: bool = False) -> FileSta
     return FileState(name, "same" if same else "changed", "sha256")
 
 
-def probe_converted(out: Path, full: bool = False) -> Optional[ConvertedFacts]:
+def probe_converted(
+    out: Path, full: bool = False, source: Optional[Path] = None,
+) -> Optional[ConvertedFacts]:
     """None when `out` holds no provenance.json (not a folder convert wrote); `foreign` set
     when the one it holds does not say convert wrote it. `full`: every file recorded is
-    hashed, however large."""
+    hashed, however large. DIR's files are judged in `source` (the folder a rerun names),
+    else at the recorded path."""
     if not os.path.lexists(out / PROVENANCE):
         return None
     why = foreign(out)
@@ -78,14 +82,17 @@ def probe_converted(out: Path, full: bool = False) -> Optional[ConvertedFacts]:
         return ConvertedFacts(out, error=exc.message)
     except OSError as exc:
         return ConvertedFacts(out, error=f"{out / PROVENANCE} cannot be read: {exc}")
-    src = Path(rec.source_path)
+    src = source if source is not None else Path(rec.source_path)
     exists = src.is_dir()
     sources = tuple(
         judge(src / n, n, r, full) for n, r in sorted(rec.source_files.items())
+    ) + tuple(
+        FileState(n, "changed", "there now, absent when converted")  # a fresh convert reads it
+        for n in rec.absent_inputs if os.path.lexists(src / n)
     ) if exists else ()
     outputs = tuple(judge(out / n, n, r, full) for n, r in sorted(rec.outputs.items()))
-    try:
-        present = {p.name for p in out.iterdir() if p.is_file()}
+    try:  # a folder counts as much as a file; a fresh volume's lost+found is no one's
+        present = {p.name for p in out.iterdir() if p.name != LOST_FOUND or not p.is_dir()}
     except OSError:
         present = set()
     unrecorded = tuple(sorted(present - set(rec.outputs) - {PROVENANCE}))
