@@ -28,12 +28,11 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from qwen_kvprep.common import sha256_file
 from qwen_kvprep.errors import StateError
 from qwen_kvprep.jsontypes import JSON, JSONObject
 from qwen_kvprep.untrusted import describe_json_error, read_record, relpath_problem
@@ -225,35 +224,3 @@ def read(out: Path) -> Provenance:
 
 def _whole(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
-
-
-# -- DIR's files besides the weights, as convert read them ---------------------------------
-
-
-def snapshot(directory: Path, names: Iterable[str]) -> dict[str, FileRecord]:
-    """The files of `names` that `directory` holds, hashed now. Taken before convert reads
-    them and again at its end (`changed`): equal records mean the bytes convert read are
-    the bytes the record names."""
-    out: dict[str, FileRecord] = {}
-    for name in names:
-        path = directory / name
-        try:
-            st = os.stat(path)
-            if not os.path.isfile(path):
-                continue  # a FIFO, a folder: the file's own check says what is wrong
-            out[name] = FileRecord(sha256_file(path), st.st_size, st.st_mtime_ns)
-        except OSError:
-            continue  # absent or unreadable: the file's own check says so
-    return out
-
-
-def changed(
-    directory: Path, names: Iterable[str], before: Mapping[str, FileRecord]
-) -> list[str]:
-    """The names of `names` whose file is not what `before` recorded: changed, removed,
-    or there now and not then."""
-    now = snapshot(directory, names)
-    return sorted(
-        n for n in set(before) | set(now)
-        if n not in before or n not in now or now[n].sha256 != before[n].sha256
-    )
