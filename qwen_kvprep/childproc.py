@@ -31,7 +31,6 @@ import contextlib
 import fcntl
 import json
 import os
-import shutil
 import signal
 import stat
 import subprocess
@@ -57,6 +56,7 @@ from typing import (
     cast,
 )
 
+from qwen_kvprep.fsutil import remove_tree
 from qwen_kvprep.jsontypes import JSON
 
 PHASE_START = "start"
@@ -180,8 +180,9 @@ def sweep_tempdirs(prefix: str) -> list[Path]:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError:
                 continue  # its run is alive
-            # rmtree refuses a link in the folder's place and never follows one inside
-            shutil.rmtree(entry.path, ignore_errors=True)
+            # never through a link, never into a mount inside it (a bind mount's files
+            # are someone's own, not this run's leftovers)
+            remove_tree(entry.path)
             removed.append(Path(entry.path))
         finally:
             os.close(fd)
@@ -197,13 +198,13 @@ def owned_tempdir(prefix: str) -> Iterator[Path]:
     try:
         fd = _lock_owner(folder)
     except BaseException:
-        shutil.rmtree(folder, ignore_errors=True)
+        remove_tree(folder)
         raise
     try:
         yield folder
     finally:
         try:
-            shutil.rmtree(folder, ignore_errors=True)
+            remove_tree(folder)
         finally:
             os.close(fd)
 

@@ -1,4 +1,5 @@
-"""Atomic file writes: a crash never leaves a half-written file behind."""
+"""Atomic file writes (a crash never leaves a half-written file behind), and removing a
+folder without crossing into a mount."""
 
 from __future__ import annotations
 
@@ -118,3 +119,93 @@ def leftover_temps(folder: PathLike) -> list[str]:
     except OSError:
         return []
     return [e for e in entries if TEMP_NAME.match(e) and os.path.isfile(os.path.join(folder, e))]
+
+
+# -- removing a folder without crossing into another file system ---------------------------
+
+
+def _unescape_mount(field: str) -> str:
+    """A path as /proc/self/mountinfo writes it: space, tab, newline and backslash octal."""
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
+
+
+def mount_points(mountinfo: str = "/proc/self/mountinfo") -> set[str]:
+    """Every mount point this process sees (empty where the kernel does not say). A bind
+    mount of a folder of the same file system shares its device number with what is
+    around it: only this list tells it apart."""
+    try:
+        with open(mountinfo, encoding="utf-8", errors="surrogateescape") as fh:
+            lines = fh.read().splitlines()
+    except OSError:
+        return set()
+    points = set()
+    for line in lines:
+        fields = line.split(" ")
+        if len(fields) > 4:
+            points.add(_unescape_mount(fields[4]))
+    return points
+
+
+def is_mount(path: PathLike) -> bool:
+    """Whether `path` is a mount point, a bind mount of a folder of the same file system
+    included (which os.path.ismount does not see)."""
+    return os.path.ismount(path) or os.path.realpath(path) in mount_points()
+
+
+def remove_tree(folder: PathLike) -> bool:
+    """Remove `folder` and what it holds as `rm -r --one-file-system` does: a folder on
+    another device or mounted there (a bind mount included), and all below it, is left
+    alone, as is the folder itself when it is such a mount; links are removed, never
+    followed. Every path is opened relative to its parent's descriptor, so a folder
+    swapped for a link meanwhile leads nowhere. Errors are ignored (what cannot be removed
+    stays). Returns whether `folder` is gone."""
+    top = os.path.realpath(folder)
+    mounts = mount_points()
+    try:
+        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError:
+        return not os.path.lexists(folder)
+    try:
+        device = os.fstat(fd).st_dev
+        if top in mounts:
+            return False
+        with contextlib.suppress(RecursionError):  # nesting past Python's limit: stays
+            _empty(fd, top, device, mounts)
+    finally:
+        os.close(fd)
+    with contextlib.suppress(OSError):
+        os.rmdir(folder)
+    return not os.path.lexists(folder)
+
+
+def _empty(fd: int, where: str, device: int, mounts: set[str]) -> None:
+    """Remove what the folder open as `fd` (at the real path `where`) holds, but mounts."""
+    try:
+        names = os.listdir(fd)
+    except OSError:
+        return
+    for name in names:
+        path = os.path.join(where, name)
+        try:
+            st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+        except OSError:
+            continue
+        if st.st_dev != device or path in mounts:
+            continue  # another file system (or a bind mount of this one): not ours to empty
+        if not stat.S_ISDIR(st.st_mode):
+            with contextlib.suppress(OSError):
+                os.unlink(name, dir_fd=fd)
+            continue
+        try:
+            sub = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
+        except OSError:
+            continue
+        try:
+            opened = os.fstat(sub)
+            if (opened.st_dev, opened.st_ino) != (st.st_dev, st.st_ino):
+                continue  # swapped since the stat above
+            _empty(sub, path, device, mounts)
+        finally:
+            os.close(sub)
+        with contextlib.suppress(OSError):
+            os.rmdir(name, dir_fd=fd)

@@ -10,7 +10,10 @@ plain relative name (never a path that climbs out of OUT or DIR).
       "transformers_version": "..." | null, "torch_version": "...",
       "created": "2026-11-27T16:00:00Z",
       "source": {"path": "/abs/DIR", "spelt": "ORG/NAME or the folder as given",
-                 "files": {"config.json": {"sha256": "...", "size": N, "mtime_ns": N}, ...}},
+                 "device": N, "inode": N (DIR's own; absent in older records),
+                 "files": {"config.json": {"sha256": "...", "size": N, "mtime_ns": N}, ...},
+                 "absent": ["generation_config.json", ...] (of INPUTS, those DIR lacked;
+                           absent in older records, which hold every one DIR had)},
       "outputs": {"model-00001-of-00002.safetensors": {"sha256": "...", "size": N}, ...},
       "exact_up_to": 8192 | null (yarn: exact at no length),
       "exact": "exact up to 8,192 tokens" (the words convert printed),
@@ -25,20 +28,26 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from qwen_kvprep.common import sha256_file
 from qwen_kvprep.errors import StateError
 from qwen_kvprep.jsontypes import JSON, JSONObject
 from qwen_kvprep.untrusted import describe_json_error, read_record, relpath_problem
 
 PROVENANCE = "provenance.json"
 FORMAT = 1
+TOOL = "qwen-kvprep"  # a provenance.json is ours only when its "tool" says so
 _LIMIT = 4 << 20  # an 82-shard checkpoint's record is about 30 KB
 _WORDS_LIMIT = 2000  # "exact" as read back: convert's own sentence is some 200 characters
+# DIR's files besides the weights that OUT is made from: each is in the record, among
+# `files` when DIR had it, else among `absent` (a file there later makes another OUT)
+INPUTS = (
+    "config.json", "generation_config.json", "qwen.tiktoken", "tokenizer_config.json",
+    "quantize_config.json", "model.safetensors.index.json", "pytorch_model.bin.index.json",
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -65,6 +74,16 @@ class Provenance:
     tool_version: str = ""
     extra: Mapping[str, JSON] = field(default_factory=dict)  # versions, context, options
     exact: Optional[str] = None  # the words; None: "exact up to N tokens"
+    source_identity: Optional[tuple[int, int]] = None  # DIR's (st_dev, st_ino)
+    absent: Optional[tuple[str, ...]] = None  # INPUTS that DIR lacked; None: not recorded
+
+    @property
+    def absent_inputs(self) -> tuple[str, ...]:
+        """The INPUTS DIR lacked: as recorded, else (an older record, which holds every
+        one DIR had) those not among its files."""
+        if self.absent is not None:
+            return self.absent
+        return tuple(n for n in INPUTS if n not in self.source_files)
 
     @property
     def exact_words(self) -> str:
@@ -77,15 +96,18 @@ class Provenance:
     def to_json(self) -> JSONObject:
         out: JSONObject = {
             "format": FORMAT,
-            "tool": "qwen-kvprep",
+            "tool": TOOL,
             "tool_version": self.tool_version,
         }
         out.update(self.extra)
-        out["source"] = {
-            "path": self.source_path,
-            "spelt": self.spelt,
-            "files": {k: v.to_json() for k, v in sorted(self.source_files.items())},
-        }
+        source: JSONObject = {"path": self.source_path, "spelt": self.spelt}
+        if self.source_identity is not None:
+            source["device"], source["inode"] = self.source_identity
+        source["files"] = {k: v.to_json() for k, v in sorted(self.source_files.items())}
+        if self.absent is not None:
+            absent: list[JSON] = [n for n in sorted(self.absent)]
+            source["absent"] = absent
+        out["source"] = source
         out["outputs"] = {k: v.to_json() for k, v in sorted(self.outputs.items())}
         out["weights"] = list(self.weights)
         out["exact_up_to"] = self.exact_up_to
@@ -128,6 +150,27 @@ def _files(path: Path, value: JSON, what: str) -> dict[str, FileRecord]:
     return out
 
 
+def foreign(out: Path) -> Optional[str]:
+    """Why OUT's provenance.json is not a record convert wrote (another tool's file of that
+    common name), in words; None when there is none, or when its content names qwen-kvprep
+    as the tool that wrote it (`read` then judges the rest)."""
+    path = out / PROVENANCE
+    try:
+        data = read_record(path, _LIMIT)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as exc:
+        return f"it cannot be read as a JSON record ({describe_json_error(exc)})"
+    if not isinstance(data, dict) or data.get("tool") != TOOL:
+        return f'it does not name {TOOL} as the tool that wrote it ("tool": "{TOOL}")'
+    return None
+
+
+def ours(out: Path) -> bool:
+    """OUT holds a provenance.json that says convert wrote it."""
+    return os.path.lexists(out / PROVENANCE) and foreign(out) is None
+
+
 def read(out: Path) -> Provenance:
     """OUT's provenance.json; FileNotFoundError when absent, StateError when unsound."""
     path = out / PROVENANCE
@@ -154,6 +197,14 @@ def read(out: Path) -> Provenance:
     if not isinstance(weights, list) or not all(isinstance(w, str) for w in weights):
         raise _bad(path, "has a malformed weights list")
     spelt = source.get("spelt")
+    device, inode, absent = source.get("device"), source.get("inode"), source.get("absent")
+    identity = (device, inode) if isinstance(device, int) and isinstance(inode, int) and (
+        _whole(device) and _whole(inode)) else None
+    if (device is not None or inode is not None) and identity is None:
+        raise _bad(path, "has a malformed source device or inode")
+    if absent is not None and (not isinstance(absent, list) or not all(
+            isinstance(n, str) and relpath_problem(n) is None and "/" not in n for n in absent)):
+        raise _bad(path, "has a malformed list of absent source files")
     version = data.get("tool_version")
     extra = {k: v for k, v in data.items() if k in ("context", "options", "created")}
     return Provenance(
@@ -166,36 +217,10 @@ def read(out: Path) -> Provenance:
         tool_version=version if isinstance(version, str) else "",
         extra=extra,
         exact=words,
+        source_identity=identity,
+        absent=tuple(str(n) for n in absent) if absent is not None else None,
     )
 
 
-# -- DIR's files besides the weights, as convert read them ---------------------------------
-
-
-def snapshot(directory: Path, names: Iterable[str]) -> dict[str, FileRecord]:
-    """The files of `names` that `directory` holds, hashed now. Taken before convert reads
-    them and again at its end (`changed`): equal records mean the bytes convert read are
-    the bytes the record names."""
-    out: dict[str, FileRecord] = {}
-    for name in names:
-        path = directory / name
-        try:
-            st = os.stat(path)
-            if not os.path.isfile(path):
-                continue  # a FIFO, a folder: the file's own check says what is wrong
-            out[name] = FileRecord(sha256_file(path), st.st_size, st.st_mtime_ns)
-        except OSError:
-            continue  # absent or unreadable: the file's own check says so
-    return out
-
-
-def changed(
-    directory: Path, names: Iterable[str], before: Mapping[str, FileRecord]
-) -> list[str]:
-    """The names of `names` whose file is not what `before` recorded: changed, removed,
-    or there now and not then."""
-    now = snapshot(directory, names)
-    return sorted(
-        n for n in set(before) | set(now)
-        if n not in before or n not in now or now[n].sha256 != before[n].sha256
-    )
+def _whole(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0

@@ -132,3 +132,41 @@ def corrupt(out: Path, how: str) -> str:
         raise ValueError(how)
     save_file(tensors, str(path), metadata={"format": "pt"})
     return name
+
+
+def rerecord(out: Path) -> None:
+    """Rewrite OUT's provenance.json to match OUT's files as they are now: what someone who
+    changed OUT and covered the change would do; only the proof itself can catch it then."""
+    import hashlib
+    import os
+
+    record = json.loads((out / "provenance.json").read_text())
+    for name in record["outputs"]:
+        path = out / name
+        entry = {"sha256": hashlib.sha256(path.read_bytes()).hexdigest(),
+                 "size": path.stat().st_size}
+        if "mtime_ns" in record["outputs"][name]:
+            entry["mtime_ns"] = os.stat(path).st_mtime_ns
+        record["outputs"][name] = entry
+    (out / "provenance.json").write_text(json.dumps(record, indent=2))
+
+
+def flip_exponent_bit(out: Path, name: str = "lm_head.weight", index: int = 5) -> None:
+    """Flip the top exponent bit of one element of `name` (a weight of ~0.02 becomes
+    ~7e36), the file's modification time kept, as bit rot leaves it."""
+    import os
+
+    from safetensors.torch import load_file, save_file
+
+    path = _file_of(out, name)
+    st = path.stat()
+    tensors = load_file(str(path))
+    t = tensors[name].clone()
+    bits = {torch.float32: (torch.int32, 1 << 30), torch.bfloat16: (torch.int16, 1 << 14),
+            torch.float16: (torch.int16, 1 << 14)}
+    as_int, bit = bits[t.dtype]
+    flat = t.view(-1).view(as_int)
+    flat[index] ^= bit
+    tensors[name] = t
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))

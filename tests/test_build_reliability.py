@@ -197,7 +197,8 @@ def test_cache_path_naming_a_file_is_refused_before_the_first_write(
     not_a_folder.write_text("a file\n")
     done = kvprep("fix", str(ckpt), "--no-smoke", env=_env(tmp_path, not_a_folder),
                   cwd=tmp_path, timeout=600)
-    assert done.returncode == 1, done.stdout + done.stderr
+    # $QWEN_KVPREP_CACHE naming a file: a usage error, as --cache-dir naming one is
+    assert done.returncode == 2, done.stdout + done.stderr
     assert f"the build cache {not_a_folder} is not a folder" in done.stderr
     assert "Traceback" not in done.stderr
     assert snapshot(ckpt) == before  # nothing written: not even the config or the loader

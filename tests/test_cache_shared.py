@@ -18,6 +18,7 @@ from qwen_kvprep.buildcache import inventory
 from qwen_kvprep.buildcache.inventory import BuildVanished, prune
 from qwen_kvprep.buildcache.marker import MARKER, NotACache, claim, identify
 from qwen_kvprep.buildcache.paths import CacheLayout
+from qwen_kvprep.tiny import generate_checkpoint
 from tests.test_cache_cmd import prepared, publish, run
 
 KEY = "b" * 64
@@ -181,11 +182,15 @@ def test_list_on_something_that_is_not_a_folder(
         assert result.exit_code == 2, result.output
         assert "not a folder" in result.output or "is a file" in result.output
         assert "no build cache" not in result.output
-    # through the variable the library judges it: a failure (1) naming what it is
+    # through the variable the library judges it: the same usage error (2), naming what it
+    # is, for every command that reads it (prestart's click reads it as the option)
     monkeypatch.setenv("QWEN_KVPREP_CACHE", str(path))
-    result = run("cache", "list")
-    assert result.exit_code == 1, result.output
-    assert "not a folder" in result.output
+    ckpt = generate_checkpoint(tmp_path / "ckpt", layers=1, heads=2, head_dim=16, shards=1)
+    for command in (("cache", "list"), ("fix", "--dry-run", str(ckpt)),
+                    ("prestart", str(ckpt), "--", "true")):
+        result = run(*command)
+        assert result.exit_code == 2, (command, result.output)
+        assert "not a folder" in result.output, result.output
 
 
 def state_with_cache_id(folder: str, cache_id: str) -> None:
@@ -289,8 +294,9 @@ def test_an_unreadable_lock_timeout_is_refused_naming_the_variable(
     assert lock_timeout() == 2.5
 
 
-def test_an_unreadable_lock_timeout_option_is_refused(tmp_path: Path) -> None:
-    result = run("build", "--cache-dir", str(tmp_path / "c"), "--lock-timeout", "nan")
+@pytest.mark.parametrize("raw", ["nan", "1e309", "-1", "soon"])
+def test_an_unreadable_lock_timeout_option_is_refused(tmp_path: Path, raw: str) -> None:
+    result = run("build", "--cache-dir", str(tmp_path / "c"), "--lock-timeout", raw)
     assert result.exit_code == 2, result.output
-    assert "--lock-timeout='nan' is not a number of seconds" in result.output
+    assert f"--lock-timeout='{raw}' is not a number of seconds" in result.output
     assert not (tmp_path / "c").exists()

@@ -82,7 +82,8 @@ def test_a_missing_source_warns_and_a_damaged_record_fails(pair: tuple[Path, Pat
     shutil.rmtree(ckpt)
     prov = _doctor(out)["convert.provenance"]
     assert prov["severity"] == "warn" and "no longer there" in prov["message"]
-    (out / "provenance.json").write_text('{"format": 1, "source": {"path": 3}}')
+    damaged = '{"format": 1, "tool": "qwen-kvprep", "source": {"path": 3}}'
+    (out / "provenance.json").write_text(damaged)
     prov = _doctor(out)["convert.provenance"]
     assert prov["severity"] == "fail" and "has no source path" in prov["message"]
 
@@ -104,3 +105,38 @@ def test_large_files_are_judged_by_size_and_time_then_by_hash(
     assert converted.judge(f, f.name, rec).state == "changed"
     f.unlink()
     assert converted.judge(f, f.name, rec).state == "missing"
+
+
+def _flip_keeping_time(path: Path, offset: int = -1) -> None:
+    """One byte of `path` changed, its size and modification time kept (as `touch -r`,
+    `cp -p` or bit rot leave them)."""
+    st = path.stat()
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 1
+    path.write_bytes(bytes(data))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+def test_doctor_says_what_it_did_not_read_and_smoke_rehashes_first(
+    pair: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _, out = pair
+    monkeypatch.setattr(converted, "HASH_LIMIT", 1024)  # the shards count as large
+    shard = out / "model-00001-of-00002.safetensors"
+    assert shard.stat().st_size > 1024
+    _flip_keeping_time(shard)
+    prov = _doctor(out)["convert.provenance"]
+    assert prov["severity"] == "ok"  # the quick look: it says so, and how to look fully
+    assert "size and modification time only" in prov["message"]
+    assert f"qwen-kvprep smoke {out}" in prov["message"]
+    assert "judged by sha256 and size" not in prov["message"]
+    from qwen_kvprep.engines import runner
+
+    def no_child(*_args: object, **_kwargs: object) -> None:
+        raise AssertionError("an engine child started after the record check failed")
+
+    monkeypatch.setattr(runner, "_run", no_child)
+    res = invoke("smoke", str(out), "--json")
+    assert res.returncode == 1, res.stdout + res.stderr
+    (bad,) = [f for f in document(res)["findings"] if f["severity"] == "fail"]
+    assert bad["id"] == "convert.provenance" and shard.name in bad["message"]

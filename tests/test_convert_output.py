@@ -152,14 +152,24 @@ convert(Path(sys.argv[1]), Path(sys.argv[2]), ConvertOptions(verify=False))
 """
 
 
+def _private_shards(ckpt: Path, config: int) -> None:
+    for shard in ckpt.glob("*.safetensors"):
+        shard.chmod(0o600)
+    (ckpt / "config.json").chmod(config)
+
+
+def _killed_after_first_shard(ckpt: Path, out: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", _KILL_AFTER_FIRST_SHARD, str(ckpt), str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+    )
+
+
 def test_a_killed_run_leaves_nothing_that_loads_and_the_same_command_finishes(
     tmp_path: Path, ckpt: Path
 ) -> None:
     out = tmp_path / "out"
-    child = subprocess.run(
-        [sys.executable, "-c", _KILL_AFTER_FIRST_SHARD, str(ckpt), str(out)],
-        cwd=REPO, capture_output=True, text=True, timeout=300,
-    )
+    child = _killed_after_first_shard(ckpt, out)
     assert child.returncode == -9, child.stderr
     staging = output.staging_of(out)
     assert not out.exists()
@@ -170,6 +180,29 @@ def test_a_killed_run_leaves_nothing_that_loads_and_the_same_command_finishes(
     assert not staging.exists() and not output.lock_of(out).exists()
     got, exp = load_out(out), expected_dense(load_source(ckpt), 2)
     assert set(got) == set(exp) and all(bits_equal(got[n], t) for n, t in exp.items())
+
+
+def test_staged_files_are_never_more_readable_than_in_out_even_after_a_kill(
+    tmp_path: Path, ckpt: Path
+) -> None:
+    _private_shards(ckpt, config=0o640)
+    out = tmp_path / "out"
+    child = _killed_after_first_shard(ckpt, out)
+    assert child.returncode == -9, child.stderr
+    staging = output.staging_of(out)
+    assert staging.stat().st_mode & 0o077 == 0, oct(staging.stat().st_mode)
+    staged = {p.name: p.stat().st_mode & 0o777 for p in staging.iterdir()}
+    assert {"model-00001-of-00002.safetensors", "tokenizer.json"} <= set(staged), staged
+    for name, mode in staged.items():
+        cap = 0o600 if name.endswith(".safetensors") else 0o640
+        assert mode & ~cap == 0, (name, oct(mode))
+    result = invoke("convert", str(ckpt), str(out), "--no-verify")
+    assert result.returncode == 0, result.stderr
+    assert out.stat().st_mode & 0o777 == 0o777 & ~output.umask()  # as a new folder gets
+    (tmp_path / "admins").mkdir(mode=0o750)
+    _killed_after_first_shard(ckpt, tmp_path / "admins")
+    inside = output.staging_of(tmp_path / "admins")
+    assert inside.parent == tmp_path / "admins" and inside.stat().st_mode & 0o077 == 0
 
 
 def test_a_folder_at_the_staging_name_that_is_not_ours_is_left_alone(
@@ -205,6 +238,9 @@ def test_cli_text_json_and_exit_codes(tmp_path: Path, ckpt: Path) -> None:
     assert len([f for f in doc["files"] if f["name"].endswith(".safetensors")]) == 3
     bad = invoke("convert", str(ckpt), str(tmp_path / "o3"), "--max-shard-size", "lots")
     assert bad.returncode == 2 and "5GB" in bad.stderr
+    half = invoke("convert", str(ckpt), str(tmp_path / "o3"), "--max-shard-size", "0.5")
+    assert half.returncode == 2 and "at least one byte" in half.stderr, half.stderr
+    assert "positive" not in half.stderr  # 0.5 is positive: the words must not say it is not
     assert not os.path.exists(tmp_path / "o3")
     lost = invoke("convert", str(tmp_path / "nowhere"), str(tmp_path / "o4"))
     assert lost.returncode == 2, lost.stderr
@@ -337,12 +373,48 @@ def test_out_an_empty_mounted_volume_is_written_in_place(tmp_path: Path, ckpt: P
         _same_model(ckpt, vol)
 
 
+def test_a_fresh_volume_holding_only_lost_found_is_an_empty_out(
+    tmp_path: Path, ckpt: Path
+) -> None:
+    with _tmpfs(tmp_path / "vol", "64m") as vol:
+        (vol / "lost+found").mkdir(mode=0o700)  # what mkfs.ext4 and mkfs.xfs leave
+        res = invoke("convert", str(ckpt), str(vol), "--no-verify")
+        assert res.returncode == 0, res.stderr
+        assert (vol / "lost+found").is_dir()
+        _same_model(ckpt, vol)
+        res = invoke("convert", str(ckpt), str(vol), "--no-verify")
+        assert res.returncode == 0 and "kept" in res.stdout, res.stderr
+    with _tmpfs(tmp_path / "used", "64m") as used:
+        (used / "lost+found").mkdir()
+        (used / "notes").write_text("mine")
+        res = invoke("convert", str(ckpt), str(used), "--no-verify")
+        assert res.returncode == 2 and "exists and is not empty (notes)" in res.stderr
+        # `rm -r` of a mount point removes lost+found, then fails: never advised
+        assert f"rm -r {used}" not in res.stderr and "it is a mount point" in res.stderr
+        assert "-exec rm -r --one-file-system" in res.stderr
+
+
+def test_a_full_volume_at_out_is_named_not_its_parent(
+    tmp_path: Path, ckpt: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real = output.shutil.disk_usage
+
+    def roomy(path: object) -> object:  # the check before writing is passed: the write fails
+        return real(path)._replace(free=1 << 40)  # type: ignore[arg-type]
+
+    with _tmpfs(tmp_path / "vol", "1m") as vol:
+        monkeypatch.setattr(output.shutil, "disk_usage", roomy)
+        with pytest.raises(FileSystemError) as err:
+            convert(ckpt, vol, NO_VERIFY)
+        assert f"no space left on the device holding {vol} " in err.value.message
+        assert f"df -h {vol}`" in (err.value.fix or "")
+        assert os.listdir(vol) == []
+
+
 def test_an_admins_out_keeps_its_owner_and_mode_and_nothing_is_more_readable(
     tmp_path: Path, ckpt: Path
 ) -> None:
-    for shard in ckpt.glob("*.safetensors"):
-        shard.chmod(0o600)
-    (ckpt / "config.json").chmod(0o440)
+    _private_shards(ckpt, config=0o440)
     new = tmp_path / "new"
     convert(ckpt, new, NO_VERIFY)
     for path in new.iterdir():
@@ -373,7 +445,10 @@ def killing(real):
     def call(src, dst, *a, **k):
         if Path(dst) == out or Path(dst).parent == out and not Path(dst).name.startswith("."):
             moved.append(dst)
-            if at == "rename" or len(moved) == 3:  # the third model file into OUT
+            if at == "renamed" or Path(dst).name == "config.json" and at == "moved":
+                real(src, dst, *a, **k)  # published: killed before the claim and lock go
+                os.kill(os.getpid(), signal.SIGKILL)
+            if at == "rename" or at == "moves" and len(moved) == 3:  # the third into OUT
                 os.kill(os.getpid(), signal.SIGKILL)
         return real(src, dst, *a, **k)
     return call
@@ -567,14 +642,79 @@ def test_what_a_killed_run_left_in_tmpdir_goes_with_the_next_run(
     assert not live.exists()
 
 
+def test_what_a_killed_run_left_is_removed_without_crossing_a_mount(
+    tmp_path: Path, ckpt: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import tempfile
+
+    from qwen_kvprep import childproc
+
+    precious = tmp_path / "precious"
+    (precious / "sub").mkdir(parents=True)
+    (precious / "data").write_text("mine")
+    (precious / "sub" / "more").write_text("mine too")
+    tmp = tmp_path / "tmp"
+    stale = tmp / "qwen_kvprep_verify_dead"
+    stale.mkdir(parents=True)
+    (stale / OWNER).write_text("1\n")  # not locked: its run was killed
+    (stale / "scratch").write_text("left")
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp))
+    with _bind(precious, stale / "original" / "view") as view:
+        assert childproc.sweep_tempdirs("qwen_kvprep_verify_") == [stale]
+        assert (view / "data").read_text() == "mine"  # the mount was not entered
+        assert not (stale / "scratch").exists() and not (stale / OWNER).exists()
+    # the staging folder a killed convert left, with a mount inside it: refused, not emptied
+    out = tmp_path / "out"
+    staging = output.staging_of(out)
+    output.atomic_write_text(output.Place(out, False).claim, output._CLAIM_HEAD + "\n")
+    staging.mkdir()
+    (staging / "scratch").write_text("left")
+    with _bind(precious, staging / "view"), pytest.raises(
+        FileSystemError, match="cannot be removed entirely"
+    ):
+        convert(ckpt, out, NO_VERIFY)
+    assert (precious / "data").read_text() == "mine"
+    assert (precious / "sub" / "more").read_text() == "mine too"
+    assert not out.exists()
+
+
+def test_a_kill_right_after_publishing_leaves_no_claim_or_lock_after_the_rerun(
+    tmp_path: Path, ckpt: Path
+) -> None:
+    out = tmp_path / "out"
+    child = subprocess.run([sys.executable, "-c", _KILL_AT, str(ckpt), str(out), "renamed"],
+                           cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert child.returncode == -9, child.stderr
+    assert sorted(os.listdir(tmp_path)) == [".out.convert-claim", ".out.convert-lock", "ckpt",
+                                            "out"]
+    result = invoke("convert", str(ckpt), str(out), "--no-verify")
+    assert result.returncode == 0, result.stderr
+    assert "kept" in result.stdout
+    assert sorted(os.listdir(tmp_path)) == ["ckpt", "out"]
+    # inside an existing OUT: every file moved in, then killed
+    admins = tmp_path / "admins"
+    admins.mkdir()
+    child = subprocess.run([sys.executable, "-c", _KILL_AT, str(ckpt), str(admins), "moved"],
+                           cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert child.returncode == -9, child.stderr
+    assert {".qwen-kvprep-convert-claim", ".qwen-kvprep-convert-lock"} <= set(
+        os.listdir(admins))
+    before = {n: (admins / n).stat().st_ino for n in os.listdir(admins) if n[0] != "."}
+    result = invoke("convert", str(ckpt), str(admins), "--no-verify")
+    assert result.returncode == 0 and "kept" in result.stdout, result.stderr
+    assert {n: (admins / n).stat().st_ino for n in os.listdir(admins)} == before
+    # another convert of OUT running: its lock and claim stay
+    output.atomic_write_text(output.Place(out, False).claim, output._CLAIM_HEAD + "\n")
+    with output.filelock.FileLock(str(output.Place(out, False).lock)):
+        assert invoke("convert", str(ckpt), str(out), "--no-verify").returncode == 0
+        assert output.Place(out, False).claim.is_file()
+
+
 def test_the_space_a_killed_run_holds_counts_as_free_for_the_rerun(
     tmp_path: Path, ckpt: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     out = tmp_path / "out"
-    child = subprocess.run(
-        [sys.executable, "-c", _KILL_AFTER_FIRST_SHARD, str(ckpt), str(out)],
-        cwd=REPO, capture_output=True, text=True, timeout=300,
-    )
+    child = _killed_after_first_shard(ckpt, out)
     assert child.returncode == -9, child.stderr
     staging = output.staging_of(out)
     held = sum(p.stat().st_blocks * 512 for p in staging.iterdir() if p.is_file())

@@ -147,7 +147,11 @@ def test_a_proof_that_runs_out_of_time_says_so(fp32: tuple[Path, Path]) -> None:
 @pytest.mark.slow
 def test_layers_that_do_not_fit_are_named_as_skipped(fp32: tuple[Path, Path]) -> None:
     src, out = fp32
-    result = verify(src, out, timeout=600, context_factor=None, layers=1)
+    phases: list[str] = []
+    result = verify(src, out, timeout=600, context_factor=None, layers=1,
+                    on_phase=phases.append)
+    # after the last block the heads run: the progress says so, not "block 1/1" still
+    assert phases[phases.index("block 1/1") + 1].startswith("running both models' heads")
     assert result.ok, "\n".join(result.lines)
     (fit,) = _by_id(result, "verify.fit")
     assert "first 1 of 2 layers" in fit.message

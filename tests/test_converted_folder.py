@@ -154,3 +154,80 @@ def test_a_conversion_that_differs_is_still_refused_and_says_why(
     res = invoke("convert", str(ckpt), str(out), "--no-verify")
     assert res.returncode == 2
     assert "DIR's files changed since: generation_config.json (changed)" in res.stderr
+
+
+FOREIGN = '{"generated_by": "someone else\'s pipeline", "format": 1}\n'
+
+
+def test_a_foreign_provenance_json_is_named_and_otherwise_ignored(
+    pair: tuple[Path, Path], tmp_path: Path
+) -> None:
+    ckpt, out = pair
+    # a Qwen (v1) checkpoint holding another tool's provenance.json: judged as any other
+    (ckpt / "provenance.json").write_text(FOREIGN)
+    res = invoke("doctor", str(ckpt), "--json", "--check", "convert.provenance",
+                 "--check", "checkpoint.identity")
+    found = {f["id"]: f for f in document(res)["findings"]}
+    assert found["convert.provenance"]["severity"] == "info", found
+    assert "is not a record qwen-kvprep convert wrote" in found["convert.provenance"]["message"]
+    assert found["checkpoint.identity"]["severity"] == "ok", found
+    res = invoke("smoke", str(ckpt), "--engine", "vllm")
+    assert res.returncode == 2 and "a provenance.json that is not convert's" in res.stderr
+    # a Qwen2 folder holding one is not a folder convert wrote
+    (out / "provenance.json").write_text(FOREIGN)
+    res = invoke("fix", "--no-build", str(out))
+    assert res.returncode != 0
+    assert "wrote from" not in res.stderr and "another tool's" in res.stderr, res.stderr
+    res = kvprep("prestart", str(out), "--", "sh", "-c", "exit 0")
+    assert "wrote from" not in res.stderr and "another tool's" in res.stderr, res.stderr
+
+
+def test_every_input_counts_for_the_same_convert_again(tmp_path: Path) -> None:
+    ckpt = generate_checkpoint(tmp_path / "ckpt", shards=2)
+    gen = (ckpt / "generation_config.json").read_bytes()
+    (ckpt / "generation_config.json").unlink()  # optional: a base model may lack it
+    out = tmp_path / "out"
+    convert(ckpt, out, ConvertOptions(verify=False))
+    source = json.loads((out / "provenance.json").read_text())["source"]
+    assert "generation_config.json" in source["absent"]  # considered, and absent
+    assert (source["device"], source["inode"]) == (ckpt.stat().st_dev, ckpt.stat().st_ino)
+    assert invoke("convert", str(ckpt), str(out), "--no-verify").returncode == 0
+    # DIR gains it: a fresh convert would write another OUT (chat template, eos ids)
+    (ckpt / "generation_config.json").write_bytes(gen)
+    res = invoke("convert", str(ckpt), str(out), "--no-verify")
+    assert res.returncode == 2, res.stdout
+    assert "generation_config.json (changed)" in res.stderr
+    (ckpt / "generation_config.json").unlink()
+    # an extra folder in OUT is not what convert wrote
+    (out / "extra").mkdir()
+    res = invoke("convert", str(ckpt), str(out), "--no-verify")
+    assert res.returncode == 2 and "files convert did not write: extra" in res.stderr
+    (out / "extra").rmdir()
+    # the same folder is the one recorded by device and inode, wherever it is now ...
+    moved = tmp_path / "moved"
+    ckpt.rename(moved)
+    res = invoke("convert", str(moved), str(out), "--no-verify")
+    assert res.returncode == 0, res.stderr
+    # ... and another folder put at the recorded path is not it, however alike
+    os.mkdir(ckpt)
+    for path in moved.iterdir():
+        os.link(path, ckpt / path.name)  # the very files, in another folder
+    res = invoke("convert", str(ckpt), str(out), "--no-verify")
+    assert res.returncode == 2
+    assert f"it was converted from {ckpt} (another folder than the one there now)" in res.stderr
+
+
+def test_a_record_without_absent_inputs_or_dir_identity_still_serves(
+    pair: tuple[Path, Path]
+) -> None:
+    ckpt, out = pair  # as an older release wrote it: every input DIR had is in `files`
+    rec = json.loads((out / "provenance.json").read_text())
+    for key in ("absent", "device", "inode"):
+        del rec["source"][key]
+    (out / "provenance.json").write_text(json.dumps(rec))
+    res = invoke("convert", str(ckpt), str(out), "--no-verify")
+    assert res.returncode == 0 and "kept" in res.stdout, res.stderr
+    doc = document(invoke("doctor", str(out), "--json"))
+    assert {f["id"]: f["severity"] for f in doc["findings"]}["convert.provenance"] == "ok"
+    (ckpt / "extra_input").write_text("")  # not an input: nothing to say
+    assert invoke("convert", str(ckpt), str(out), "--no-verify").returncode == 0

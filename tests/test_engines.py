@@ -6,6 +6,7 @@ vllm`: CI's engine stage)."""
 from __future__ import annotations
 
 import json
+import math
 import shlex
 import sys
 from collections.abc import Iterator
@@ -27,7 +28,7 @@ from qwen_kvprep.engines.vllm_child import VllmChildResult
 from qwen_kvprep.tiny import generate_checkpoint
 from tests import needs
 from tests.cli import document, kvprep
-from tests.convert_kit import converted, corrupt
+from tests.convert_kit import converted, corrupt, flip_exponent_bit, rerecord
 
 
 def _run(prompt: int, tokens: list[int], lp: float = -0.5, gap: float = 1.0) -> Run:
@@ -206,8 +207,11 @@ def _engine(tokens: list[int]) -> VllmChildResult:
 
 def _judged(ref: ReferenceResult, engine: VllmChildResult) -> EngineSmokeReport:
     report = EngineSmokeReport("vllm")
-    _judge(report, ref, engine, EngineSmokeOptions(engine="vllm", new_tokens=4))
+    _judge(report, ref, engine, EngineSmokeOptions(engine="vllm", new_tokens=4), VOCAB)
     return report
+
+
+VOCAB = 151_851
 
 
 def test_the_engine_smoke_fails_where_tokens_part_at_no_tie_and_tables_the_caches() -> None:
@@ -227,11 +231,58 @@ def test_the_engine_smoke_fails_where_tokens_part_at_no_tie_and_tables_the_cache
     assert tied.ok  # the reference's top two within float32 rounding: either is right
     alone = EngineSmokeReport("transformers")
     _judge(alone, {**_reference([1, 2, 3, 4], gap=0.5), "original": None}, None,
-           EngineSmokeOptions(new_tokens=4))
+           EngineSmokeOptions(new_tokens=4), VOCAB)
     assert [f.severity.value for f in alone.findings] == ["warn"]
     original = _judged(_reference([1, 9, 3, 4], gap=0.5), _engine([1, 2, 3, 4]))
     assert not original.ok and "transformers against original" in " ".join(
         f.message for f in original.findings)
+
+
+def test_the_same_tokens_with_log_probabilities_past_rounding_fail() -> None:
+    # largest |logit| 10: float32 explains 1e-5 * (3 * 10 + ln V) = 4.2e-4 of |Δ log p|
+    bound = cmp.bounds(1e-5, 10.0, VOCAB)
+    assert bound.tie == pytest.approx(1e-4)
+    assert bound.logprob == pytest.approx(1e-5 * (30 + math.log(VOCAB)))
+    ref = _reference([1, 2, 3, 4], gap=0.5)
+    assert _judged(ref, _engine([1, 2, 3, 4])).ok
+    # rms_norm_eps 1e-6 -> 1e-5 in OUT's config.json: the tokens hold, log p moves 0.0034
+    shifted = _backend([_run(0, [1, 2, 3, 4], lp=-0.5034), _run(1, [5, 6, 7, 8])])
+    for other in ({**ref, "converted": shifted}, ref):
+        engine = _engine([1, 2, 3, 4])
+        if other is ref:  # the engine's own numbers moved
+            engine["runs"][0]["backend"] = shifted
+        report = _judged(other, engine)
+        assert not report.ok and report.parity["ok"] is False
+        bad = [f for f in report.findings if f.severity.value == "fail"]
+        assert bad and all(f.id == "engine.parity" for f in bad)
+        assert "the same greedy tokens, but their log-probabilities differ by up to 0.0034" in (
+            bad[0].message)
+    # rounding, and a NaN that compares as no difference
+    close = _backend([_run(0, [1, 2, 3, 4], lp=-0.5 + 1e-6), _run(1, [5, 6, 7, 8])])
+    assert _judged({**ref, "converted": close}, _engine([1, 2, 3, 4])).ok
+    nan = _backend([_run(0, [1, 2, 3, 4], lp=math.nan), _run(1, [5, 6, 7, 8])])
+    report = _judged({**ref, "converted": nan}, _engine([1, 2, 3, 4]))
+    assert not report.ok
+    json.dumps(report.to_json(), allow_nan=False)  # strict JSON: null where it is NaN
+
+
+def test_a_corrupt_weight_cannot_widen_the_tie_limit() -> None:
+    # one exponent bit flipped in lm_head: OUT's largest logit 6.8e36; the limit stays
+    # float32 rounding of the original's logits, and such logits fail on their own
+    ref = _reference([1, 2, 9, 4], gap=0.5)
+    corrupt = {**ref, "converted": {**ref["converted"], "scale": 6.8e36}}
+    report = _judged(corrupt, _engine([1, 2, 3, 4]))  # type: ignore[arg-type]
+    assert not report.ok and report.parity["tie_below"] == pytest.approx(1e-4)
+    messages = " ".join(f.message for f in report.findings if f.severity.value == "fail")
+    assert "OUT's logits reach 6.8e+36" in messages
+    assert "transformers against original: the tokens part" in messages
+    # without the original, nothing bounds OUT by a sane model but the limit itself
+    alone = {**corrupt, "original": None}
+    report = _judged(alone, _engine([1, 2, 3, 4]))  # type: ignore[arg-type]
+    assert not report.ok and report.parity["tie_below"] == pytest.approx(1e-5 * cmp.LOGIT_LIMIT)
+    for scale in (math.inf, math.nan, 1e4):
+        assert cmp.absurd(scale)
+    assert not cmp.absurd(50.0) and not cmp.absurd(None)
 
 
 def test_the_kv_reservation_is_sized_to_the_job() -> None:
@@ -401,6 +452,56 @@ def test_engine_smoke_transformers_compares_out_with_the_original(
     assert res.returncode == 1
     assert any(f["id"] == "convert.provenance" and f["severity"] == "fail"
                for f in document(res)["findings"])
+
+
+def _copy(out: Path, tmp_path: Path) -> Path:
+    import shutil
+
+    copy = tmp_path / "out"
+    shutil.copytree(out, copy)
+    return copy
+
+
+def _failed_smoke(out: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The smoke's document (it must exit 1) and its failed findings."""
+    res = kvprep("smoke", str(out), "--json", "--max-new-tokens", "6", timeout=600)
+    doc = document(res)
+    assert res.returncode == 1, res.stdout
+    return doc, [f for f in doc["findings"] if f["severity"] == "fail"]
+
+
+@pytest.mark.slow
+def test_engine_smoke_fails_on_a_config_change_its_record_was_rewritten_to_match(
+    wide: tuple[Path, Path], tmp_path: Path
+) -> None:
+    out = _copy(wide[1], tmp_path)
+    config = json.loads((out / "config.json").read_text())
+    # 1e-6 -> 1e-3: this model's hidden states have an rms of about 1, so its log p move
+    # some 2e-3 (4x what float32 rounding explains at its logits of 14), its greedy tokens
+    # not at all
+    config["rms_norm_eps"] = 1e-3
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    rerecord(out)
+    doc, (bad,) = _failed_smoke(out)
+    assert bad["id"] == "engine.parity" and "the same greedy tokens, but" in bad["message"]
+    (pair,) = doc["parity"]["pairs"]
+    assert all(p["first_divergence"] is None for p in pair["prompts"])
+    assert doc["parity"]["ok"] is False
+
+
+@pytest.mark.slow
+def test_engine_smoke_fails_on_a_flipped_exponent_bit_its_record_was_rewritten_to_match(
+    wide: tuple[Path, Path], tmp_path: Path
+) -> None:
+    out = _copy(wide[1], tmp_path)
+    flip_exponent_bit(out)
+    _doc, (bad,) = _failed_smoke(out)  # the record, hashed first, names the shard
+    assert bad["id"] == "convert.provenance" and "model.safetensors" in bad["message"]
+    rerecord(out)  # and with the record rewritten to match, the numbers do
+    doc, failed = _failed_smoke(out)
+    messages = " ".join(f["message"] for f in failed)
+    assert "OUT's logits reach" in messages, messages
+    assert doc["parity"]["tie_below"] < 1e-2
 
 
 @pytest.mark.slow

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Optional
 
 from qwen_kvprep.common import ENV_CACHE
-from qwen_kvprep.errors import CacheError
+from qwen_kvprep.errors import EXIT_USAGE, CacheError
 from qwen_kvprep.fsutil import fsync_dir
 from qwen_kvprep.untrusted import kind_of, read_record
 
@@ -51,6 +51,14 @@ _ROOT_EXTRA = re.compile(rf"\.prune-test\.[0-9]+|{re.escape(MARKER)}\..+\.tmp")
 
 class NotACache(CacheError):
     """The folder named as the build cache is not one (or not one this tool can trust)."""
+
+
+class CacheNotAFolder(NotACache):
+    """What was named as the build cache is a file, a FIFO, a device: a mistake in the
+    naming, a usage error (2) whether --cache-dir or $QWEN_KVPREP_CACHE named it, as click
+    makes it of the option."""
+
+    exit_code = EXIT_USAGE
 
 
 def _next_step(root: Path) -> str:
@@ -178,7 +186,7 @@ def identify(root: Path) -> CacheIdentity:
     except OSError as exc:
         raise refuse(root, f"it cannot be read ({exc.strerror})") from exc
     if not stat.S_ISDIR(st.st_mode):
-        raise NotACache.failing(
+        raise CacheNotAFolder.failing(
             "build.cache",
             f"the build cache {root} is not a folder (it is {_kind(st.st_mode)})",
             _next_step(root),

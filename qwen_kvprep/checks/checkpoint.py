@@ -43,6 +43,7 @@ from qwen_kvprep.probe.checkpoint import (
 )
 from qwen_kvprep.probe.env import version_tuple
 from qwen_kvprep.probe.facts import Facts
+from qwen_kvprep.provenance import PROVENANCE
 
 # Used in fix commands when the checkpoint's repo is unknown; the fix says to replace it.
 PLACEHOLDER_REPO = "Qwen/Qwen-7B-Chat"
@@ -217,8 +218,10 @@ def identity(facts: Facts) -> CheckResult:
             paths=[cp.path], kind="converted", model_type=found.model_type,
         )
     if kind is Kind.QWEN2:
+        foreign = (f" (its {PROVENANCE} is another tool's, not a record qwen-kvprep convert "
+                   "wrote: it is ignored)") if PROVENANCE in cp.files else ""
         return fail(
-            f"{CONFIG} has {shown}: a Qwen1.5/Qwen2/Qwen2.5 checkpoint, which runs on "
+            f"{CONFIG} has {shown}: a Qwen1.5/Qwen2/Qwen2.5 checkpoint{foreign}, which runs on "
             "transformers' own Qwen2 code. That code has no Int8 KV cache (no "
             "use_cache_quantization, no kernel), and qwen-kvprep prepares only Qwen (v1) "
             "checkpoints (model_type \"qwen\"): nothing here applies to this folder",

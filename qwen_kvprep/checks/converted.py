@@ -6,10 +6,11 @@ from __future__ import annotations
 import shlex
 
 from qwen_kvprep.checks.registry import CONVERTED, check, converted_of
-from qwen_kvprep.checks.verdicts import fail, ok, warn
+from qwen_kvprep.checks.verdicts import fail, info, ok, warn
 from qwen_kvprep.findings import FindingsLike
-from qwen_kvprep.probe.converted import FileState
+from qwen_kvprep.probe.converted import HASH_LIMIT, QUICK, FileState
 from qwen_kvprep.probe.facts import Facts
+from qwen_kvprep.provenance import PROVENANCE
 
 # a change to one of these changes the model; the others (configs, tokenizer) may be edits
 _WEIGHTS = (".safetensors", ".bin")
@@ -28,6 +29,12 @@ def _names(states: list[FileState]) -> str:
 def provenance(facts: Facts) -> FindingsLike:
     cv = converted_of(facts)
     out = shlex.quote(str(cv.path))
+    if cv.foreign is not None:
+        return info(
+            f"{cv.path / PROVENANCE} is not a record qwen-kvprep convert wrote ({cv.foreign}): "
+            "it is ignored, and the folder is judged as any other",
+            paths=[cv.path],
+        )
     if cv.provenance is None:
         return fail(
             f"{cv.error}",
@@ -71,9 +78,23 @@ def provenance(facts: Facts) -> FindingsLike:
             paths=[cv.path, rec.source_path], files={s.name: s.state for s in changed},
         )
     extra = f"; files convert did not write: {', '.join(cv.unrecorded)}" if cv.unrecorded else ""
-    how = sorted({s.how for s in (*cv.sources, *cv.outputs)})
     return ok(
         f"{words}: it still matches the source ({len(cv.sources)} files) and is as convert "
-        f"wrote it ({len(cv.outputs)} files), judged by {' and '.join(how)}; {exact}{extra}",
+        f"wrote it ({len(cv.outputs)} files), {judged_by([*cv.sources, *cv.outputs], out)}; "
+        f"{exact}{extra}",
         paths=[cv.path],
+    )
+
+
+def judged_by(states: list[FileState], out: str) -> str:
+    """How the files were judged, in words: a file over HASH_LIMIT whose size and time
+    match the record is not read, so a change that kept both is not seen; the smoke
+    hashes every file before it starts."""
+    quick = sum(1 for s in states if s.how == QUICK)
+    if not quick:
+        return f"each judged by its sha256 ({len(states)} files)"
+    return (
+        f"judged by sha256 ({len(states) - quick} files) and by size and modification time "
+        f"only ({quick} files over {HASH_LIMIT >> 20} MiB, not read: a change that kept both "
+        f"is not seen here; `qwen-kvprep smoke {out}` hashes every file before it starts)"
     )

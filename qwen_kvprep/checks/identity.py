@@ -14,7 +14,6 @@ from typing import Optional
 
 from qwen_kvprep.configjson import CONFIG
 from qwen_kvprep.probe.checkpoint import REMOTE_CODE_FILES, TIKTOKEN, CheckpointFacts
-from qwen_kvprep.provenance import PROVENANCE
 
 
 class Kind(Enum):
@@ -41,7 +40,8 @@ class Identity:
     model_type: Optional[str] = None  # config.json's, when it names one
     # a huggingface_hub cache snapshot (files linked into blobs/ shared by revisions)
     snapshot: bool = False
-    # a Qwen2 checkpoint `qwen-kvprep convert` wrote (its provenance.json is there): served
+    # a Qwen2 checkpoint `qwen-kvprep convert` wrote (its provenance.json is there and says
+    # so; another tool's file of that name does not count): served
     # natively, so fix, prestart and convert have nothing to do with it
     converted: bool = False
 
@@ -71,7 +71,7 @@ def identify(cp: CheckpointFacts) -> Identity:
         if model_type == "qwen":
             return Identity(Kind.QWEN_V1_GPTQ if cp.gptq else Kind.QWEN_V1, model_type, snapshot)
         if model_type in QWEN2_TYPES:
-            return Identity(Kind.QWEN2, model_type, snapshot, PROVENANCE in cp.files)
+            return Identity(Kind.QWEN2, model_type, snapshot, cp.provenance_ours)
         return Identity(Kind.OTHER, model_type, snapshot)
     if not cp.files and not cp.dangling and not cp.special:
         return Identity(Kind.EMPTY, snapshot=snapshot)

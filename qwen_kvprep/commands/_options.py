@@ -98,9 +98,11 @@ def _check_arch(
 
 
 
-def check_seconds(ctx: click.Context, param: click.Parameter, value: Optional[float]) -> object:
-    """A number of seconds given as an option, refused (nan, inf, negative) before any work."""
+def check_seconds(ctx: click.Context, param: click.Parameter, value: Optional[str]) -> object:
+    """A number of seconds given as an option (type=str: the text as typed, which a refusal
+    quotes; 1e309 read as a float first would be quoted as 'inf'), refused (nan, inf,
+    negative) before any work."""
     from qwen_kvprep.buildcache.lock import seconds
 
     name = "--" + (param.name or "").replace("_", "-")
-    return None if value is None else seconds(str(value), name)
+    return None if value is None else seconds(value, name)

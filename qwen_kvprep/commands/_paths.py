@@ -26,12 +26,23 @@ class NonEmptyPath(click.Path):
     ) -> Union[str, bytes, os.PathLike[str]]:
         if isinstance(value, str) and not value.strip():
             self.fail(EMPTY, param, ctx)
-        converted = super().convert(value, param, ctx)
-        if not self.file_okay:
+        if not self.file_okay:  # before click's own check, which says only "is a file"
             try:
                 mode = os.stat(value).st_mode
             except OSError:
-                return converted  # absent (created later) or unreadable: judged where used
+                mode = stat.S_IFDIR  # absent (created later) or unreadable: judged where used
             if not stat.S_ISDIR(mode):
-                self.fail(f"{os.fspath(value)!r} is {kind_of(mode)}, not a folder", param, ctx)
-        return converted
+                what = "a file" if stat.S_ISREG(mode) else kind_of(mode)
+                self.fail(f"{_named(param, ctx)}{os.fspath(value)!r} is {what}, not a folder",
+                          param, ctx)
+        return super().convert(value, param, ctx)
+
+
+def _named(param: Optional[click.Parameter], ctx: Optional[click.Context]) -> str:
+    """"$VAR: " when the value came from an environment variable (click's message names
+    only the option)."""
+    envvar = getattr(param, "envvar", None)
+    if ctx is None or param is None or param.name is None or not isinstance(envvar, str):
+        return ""
+    source = getattr(ctx, "get_parameter_source", lambda _name: None)(param.name)
+    return f"${envvar}: " if getattr(source, "name", "") == "ENVIRONMENT" else ""

@@ -28,7 +28,7 @@ from qwen_kvprep.smoke.progress import step_log
 @click.option("--source-dir", type=click.Path(exists=True, file_okay=False, path_type=Path),
               help="Build the kernel sources in this folder (default: qwen-kvprep's own).")
 @click.option("--force", is_flag=True, help="Rebuild even if the cache has this build.")
-@click.option("--lock-timeout", type=float, metavar="SECONDS", callback=check_seconds,
+@click.option("--lock-timeout", type=str, metavar="SECONDS", callback=check_seconds,
               help="Longest wait for another build of the same key (default: "
               "$QWEN_KVPREP_LOCK_TIMEOUT, else 600).")
 @click.option(

@@ -39,7 +39,8 @@ def _size(value: Optional[str]) -> Optional[int]:
     if not math.isfinite(n):
         raise UsageError(f"--max-shard-size {value}: a finite size such as 5GB")
     if n < 1:
-        raise UsageError(f"--max-shard-size {value}: it must be positive")
+        raise UsageError(f"--max-shard-size {value}: a shard holds at least one byte (and "
+                         "at least one tensor, whatever the size)")
     return int(n)
 
 

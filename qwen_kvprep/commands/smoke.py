@@ -17,7 +17,7 @@ from qwen_kvprep.commands._numbers import FiniteFloatRange
 from qwen_kvprep.commands._smoke import device_available, engine_smoke
 from qwen_kvprep.engines.protocol import ENGINES
 from qwen_kvprep.findings import warn
-from qwen_kvprep.provenance import PROVENANCE
+from qwen_kvprep.provenance import ours
 from qwen_kvprep.smoke import SmokeOptions, smoke_and_record
 from qwen_kvprep.smoke.progress import log_phases, phase_progress, step_log
 from qwen_kvprep.smoke.protocol import (
@@ -78,7 +78,7 @@ def smoke(
     process), check every layer uses the quantized cache through the compiled kernel,
     compare greedy output with the unquantized cache, and measure what it saves."""
     path, spelt = checkpoint_dir(directory, revision)
-    if engine != "transformers" or (path / PROVENANCE).is_file():
+    if engine != "transformers" or ours(path):
         engine_smoke(path, engine, max_new_tokens, timeout, prompt=prompt, device=device)
     # what would make the child fail for a reason that is not the cache's, said before it
     # starts (a failed smoke replaces a passing verdict in the state)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from qwen_kvprep.convert.output import own_names
 from qwen_kvprep.probe.converted import ConvertedFacts, FileState, probe_converted
 from qwen_kvprep.provenance import PROVENANCE, Provenance
 
@@ -30,6 +31,19 @@ class Asked:
     context_factor: Optional[float] = None
     rope_scaling: Optional[str] = None
     verify: bool = True
+
+
+def _same_source(rec: Provenance, directory: Path) -> bool:
+    """Whether `directory` is the folder OUT was made from: its device and inode as
+    recorded (however it is spelt or wherever it moved), else (an older record) the
+    folder at the recorded path."""
+    if rec.source_identity is None:
+        return same_place(Path(rec.source_path), directory)
+    try:
+        st = os.stat(directory)
+    except OSError:
+        return False
+    return (st.st_dev, st.st_ino) == rec.source_identity
 
 
 def same_place(a: Path, b: Path) -> bool:
@@ -70,8 +84,10 @@ def mismatch(directory: Path, cv: ConvertedFacts, asked: Asked) -> Optional[str]
     rec = cv.provenance
     if rec is None:
         return f"its {PROVENANCE} cannot be trusted ({cv.error})"
-    if not same_place(Path(rec.source_path), directory):
-        return f"it was converted from {rec.source_path}, not from {directory}"
+    if not _same_source(rec, directory):
+        return f"it was converted from {rec.source_path}" + (
+            " (another folder than the one there now)" if same_place(
+                Path(rec.source_path), directory) else "") + f", not from {directory}"
     done = _recorded(rec)
     for what, was, now in (
         ("--max-shard-size", done.max_shard_size, asked.max_shard_size),
@@ -90,8 +106,9 @@ def mismatch(directory: Path, cv: ConvertedFacts, asked: Asked) -> Optional[str]
     out = _changed(cv.outputs)
     if out:
         return f"its files are no longer what convert wrote: {', '.join(out[:3])}"
-    if cv.unrecorded:
-        return f"it holds files convert did not write: {', '.join(cv.unrecorded[:3])}"
+    foreign = [n for n in cv.unrecorded if n not in own_names(cv.path)]  # a kill's: tidy()
+    if foreign:
+        return f"it holds files convert did not write: {', '.join(foreign[:3])}"
     return None
 
 
@@ -100,8 +117,8 @@ def completed(directory: Path, out: Path, asked: Asked) -> tuple[Optional[Proven
     OUT holds no conversion at all)."""
     if os.path.islink(out) or not os.path.isdir(out):
         return None, ""
-    cv = probe_converted(out)
-    if cv is None:
+    cv = probe_converted(out, source=directory)
+    if cv is None or cv.foreign is not None:
         return None, ""
     why = mismatch(directory, cv, asked)
     return (cv.provenance, "") if why is None else (None, why)

@@ -434,9 +434,11 @@ def prove(
     layers: Optional[int] = None,
     device: str = "cpu",
     on_block: Optional[Callable[[int, int], None]] = None,
+    on_head: Optional[Callable[[], None]] = None,
 ) -> BlockProof:
     """Run the prompts `rows` (token ids) through both models block by block (module
-    doc), each alone."""
+    doc), each alone. `on_block(done, n)` after each block, `on_head()` before the heads
+    (a 152k-token head is a long step of its own)."""
     import torch
 
     n = layers_total if layers is None else min(layers, layers_total)
@@ -478,6 +480,8 @@ def prove(
         blocks.append(diff(torch.cat([h[0] for h in ha]), torch.cat([h[0] for h in hb])))
         if on_block is not None:
             on_block(i + 1, n)
+    if on_head is not None:
+        on_head()
     tops_a = [f"{a.norm}.weight", f"{a.head}.weight"]
     tops_b = [f"{b.norm}.weight", f"{b.head}.weight"]
     ta, tb = check(tops_a, tops_b)

@@ -202,7 +202,7 @@ def generation_config(gen: SourceGeneration, vocab: Vocabulary) -> JSONObject:
     return out
 
 
-def write_generation_config(src: Path, dst: Path) -> list[str]:
+def write_generation_config(src: Path, dst: Path, mode: Optional[int] = None) -> list[str]:
     """Write dst/generation_config.json from src's (atomically); the file names written.
     Raises CheckpointError for a bad source file or one at odds with qwen.tiktoken."""
     gen = read_source_generation(src)
@@ -210,5 +210,5 @@ def write_generation_config(src: Path, dst: Path) -> list[str]:
     vocab = read_tiktoken(src / TIKTOKEN, merges=False)
     check_special_ids(src, gen, vocab)
     text = json.dumps(generation_config(gen, vocab), indent=2) + "\n"
-    atomic_write_text(dst / GENERATION_CONFIG, text)
+    atomic_write_text(dst / GENERATION_CONFIG, text, mode=mode)
     return [GENERATION_CONFIG]

@@ -22,9 +22,12 @@
   staging folder, the files its claim lists) is removed and the conversion starts afresh,
   so the same command finishes what a kill cut short; and OUT is checked again, so a
   second convert that waited says that another one finished OUT. A folder at the staging
-  name without our claim is not ours: refused, never removed.
+  name without our claim is not ours: refused, never removed. The claim and lock a kill
+  right after publishing left with a complete OUT are removed by the next run (`tidy`).
 - No output file is more readable than what it is made from: the weights keep at most the
-  modes of DIR's weight files, the other files at most those of DIR's config.json.
+  modes of DIR's weight files, the other files at most those of DIR's config.json. Not
+  even while staged: files are created with those modes, in a staging folder of mode 0700
+  (given a new folder's mode only as it becomes OUT), so a kill leaves nothing readable.
 """
 
 from __future__ import annotations
@@ -50,7 +53,8 @@ from qwen_kvprep.errors import (
     UsageError,
     os_failure,
 )
-from qwen_kvprep.fsutil import TEMP_NAME, atomic_write_text, fsync_dir
+from qwen_kvprep.fsutil import TEMP_NAME, atomic_write_text, fsync_dir, is_mount, remove_tree
+from qwen_kvprep.probe.converted import LOST_FOUND
 
 STAGING_SUFFIX = ".convert-partial"
 LOCK_SUFFIX = ".convert-lock"
@@ -153,12 +157,19 @@ def _ours(place: Place, name: str, claimed: Sequence[str]) -> bool:
 
 
 def _foreign(place: Place) -> list[str]:
-    """OUT's entries that are not convert's own staging, lock and claim."""
+    """OUT's entries that are not convert's own staging, lock and claim, nor the
+    lost+found folder of a freshly formatted volume (ext4, xfs) mounted at OUT."""
     entries = os.listdir(place.out)
     if not place.inside:
         return entries
     claimed = _claimed(place) or []
-    return [e for e in entries if not _ours(place, e, claimed)]
+    fresh = LOST_FOUND in entries and _real_dir(place.out / LOST_FOUND) and is_mount(place.out)
+    return [e for e in entries if not _ours(place, e, claimed)
+            and not (fresh and e == LOST_FOUND)]
+
+
+def _real_dir(path: Path) -> bool:
+    return path.is_dir() and not path.is_symlink()
 
 
 def check_out(src: Path, out: Path) -> None:
@@ -205,11 +216,19 @@ def check_out(src: Path, out: Path) -> None:
 def _not_empty(out: Path, entries: list[str]) -> UsageError:
     q = shlex.quote
     shown = ", ".join(sorted(entries)[:3]) + (" ..." if len(entries) > 3 else "")
+    if is_mount(out):  # `rm -r` of it would empty it, lost+found too, then fail (EBUSY)
+        fix = (
+            f"name a new folder, or, if what it holds is not needed, empty it (it is a mount "
+            f"point: the folder itself stays): find {q(str(out))} -mindepth 1 -maxdepth 1 ! "
+            f"-name {LOST_FOUND} -exec rm -r --one-file-system {{}} +"
+        )
+    else:
+        fix = (f"name a new folder, or remove this one first (rm -r {q(str(out))}) if it "
+               "holds nothing you need")
     return UsageError(
         f"OUT {out} exists and is not empty ({shown}): convert writes a new folder "
         "and never mixes its files with others",
-        fix=f"name a new folder, or remove this one first (rm -r {q(str(out))}) if it "
-        "holds nothing you need",
+        fix=fix,
     )
 
 
@@ -256,12 +275,14 @@ def _size(n: int) -> str:
 
 
 def no_space(exc: OSError, out: Path) -> KvprepError:
-    """The error for a write refused with ENOSPC (or any OSError) while staging OUT."""
-    err = os_failure(exc, out.parent, output_option=False)
+    """The error for a write refused with ENOSPC (or any OSError) while staging OUT: the
+    device named is the one written, OUT's own when OUT exists (a mounted volume)."""
+    where = place_of(out).base
+    err = os_failure(exc, where, output_option=False)
     if "no space left" in err.message:
         err.fix = (
-            f"free some space on the device holding {out.parent} (`df -h "
-            f"{shlex.quote(str(out.parent))}`) and run the same command again: it starts "
+            f"free some space on the device holding {where} (`df -h "
+            f"{shlex.quote(str(where))}`) and run the same command again: it starts "
             "afresh (the partial output was removed)"
         )
     return err
@@ -291,7 +312,9 @@ def staged(out: Path, timeout: float = 0.0) -> Iterator[Path]:
             _clear_stale(place)
             _check_again(place)
             atomic_write_text(place.claim, _CLAIM_HEAD + "\n")
-            place.staging.mkdir()
+            # the owner's alone until published: nobody else reads a file staged in it,
+            # during the run or after a kill (a setgid bit of the folder above stays)
+            place.staging.mkdir(0o700)
         except OSError as exc:
             raise os_failure(exc, place.base, output_option=False) from exc
         try:
@@ -303,6 +326,46 @@ def staged(out: Path, timeout: float = 0.0) -> Iterator[Path]:
     finally:
         with contextlib.suppress(OSError):
             place.lock.unlink()  # while held: a waiter then finds OUT complete and refuses
+        lock.release()
+
+
+def tidy(out: Path) -> None:
+    """Remove what a convert killed right after publishing left with the complete OUT:
+    the claim and lock beside it (its staging folder is OUT now), or inside it the claim,
+    the lock and the emptied staging folder. Only under the lock, taken without waiting:
+    a convert that holds it is running, and its files stay. What is not ours stays, and
+    so does a staging folder that still holds anything (staged() judges it)."""
+    for place in (Place(out, False), Place(out, True)):
+        if any(os.path.lexists(p) for p in (place.claim, place.lock, place.staging)):
+            _tidy(place)
+
+
+def own_names(out: Path) -> set[str]:
+    """The names of convert's own files inside an existing OUT (staging, claim, lock)."""
+    place = Place(out, True)
+    return {place.staging.name, place.claim.name, place.lock.name}
+
+
+def _tidy(place: Place) -> None:
+    lock = filelock.FileLock(str(place.lock), timeout=0)
+    try:
+        lock.acquire()
+    except (filelock.Timeout, OSError):
+        return
+    try:
+        claimed = _claimed(place) is not None
+        if os.path.lexists(place.staging):
+            if not claimed or not _real_dir(place.staging) or os.listdir(place.staging):
+                return
+            place.staging.rmdir()
+        if claimed:
+            place.claim.unlink()
+        if not os.path.lexists(place.claim):
+            place.lock.unlink()  # while held, as staged() does
+        fsync_dir(place.base)
+    except OSError:
+        pass  # a folder that is not writable: they stay, as harmless as before
+    finally:
         lock.release()
 
 
@@ -341,10 +404,13 @@ def _clear_stale(place: Place) -> None:
                 fix=f"move it away (it is the name convert stages OUT in): mv "
                 f"{shlex.quote(str(staging))} SOMEWHERE",
             )
-        try:
-            shutil.rmtree(staging)  # a killed run's partial output: start afresh
-        except OSError as exc:
-            raise os_failure(exc, place.base, output_option=False) from exc
+        if not remove_tree(staging):  # a killed run's partial output: start afresh
+            raise FileSystemError(
+                f"{staging}, what a killed convert left, cannot be removed entirely (a mount "
+                "inside it is never crossed, and stays)",
+                fix=f"see what is left there (ls -la {shlex.quote(str(staging))}), unmount or "
+                "move it away, then run the same command again",
+            )
     for name in claimed or []:  # moved into OUT by a publish that a kill cut short
         path = place.out / name
         with contextlib.suppress(FileNotFoundError):
@@ -379,6 +445,20 @@ def source_modes(src: Path, weight_files: Iterable[str]) -> tuple[int, int]:
     return weights, bits(src / "config.json")
 
 
+def umask() -> int:
+    """This process's umask, read without changing it where the kernel says it (a
+    change and a change back would race with a thread creating a file)."""
+    with contextlib.suppress(OSError, ValueError), open(
+        "/proc/self/status", encoding="ascii", errors="replace"
+    ) as fh:
+        for line in fh:
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def _restrict(staging: Path, modes: tuple[int, int]) -> None:
     weights, others = modes
     for entry in os.scandir(staging):
@@ -406,6 +486,8 @@ def publish(staging: Path, out: Path, modes: Optional[tuple[int, int]] = None) -
                 os.rename(staging / name, out / name)
             staging.rmdir()
         else:
+            # the folder's modes as a new folder of this user's gets them, as OUT
+            os.chmod(staging, 0o777 & ~umask() | stat.S_IMODE(os.stat(staging).st_mode) & 0o7000)
             os.replace(staging, out)
         fsync_dir(place.base)
         place.claim.unlink()  # last: until then what is there is recognisably ours

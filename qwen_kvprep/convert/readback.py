@@ -26,6 +26,8 @@ from io import BufferedReader
 from pathlib import Path
 from typing import IO, Any, Optional, Union
 
+from qwen_kvprep.convert.reads import Identity, identity
+
 _CHUNK = 8 << 20
 _WINDOW = 512 << 20
 
@@ -40,6 +42,9 @@ class ReadBackResult:
     size: int = 0
     sha256: str = ""
     problems: list[str] = field(default_factory=list)
+    # the file's identity from its own descriptor once it was fsynced: what provenance
+    # records, and what is checked again before OUT is published
+    ident: Optional[Identity] = None
 
 
 class ReadBack:
@@ -188,7 +193,7 @@ class ReadBack:
 
     def _finish(self, fh: IO[bytes], reader: Optional[BufferedReader],
                 current: Optional[ReadBackResult], digest: Any) -> None:
-        self._sync.submit(self._fsync, fh)
+        self._sync.submit(self._fsync, fh, current)
         if reader is not None:
             if current is not None and not current.problems and reader.read(1):
                 current.problems.append(f"{current.name} is longer than what was written")
@@ -197,11 +202,13 @@ class ReadBack:
             current.sha256 = digest.hexdigest()
             self._done.append(current)
 
-    def _fsync(self, fh: IO[bytes]) -> None:
+    def _fsync(self, fh: IO[bytes], current: Optional[ReadBackResult]) -> None:
         try:
             if not self._stop:
                 fh.flush()
                 os.fsync(fh.fileno())
+                if current is not None:
+                    current.ident = identity(os.fstat(fh.fileno()))
         except OSError as exc:
             self._fail(exc)
         finally:

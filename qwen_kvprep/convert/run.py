@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Callable, Optional, Protocol
 
 from qwen_kvprep import __version__
-from qwen_kvprep.convert import already, output
+from qwen_kvprep.convert import already, output, reads
 from qwen_kvprep.convert.compare import TensorProof, check_written
 from qwen_kvprep.convert.context import within_words
 from qwen_kvprep.convert.qwen2config import (
@@ -51,7 +51,6 @@ from qwen_kvprep.convert.weights import (
     index_json,
     plan_shards,
     reading_order,
-    sha256_stream,
     write_weights,
 )
 from qwen_kvprep.errors import KvprepError, RefusedError, UsageError
@@ -59,15 +58,10 @@ from qwen_kvprep.findings import Finding, fail, info, warn
 from qwen_kvprep.fsutil import atomic_write_bytes, atomic_write_text
 from qwen_kvprep.gptqconfig import QUANTIZE_CONFIG
 from qwen_kvprep.jsontypes import JSON, JSONObject
-from qwen_kvprep.provenance import PROVENANCE, FileRecord, Provenance, changed, snapshot
+from qwen_kvprep.provenance import INPUTS, PROVENANCE, Provenance
 from qwen_kvprep.steps import validate
 from qwen_kvprep.untrusted import read_record
 
-# DIR's files besides the weights that OUT is made from (hashed into provenance.json)
-_INPUTS = (
-    "config.json", "generation_config.json", "qwen.tiktoken", "tokenizer_config.json",
-    QUANTIZE_CONFIG, ST_INDEX, "pytorch_model.bin.index.json",
-)  # fmt: skip
 _NOT_THE_SAME = "the converted model does not behave as the original"
 _SLACK = 32 << 20  # the tokenizer files (a few MB for Qwen's vocabulary), configs, the record
 
@@ -173,34 +167,29 @@ def _end_of_text(sp: SourcePlan) -> Optional[int]:
     return eot
 
 
-def _record(path: Path, sha: Optional[str] = None) -> FileRecord:
-    st = path.stat()
-    return FileRecord(sha or sha256_stream(path), st.st_size, st.st_mtime_ns)
-
-
-def _side_files(sp: SourcePlan, staging: Path, findings: list[Finding]) -> None:
+def _side_files(sp: SourcePlan, staging: Path, findings: list[Finding], mode: int) -> None:
     """The tokenizer and generation config, from the modules that own them where this
-    build has them."""
-    if not _written_by("tokenizer", "write_tokenizer", sp.directory, staging):
+    build has them, created with `mode`."""
+    if not _written_by("tokenizer", "write_tokenizer", sp.directory, staging, mode):
         findings.append(warn(
             "convert.tokenizer",
             "no tokenizer was written: this qwen-kvprep has no convert.tokenizer, so OUT "
             "holds the weights and config only (engines need a tokenizer to serve it)",
         ))
-    if not _written_by("chat", "write_generation_config", sp.directory, staging):
+    if not _written_by("chat", "write_generation_config", sp.directory, staging, mode):
         findings.append(warn(
             "convert.generation",
             "no generation_config.json was written: this qwen-kvprep has no convert.chat",
         ))
 
 
-def _written_by(module: str, writer: str, source: Path, staging: Path) -> bool:
-    """`writer(source, staging)` of `qwen_kvprep.convert.<module>`; False where this build
-    has no such module."""
+def _written_by(module: str, writer: str, source: Path, staging: Path, mode: int) -> bool:
+    """`writer(source, staging, mode=mode)` of `qwen_kvprep.convert.<module>`; False where
+    this build has no such module."""
     found = _optional(module)
     if found is None:
         return False
-    getattr(found, writer)(source, staging)
+    getattr(found, writer)(source, staging, mode=mode)
     return True
 
 
@@ -241,6 +230,8 @@ def convert(
         options.rope_scaling if options.context_factor is not None else None, options.verify,
     )
     done, why = already.completed(directory, out, asked)
+    if done is not None or why:
+        output.tidy(out)  # what a kill right after the rename left beside OUT
     if done is not None:
         return _unchanged(out, done)
     try:
@@ -250,7 +241,8 @@ def convert(
             exc.message += f"; it holds a conversion, but not the one asked for: {why}"
         raise
     # hashed before anything reads them, and again at the end (provenance names these bytes)
-    inputs = snapshot(directory, _INPUTS)
+    inputs = reads.snapshot(directory, INPUTS)
+    dir_st = directory.stat()  # the same folder later is this device and inode
     facts, _advice = validate.check(directory)  # fix's advice (kernels...) is not convert's
     assert facts.checkpoint is not None
     sp = read_source(facts.checkpoint)
@@ -274,25 +266,29 @@ def convert(
     if check_code is not None:
         check_code(directory)  # a modeling_qwen.py the proof could not import: refused now
     findings: list[Finding] = []
-    sources: dict[str, FileRecord] = {}
+    sources: dict[str, reads.Read] = {}  # each weight file as it was read
+    # every file is created with its final mode, never more readable while staged
+    modes = output.source_modes(directory, sp.files)
+    index_mode, side_mode = 0o644 & modes[0], 0o644 & modes[1]
 
-    def on_source(name: str, sha: str) -> None:
-        sources[name] = _record(directory / name, sha)
+    def on_source(name: str, read: reads.Read) -> None:
+        sources[name] = read
 
     say(f"converting {directory} into {out} ({len(shards)} shard(s), {dtype})")
     try:
         with output.staged(out) as staging:
             # first: they read and check their own inputs, in seconds, before hours of weights
-            _side_files(sp, staging, findings)
+            _side_files(sp, staging, findings, side_mode)
             written = write_weights(
                 directory, sp.files, groups, shards, staging, on_source=on_source,
-                progress=say,
+                progress=say, mode=modes[0],
             )  # each shard read back and compared as it was written
             if len(shards) > 1:
-                atomic_write_bytes(staging / ST_INDEX, index_json(shards))
+                atomic_write_bytes(staging / ST_INDEX, index_json(shards), index_mode)
             if gptq and sp.quantize_file is not None:
-                atomic_write_text(staging / QUANTIZE_CONFIG, _dumps(dict(sp.quantize_file)))
-            atomic_write_text(staging / "config.json", _dumps(config))
+                atomic_write_text(staging / QUANTIZE_CONFIG, _dumps(dict(sp.quantize_file)),
+                                  side_mode)
+            atomic_write_text(staging / "config.json", _dumps(config), side_mode)
             say("checking every tensor written, bit for bit (each shard was read back as it "
                 "was written)")
             comparison = check_written(staging, shards, written, progress=say)
@@ -305,7 +301,11 @@ def convert(
                     "it with `qwen-kvprep doctor --report`",
                     findings=[fail("convert.compare", p) for p in comparison.problems[:20]],
                 )
+            # DIR still holds what was read: else the proof compares OUT with other bytes,
+            # and its verdict would blame the conversion for what happened to DIR
+            reads.check_dir(directory, {**inputs, **sources}, INPUTS)
             verified = _verify(sp, staging, ctx, options, findings, say)
+            reads.check_dir(directory, {**inputs, **sources}, INPUTS)
             if verified is not None and not verified.ok:
                 message, fix = getattr(verified, "blocked", None) or (
                     getattr(verified, "headline", "") or _NOT_THE_SAME,
@@ -315,32 +315,28 @@ def convert(
                     findings=list(getattr(verified, "checks", []))
                     or [fail("convert.verify", line) for line in verified.lines[:20]],
                 )
-            moved = changed(directory, _INPUTS, inputs)
-            if moved:
-                raise RefusedError(
-                    f"{', '.join(moved)} in {directory} changed while convert read it: OUT "
-                    "would not be what provenance.json says it was made from; OUT was not "
-                    "written",
-                    fix="run convert again once nothing writes DIR",
-                )
-            sources.update({n: r for n, r in inputs.items() if n not in sources})
-            hashes = {w.name: w.sha256 for w in written}
+            shards_read = {w.name: w.read for w in written}  # as read back, once fsynced
             outputs = {
-                p.name: _record(p, hashes.get(p.name))
+                p.name: shards_read.get(p.name) or reads.hash_file(p)
                 for p in sorted(staging.iterdir())
                 if p.is_file() and p.name not in (output.MARKER, PROVENANCE)
             }
             record = Provenance(
-                source_path=str(directory), source_files=sources, outputs=outputs,
+                source_path=str(directory),
+                source_identity=(dir_st.st_dev, dir_st.st_ino),
+                source_files={n: r.record for n, r in {**inputs, **sources}.items()},
+                absent=tuple(n for n in INPUTS if n not in inputs),
+                outputs={n: r.record for n, r in outputs.items()},
                 exact_up_to=ctx.exact_up_to, exact=exact_words(ctx, verified),
                 weights=tuple(w.name for w in written),
                 spelt=options.spelt, tool_version=__version__,
                 extra=_extra(ctx, options, dtype),
             )
-            atomic_write_text(staging / PROVENANCE, record.dumps())
-            files = [(n, r.size) for n, r in outputs.items()]
+            atomic_write_text(staging / PROVENANCE, record.dumps(), side_mode)
+            files = [(n, r.ident[2]) for n, r in outputs.items()]
             files.append((PROVENANCE, (staging / PROVENANCE).stat().st_size))
-            output.publish(staging, out, output.source_modes(directory, sp.files))
+            reads.check_staged(staging, outputs)  # what is published is what is recorded
+            output.publish(staging, out, modes)
     except KvprepError:
         raise
     except OSError as exc:

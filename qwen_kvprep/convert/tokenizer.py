@@ -184,7 +184,7 @@ def _dump(data: JSONObject) -> str:
     return json.dumps(data, indent=2, ensure_ascii=False) + "\n"
 
 
-def write_tokenizer(src: Path, dst: Path) -> list[str]:
+def write_tokenizer(src: Path, dst: Path, mode: Optional[int] = None) -> list[str]:
     """Write tokenizer.json and tokenizer_config.json into dst (each atomically) from
     src's qwen.tiktoken, generation_config.json (chat or base) and tokenizer_config.json;
     the file names written. Everything is read and checked before the first write.
@@ -194,6 +194,6 @@ def write_tokenizer(src: Path, dst: Path) -> list[str]:
     check_special_ids(src, gen, vocab)
     config = tokenizer_config(vocab, gen, _max_length(src))
     body = tokenizer_json(vocab)
-    atomic_write_text(dst / TOKENIZER_JSON, _dump(body))
-    atomic_write_text(dst / TOKENIZER_CONFIG, _dump(config))
+    atomic_write_text(dst / TOKENIZER_JSON, _dump(body), mode=mode)
+    atomic_write_text(dst / TOKENIZER_CONFIG, _dump(config), mode=mode)
     return [TOKENIZER_JSON, TOKENIZER_CONFIG]

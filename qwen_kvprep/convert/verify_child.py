@@ -32,6 +32,7 @@ from qwen_kvprep.convert.verify_protocol import (
     PHASE_CONTEXT,
     PHASE_FIT,
     PHASE_GREEDY,
+    PHASE_HEAD,
     PHASE_LOAD_CONVERTED,
     PHASE_LOAD_ORIGINAL,
     PHASE_LOGITS,
@@ -558,6 +559,7 @@ def run_blockwise(args: argparse.Namespace, ev: Events, device: str) -> VerifyCh
         device=device,
         on_block=lambda done, total: ev.send(
             {"event": "progress", "phase": PHASE_BLOCKS, "done": done, "total": total}),
+        on_head=lambda: ev.start(PHASE_HEAD),
     )
     seconds["blocks"] = time.perf_counter() - t0
     sized: Fit = {

@@ -15,6 +15,7 @@ RESULT_VERSION = 1
 PHASE_START = "start"
 PHASE_FIT = "fit"
 PHASE_BLOCKS = "blocks"
+PHASE_HEAD = "head"
 PHASE_LOAD_ORIGINAL = "load-original"
 PHASE_LOAD_CONVERTED = "load-converted"
 PHASE_WEIGHTS = "weights"
@@ -27,6 +28,8 @@ PHASE_WORDS = {
     PHASE_START: "starting (importing torch and transformers)",
     PHASE_FIT: "sizing the models against this machine's memory",
     PHASE_BLOCKS: "running both models block by block",
+    # after the last block: the heartbeat must not keep saying "block N/N" meanwhile
+    PHASE_HEAD: "running both models' heads (final norm and lm_head, the logits)",
     PHASE_LOAD_ORIGINAL: "loading the original through its own code",
     PHASE_LOAD_CONVERTED: "loading the converted folder as Qwen2ForCausalLM",
     PHASE_WEIGHTS: "comparing the loaded weights",

@@ -35,6 +35,7 @@ from typing import IO, TYPE_CHECKING, Callable, Optional, Protocol, Union
 
 from qwen_kvprep.convert.pieces import Piece, TensorInfo
 from qwen_kvprep.convert.readback import ReadBack
+from qwen_kvprep.convert.reads import Identity, Read, hash_file, read_of
 from qwen_kvprep.errors import CheckpointError
 
 if TYPE_CHECKING:
@@ -256,15 +257,18 @@ class Buffers:
 
 def stream_safetensors(
     path: Path, wanted: set[str], digest: BackgroundHash,
-    buffers: Optional[Buffers] = None,
+    buffers: Optional[Buffers] = None, seen: Optional[list[os.stat_result]] = None,
 ) -> Generator[tuple[str, torch.Tensor], None, None]:
     """The `wanted` tensors of a safetensors file in the order they lie in it, the file
     read once from start to end, every byte (header, gaps, tensors) into `digest`. A
     tensor's memory is one of `buffers` where given (the caller says `buffers.done()`
-    before it asks for the next), else its own."""
+    before it asks for the next), else its own. `seen` is given the descriptor's stat as
+    the read begins and as it ends."""
     import torch
 
     with open(path, "rb") as fh:
+        if seen is not None:
+            seen.append(os.fstat(fh.fileno()))
         layout = _layout(fh, path)
         base = fh.tell()
         fh.seek(0)
@@ -291,6 +295,8 @@ def stream_safetensors(
                 buffers.done()  # hashed only
         for chunk in iter(lambda: fh.read(_CHUNK), b""):
             digest.update(chunk)
+        if seen is not None:
+            seen.append(os.fstat(fh.fileno()))
 
 
 def by_offset(
@@ -428,14 +434,17 @@ class ShardWriter:
     """Writes one output shard at `path`: its header at once, then each tensor in order,
     each buffer handed to `readback` as soon as it is in the file."""
 
-    def __init__(self, path: Path, shard: OutShard, readback: ReadBack) -> None:
+    def __init__(self, path: Path, shard: OutShard, readback: ReadBack,
+                 mode: int = 0o666) -> None:
         if sys.byteorder != "little":
             raise CheckpointError("convert writes safetensors on little-endian machines only")
         self.path = path
         self.shard = shard
         self._next = 0
         self._readback = readback
-        self._fh: Optional[BufferedWriter] = open(path, "xb")  # noqa: SIM115 (finish/abort)
+        # created with its final mode (`mode`, narrowed by the umask): never more readable
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
+        self._fh: Optional[BufferedWriter] = os.fdopen(fd, "wb")
         readback.begin(path)
         self._written(_header(shard))
 
@@ -488,6 +497,14 @@ class WrittenFile:
     size: int
     sha256: str
     problems: tuple[str, ...] = ()
+    ident: Optional[Identity] = None  # from its descriptor, once fsynced
+
+    @property
+    def read(self) -> Read:
+        """The file as read back (its identity from its descriptor)."""
+        if self.ident is None:
+            raise AssertionError(f"{self.name} was never fsynced")
+        return Read(self.sha256, self.ident)
 
 
 def reading_order(
@@ -507,13 +524,15 @@ def write_weights(
     groups: Sequence[Sequence[Piece]],
     shards: Sequence[OutShard],
     staging: Path,
-    on_source: Optional[Callable[[str, str], None]] = None,
+    on_source: Optional[Callable[[str, Read], None]] = None,
     progress: Optional[Callable[[str], None]] = None,
+    mode: int = 0o666,
 ) -> list[WrittenFile]:
     """Stream every piece from DIR's weight `files` (in that order; `groups`: each one's
     pieces, from reading_order) into `shards` in `staging`, each shard read back and
-    compared as it is written (convert/readback.py). `on_source(name, sha256)` is told
-    each source file's hash (computed as the file is read, once)."""
+    compared as it is written (convert/readback.py). `on_source(name, read)` is told
+    each source file's hash (computed as the file is read, once) and identity. `mode`: the shards'
+    (the umask narrows it)."""
     queue = list(shards)
     writer: Optional[ShardWriter] = None
     readback = ReadBack()
@@ -528,7 +547,7 @@ def write_weights(
                     for piece in group:
                         if writer is None:
                             writer = ShardWriter(staging / queue[0].name, queue.pop(0),
-                                                 readback)
+                                                 readback, mode)
                         if writer.expects() != piece:
                             raise AssertionError("output shards out of the reading order")
                         writer.add(cut(tensor, piece))
@@ -536,9 +555,9 @@ def write_weights(
                             writer.finish()
                             writer = None
                     del tensor
-                source_sha = digest()
+                source_read = digest()
             if on_source is not None:
-                on_source(fname, source_sha)
+                on_source(fname, source_read)
             if progress is not None:
                 mb = path.stat().st_size / 1e6
                 took = max(time.monotonic() - started, 1e-6)
@@ -546,7 +565,7 @@ def write_weights(
                          f"({mb / took:,.0f} MB/s)")
         if writer is not None or queue:
             raise AssertionError("some planned output shards were not written")
-        return [WrittenFile(r.name, r.size, r.sha256, tuple(r.problems))
+        return [WrittenFile(r.name, r.size, r.sha256, tuple(r.problems), r.ident)
                 for r in readback.results()]
     finally:
         if writer is not None:
@@ -557,17 +576,18 @@ def write_weights(
 @contextmanager
 def _source_tensors(
     path: Path, pieces: Sequence[Piece], buffers: Optional[Buffers] = None
-) -> Iterator[tuple[Callable[[str], torch.Tensor], Callable[[], str]]]:
-    """(tensor by name, the file's sha256 once all were taken). A safetensors file is
+) -> Iterator[tuple[Callable[[str], torch.Tensor], Callable[[], Read]]]:
+    """(tensor by name, the file's Read once all were taken). A safetensors file is
     read once, front to back, hashed on the way (`pieces` in its order: by_offset); a
     .bin file is hashed in a pass of its own, then loaded."""
     if path.name.endswith(".bin"):
-        sha = sha256_stream(path)
+        read = hash_file(path)  # torch loads it by path: checked again before publishing
         with open_source(path) as src:
-            yield src.get, lambda: sha
+            yield src.get, lambda: read
         return
     digest = BackgroundHash()
-    stream = stream_safetensors(path, {p.source for p in pieces}, digest, buffers)
+    seen: list[os.stat_result] = []
+    stream = stream_safetensors(path, {p.source for p in pieces}, digest, buffers, seen)
     taken = False
 
     def tensor(name: str) -> torch.Tensor:
@@ -583,12 +603,12 @@ def _source_tensors(
             raise AssertionError(f"{path.name}: pieces not in the file's order (by_offset)")
         return got[1]
 
-    def finished() -> str:
+    def finished() -> Read:
         if taken and buffers is not None:
             buffers.done()
         for _rest in stream:  # the bytes after the last wanted tensor, hashed
             pass
-        return digest.hexdigest()
+        return read_of(path.name, digest.hexdigest(), seen[0], seen[-1])
 
     try:
         yield tensor, finished

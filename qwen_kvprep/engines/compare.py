@@ -3,20 +3,52 @@ of KV caches, what each does to the passage's next-token distributions against t
 unquantized cache (kvjudge), and which one to serve with (no model, no engine: testable
 on made-up numbers).
 
-A tie is a step where the reference's top two logits are closer than float32 rounding of
-two different implementations (convert's proof's own tolerance, relative to the largest
-logit): there either token is the model's answer. Parting anywhere else means the two
-compute different models.
+What float32 rounding can explain (`bounds`): two implementations of one model give logits
+that differ by at most delta = TOL * S, TOL convert's proof's own float32 tolerance relative
+to S, the largest |logit|. A tie is a step where the reference's top two logits are within
+delta: there either token is the model's answer. log p = z - logsumexp(z), and logsumexp
+moves by at most the largest move of a logit, so a chosen token's log-probability moves by
+at most 2 * delta, plus the rounding of log_softmax itself in float32 on values up to
+S + ln(V) (V the vocabulary): TOL * (S + ln V). Parting anywhere else, or log-probabilities
+further apart, means the two compute different models. S is capped at LOGIT_LIMIT: a
+corrupt weight that makes a logit huge must not widen what counts as rounding.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable, Optional, TypedDict
 
 from qwen_kvprep.engines.protocol import Backend, EngineResult, Run
 from qwen_kvprep.kvjudge import verdict
 from qwen_kvprep.kvjudge.metrics import score
+
+# Past this |logit| the proof cannot tell a model from rounding: float32 would excuse
+# log-probabilities 3 % apart (TOL * 3 * S), and e^-1000 is zero in every float type.
+# Trained models' heads give logits of a few tens; a flipped exponent bit gives 1e36.
+LOGIT_LIMIT = 1000.0
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """What float32 rounding explains between two implementations (see the module's
+    docstring for the derivation)."""
+
+    scale: float  # S: the largest |logit| they are relative to, at most LOGIT_LIMIT
+    tie: float  # a top-two gap within this is a tie
+    logprob: float  # a |Δ log p| beyond this is not rounding
+
+
+def bounds(rel: float, scale: float, vocab: int) -> Bounds:
+    s = min(scale, LOGIT_LIMIT) if math.isfinite(scale) and scale >= 0.0 else LOGIT_LIMIT
+    delta = rel * s
+    return Bounds(s, delta, 2.0 * delta + rel * (s + math.log(max(vocab, 2))))
+
+
+def absurd(scale: Optional[float]) -> bool:
+    """A largest |logit| that is NaN, infinite or past LOGIT_LIMIT: no proof by rounding."""
+    return scale is not None and not (math.isfinite(scale) and abs(scale) <= LOGIT_LIMIT)
 
 
 @dataclass(frozen=True)
@@ -28,8 +60,13 @@ class Parting:
     logprob_delta: float  # largest |Δ log p| of the tokens both chose before parting
 
     def to_json(self) -> dict[str, object]:
-        return {"prompt": self.prompt, "first_divergence": self.step, "gap": self.gap,
-                "tie": self.tie, "max_logprob_delta": self.logprob_delta}
+        # strict JSON has no inf or NaN: null there (the finding says what was wrong)
+        return {"prompt": self.prompt, "first_divergence": self.step, "gap": _finite(self.gap),
+                "tie": self.tie, "max_logprob_delta": _finite(self.logprob_delta)}
+
+
+def _finite(x: Optional[float]) -> Optional[float]:
+    return x if x is not None and math.isfinite(x) else None
 
 
 def first_divergence(a: list[int], b: list[int]) -> Optional[int]:
@@ -43,10 +80,16 @@ def first_divergence(a: list[int], b: list[int]) -> Optional[int]:
 def part(ref: Run, other: Run, tie_below: float) -> Parting:
     step = first_divergence(ref["tokens"], other["tokens"])
     shared = len(ref["tokens"]) if step is None else step
-    deltas = [abs(x - y) for x, y in zip(ref["logprobs"][:shared], other["logprobs"][:shared])]
+    # NaN is no smaller than anything: it counts as infinitely far
+    deltas = [_far(x, y) for x, y in zip(ref["logprobs"][:shared], other["logprobs"][:shared])]
     gap = ref["gaps"][step] if step is not None and step < len(ref["gaps"]) else None
     tie = step is not None and gap is not None and gap <= tie_below
     return Parting(ref["prompt"], step, gap, tie, max(deltas, default=0.0))
+
+
+def _far(x: float, y: float) -> float:
+    d = abs(x - y)
+    return d if math.isfinite(d) else math.inf
 
 
 def compare(ref: Backend, other: Backend, tie_below: float) -> list[Parting]:
@@ -55,9 +98,16 @@ def compare(ref: Backend, other: Backend, tie_below: float) -> list[Parting]:
     return [part(r, theirs[r["prompt"]], tie_below) for r in ref["runs"] if r["prompt"] in theirs]
 
 
-def agrees(partings: list[Parting]) -> bool:
-    """No prompt parts anywhere but at a tie."""
-    return all(p.step is None or p.tie for p in partings)
+def agrees(partings: list[Parting], logprob_below: float = math.inf) -> bool:
+    """No prompt parts anywhere but at a tie, and no log-probability before moves past
+    `logprob_below`."""
+    return all((p.step is None or p.tie) and p.logprob_delta <= logprob_below
+               for p in partings)
+
+
+def moved(partings: list[Parting], logprob_below: float) -> list[Parting]:
+    """The prompts whose log-probabilities moved past what rounding explains."""
+    return [p for p in partings if not p.logprob_delta <= logprob_below]
 
 
 # Bytes one cached K or V value takes, per dtype (auto: the model's dtype, `model_bytes`).

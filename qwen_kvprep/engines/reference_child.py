@@ -10,6 +10,7 @@ the engine's.
 from __future__ import annotations
 
 import argparse
+import math
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
@@ -84,7 +85,9 @@ def generate(name: str, model: PreTrainedModel, prompts: list[list[int]], new: i
             top = torch.topk(step, 2).values
             gaps.append(float(top[0] - top[1]))
             logprobs.append(float(torch.log_softmax(step.double(), dim=-1)[token]))
-            scale = max(scale, float(step.abs().max()))
+            # NaN would lose every comparison and leave the scale sane: it counts as inf
+            largest = float(step.abs().max())
+            scale = max(scale, largest if math.isfinite(largest) else math.inf)
         runs.append({"prompt": index, "tokens": tokens, "logprobs": logprobs, "gaps": gaps})
     return {"name": name, "runs": runs, "scale": scale, "seconds": time.perf_counter() - t0}
 

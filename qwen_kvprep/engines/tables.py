@@ -16,7 +16,8 @@ def _g(x: object) -> str:
 
 def parity_lines(engine: str, p: Mapping[str, object]) -> list[str]:
     lines = [f"engine smoke: {engine}, {p.get('dtype')}, {p.get('new_tokens')} greedy "
-             f"tokens per prompt (ties: top two within {_g(p.get('tie_below'))})"]
+             f"tokens per prompt (ties: top two within {_g(p.get('tie_below'))}; float32 "
+             f"rounding: |Δ log p| within {_g(p.get('logprob_below'))})"]
     for pair in cast("list[dict[str, object]]", p.get("pairs", [])):
         lines.append(f"  {pair['a']} against {pair['b']}: "
                      + ("same" if pair["ok"] else "DIFFERENT"))

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import TYPE_CHECKING, NamedTuple, Optional, TypedDict, Union
 
-from qwen_kvprep import compat, gptqconfig
+from qwen_kvprep import compat, gptqconfig, provenance
 from qwen_kvprep.common import (
     COMPAT_FILE,
     FAST_FILE,
@@ -150,6 +150,7 @@ class CheckpointFacts:
     spelt: Optional[str] = None  # the path as the user wrote it (doctor DIR), when known
     listing_error: Optional[str] = None
     files: tuple[str, ...] = ()  # top-level regular files (symlinks followed), sorted
+    provenance_ours: bool = False  # provenance.json is here and says convert wrote it
     dangling: tuple[str, ...] = ()  # top-level symlinks whose target is gone
     special: tuple[tuple[str, str], ...] = ()  # (name, what): FIFOs, sockets, devices
     config: Optional[dict[str, JSON]] = None
@@ -959,6 +960,9 @@ def probe_checkpoint(path: Path, spelt: Optional[str] = None) -> CheckpointFacts
         m for m in fixed_requirements if m in missing_requirements or not _importable(m)
     )
 
+    # the record convert writes, when its content says convert wrote it (not another
+    # tool's file of that common name)
+    record_ours = provenance.PROVENANCE in files and provenance.foreign(path) is None
     loader_text = _read_text(path / LOADER) if LOADER in files else None
     fast_sha = _sha256(path / FAST_FILE) if FAST_FILE in files else None
     compat_sha = _sha256(path / COMPAT_FILE) if COMPAT_FILE in files else None
@@ -972,6 +976,7 @@ def probe_checkpoint(path: Path, spelt: Optional[str] = None) -> CheckpointFacts
         **base,
         files=tuple(listing),
         dangling=tuple(dangling),
+        provenance_ours=record_ours,
         config=config,
         config_error=config_error,
         config_error_line=config_error_line,
