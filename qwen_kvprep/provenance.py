@@ -155,7 +155,7 @@ def read(out: Path) -> Provenance:
         raise _bad(path, "has a malformed weights list")
     spelt = source.get("spelt")
     version = data.get("tool_version")
-    extra = {k: v for k, v in data.items() if k in ("context", "options", "created")}
+    extra = {k: v for k, v in data.items() if k in ("context", "options", "created", "kv_cache")}
     return Provenance(
         source_path=str(source["path"]),
         source_files=_files(path, source.get("files"), "source"),

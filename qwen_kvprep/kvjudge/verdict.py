@@ -3,18 +3,16 @@
 
 usable iff top1_agree >= MIN_TOP1_AGREE and kl_mean <= MAX_KL_MEAN.
 
-Why these two numbers (docs/reference.md gives the measurements):
-- top-1 agreement tells a broken cache from a sound one on every model: a cache whose
-  values saturate or hold garbage moves the most likely token at nearly every position
-  (0.006 to 0.07 measured, on vLLM-CPU and on the transformers reference), a sound fp8
-  cache at a few positions where the top two tokens are close (0.80 to 0.99: on a tiny
-  random model many positions are near ties, on a trained one few are). 0.5 lies far
-  from both.
-- kl_mean bounds how far the distributions move where the top token happens to stay: a
-  sound fp8 cache moves a trained model's next-token distribution by some 1e-3 to 1e-2
-  nats on average, a cache at the wrong scale by tenths and more. 0.05 nats lies between.
-  On a tiny random model every distribution is near uniform and every KL is small (below
-  1e-3 even for a broken cache), so there top-1 agreement decides.
+Why both, and these values (docs/reference.md gives the measurements): neither number
+alone tells every broken cache from a sound one.
+- On a tiny random model every next-token distribution is near uniform, so every KL is
+  small, a broken cache's too (8.8e-4 to 9.5e-4 nats on vLLM-CPU for a saturated fp8 cache
+  and for its broken int8_per_token_head); there top-1 agreement tells them apart (0.006
+  and 0.04, against 0.80 to 0.91 for sound fp8 rows). 0.5 lies far from both.
+- A saturated cache can keep the top token where one token dominates (0.69 on the
+  transformers reference) while moving the distributions by nats (4.2 mean there). A sound
+  fp8 cache moves a trained model's distribution by some 1e-3 to 1e-2 nats on average (the
+  tiny reference: 1.2e-4), a wrong scale by tenths and more: 0.05 lies between.
 """
 
 from __future__ import annotations

@@ -1,0 +1,230 @@
+"""`convert DIR OUT --kv-cache fp8`: calibrated fp8 KV scales added to a converted OUT.
+
+The weights are the plain conversion's, bit for bit: convert first makes (or finds) OUT as
+without the option, proof and all; then, in place, under OUT's lock:
+
+1. K (after rotary) and V are measured per layer on the calibration text, block by block
+   over OUT (kvcal.calibrate); scale = absmax / 448;
+2. written, each file atomically, in this order: the scales' own shard, the index (made
+   where OUT had one shard), config.json's quantization_config, provenance.json (its
+   records of those files, and `kv_cache`: the text's sha256 and token count, the absmax
+   and scales). A folder converted without scales gets them by the same command, without
+   converting again; the same command on a calibrated OUT is a no-op when the text is the
+   same, and replaces the scales when it is not.
+
+Everything is checked before the first write: the calibration text (read and tokenized
+with DIR's own vocabulary before the conversion starts), OUT's record, its config.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import struct
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+from qwen_kvprep.common import sha256_file
+from qwen_kvprep.convert import output
+from qwen_kvprep.errors import RefusedError, UsageError
+from qwen_kvprep.fsutil import atomic_write_bytes, atomic_write_text
+from qwen_kvprep.gptqconfig import QUANTIZE_CONFIG
+from qwen_kvprep.jsontypes import JSON, JSONObject
+from qwen_kvprep.kvcal import calibrate, fp8, scales
+from qwen_kvprep.kvcal.calibrate import KVAbsmax
+from qwen_kvprep.kvcal.text import Calibration, calibration, tokenizer_of
+from qwen_kvprep.provenance import PROVENANCE, read
+from qwen_kvprep.untrusted import read_record
+
+KV_RECORD = "kv_cache"  # provenance.json's key
+DTYPES = ("fp8",)  # --kv-cache's choices
+_HEADER_LIMIT = 100 << 20  # a safetensors header: some MB for the largest models
+
+
+@dataclass(frozen=True)
+class Calibrated:
+    """What --kv-cache fp8 did to OUT."""
+
+    record: JSONObject  # provenance.json's kv_cache
+    unchanged: bool
+
+    def lines(self) -> list[str]:
+        cal = self.record.get("calibration")
+        c = cal if isinstance(cal, dict) else {}
+        k, v = self.record.get("k_scale"), self.record.get("v_scale")
+        ks = [x for x in k if isinstance(x, float)] if isinstance(k, list) else []
+        vs = [x for x in v if isinstance(x, float)] if isinstance(v, list) else []
+        span = (f"; k_scale {min(ks):.4g} to {max(ks):.4g}, v_scale {min(vs):.4g} to "
+                f"{max(vs):.4g}" if ks and vs else "")
+        verb = "kept" if self.unchanged else "wrote"
+        return [
+            f"{verb} calibrated fp8 KV cache scales ({scales.SCALES_FILE}, absmax / 448 per "
+            f"layer) measured on {c.get('tokens')} tokens of {c.get('text')} (sha256 "
+            f"{str(c.get('sha256'))[:12]}){span}"
+        ]
+
+
+def prepare(directory: Path, calibration_file: Optional[Path]) -> Calibration:
+    """The calibration text's tokens, with DIR's own vocabulary: refused (UsageError)
+    before anything is written when the file is unreadable or too short."""
+    return calibration(tokenizer_of(directory), calibration_file)
+
+
+def recorded(out: Path) -> Optional[JSONObject]:
+    """OUT's provenance kv_cache record, None when it has none."""
+    try:
+        data = read_record(out / PROVENANCE, 4 << 20)
+    except (OSError, ValueError):
+        return None
+    rec = data.get(KV_RECORD) if isinstance(data, dict) else None
+    return rec if isinstance(rec, dict) else None
+
+
+def _same_calibration(rec: Optional[JSONObject], cal: Calibration) -> bool:
+    c = rec.get("calibration") if rec is not None else None
+    return isinstance(c, dict) and c.get("sha256") == cal.sha256 and c.get(
+        "tokens") == len(cal.tokens)
+
+
+def _single_shard(out: Path) -> dict[str, int]:
+    """Tensor name -> data bytes of OUT's model.safetensors, from its header."""
+    path = out / scales.SINGLE_FILE
+    with open(path, "rb") as fh:
+        (n,) = struct.unpack("<Q", fh.read(8))
+        if n > _HEADER_LIMIT:
+            raise RefusedError(f"{path} has a header of {n:,} bytes: not what convert wrote")
+        header = json.loads(fh.read(n))
+    out_sizes: dict[str, int] = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        a, b = info["data_offsets"]
+        out_sizes[name] = int(b) - int(a)
+    return out_sizes
+
+
+def _file_record(path: Path) -> JSONObject:
+    st = path.stat()
+    return {"sha256": sha256_file(path), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+
+
+def _config(out: Path) -> JSONObject:
+    data = read_record(out / "config.json", 1 << 20)
+    if not isinstance(data, dict):
+        raise RefusedError(f"{out / 'config.json'} is not a JSON object")
+    return data
+
+
+def check_calibratable(config: JSONObject, out: Path) -> int:
+    """OUT's layer count, where its config allows an fp8 KV scheme (RefusedError else)."""
+    q = config.get("quantization_config")
+    if isinstance(q, dict) and not scales.declares_kv_scales(config):
+        raise UsageError(
+            f"--kv-cache fp8: {out} holds GPTQ weights; its KV scales would be measured on "
+            "the dequantized weights, which this release does not do",
+            fix="convert without --kv-cache, and serve it with the engine's own fp8 cache "
+            "(unmeasured on this model), or convert the unquantized checkpoint with "
+            "--kv-cache fp8",
+        )
+    layers = config.get("num_hidden_layers")
+    if not isinstance(layers, int) or isinstance(layers, bool) or layers < 1:
+        raise RefusedError(f"{out / 'config.json'} has no num_hidden_layers")
+    return layers
+
+
+def measure(out: Path, cal: Calibration, layers: int,
+            say: Callable[[str], None]) -> KVAbsmax:
+    say(f"calibrating the fp8 KV cache: {len(cal.tokens):,} tokens of {cal.name}, "
+        "OUT block by block")
+    return calibrate.measure(out, cal.rows(), layers=layers,
+               on_block=lambda done, total: say(f"calibrating: block {done}/{total}"))
+
+
+def record_of(cal: Calibration, absmax: KVAbsmax) -> JSONObject:
+    k: list[JSON] = list(fp8.scales_of(absmax.k))
+    v: list[JSON] = list(fp8.scales_of(absmax.v))
+    return {
+        "dtype": "fp8_e4m3",
+        "scheme": "compressed-tensors kv_cache_scheme: float 8 bits, static, per tensor",
+        "scales_file": scales.SCALES_FILE,
+        "calibration": {"text": cal.name, "sha256": cal.sha256, "tokens": len(cal.tokens)},
+        "measured": "K after rotary and V, per layer, OUT block by block in float32",
+        "k_absmax": [float(x) for x in absmax.k], "v_absmax": [float(x) for x in absmax.v],
+        "k_scale": k, "v_scale": v,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+
+
+def write(out: Path, record: JSONObject, layers: int) -> None:
+    """The scales' shard, the index, config.json and provenance.json, in that order."""
+    from safetensors.torch import save
+
+    k, v = record["k_scale"], record["v_scale"]
+    assert isinstance(k, list) and isinstance(v, list)
+    config = _config(out)
+    mode = (out / "config.json").stat().st_mode & 0o777
+    tensors = scales.scales_tensors([float(x) for x in k if isinstance(x, (int, float))],
+                                    [float(x) for x in v if isinstance(x, (int, float))])
+    atomic_write_bytes(out / scales.SCALES_FILE,
+                       save(tensors, metadata={"format": "pt"}),  # type: ignore[arg-type]
+                       mode=mode)
+    index_path = out / scales.INDEX
+    if index_path.is_file():
+        raw = read_record(index_path, 64 << 20)
+        if not isinstance(raw, dict):
+            raise RefusedError(f"{index_path} is not a JSON object")
+        index = scales.index_with_scales(raw, None, layers, 8 * layers)
+    else:
+        index = scales.index_with_scales(None, _single_shard(out), layers, 8 * layers)
+    atomic_write_text(index_path, scales.dumps(index), mode=mode)
+    atomic_write_text(out / "config.json", scales.dumps(scales.with_kv_scheme(config)),
+                      mode=mode)
+    data = read_record(out / PROVENANCE, 4 << 20)
+    if not isinstance(data, dict) or not isinstance(data.get("outputs"), dict):
+        raise RefusedError(f"{out / PROVENANCE} has no outputs")
+    outputs: dict[str, JSON] = dict(data["outputs"])  # type: ignore[arg-type]
+    for name in (scales.SCALES_FILE, scales.INDEX, "config.json"):
+        outputs[name] = _file_record(out / name)
+    data["outputs"] = dict(sorted(outputs.items()))
+    data[KV_RECORD] = record
+    atomic_write_text(out / PROVENANCE, json.dumps(data, indent=2) + "\n", mode=mode)
+
+
+def add_scales(out: Path, cal: Calibration, say: Callable[[str], None]) -> Calibrated:
+    """Calibrate OUT (a folder convert completed, checked by the caller) in place."""
+    read(out)  # a sound record, or StateError
+    config = _config(out)
+    layers = check_calibratable(config, out)
+    rec = recorded(out)
+    if _same_calibration(rec, cal) and scales.declares_kv_scales(config):
+        assert rec is not None
+        return Calibrated(rec, unchanged=True)
+    place = output.place_of(out)
+    lock = output.take_lock(place)
+    try:
+        absmax = measure(out, cal, layers, say)
+        record = record_of(cal, absmax)
+        write(out, record, layers)
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(place.lock)  # while held, as convert's own staging does
+        lock.release()
+    return Calibrated(record, unchanged=False)
+
+
+__all__ = ["DTYPES", "KV_RECORD", "Calibrated", "add_scales", "prepare", "recorded"]
+
+
+def refuse_gptq(directory: Path) -> None:
+    """--kv-cache on a GPTQ DIR: refused before anything is read at length (module doc of
+    check_calibratable says why)."""
+    try:
+        config = read_record(directory / "config.json", 1 << 20)
+    except (OSError, ValueError):
+        return  # convert's own validation says what is wrong with it
+    if (directory / QUANTIZE_CONFIG).is_file() or (
+            isinstance(config, dict) and isinstance(config.get("quantization_config"), dict)):
+        check_calibratable({"quantization_config": {"quant_method": "gptq"}}, directory)
