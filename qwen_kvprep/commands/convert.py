@@ -64,7 +64,7 @@ def _size(value: Optional[str]) -> Optional[int]:
               "vLLM and SGLang load them). On a folder already converted, adds them in place.")
 @click.option("--calibration", metavar="FILE",
               help="With --kv-cache: the text to calibrate on (UTF-8, or JSONL with a \"text\" "
-              "field; at least 512 tokens). Default: a built-in multilingual text, 2,048 tokens.")
+              "field; at least 512 tokens). Default: a built-in multilingual text, 1,024 tokens.")
 @click.option("--revision", metavar="REV", help=REVISION_HELP)
 @json_option
 @quiet_option
