@@ -238,3 +238,35 @@ def test_serving_lines_say_where_the_fp8_scales_come_from(tmp_path: Path) -> Non
     assert dict(lines)[serving.SGLANG].endswith("--kv-cache-dtype fp8_e4m3")
     (note,) = serving.kv_notes(cal)
     assert "fp8 KV cache by default" in note and "auto" in note
+
+
+@pytest.mark.parametrize("shards", [1, 2])
+def test_a_killed_addition_is_finished_by_the_same_command(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, shards: int) -> None:
+    _needs_stack()
+    from qwen_kvprep.convert import calibrated
+
+    ckpt = generate_checkpoint(tmp_path / "Tiny-Chat", shards=shards)
+    out = tmp_path / "out"
+    convert(ckpt, out, ConvertOptions(verify=False))
+    real = calibrated.atomic_write_bytes
+    written: list[str] = []
+
+    def killed_after_config(path: Any, data: bytes, mode: Any = None) -> None:
+        real(path, data, mode)
+        written.append(Path(path).name)
+        if Path(path).name == "config.json":
+            raise KeyboardInterrupt  # before provenance.json records the new files
+
+    monkeypatch.setattr(calibrated, "atomic_write_bytes", killed_after_config)
+    with pytest.raises(KeyboardInterrupt):
+        convert(ckpt, out, FP8)
+    assert written == [scales.SCALES_FILE, scales.INDEX, "config.json"]
+    monkeypatch.setattr(calibrated, "atomic_write_bytes", real)
+    lines: list[str] = []
+    done = convert(ckpt, out, FP8, log=lines.append)
+    assert any(line.startswith("restored ") for line in lines)
+    assert done.kv_cache is not None and not done.unchanged
+    prov = {f["id"]: f for f in document(invoke(
+        "doctor", str(out), "--json", "--check", "convert.provenance"))["findings"]}
+    assert prov["convert.provenance"]["severity"] == "ok", prov

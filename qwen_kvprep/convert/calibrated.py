@@ -24,18 +24,20 @@ import os
 import struct
 import time
 from dataclasses import dataclass
+from hashlib import sha256
 from pathlib import Path
 from typing import Callable, Optional
 
 from qwen_kvprep.common import sha256_file
 from qwen_kvprep.convert import output
-from qwen_kvprep.errors import RefusedError, UsageError
+from qwen_kvprep.errors import KvprepError, RefusedError, UsageError
 from qwen_kvprep.fsutil import atomic_write_bytes, atomic_write_text
 from qwen_kvprep.gptqconfig import QUANTIZE_CONFIG
 from qwen_kvprep.jsontypes import JSON, JSONObject
 from qwen_kvprep.kvcal import calibrate, fp8, scales
 from qwen_kvprep.kvcal.calibrate import KVAbsmax
 from qwen_kvprep.kvcal.text import Calibration, calibration, tokenizer_of
+from qwen_kvprep.probe.converted import probe_converted
 from qwen_kvprep.provenance import PROVENANCE, read
 from qwen_kvprep.untrusted import read_record
 
@@ -160,37 +162,103 @@ def record_of(cal: Calibration, absmax: KVAbsmax) -> JSONObject:
 
 def write(out: Path, record: JSONObject, layers: int) -> None:
     """The scales' shard, the index, config.json and provenance.json, in that order."""
-    from safetensors.torch import save
-
-    k, v = record["k_scale"], record["v_scale"]
-    assert isinstance(k, list) and isinstance(v, list)
-    config = _config(out)
+    want = _as_recorded(out, record, layers)
     mode = (out / "config.json").stat().st_mode & 0o777
-    tensors = scales.scales_tensors([float(x) for x in k if isinstance(x, (int, float))],
-                                    [float(x) for x in v if isinstance(x, (int, float))])
-    atomic_write_bytes(out / scales.SCALES_FILE,
-                       save(tensors, metadata={"format": "pt"}),  # type: ignore[arg-type]
-                       mode=mode)
-    index_path = out / scales.INDEX
-    if index_path.is_file():
-        raw = read_record(index_path, 64 << 20)
-        if not isinstance(raw, dict):
-            raise RefusedError(f"{index_path} is not a JSON object")
-        index = scales.index_with_scales(raw, None, layers, 8 * layers)
-    else:
-        index = scales.index_with_scales(None, _single_shard(out), layers, 8 * layers)
-    atomic_write_text(index_path, scales.dumps(index), mode=mode)
-    atomic_write_text(out / "config.json", scales.dumps(scales.with_kv_scheme(config)),
-                      mode=mode)
+    for name in (scales.SCALES_FILE, scales.INDEX, "config.json"):
+        body = want[name]
+        assert body is not None
+        atomic_write_bytes(out / name, body, mode=mode)
     data = read_record(out / PROVENANCE, 4 << 20)
-    if not isinstance(data, dict) or not isinstance(data.get("outputs"), dict):
+    recorded_outputs = data.get("outputs") if isinstance(data, dict) else None
+    if not isinstance(data, dict) or not isinstance(recorded_outputs, dict):
         raise RefusedError(f"{out / PROVENANCE} has no outputs")
-    outputs: dict[str, JSON] = dict(data["outputs"])  # type: ignore[arg-type]
+    outputs: dict[str, JSON] = dict(recorded_outputs)
     for name in (scales.SCALES_FILE, scales.INDEX, "config.json"):
         outputs[name] = _file_record(out / name)
     data["outputs"] = dict(sorted(outputs.items()))
     data[KV_RECORD] = record
     atomic_write_text(out / PROVENANCE, json.dumps(data, indent=2) + "\n", mode=mode)
+
+
+def _stripped_index(index: JSONObject) -> tuple[JSONObject, int]:
+    """The index without the scales' names, and how many there were."""
+    raw_map = index.get("weight_map")
+    if not isinstance(raw_map, dict):
+        raise ValueError(f"{scales.INDEX} has no weight_map")
+    kept = {k: v for k, v in raw_map.items() if v != scales.SCALES_FILE}
+    dropped = len(raw_map) - len(kept)
+    raw_meta = index.get("metadata")
+    meta = dict(raw_meta) if isinstance(raw_meta, dict) else {}
+    total = meta.get("total_size")
+    if isinstance(total, int) and not isinstance(total, bool):
+        meta["total_size"] = total - 4 * dropped
+    return {"metadata": meta, "weight_map": kept}, dropped
+
+
+def _as_recorded(out: Path, kv: object, layers: int,
+                 plain_index: bool = True) -> dict[str, Optional[bytes]]:
+    """The bytes config.json, the index and the scales' shard hold in the state
+    provenance.json records (None: no such file), made again from what OUT holds now;
+    `plain_index`: whether the record without scales has an index (one shard: none)."""
+    from safetensors.torch import save
+
+    config = scales.without_kv_scheme(_config(out))
+    want: dict[str, Optional[bytes]] = {}
+    want["config.json"] = scales.dumps(
+        scales.with_kv_scheme(config) if kv is not None else config).encode()
+    index_path = out / scales.INDEX
+    index = read_record(index_path, 64 << 20) if index_path.is_file() else None
+    plain = _stripped_index(index)[0] if isinstance(index, dict) else None
+    if isinstance(kv, dict):
+        k, v = kv.get("k_scale"), kv.get("v_scale")
+        if not isinstance(k, list) or not isinstance(v, list) or len(k) != layers:
+            raise ValueError("the record's kv_cache has no scales")
+        want[scales.SCALES_FILE] = save(scales.scales_tensors(  # type: ignore[arg-type]
+            [float(x) for x in k if isinstance(x, (int, float))],
+            [float(x) for x in v if isinstance(x, (int, float))]), metadata={"format": "pt"})
+        single = None if plain is not None else _single_shard(out)
+        want[scales.INDEX] = scales.dumps(
+            scales.index_with_scales(plain, single, layers, 8 * layers)).encode()
+    else:
+        want[scales.SCALES_FILE] = None
+        want[scales.INDEX] = scales.dumps(plain).encode() if (
+            plain is not None and plain_index) else None
+    return want
+
+
+def restore(out: Path) -> list[str]:
+    """Put OUT's config.json, index and scales' shard back as provenance.json records them,
+    where a killed `--kv-cache` left them between two states and nothing else differs: the
+    names restored ([] when there was nothing to do, or it cannot be done exactly)."""
+    cv = probe_converted(out)
+    if cv is None or cv.provenance is None:
+        return []
+    touched = {"config.json", scales.INDEX, scales.SCALES_FILE}
+    off = {s.name for s in cv.outputs if s.state != "same"} | set(cv.unrecorded)
+    if not off or not off <= touched:
+        return []
+    rec = cv.provenance
+    try:
+        layers = check_calibratable(scales.without_kv_scheme(_config(out)), out)
+        want = _as_recorded(out, rec.extra.get(KV_RECORD), layers,
+                            plain_index=scales.INDEX in rec.outputs)
+    except (OSError, ValueError, KvprepError):
+        return []
+    for name, data in want.items():
+        was = rec.outputs.get(name)
+        if (data is None) != (was is None):
+            return []
+        if data is not None and was is not None and sha256(data).hexdigest() != was.sha256:
+            return []
+    mode = (out / "config.json").stat().st_mode & 0o777
+    for name in sorted(off):
+        data = want.get(name)
+        if data is None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(out / name)
+        else:
+            atomic_write_bytes(out / name, data, mode=mode)
+    return sorted(off)
 
 
 def add_scales(out: Path, cal: Calibration, say: Callable[[str], None]) -> Calibrated:

@@ -376,6 +376,11 @@ def _with_kv_scales(
         raise UsageError(f"--kv-cache {options.kv_cache}: one of {', '.join(calibrated.DTYPES)}")
     calibrated.refuse_gptq(directory)
     cal = calibrated.prepare(directory, options.calibration)  # refused before any write
+    restored = calibrated.restore(out)  # what a killed --kv-cache left half-written
+    if restored:
+        (log or (lambda _msg: None))(
+            f"restored {', '.join(restored)} as provenance.json records them (a --kv-cache "
+            "run was cut short)")
     result = convert(directory, out, replace(options, kv_cache=None, calibration=None), log)
     done = calibrated.add_scales(result.out, cal, log or (lambda _msg: None))
     result.kv_cache = done.record
