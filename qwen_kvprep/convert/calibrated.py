@@ -121,12 +121,18 @@ def _config(out: Path) -> JSONObject:
 
 
 def check_calibratable(config: JSONObject, out: Path) -> int:
-    """OUT's layer count, where its config allows an fp8 KV scheme (RefusedError else)."""
+    """OUT's layer count, where its config allows an fp8 KV scheme (RefusedError else).
+
+    GPTQ: one quantization_config per checkpoint, and vLLM's and SGLang's GPTQ configs give
+    only linear (and MoE) layers a method, never attention its KV-cache one, so k_scale and
+    v_scale beside GPTQ weights are not loaded. Where a GPTQ model's scales come from, were
+    they loaded: its dequantized weights' K and V, which is what the Int4 kernels compute."""
     q = config.get("quantization_config")
     if isinstance(q, dict) and not scales.declares_kv_scales(config):
         raise UsageError(
-            f"--kv-cache fp8: {out} holds GPTQ weights; its KV scales would be measured on "
-            "the dequantized weights, which this release does not do",
+            f"--kv-cache fp8: {out} holds GPTQ weights, and the engines' GPTQ quantization "
+            "config gives attention no KV-cache method, so scales written beside it would not "
+            "be loaded (they would be measured on the dequantized weights' K and V)",
             fix="convert without --kv-cache, and serve it with the engine's own fp8 cache "
             "(unmeasured on this model), or convert the unquantized checkpoint with "
             "--kv-cache fp8",
