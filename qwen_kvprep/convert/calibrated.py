@@ -23,6 +23,7 @@ import json
 import os
 import struct
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from hashlib import sha256
 from pathlib import Path
@@ -236,35 +237,53 @@ def restore(out: Path) -> list[str]:
     """Put OUT's config.json, index and scales' shard back as provenance.json records them,
     where a killed `--kv-cache` left them between two states and nothing else differs: the
     names restored ([] when there was nothing to do, or it cannot be done exactly)."""
-    cv = probe_converted(out)
-    if cv is None or cv.provenance is None:
+    if not os.path.isdir(out) or os.path.islink(out) or probe_converted(out) is None:
         return []
-    touched = {"config.json", scales.INDEX, scales.SCALES_FILE}
-    off = {s.name for s in cv.outputs if s.state != "same"} | set(cv.unrecorded)
-    if not off or not off <= touched:
-        return []
-    rec = cv.provenance
+    with _locked(out) as lock_name:
+        cv = probe_converted(out)
+        if cv is None or cv.provenance is None:
+            return []
+        touched = {"config.json", scales.INDEX, scales.SCALES_FILE}
+        off = {s.name for s in cv.outputs if s.state != "same"} | (
+            set(cv.unrecorded) - {lock_name})
+        if not off or not off <= touched:
+            return []
+        rec = cv.provenance
+        try:
+            layers = check_calibratable(scales.without_kv_scheme(_config(out)), out)
+            want = _as_recorded(out, rec.extra.get(KV_RECORD), layers,
+                                plain_index=scales.INDEX in rec.outputs)
+        except (OSError, ValueError, KvprepError):
+            return []
+        for name, data in want.items():
+            was = rec.outputs.get(name)
+            if (data is None) != (was is None):
+                return []
+            if data is not None and was is not None and sha256(data).hexdigest() != was.sha256:
+                return []
+        mode = (out / "config.json").stat().st_mode & 0o777
+        for name in sorted(off):
+            data = want.get(name)
+            if data is None:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(out / name)
+            else:
+                atomic_write_bytes(out / name, data, mode=mode)
+        return sorted(off)
+
+
+@contextlib.contextmanager
+def _locked(out: Path) -> Iterator[str]:
+    """OUT's convert lock (inside OUT) for the block; its file's name. The file goes while
+    the lock is held, as convert's own staging removes it."""
+    place = output.place_of(out)
+    lock = output.take_lock(place)
     try:
-        layers = check_calibratable(scales.without_kv_scheme(_config(out)), out)
-        want = _as_recorded(out, rec.extra.get(KV_RECORD), layers,
-                            plain_index=scales.INDEX in rec.outputs)
-    except (OSError, ValueError, KvprepError):
-        return []
-    for name, data in want.items():
-        was = rec.outputs.get(name)
-        if (data is None) != (was is None):
-            return []
-        if data is not None and was is not None and sha256(data).hexdigest() != was.sha256:
-            return []
-    mode = (out / "config.json").stat().st_mode & 0o777
-    for name in sorted(off):
-        data = want.get(name)
-        if data is None:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(out / name)
-        else:
-            atomic_write_bytes(out / name, data, mode=mode)
-    return sorted(off)
+        yield place.lock.name
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(place.lock)
+        lock.release()
 
 
 def add_scales(out: Path, cal: Calibration, say: Callable[[str], None]) -> Calibrated:
@@ -276,16 +295,10 @@ def add_scales(out: Path, cal: Calibration, say: Callable[[str], None]) -> Calib
     if _same_calibration(rec, cal) and scales.declares_kv_scales(config):
         assert rec is not None
         return Calibrated(rec, unchanged=True)
-    place = output.place_of(out)
-    lock = output.take_lock(place)
-    try:
+    with _locked(out):
         absmax = measure(out, cal, layers, say)
         record = record_of(cal, absmax)
         write(out, record, layers)
-    finally:
-        with contextlib.suppress(OSError):
-            os.unlink(place.lock)  # while held, as convert's own staging does
-        lock.release()
     return Calibrated(record, unchanged=False)
 
 
