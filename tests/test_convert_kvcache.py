@@ -74,7 +74,8 @@ def test_scales_are_absmax_over_448_in_llm_compressors_shape(pushed: Path, tmp_p
     assert sorted(tensors) == sorted(
         f"model.layers.{i}.self_attn.{w}_scale" for i in range(layers) for w in "kv")
     assert all(index[n] == scales.SCALES_FILE for n in tensors)
-    assert all(t.dtype == torch.float32 and t.shape == () for t in tensors.values())
+    # llm-compressor's shape: one-element float32 tensors
+    assert all(t.dtype == torch.float32 and t.shape == (1,) for t in tensors.values())
     cal = text.default_calibration(text.tokenizer_of(out))
     assert len(cal.tokens) == text.CALIBRATION_TOKENS
     want = _whole_model_absmax(out, cal.rows())

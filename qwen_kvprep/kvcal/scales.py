@@ -3,9 +3,9 @@
 - config.json `quantization_config`: `quant_method` "compressed-tensors", no weight
   scheme (`config_groups` empty, format "dense": the weights stay as they are), and a
   `kv_cache_scheme`: 8-bit float, symmetric, static, one scale per tensor;
-- per layer, scalar float32 tensors `model.layers.N.self_attn.k_scale` and `v_scale`,
-  here in a shard of their own (SCALES_FILE) named in model.safetensors.index.json (made
-  where OUT had one shard and no index).
+- per layer, one-element float32 tensors (shape [1]) `model.layers.N.self_attn.k_scale`
+  and `v_scale`, here in a shard of their own (SCALES_FILE) named in
+  model.safetensors.index.json (made where OUT had one shard and no index).
 
 Per-head scales are not written: vLLM's compressed-tensors loader takes per-tensor scales
 on every attention backend (strategy "attn_head" only on some GPU backends), SGLang and
@@ -26,17 +26,20 @@ SCALES_FILE = "kv-cache-scales.safetensors"
 SINGLE_FILE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 QUANT_METHOD = "compressed-tensors"
+# as llm-compressor 0.14 / compressed-tensors 0.19 write it (bench/kv_scales_llmcompressor.py)
 KV_CACHE_SCHEME: JSONObject = {
-    "num_bits": 8,
-    "type": "float",
-    "symmetric": True,
-    "group_size": None,
-    "strategy": "tensor",
+    "actorder": None,
     "block_structure": None,
     "dynamic": False,
-    "actorder": None,
-    "observer": "minmax",
+    "group_size": None,
+    "num_bits": 8,
+    "observer": None,
     "observer_kwargs": {},
+    "scale_dtype": None,
+    "strategy": "tensor",
+    "symmetric": True,
+    "type": "float",
+    "zp_dtype": None,
 }
 _NAME = re.compile(r"model\.layers\.(\d+)\.self_attn\.([kv])_scale")
 
@@ -54,10 +57,13 @@ def quantization_config() -> JSONObject:
     return {
         "config_groups": {},
         "format": "dense",
+        "global_compression_ratio": None,
         "ignore": [],
         "kv_cache_scheme": dict(KV_CACHE_SCHEME),
         "quant_method": QUANT_METHOD,
-        "quantization_status": "frozen",
+        "quantization_status": "compressed",
+        "sparsity_config": {},
+        "transform_config": {},
     }
 
 
@@ -95,8 +101,8 @@ def scales_tensors(k: Sequence[float], v: Sequence[float]) -> dict[str, object]:
         raise ValueError(f"{len(k)} K scales against {len(v)} V scales")
     out: dict[str, object] = {}
     for i, (ks, vs) in enumerate(zip(k, v)):
-        out[k_name(i)] = torch.tensor(ks, dtype=torch.float32)
-        out[v_name(i)] = torch.tensor(vs, dtype=torch.float32)
+        out[k_name(i)] = torch.tensor([ks], dtype=torch.float32)
+        out[v_name(i)] = torch.tensor([vs], dtype=torch.float32)
     return out
 
 
