@@ -17,6 +17,9 @@ Order, every check before the first write:
    output natively, block by block. Either failing: nothing is published.
 4. provenance.json, then the rename to OUT. The serving command lines (convert.serving)
    come with the result.
+5. With `--kv-cache fp8`: steps 1-4 as without it (or OUT found complete), then calibrated
+   fp8 KV scales added to OUT in place (convert.calibrated); the calibration text is read
+   and counted before step 1.
 
 DIR is only read: nothing here opens a file of DIR for writing.
 """

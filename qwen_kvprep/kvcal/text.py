@@ -27,7 +27,7 @@ from qwen_kvprep.untrusted import NotRegularFile, TooLarge, read_regular
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
 
-CALIBRATION_TOKENS = 1024  # 2 rows: the 7B shape takes some 8 min more on 2 cores
+CALIBRATION_TOKENS = 1024  # 2 rows: about 2 min at Qwen-7B's shape on 2 CPU cores
 MIN_TOKENS = 512
 ROW_TOKENS = 512
 FILE_LIMIT = 64 << 20  # a calibration file is text: more than this is not what was meant
