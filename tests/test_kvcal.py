@@ -53,6 +53,8 @@ def test_the_default_calibration_is_the_corpus_cut_at_its_token_count(tmp_path: 
     mine = text.calibration(tok, path)
     assert mine.sha256 == hashlib.sha256(path.read_bytes()).hexdigest()
     assert mine.name == str(path) and len(mine.tokens) >= text.MIN_TOKENS
+    path.write_bytes(text.PASSAGE.encode() * 200)
+    assert len(text.calibration(tok, path).tokens) == text.MAX_TOKENS
     path.write_bytes(b"\xff\xfe not utf-8")
     with pytest.raises(UsageError, match="not UTF-8"):
         text.calibration(tok, path)

@@ -3,8 +3,8 @@
 Calibration text: by default the convert proof's own multilingual corpus (convert/corpus.py:
 scripts, code, whitespace, emoji, then its seeded mixtures; special-token text left out),
 taken in order until CALIBRATION_TOKENS tokens; or the user's file (UTF-8 text, or JSONL
-whose lines carry a "text" field), at least MIN_TOKENS tokens. Either is cut into rows of
-ROW_TOKENS tokens, each read alone.
+whose lines carry a "text" field), at least MIN_TOKENS tokens, its first MAX_TOKENS used.
+Either is cut into rows of ROW_TOKENS tokens, each read alone.
 
 The passage the reference scores is another text (PASSAGE): prose, Chinese and code, so a
 cache is judged on text it was not calibrated on.
@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 
 CALIBRATION_TOKENS = 1024  # 2 rows: about 2 min at Qwen-7B's shape on 2 CPU cores
 MIN_TOKENS = 512
+MAX_TOKENS = 8192  # of a user's file: the pass costs its tokens (about 15 min at 7B on 2 cores)
 ROW_TOKENS = 512
 FILE_LIMIT = 64 << 20  # a calibration file is text: more than this is not what was meant
 DEFAULT_NAME = "the proof's multilingual corpus"
@@ -147,7 +148,7 @@ def file_calibration(tokenizer: Tokenizer, path: Path) -> Calibration:
             fix="give a longer text (a few pages of what the model will serve), or leave "
             "--calibration out to calibrate on the built-in corpus",
         )
-    return Calibration(str(path), digest, tokens)
+    return Calibration(str(path), digest, tokens[:MAX_TOKENS])
 
 
 def calibration(tokenizer: Tokenizer, path: Optional[Path]) -> Calibration:
