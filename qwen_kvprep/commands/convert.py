@@ -60,6 +60,12 @@ def _size(value: Optional[str]) -> Optional[int]:
               "logits (the bit-for-bit tensor comparison still runs).")
 @click.option("--verify-timeout", type=FiniteFloatRange(min=1.0), default=1800.0,
               show_default=True, metavar="S", help="Seconds the verification child may take.")
+@click.option("--kv-cache", type=click.Choice(["fp8"]),
+              help="Also write calibrated fp8 KV cache scales (per layer, measured on OUT; "
+              "vLLM and SGLang load them). On a folder already converted, adds them in place.")
+@click.option("--calibration", metavar="FILE",
+              help="With --kv-cache: the text to calibrate on (UTF-8, or JSONL with a \"text\" "
+              "field; at least 512 tokens). Default: a built-in multilingual text, 1,024 tokens.")
 @click.option("--revision", metavar="REV", help=REVISION_HELP)
 @json_option
 @quiet_option
@@ -71,6 +77,8 @@ def convert(
     rope_scaling: Optional[str],
     no_verify: bool,
     verify_timeout: float,
+    kv_cache: Optional[str],
+    calibration: Optional[str],
     revision: Optional[str],
     quiet: bool,
 ) -> None:
@@ -90,6 +98,7 @@ def convert(
         rope_scaling=rope_scaling, verify=not no_verify, verify_timeout=verify_timeout,
         spelt=directory,  # as given: a repo id stays one
         command=command_line_without("--json"),
+        kv_cache=kv_cache, calibration=Path(calibration) if calibration is not None else None,
     )
 
     # stderr, with --json too: stdout holds the result alone

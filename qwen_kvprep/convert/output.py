@@ -288,6 +288,21 @@ def no_space(exc: OSError, out: Path) -> KvprepError:
     return err
 
 
+def take_lock(place: Place, timeout: float = 0.0) -> filelock.FileLock:
+    """OUT's lock, held (LockTimeout when another convert holds it)."""
+    lock = filelock.FileLock(str(place.lock), timeout=timeout)
+    try:
+        lock.acquire()
+    except filelock.Timeout as exc:
+        raise LockTimeout(
+            f"another convert is writing {place.out} (it holds {place.lock})",
+            fix="wait for it to finish; a killed one releases the lock at once",
+        ) from exc
+    except OSError as exc:
+        raise os_failure(exc, place.base, output_option=False) from exc
+    return lock
+
+
 @contextlib.contextmanager
 def staged(out: Path, timeout: float = 0.0) -> Iterator[Path]:
     """The fresh staging folder for OUT, under OUT's lock, for the `with` block; removed if
@@ -297,16 +312,7 @@ def staged(out: Path, timeout: float = 0.0) -> Iterator[Path]:
         _check_again(place)  # first without the lock: not even a lock file in a finished OUT
     except OSError as exc:
         raise os_failure(exc, place.base, output_option=False) from exc
-    lock = filelock.FileLock(str(place.lock), timeout=timeout)
-    try:
-        lock.acquire()
-    except filelock.Timeout as exc:
-        raise LockTimeout(
-            f"another convert is writing {out} (it holds {place.lock})",
-            fix="wait for it to finish; a killed one releases the lock at once",
-        ) from exc
-    except OSError as exc:
-        raise os_failure(exc, place.base, output_option=False) from exc
+    lock = take_lock(place, timeout)
     try:
         try:
             _clear_stale(place)

@@ -17,6 +17,9 @@ Order, every check before the first write:
    output natively, block by block. Either failing: nothing is published.
 4. provenance.json, then the rename to OUT. The serving command lines (convert.serving)
    come with the result.
+5. With `--kv-cache fp8`: steps 1-4 as without it (or OUT found complete), then calibrated
+   fp8 KV scales added to OUT in place (convert.calibrated); the calibration text is read
+   and counted before step 1.
 
 DIR is only read: nothing here opens a file of DIR for writing.
 """
@@ -29,12 +32,12 @@ import platform
 import textwrap
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Optional, Protocol
 
 from qwen_kvprep import __version__
-from qwen_kvprep.convert import already, output, reads
+from qwen_kvprep.convert import already, calibrated, output, reads
 from qwen_kvprep.convert.compare import TensorProof, check_written
 from qwen_kvprep.convert.context import within_words
 from qwen_kvprep.convert.qwen2config import (
@@ -59,6 +62,7 @@ from qwen_kvprep.fsutil import atomic_write_bytes, atomic_write_text
 from qwen_kvprep.gptqconfig import QUANTIZE_CONFIG
 from qwen_kvprep.jsontypes import JSON, JSONObject
 from qwen_kvprep.provenance import INPUTS, PROVENANCE, Provenance
+from qwen_kvprep.provenance import read as read_provenance
 from qwen_kvprep.steps import validate
 from qwen_kvprep.untrusted import read_record
 
@@ -82,6 +86,8 @@ class ConvertOptions:
     verify_timeout: float = 1800.0
     spelt: Optional[str] = None  # DIR as the user gave it
     command: str = ""  # the command line, for provenance
+    kv_cache: Optional[str] = None  # "fp8": calibrated KV scales added (convert.calibrated)
+    calibration: Optional[Path] = None  # the text they are measured on (default: built in)
 
 
 @dataclass
@@ -96,6 +102,7 @@ class ConvertResult:
     findings: list[Finding] = field(default_factory=list)
     serving: list[tuple[str, str]] = field(default_factory=list)
     unchanged: bool = False  # OUT already held this conversion: nothing was written
+    kv_cache: Optional[JSONObject] = None  # provenance's kv_cache record (--kv-cache fp8)
 
     @property
     def exact_words(self) -> str:
@@ -117,6 +124,7 @@ class ConvertResult:
             "verify": self.verify.to_json() if self.verify is not None else None,
             "serving": [{"engine": e, "command": c} for e, c in self.serving],
             "unchanged": self.unchanged,
+            "kv_cache": self.kv_cache,
         }
 
 
@@ -224,6 +232,10 @@ def convert(
 ) -> ConvertResult:
     """Write DIR as a Qwen2ForCausalLM checkpoint in OUT (KvprepError when refused)."""
     directory, out = directory.absolute(), out.absolute()
+    if options.calibration is not None and options.kv_cache is None:
+        raise UsageError("--calibration names the text for --kv-cache fp8: add --kv-cache fp8")
+    if options.kv_cache is not None:
+        return _with_kv_scales(directory, out, options, log)
     say = log or (lambda _msg: None)
     asked = already.Asked(
         options.max_shard_size, options.context_factor,
@@ -353,6 +365,37 @@ def convert(
     return result
 
 
+def _with_kv_scales(
+    directory: Path, out: Path, options: ConvertOptions,
+    log: Optional[Callable[[str], None]],
+) -> ConvertResult:
+    """The plain conversion (made, or found in OUT), then calibrated KV scales added to it
+    in place (convert.calibrated)."""
+    if options.kv_cache not in calibrated.DTYPES:
+        raise UsageError(f"--kv-cache {options.kv_cache}: one of {', '.join(calibrated.DTYPES)}")
+    calibrated.refuse_gptq(directory)
+    cal = calibrated.prepare(directory, options.calibration)  # refused before any write
+    restored = calibrated.restore(out)  # what a killed --kv-cache left half-written
+    if restored:
+        (log or (lambda _msg: None))(
+            f"restored {', '.join(restored)} as provenance.json records them (a --kv-cache "
+            "run was cut short)")
+    result = convert(directory, out, replace(options, kv_cache=None, calibration=None), log)
+    done = calibrated.add_scales(result.out, cal, log or (lambda _msg: None))
+    result.kv_cache = done.record
+    result.unchanged = result.unchanged and done.unchanged
+    rec = read_provenance(result.out)
+    result.files = sorted([(n, r.size) for n, r in rec.outputs.items()]
+                          + [(PROVENANCE, (result.out / PROVENANCE).stat().st_size)])
+    result.findings.append(info("convert.kv_cache", done.lines()[0]))
+    serving = _optional("serving")
+    if serving is not None:
+        result.serving = list(serving.commands(  # type: ignore[attr-defined]
+            result.out, gptq=result.gptq, max_len=result.ctx.serving_length
+        ))
+    return result
+
+
 def _unchanged(out: Path, rec: Provenance) -> ConvertResult:
     """The result of a run that found OUT already holding its conversion (`already`)."""
     raw = rec.extra.get("context")
@@ -435,6 +478,8 @@ def summary(result: ConvertResult) -> Sequence[str]:
         lines += [f"  {engine}: {command}" for engine, command in result.serving]
         note = getattr(_optional("serving"), "sampling_note", lambda _out: None)(result.out)
         lines += [f"  {note}"] if note else []
+        kv: list[str] = getattr(_optional("serving"), "kv_notes", lambda _out: [])(result.out)
+        lines += [f"  {n}" for n in kv]
     return lines
 
 

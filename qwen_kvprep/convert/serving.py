@@ -25,12 +25,20 @@ from pathlib import Path
 from typing import Optional
 
 from qwen_kvprep.engines.installs import version_of
+from qwen_kvprep.jsontypes import JSONObject
+from qwen_kvprep.kvcal.scales import SCALES_FILE, declares_kv_scales
 from qwen_kvprep.untrusted import read_record
 
-# Engine labels, in the order convert prints them.
-VLLM_FP8 = "vLLM (fp8 KV cache)"
-VLLM_INT8 = "vLLM on a GPU (int8 KV cache, per token and head)"
-SGLANG = "SGLang (fp8 KV cache)"
+# Engine labels, in the order convert prints them. The fp8 lines say where their scales
+# come from: OUT's calibrated k_scale/v_scale (convert --kv-cache fp8), or none, where vLLM
+# and SGLang use 1.0, which saturates K or V past fp8 e4m3's 448 and is unmeasured here.
+VLLM_FP8 = "vLLM (fp8 KV cache, OUT's calibrated scales)"
+VLLM_FP8_UNIT = "vLLM (fp8 KV cache at scale 1.0: unmeasured on this model, see below)"
+VLLM_AUTO = "vLLM (unquantized KV cache)"
+VLLM_INT8 = ("vLLM on a GPU (int8 KV cache, per token and head; vLLM issues 50702 and 50749 "
+             "report it corrupts output, with prefix caching on and off)")
+SGLANG = "SGLang (fp8 KV cache, OUT's calibrated scales)"
+SGLANG_UNIT = "SGLang (fp8 KV cache at scale 1.0: unmeasured on this model, see below)"
 LMDEPLOY = "LMDeploy (int8 KV cache)"
 TRANSFORMERS = "transformers (static cache from 4.45; torch.compile on a GPU)"
 
@@ -91,6 +99,52 @@ def sampling_note(out: Path) -> Optional[str]:
     )
 
 
+def has_kv_scales(out: Path) -> bool:
+    """Whether OUT declares calibrated fp8 KV scales (config.json's kv_cache_scheme) and
+    holds their shard."""
+    config: JSONObject = {k: v for k, v in _json_object(out / "config.json").items()
+                          if isinstance(v, (dict, list, str, int, float, bool, type(None)))}
+    return declares_kv_scales(config) and (out / SCALES_FILE).is_file()
+
+
+def _source(out: Path) -> str:
+    """DIR as provenance.json names it (as the user spelt it), quoted; "DIR" when unknown."""
+    source = _json_object(out / "provenance.json").get("source")
+    if isinstance(source, dict):
+        for key in ("spelt", "path"):
+            value = source.get(key)
+            if isinstance(value, str) and value:
+                return shlex.quote(value)
+    return "DIR"
+
+
+def _model_dtype(out: Path) -> str:
+    dtype = _json_object(out / "config.json").get("torch_dtype")
+    return dtype if dtype in ("bfloat16", "float16") else "bfloat16"
+
+
+def kv_notes(out: Path) -> list[str]:
+    """What the fp8 lines rest on: OUT's calibrated scales and how to serve it without
+    them, or that scale 1.0 is unmeasured here and the command that calibrates."""
+    q = shlex.quote(str(out))
+    if has_kv_scales(out):
+        return [
+            "note: OUT carries calibrated fp8 KV scales (config.json's kv_cache_scheme, "
+            "k_scale/v_scale per layer), so vLLM serves it with an fp8 KV cache by default: "
+            "its --kv-cache-dtype auto takes the checkpoint's fp8. To serve it unquantized "
+            f"name the cache dtype: `--kv-cache-dtype {_model_dtype(out)}` (an explicit value "
+            "overrides the checkpoint's; `vllm serve --help` lists what the installed vLLM "
+            "accepts). transformers loads OUT through the compressed-tensors package "
+            "(pip install compressed-tensors)."
+        ]
+    return [
+        "note: OUT carries no KV scales, so an fp8 KV cache runs at scale 1.0 (vLLM logs "
+        "\"Using KV cache scaling factor 1.0\"): unmeasured on this model, and broken where "
+        "its K or V exceed fp8 e4m3's 448. Calibrate it in place: "
+        f"`qwen-kvprep convert {_source(out)} {q} --kv-cache fp8`"
+    ]
+
+
 def _transformers_snippet(out: str) -> str:
     """A python -c program: OUT loaded natively, one turn generated greedily. It runs on
     every transformers release that serves OUT (4.37 on): a chat model's turn through
@@ -138,17 +192,23 @@ def commands(
     q = shlex.quote(path)
     if gptq and bits is None:
         bits = gptq_bits(out)
-    vllm = vllm_launch(q)
     dtype = stored_dtype(out)
     as_stored = f" --dtype {dtype}" if dtype else ""
-    lines = [
-        (VLLM_FP8, f"{vllm} --max-model-len {max_len} --kv-cache-dtype fp8{as_stored}"),
-        (VLLM_INT8,
-         f"{vllm} --max-model-len {max_len} --kv-cache-dtype {VLLM_INT8_DTYPE}{as_stored}"),
+    vllm = f"{vllm_launch(q)} --max-model-len {max_len}"
+    fp8 = f"{vllm} --kv-cache-dtype fp8{as_stored}"
+    if has_kv_scales(out):
+        lines = [(VLLM_FP8, fp8),
+                 (VLLM_AUTO, f"{vllm} --kv-cache-dtype {_model_dtype(out)}{as_stored}")]
+    else:  # the measured-safe line first; fp8 at 1.0 with its caveat (kv_notes)
+        lines = [(VLLM_AUTO, f"{vllm}{as_stored}"), (VLLM_FP8_UNIT, fp8)]
+    lines += [
+        (VLLM_INT8, f"{vllm} --kv-cache-dtype {VLLM_INT8_DTYPE}{as_stored}"),
         # `sglang serve` is the entry point SGLang's current releases recommend; older
-        # ones take the same options as `python -m sglang.launch_server`
-        (SGLANG, f"sglang serve --model-path {q} --context-length {max_len} "
-                 "--kv-cache-dtype fp8_e4m3"),
+        # ones take the same options as `python -m sglang.launch_server`; it loads the
+        # scales from the checkpoint, with 1.0 where it has none
+        (SGLANG if has_kv_scales(out) else SGLANG_UNIT,
+         f"sglang serve --model-path {q} --context-length {max_len} "
+         "--kv-cache-dtype fp8_e4m3"),
     ]
     if not gptq or bits in (None, 4):
         lmdeploy_format = " --model-format gptq" if gptq else ""

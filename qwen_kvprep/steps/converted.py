@@ -26,7 +26,8 @@ def _record(directory: Path) -> tuple[Optional[Provenance], str]:
 
 
 def _serve_line(directory: Path, rec: Optional[Provenance]) -> str:
-    """The first of convert's serving lines (vLLM), at the length OUT is meant for."""
+    """The first of convert's serving lines (vLLM: fp8 with OUT's calibrated KV scales,
+    else the unquantized cache), at the length OUT is meant for."""
     length = (rec.exact_up_to or 0) if rec is not None else 0  # None: yarn, exact nowhere
     context = rec.extra.get("context") if rec is not None else None
     if isinstance(context, dict):
@@ -35,7 +36,7 @@ def _serve_line(directory: Path, rec: Optional[Provenance]) -> str:
             length = serving
     gptq = rec is not None and "quantize_config.json" in rec.outputs
     if length < 1:
-        return f"{vllm_launch(shlex.quote(str(directory)))} --kv-cache-dtype fp8"
+        return vllm_launch(shlex.quote(str(directory)))
     return commands(directory, gptq=gptq, max_len=length)[0][1]
 
 
