@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,7 @@ import torch
 from qwen_kvprep.convert.run import ConvertOptions, convert, summary
 from qwen_kvprep.errors import UsageError
 from qwen_kvprep.kvcal import reference, scales, text
+from qwen_kvprep.kvjudge.passage import PASSAGE
 from qwen_kvprep.kvjudge.verdict import usable, why_unusable
 from qwen_kvprep.tiny import generate_checkpoint
 from tests import needs
@@ -158,7 +160,7 @@ def test_a_calibration_file_too_short_is_refused_before_anything_is_written(
 
 def test_a_jsonl_calibration_file_is_read_by_its_text_fields(tmp_path: Path) -> None:
     path = tmp_path / "cal.jsonl"
-    path.write_text("\n".join(json.dumps({"text": f"line {i} " + text.PASSAGE, "id": i})
+    path.write_text("\n".join(json.dumps({"text": f"line {i} " + PASSAGE, "id": i})
                               for i in range(3)) + "\n")
     body, _sha = text.read_calibration_file(path)
     assert body.startswith("line 0 A key-value cache") and "line 2" in body
@@ -200,7 +202,7 @@ def test_the_fixture_at_scale_one_is_broken_and_calibrated_usable(
 def test_the_cli_takes_kv_cache_and_reports_it(pushed: Path, tmp_path: Path) -> None:
     _needs_stack()
     cal = tmp_path / "cal.txt"
-    cal.write_text(text.PASSAGE * 4)
+    cal.write_text(PASSAGE * 4)
     res = invoke("convert", str(pushed), str(tmp_path / "out"), "--no-verify", "--kv-cache",
                  "fp8", "--calibration", str(cal), "--json", "--quiet")
     doc = document(res)
@@ -217,14 +219,17 @@ def test_serving_lines_say_where_the_fp8_scales_come_from(tmp_path: Path) -> Non
     (plain / "config.json").write_text(json.dumps({"torch_dtype": "bfloat16"}))
     (plain / "provenance.json").write_text(json.dumps({"source": {"spelt": "Qwen/Qwen-7B-Chat"}}))
     lines = serving.commands(plain, gptq=False, max_len=8192)
-    assert lines[0] == (serving.VLLM_AUTO, f"vllm serve {plain} --max-model-len 8192")
-    assert lines[1][0] == serving.VLLM_FP8_UNIT and lines[1][1].endswith("--kv-cache-dtype fp8")
+    # the server's program is where this Python's vLLM is; the dtype the one OUT is stored in
+    vllm = serving.vllm_launch(shlex.quote(str(plain)))
+    assert lines[0] == (serving.VLLM_AUTO, f"{vllm} --max-model-len 8192 --dtype bfloat16")
+    assert lines[1][0] == serving.VLLM_FP8_UNIT
+    assert lines[1][1].endswith("--kv-cache-dtype fp8 --dtype bfloat16")
     assert "unmeasured" in lines[1][0] and "unmeasured" in serving.SGLANG_UNIT
     (note,) = serving.kv_notes(plain)
     assert "scale 1.0" in note and "unmeasured on this model" in note
     assert f"qwen-kvprep convert Qwen/Qwen-7B-Chat {plain} --kv-cache fp8" in note
     int8 = dict(lines)[serving.VLLM_INT8]
-    assert int8.endswith("int8_per_token_head")
+    assert int8.endswith("int8_per_token_head --dtype bfloat16")
     assert "50702" in serving.VLLM_INT8 and "50749" in serving.VLLM_INT8
 
     cal = tmp_path / "calibrated"
@@ -233,10 +238,11 @@ def test_serving_lines_say_where_the_fp8_scales_come_from(tmp_path: Path) -> Non
     (cal / "config.json").write_text(json.dumps(config))
     (cal / scales.SCALES_FILE).write_bytes(b"")
     lines = serving.commands(cal, gptq=False, max_len=8192)
-    assert lines[0] == (serving.VLLM_FP8, f"vllm serve {cal} --max-model-len 8192 "
-                        "--kv-cache-dtype fp8")
-    assert lines[1] == (serving.VLLM_AUTO, f"vllm serve {cal} --max-model-len 8192 "
-                        "--kv-cache-dtype bfloat16")
+    vllm = serving.vllm_launch(shlex.quote(str(cal)))
+    assert lines[0] == (serving.VLLM_FP8, f"{vllm} --max-model-len 8192 "
+                        "--kv-cache-dtype fp8 --dtype bfloat16")
+    assert lines[1] == (serving.VLLM_AUTO, f"{vllm} --max-model-len 8192 "
+                        "--kv-cache-dtype bfloat16 --dtype bfloat16")
     assert dict(lines)[serving.SGLANG].endswith("--kv-cache-dtype fp8_e4m3")
     (note,) = serving.kv_notes(cal)
     assert "fp8 KV cache by default" in note and "auto" in note

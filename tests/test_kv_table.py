@@ -8,7 +8,6 @@ KV cache nowhere else.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,42 +17,15 @@ import pytest
 from qwen_kvprep.tiny import generate_checkpoint
 from tests import needs
 from tests.cli import document, kvprep
-from tests.convert_kit import converted
 from tests.kv_fixture import push_kv_out_of_fp8_range
 
 pytestmark = pytest.mark.slow
-
-SCALES_FILE = "kv_scales.safetensors"
-# fp8 e4m3's largest finite value: absmax / FP8_MAX maps the largest value onto it
-FP8_MAX = 448.0
-
 
 def _cpu_quantizes_kv() -> None:
     flags = Path("/proc/cpuinfo").read_text(encoding="ascii", errors="replace").split()
     if "avx512f" not in flags and "amx_tile" not in flags:
         needs.skip("vllm", "this CPU has neither AVX-512 nor AMX: vLLM's CPU build refuses "
                    "every quantized KV cache here")
-
-
-def measured_scales(out: Path) -> dict[str, float]:
-    """absmax/448 of K (after rotary, as a cache holds it) and V per layer, over the
-    passage, with transformers on OUT."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from qwen_kvprep.convert.corpus import fixed
-    from qwen_kvprep.kvjudge.passage import passage_ids
-
-    tok = AutoTokenizer.from_pretrained(str(out))
-    model = AutoModelForCausalLM.from_pretrained(str(out), torch_dtype=torch.float32)
-    ids = passage_ids(lambda t: list(tok.encode(t, add_special_tokens=False)), fixed(), 512)
-    with torch.no_grad():
-        cache = model(torch.tensor([ids]), use_cache=True).past_key_values
-    scales: dict[str, float] = {}
-    for i, layer in enumerate(cache.layers):
-        scales[f"model.layers.{i}.self_attn.k_scale"] = float(layer.keys.abs().max()) / FP8_MAX
-        scales[f"model.layers.{i}.self_attn.v_scale"] = float(layer.values.abs().max()) / FP8_MAX
-    return scales
 
 
 def scales_in(out: Path) -> dict[str, float]:
@@ -70,45 +42,6 @@ def scales_in(out: Path) -> dict[str, float]:
     return found
 
 
-def add_scales(out: Path, scales: dict[str, float]) -> None:
-    """What llm-compressor writes for a static per-tensor fp8 KV cache: a kv_cache_scheme,
-    and scalar float32 scales in a shard of their own named in the index."""
-    import torch
-    from safetensors import safe_open
-    from safetensors.torch import save_file
-
-    weight_map: dict[str, str] = {}
-    for shard in sorted(out.glob("*.safetensors")):
-        with safe_open(str(shard), "pt") as f:
-            weight_map.update({k: shard.name for k in f.keys()})  # noqa: SIM118
-    save_file({k: torch.tensor(v, dtype=torch.float32) for k, v in scales.items()},
-              str(out / SCALES_FILE))
-    weight_map.update({k: SCALES_FILE for k in scales})
-    (out / "model.safetensors.index.json").write_text(json.dumps(
-        {"metadata": {}, "weight_map": weight_map}))
-    config = json.loads((out / "config.json").read_text())
-    config["quantization_config"] = {
-        "quant_method": "compressed-tensors", "format": "dense", "config_groups": {},
-        "ignore": [], "kv_cache_scheme": {"num_bits": 8, "type": "float", "symmetric": True,
-                                          "dynamic": False, "strategy": "tensor"}}
-    (out / "config.json").write_text(json.dumps(config, indent=2))
-    _record(out)
-
-
-def _record(out: Path) -> None:
-    """OUT's provenance.json records the files as they are now (the scales, the index and
-    config.json), as a convert that writes them would."""
-    from dataclasses import replace
-
-    from qwen_kvprep.convert.reads import hash_file
-    from qwen_kvprep.provenance import PROVENANCE, read
-
-    rec = read(out)
-    outputs = {p.name: hash_file(p).record for p in sorted(out.iterdir())
-               if p.is_file() and p.name != PROVENANCE}
-    (out / PROVENANCE).write_text(replace(rec, outputs={**rec.outputs, **outputs}).dumps())
-
-
 @pytest.fixture(scope="module")
 def table(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[dict[str, Any], Path,
                                                                       dict[str, float]]]:
@@ -121,12 +54,7 @@ def table(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[dict[str, 
     out = root / "out"
     made = kvprep("convert", str(src), str(out), "--no-verify", "--kv-cache", "fp8",
                   timeout=600)
-    if made.returncode == 2 and "--kv-cache" in made.stderr:
-        # a convert without calibration: the scales as it would write them, added after
-        converted(src, out)
-        add_scales(out, measured_scales(out))
-    else:
-        assert made.returncode == 0, made.stdout + made.stderr
+    assert made.returncode == 0, made.stdout + made.stderr
     scales = scales_in(out)
     res = kvprep("smoke", str(out), "--engine", "vllm", "--json", "--max-new-tokens", "4",
                  timeout=900)

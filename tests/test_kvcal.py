@@ -11,6 +11,7 @@ import torch
 
 from qwen_kvprep.errors import UsageError
 from qwen_kvprep.kvcal import fp8, reference, text
+from qwen_kvprep.kvjudge.passage import PASSAGE
 from qwen_kvprep.tiny import generate_checkpoint
 from tests import needs
 from tests.convert_kit import converted
@@ -49,11 +50,11 @@ def test_the_default_calibration_is_the_corpus_cut_at_its_token_count(tmp_path: 
     assert [len(r) for r in a.rows()] == [text.ROW_TOKENS] * (
         text.CALIBRATION_TOKENS // text.ROW_TOKENS)
     path = tmp_path / "mine.txt"
-    path.write_bytes(text.PASSAGE.encode() * 3)
+    path.write_bytes(PASSAGE.encode() * 3)
     mine = text.calibration(tok, path)
     assert mine.sha256 == hashlib.sha256(path.read_bytes()).hexdigest()
     assert mine.name == str(path) and len(mine.tokens) >= text.MIN_TOKENS
-    path.write_bytes(text.PASSAGE.encode() * 200)
+    path.write_bytes(PASSAGE.encode() * 200)
     assert len(text.calibration(tok, path).tokens) == text.MAX_TOKENS
     path.write_bytes(b"\xff\xfe not utf-8")
     with pytest.raises(UsageError, match="not UTF-8"):
@@ -80,3 +81,13 @@ def test_chunked_prefill_reads_its_own_cache(tmp_path: Path) -> None:
         reference.topk_logprobs(out, ids, reference.CacheMode("fp8_e4m3"), model=model)
     with pytest.raises(ValueError, match="chunk"):
         reference.topk_logprobs(out, ids, chunk=65, model=model)
+
+
+def test_the_scored_passage_is_not_the_default_calibration_text() -> None:
+    # scored on the text it was calibrated on, a cache would be judged in-sample
+    from qwen_kvprep.convert import corpus
+    from qwen_kvprep.kvjudge.passage import PASSAGE
+
+    calibration = "\n".join(corpus.texts())
+    pieces = [line[:40] for line in PASSAGE.splitlines() if len(line) >= 40]
+    assert pieces and not [p for p in pieces if p in calibration]

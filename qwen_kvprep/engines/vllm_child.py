@@ -25,7 +25,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional, TypedDict
 
 from qwen_kvprep.childproc import Events, child_parser, exit_child, offline_child_main
-from qwen_kvprep.convert import corpus
 from qwen_kvprep.engines.protocol import (
     DTYPE,
     PHASE_GENERATE,
@@ -38,7 +37,7 @@ from qwen_kvprep.engines.protocol import (
     EngineRun,
     Run,
 )
-from qwen_kvprep.kvjudge.passage import CHUNK_TOKENS, TOP_K, passage_ids
+from qwen_kvprep.kvjudge.passage import CHUNK_TOKENS, PASSAGE, TOP_K, passage_ids
 
 if TYPE_CHECKING:
     from vllm import LLM
@@ -177,7 +176,7 @@ def run(args: argparse.Namespace, ev: Events) -> VllmChildResult:
     plan: list[EngineRun] = json.loads(Path(args.plan).read_text(encoding="utf-8"))
     tokenizer = AutoTokenizer.from_pretrained(str(args.out), trust_remote_code=False)
     passage = passage_ids(lambda t: list(tokenizer.encode(t, add_special_tokens=False)),
-                          corpus.fixed(), args.passage_tokens)
+                          (PASSAGE,), args.passage_tokens)
     offered, declared = offered_dtypes()
     version = str(vllm.__version__)
     runs: list[EngineResult] = []

@@ -6,7 +6,7 @@ taken in order until CALIBRATION_TOKENS tokens; or the user's file (UTF-8 text, 
 whose lines carry a "text" field), at least MIN_TOKENS tokens, its first MAX_TOKENS used.
 Either is cut into rows of ROW_TOKENS tokens, each read alone.
 
-The passage the reference scores is another text (PASSAGE): prose, Chinese and code, so a
+The passage the reference scores is kvjudge's (kvjudge.passage.PASSAGE), another text, so a
 cache is judged on text it was not calibrated on.
 """
 
@@ -22,6 +22,8 @@ from qwen_kvprep.convert import corpus
 from qwen_kvprep.convert.bpe import SPECIAL_TOKENS, TIKTOKEN, read_tiktoken
 from qwen_kvprep.convert.tokenizer import tokenizer_json
 from qwen_kvprep.errors import UsageError
+from qwen_kvprep.kvjudge import passage
+from qwen_kvprep.kvjudge.passage import PASSAGE_TOKENS
 from qwen_kvprep.untrusted import NotRegularFile, TooLarge, read_regular
 
 if TYPE_CHECKING:
@@ -34,34 +36,6 @@ ROW_TOKENS = 512
 FILE_LIMIT = 64 << 20  # a calibration file is text: more than this is not what was meant
 DEFAULT_NAME = "the proof's multilingual corpus"
 
-PASSAGE = (
-    "A key-value cache keeps, for every layer of a transformer, the keys and values of the "
-    "tokens it has already read, so that each new token attends to them without computing "
-    "them again. Its size grows with the context: for a model of thirty-two layers with "
-    "thirty-two heads of one hundred and twenty-eight dimensions, every token costs half a "
-    "megabyte in sixteen-bit floats. Storing it in eight bits halves that, and a server then "
-    "holds twice as many conversations at once. The price is rounding. An eight-bit float "
-    "of the e4m3 kind has four bits of exponent and three of mantissa, and nothing above "
-    "four hundred and forty-eight; a value past that saturates, and the attention that reads "
-    "it sees a different key. A scale per layer, measured on real text, moves every value "
-    "into range before it is stored and back after it is read.\n\n"
-    "长上下文的推理需要大量显存。量化键值缓存可以节省一半的内存，但是如果缩放因子不合适，"
-    "模型的输出就会出错。我们在真实文本上测量每一层的最大值，然后据此计算缩放因子。\n\n"
-    "def attention(q, k, v, scale):\n"
-    "    scores = (q @ k.transpose(-1, -2)) * scale\n"
-    "    weights = scores.softmax(dim=-1)\n"
-    "    return weights @ v  # 128 dims per head, 32 heads, 4096 tokens\n\n"
-    "The measurement is simple. Read the calibration text through the model one block at a "
-    "time, and at every attention layer note the largest magnitude among the keys, after "
-    "the rotary embedding has turned them, and among the values. Divide each by 448. Write "
-    "the quotients beside the weights, under the names the engines look for, and declare "
-    "in the configuration that the cache is eight-bit float, static, one scale per tensor. "
-    "An engine that finds them uses them; one that does not falls back to a scale of one, "
-    "which is only right for a model whose keys and values already lie within range. "
-    "Whether they do is a property of the weights: Qwen's attention has a bias on its "
-    "query, key and value projections, and some of its layers produce keys in the "
-    "thousands. 1, 2, 3, 5, 8, 13, 21, 34, 55, 89, 144, 233, 377, 610, 987.\n"
-)
 
 
 @dataclass(frozen=True)
@@ -155,15 +129,9 @@ def calibration(tokenizer: Tokenizer, path: Optional[Path]) -> Calibration:
     return default_calibration(tokenizer) if path is None else file_calibration(tokenizer, path)
 
 
-def passage_ids(tokenizer: Tokenizer, tokens: int = 512) -> list[int]:
-    """The first `tokens` tokens of PASSAGE (repeated where a small vocabulary needs it)."""
-    one = encode(tokenizer, PASSAGE)
-    if not one:
-        raise ValueError("the tokenizer gives no tokens for the passage")
-    ids: list[int] = []
-    while len(ids) < tokens:
-        ids += one
-    return ids[:tokens]
+def passage_ids(tokenizer: Tokenizer, tokens: int = PASSAGE_TOKENS) -> list[int]:
+    """The first `tokens` tokens of kvjudge's passage, as this tokenizer encodes it."""
+    return passage.passage_ids(lambda s: encode(tokenizer, s), (passage.PASSAGE,), tokens)
 
 
 def tokenizer_of(directory: Path) -> Tokenizer:

@@ -12,8 +12,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from qwen_kvprep.convert.corpus import fixed
-from qwen_kvprep.kvjudge.passage import CHUNK_TOKENS, PASSAGE_TOKENS, TOP_K, passage_ids
+from qwen_kvprep.kvjudge.passage import (
+    CHUNK_TOKENS,
+    PASSAGE,
+    PASSAGE_TOKENS,
+    TOP_K,
+    passage_ids,
+)
 from qwen_kvprep.runtime import input_device, restore, set_cache_quantization
 from qwen_kvprep.smoke.protocol import KvPassage
 
@@ -58,7 +63,7 @@ def read_through_cache(model: PreTrainedModel, ids: list[int],
 
 
 def measure_passage(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> KvPassage:
-    ids = passage_ids(lambda t: list(tokenizer.encode(t)), fixed(), passage_length(model))
+    ids = passage_ids(lambda t: list(tokenizer.encode(t)), (PASSAGE,), passage_length(model))
     return {"tokens": len(ids), "chunk": CHUNK_TOKENS,
             "quantized": read_through_cache(model, ids, True),
             "unquantized": read_through_cache(model, ids, False)}
