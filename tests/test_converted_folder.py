@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 from pathlib import Path
 
 import pytest
 
 from qwen_kvprep.convert.run import ConvertOptions, convert
+from qwen_kvprep.convert.serving import vllm_launch
 from qwen_kvprep.tiny import generate_checkpoint
 from tests.cli import document, invoke, kvprep
 from tests.treesnap import snapshot
@@ -44,7 +46,8 @@ def test_fix_refuses_a_converted_folder_before_any_write(
     assert f"{out} is a Qwen2 checkpoint that `qwen-kvprep convert` wrote from {ckpt}" in text
     assert "it is already converted" in text
     # the first serving line: without calibrated KV scales, vLLM's unquantized cache
-    assert f"`vllm serve {out} --max-model-len 8192` (convert printed" in text
+    vllm = vllm_launch(shlex.quote(str(out)))
+    assert f"`{vllm} --max-model-len 8192 --dtype bfloat16` (convert printed" in text
     assert f"qwen-kvprep doctor {out}" in text
     assert "modeling_qwen.py" not in text and "HF_MODULES_CACHE" not in text
     assert snapshot(out, mtimes=True) == before
