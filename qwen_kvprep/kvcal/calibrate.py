@@ -14,6 +14,7 @@ them back untouched, so the block computes what it computes without a cache.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Optional
@@ -24,8 +25,9 @@ if TYPE_CHECKING:
     import torch
 
 
-# the keyword the attention's cache goes by: transformers 4.56 on, and before
-_CACHE_KWARGS = ("past_key_values", "past_key_value")
+# the keyword a decoder block's cache goes by: past_key_values from 4.56, past_key_value
+# before, cache from 5.24 (past_key_values deprecated there)
+_CACHE_KWARGS = ("past_key_values", "past_key_value", "cache")
 
 
 @dataclass(frozen=True)
@@ -61,9 +63,13 @@ class Recorder:
 def with_recorder(side: Side, recorder: Optional[Recorder], rows: range) -> None:
     """Give `recorder` to the block as its cache on the calls of `rows` (None: take it
     back)."""
+    accepted = inspect.signature(side.block.forward).parameters
     for r in rows:
         args, kwargs = side.calls[r]
-        key = next((k for k in _CACHE_KWARGS if k in kwargs), None)
+        # the model passes its cache on where it has one; without use_cache, newer releases
+        # (5.24) leave the keyword out, and the block's own signature names it
+        key = next((k for k in _CACHE_KWARGS if k in kwargs), None) or next(
+            (k for k in _CACHE_KWARGS if k in accepted), None)
         if key is None:
             raise RuntimeError(
                 "this transformers' Qwen2 block takes no cache keyword: K and V cannot be "
